@@ -1,0 +1,3 @@
+from specpack.cli import main
+
+main()
