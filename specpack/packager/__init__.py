@@ -1,0 +1,50 @@
+"""Packaging: build, sign, verify and describe artifacts.
+
+    build(BuildOptions(...))          collect → convert → manifest → hash → sign (atomic)
+    verify(path, public_key=...)      signature + every digest; names every bad file
+    sign_artifact(path, key)          (re-)sign an artifact after checking its digests
+    keygen(prefix)                    an ECDSA P-256 key pair for signing
+    describe(path)                    a summary of target, drafter, bindings, memory, files
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from specpack.packager.artifact import read_manifest
+from specpack.packager.build import BuildOptions, BuildResult, NgramParams, build
+from specpack.packager.signing import keygen
+from specpack.packager.verify import VerifyReport, verify
+from specpack.schemas import MANIFEST_NAME, SIGNATURE_NAME
+
+__all__ = ["BuildOptions", "BuildResult", "NgramParams", "VerifyReport", "build", "describe",
+           "keygen", "sign_artifact", "verify"]
+
+
+def sign_artifact(artifact: Path, key: Path, progress: bool = False) -> VerifyReport:
+    """Check every digest of `artifact`, then write (or replace) its signature with `key`."""
+    from specpack.packager.hashing import sha256_file
+    from specpack.packager.signing import sign
+
+    report = verify(artifact, progress=progress)
+    digests = {f.path: f.sha256 for f in report.manifest.files}
+    digests[MANIFEST_NAME] = sha256_file(Path(artifact) / MANIFEST_NAME)
+    tmp_dir = Path(artifact) / ".specpack-signing"
+    tmp_dir.mkdir(exist_ok=True)
+    try:
+        sign(tmp_dir, digests, key, report.manifest.name)
+        (tmp_dir / SIGNATURE_NAME).replace(Path(artifact) / SIGNATURE_NAME)
+    finally:
+        for p in tmp_dir.iterdir():
+            p.unlink()
+        tmp_dir.rmdir()
+    return report
+
+
+def describe(artifact: Path) -> dict:
+    """What `specpack inspect` shows: the manifest plus signature presence, as plain data."""
+    m = read_manifest(artifact)
+    data = m.model_dump(mode="json", exclude_none=True)
+    data["signed"] = (Path(artifact) / SIGNATURE_NAME).is_file()
+    data["total_bytes"] = sum(f.size for f in m.files)
+    return data

@@ -1,0 +1,27 @@
+"""Typed manifest models and their generated JSON Schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specpack.schemas.manifest import (MANIFEST_NAME, SIGNATURE_NAME, AuxLayers, Eagle3Drafter,
+                                       FileEntry, Manifest, MemoryInfo, NgramDrafter, Source,
+                                       TargetInfo)
+
+SCHEMA_PATH = Path(__file__).with_name("manifest.v1.json")
+
+__all__ = ["MANIFEST_NAME", "SIGNATURE_NAME", "AuxLayers", "Eagle3Drafter", "FileEntry", "Manifest",
+           "MemoryInfo", "NgramDrafter", "Source", "TargetInfo", "SCHEMA_PATH", "manifest_schema"]
+
+
+def manifest_schema() -> dict:
+    """The JSON Schema of `specpack.json`, generated from the pydantic models."""
+    schema = Manifest.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://specpack.dev/schemas/manifest.v1.json"
+    return schema
+
+
+def render_schema() -> str:
+    return json.dumps(manifest_schema(), indent=2, sort_keys=True) + "\n"

@@ -1,0 +1,63 @@
+"""Walking input directories safely: relative POSIX paths only, no escaping links."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path, PurePosixPath
+
+from specpack.errors import InputError
+
+IGNORED_NAMES = {".git", ".gitattributes", ".gitignore", ".github", ".cache", ".DS_Store",
+                 ".huggingface"}
+
+
+def check_relpath(rel: str, where: str) -> str:
+    """Return `rel` if it is a plain relative POSIX path inside its root, else raise."""
+    p = PurePosixPath(rel)
+    if p.is_absolute() or ".." in p.parts or "\\" in rel or not p.parts:
+        raise InputError(f"{where}: path '{rel}' escapes its directory or is not a relative POSIX path",
+                         hint="file names in model directories must be plain relative paths")
+    return p.as_posix()
+
+
+def _hf_cache_root(root: Path) -> Path | None:
+    """`<repo>` when `root` is `<repo>/snapshots/<rev>` of a Hugging Face cache, else None."""
+    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
+        return root.parent.parent
+    return None
+
+
+def _link_target_ok(link: Path, root: Path) -> bool:
+    target = link.resolve()
+    allowed = [root.resolve()]
+    cache = _hf_cache_root(root)
+    if cache is not None:
+        allowed.append((cache / "blobs").resolve())
+    return target.is_file() and any(target.is_relative_to(a) for a in allowed)
+
+
+def walk_files(root: Path) -> list[str]:
+    """Every regular file under `root` as sorted relative POSIX paths.
+
+    Symlinks are followed only when they stay inside `root` (or inside the blobs of the Hugging
+    Face cache repo that holds `root`); any other link is an error, listed with the rest.
+    """
+    root = Path(root)
+    files, problems = [], []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in IGNORED_NAMES)
+        for name in sorted(filenames):
+            if name in IGNORED_NAMES:
+                continue
+            path = Path(dirpath) / name
+            rel = path.relative_to(root).as_posix()
+            if path.is_symlink() and not _link_target_ok(path, root):
+                problems.append(f"{rel} -> {os.readlink(path)} points outside {root}")
+            elif path.is_file():
+                files.append(rel)
+            else:
+                problems.append(f"{rel} is not a regular file")
+    if problems:
+        raise InputError(f"{root}: unsafe entries", problems=problems,
+                         hint="replace links that leave the directory with the files themselves")
+    return files

@@ -1,0 +1,47 @@
+"""What every drafter converter returns, and the options they share."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from specpack.errors import InputError
+
+CONVENTIONS = {"input": "input_of_layer", "output": "output_of_layer"}
+
+
+@dataclass(frozen=True)
+class AuxOverride:
+    """Aux layer ids given by the user, with the convention they count in."""
+
+    ids: tuple[int, ...]
+    convention: str  # "input_of_layer" | "output_of_layer"
+
+    @classmethod
+    def parse(cls, ids: Optional[str], convention: Optional[str]) -> Optional["AuxOverride"]:
+        if ids is None:
+            return None
+        if convention not in CONVENTIONS:
+            raise InputError("--aux-layer-ids needs --aux-convention input|output",
+                             hint="'input': id i is the hidden state entering layer i (EAGLE, vLLM); "
+                                  "'output': the state leaving layer i (TensorRT-LLM, ModelOpt)")
+        try:
+            parsed = tuple(int(x) for x in ids.split(","))
+        except ValueError:
+            raise InputError(f"--aux-layer-ids '{ids}' is not a comma-separated list of integers") \
+                from None
+        return cls(parsed, CONVENTIONS[convention])
+
+
+@dataclass(frozen=True)
+class ConvertedDrafter:
+    """A drafter in canonical form: its manifest entry, config and weights (none for n-gram)."""
+
+    entry: Any
+    config: Optional[dict] = None
+    tensors: dict = field(default_factory=dict)
+    kv_bytes_per_token: int = 0
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())

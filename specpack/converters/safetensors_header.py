@@ -1,0 +1,93 @@
+"""Read and check safetensors headers without loading tensor data."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from specpack.errors import ConversionError
+
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
+               "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
+TORCH_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
+               "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+               "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def read_header(path: Path) -> dict[str, TensorMeta]:
+    """Parse `path`'s header and check that every tensor lies where its header says it does."""
+    path = Path(path)
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        raw_len = f.read(8)
+        if len(raw_len) < 8:
+            raise _bad(path, ["file is shorter than the 8-byte header length"])
+        (n,) = struct.unpack("<Q", raw_len)
+        if n > min(size - 8, MAX_HEADER_BYTES):
+            raise _bad(path, [f"header length {n} exceeds the file ({size} bytes)"])
+        try:
+            header = json.loads(f.read(n))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise _bad(path, [f"header is not valid JSON ({exc})"]) from None
+    if not isinstance(header, dict):
+        raise _bad(path, ["header is not a JSON object"])
+    header.pop("__metadata__", None)
+    tensors, problems = _parse_entries(header)
+    problems += _check_layout(tensors, size - 8 - n)
+    if problems:
+        raise _bad(path, problems)
+    return tensors
+
+
+def _parse_entries(header: dict) -> tuple[dict[str, TensorMeta], list[str]]:
+    tensors, problems = {}, []
+    for name, entry in header.items():
+        try:
+            dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            if dtype not in DTYPE_BYTES or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            problems.append(f"{name}: malformed entry {json.dumps(entry)[:120]}")
+            continue
+        meta = TensorMeta(dtype, shape, start, end)
+        if end - start != meta.numel * DTYPE_BYTES[dtype]:
+            problems.append(f"{name}: {dtype}{list(shape)} needs {meta.numel * DTYPE_BYTES[dtype]} "
+                            f"bytes but its offsets span {end - start}")
+        tensors[name] = meta
+    return tensors, problems
+
+
+def _check_layout(tensors: dict[str, TensorMeta], data_len: int) -> list[str]:
+    problems, cursor = [], 0
+    for name, meta in sorted(tensors.items(), key=lambda kv: (kv[1].start, kv[1].end)):
+        if meta.start != cursor:
+            problems.append(f"{name}: data starts at byte {meta.start}, expected {cursor} "
+                            "(overlap or gap)")
+        if meta.end > data_len:
+            problems.append(f"{name}: data ends at byte {meta.end}, past the end of the file "
+                            f"({data_len} data bytes): truncated?")
+        cursor = max(cursor, meta.end)
+    if cursor < data_len:
+        problems.append(f"{data_len - cursor} trailing bytes after the last tensor")
+    return problems
+
+
+def _bad(path: Path, problems: list[str]) -> ConversionError:
+    return ConversionError(f"{path}: safetensors header does not match the file", problems=problems,
+                           hint="the file is corrupt or truncated: download or export it again")

@@ -1,0 +1,121 @@
+"""`specpack build`: collect → convert → manifest → hash → sign, into an atomic output dir."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specpack import __version__
+from specpack.converters import detect_drafter, eagle3, ngram, target_hf
+from specpack.converters.base import AuxOverride, ConvertedDrafter
+from specpack.packager import card
+from specpack.packager.artifact import write_manifest
+from specpack.packager.fsutil import staging_dir
+from specpack.packager.hashing import parallel_map, place_file, sha256_file
+from specpack.packager.progress import byte_bar
+from specpack.packager.signing import sign
+from specpack.schemas import MANIFEST_NAME, FileEntry, Manifest, MemoryInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NgramParams:
+    min_n: int = 1
+    max_n: int = 4
+    draft_len: int = 5
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    target: Path
+    drafter: str  # a drafter directory, or "ngram"
+    out: Path
+    key: Path | None = None
+    force: bool = False
+    aux: AuxOverride | None = None
+    ngram: NgramParams = field(default_factory=NgramParams)
+    link: bool = True
+    progress: bool = False
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    out: Path
+    manifest: Manifest
+    signed: bool
+    seconds: float
+
+
+def build(opts: BuildOptions) -> BuildResult:
+    """Build one artifact from a target and its drafter; nothing is left behind on failure."""
+    start = time.perf_counter()
+    target = target_hf.load(opts.target)
+    drafter = convert_drafter(opts, target)
+    with staging_dir(opts.out, opts.force) as tmp:
+        digests = _place_target(target, tmp, opts)
+        digests |= _write_drafter(drafter, tmp)
+        manifest = _manifest(Path(opts.out).name, target, drafter)
+        digests["README.md"] = _write_text(tmp / "README.md", card.render(manifest))
+        manifest = manifest.model_copy(update={"files": _file_entries(tmp, digests)})
+        write_manifest(tmp, manifest)
+        if opts.key:
+            sign(tmp, {**digests, MANIFEST_NAME: sha256_file(tmp / MANIFEST_NAME)}, opts.key,
+                 manifest.name)
+    return BuildResult(Path(opts.out), manifest, opts.key is not None, time.perf_counter() - start)
+
+
+def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDrafter:
+    kind, layout = detect_drafter(opts.drafter)
+    log.info("drafter %s: %s (%s)", opts.drafter, kind, layout)
+    if kind == "ngram":
+        return ngram.convert(opts.ngram.min_n, opts.ngram.max_n, opts.ngram.draft_len)
+    return eagle3.convert(Path(opts.drafter), target, aux=opts.aux)
+
+
+def _place_target(target: target_hf.Target, tmp: Path, opts: BuildOptions) -> dict[str, str]:
+    """Carry every target file byte for byte (hard link or copy), hashing each byte once."""
+    dest = {rel: (card.TARGET_CARD if rel == "README.md" else rel) for rel in target.files}
+    total = sum((target.root / rel).stat().st_size for rel in target.files)
+    with byte_bar(total, "target", opts.progress) as bar:
+        digests = parallel_map(lambda rel: place_file(target.root / rel, tmp / dest[rel], bar.update,
+                                                      opts.link), target.files)
+    return {dest[rel]: d for rel, d in zip(target.files, digests)}
+
+
+def _write_drafter(drafter: ConvertedDrafter, tmp: Path) -> dict[str, str]:
+    if drafter.config is None:
+        return {}
+    import json
+
+    from safetensors.torch import save_file
+
+    (tmp / "drafter").mkdir()
+    save_file({k: v.contiguous() for k, v in drafter.tensors.items()},
+              tmp / "drafter/model.safetensors", metadata={"format": "pt", "specpack": "eagle3"})
+    digests = {"drafter/model.safetensors": sha256_file(tmp / "drafter/model.safetensors")}
+    digests["drafter/config.json"] = _write_text(tmp / "drafter/config.json",
+                                                 json.dumps(drafter.config, indent=2) + "\n")
+    return digests
+
+
+def _write_text(path: Path, text: str) -> str:
+    path.write_text(text)
+    return sha256_file(path)
+
+
+def _manifest(name: str, target, drafter: ConvertedDrafter) -> Manifest:
+    memory = MemoryInfo(target_weight_bytes=target.weight_bytes,
+                        drafter_weight_bytes=drafter.weight_bytes,
+                        target_kv_bytes_per_token=target.kv_bytes_per_token(),
+                        drafter_kv_bytes_per_token=drafter.kv_bytes_per_token)
+    return Manifest(specpack_version=__version__, name=name,
+                    created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+                    target=target.info, drafter=drafter.entry, memory=memory, files=[])
+
+
+def _file_entries(tmp: Path, digests: dict[str, str]) -> list[FileEntry]:
+    return [FileEntry(path=p, size=(tmp / p).stat().st_size, sha256=d) for p, d in sorted(digests.items())]

@@ -1,0 +1,76 @@
+"""The artifact's model card (README.md): a hub YAML header, then the bindings in plain words."""
+
+from __future__ import annotations
+
+from specpack.schemas import Eagle3Drafter, Manifest
+
+TARGET_CARD = "README.target.md"
+
+
+def render(m: Manifest) -> str:
+    return "\n".join([_header(m), f"# {m.name}", "", _intro(m), "", _target(m), "",
+                      _drafter(m), "", _memory(m), "", _usage(m), ""])
+
+
+def _header(m: Manifest) -> str:
+    base = m.target.source.repo_id
+    tags = ["specpack", "speculative-decoding", m.drafter.kind]
+    lines = ["---", "library_name: specpack", "pipeline_tag: text-generation", "tags:"]
+    lines += [f"  - {t}" for t in tags]
+    if base:
+        lines.append(f"base_model: {base}")
+    return "\n".join(lines + ["---", ""])
+
+
+def _intro(m: Manifest) -> str:
+    return (f"A specpack artifact (format v{m.format_version}): the target model, bytes unchanged, "
+            f"with a `{m.drafter.kind}` drafter bound to it explicitly in `specpack.json`. "
+            "Transformers and other engines load this directory as the plain target. "
+            f"The target's own model card, if it had one, is kept as `{TARGET_CARD}`.")
+
+
+def _target(m: Manifest) -> str:
+    t = m.target
+    return "\n".join([
+        "## Target", "",
+        "| field | value |", "|---|---|",
+        f"| architecture | {t.architecture} ({t.model_type}) |",
+        f"| layers × hidden | {t.num_hidden_layers} × {t.hidden_size} |",
+        f"| heads / KV heads / head dim | {t.num_attention_heads} / {t.num_key_value_heads} / {t.head_dim} |",
+        f"| vocab | {t.vocab_size} |", f"| dtype | {t.dtype} |",
+        f"| parameters | {t.parameters:,} |"])
+
+
+def _drafter(m: Manifest) -> str:
+    d = m.drafter
+    if not isinstance(d, Eagle3Drafter):
+        return (f"## Drafter: n-gram prompt lookup\n\nNo weights. Looks up the longest context suffix "
+                f"of {d.max_n} down to {d.min_n} tokens and proposes up to {d.draft_len} tokens.")
+    aux = d.aux_hidden_states
+    return "\n".join([
+        "## Drafter: EAGLE-3 head", "",
+        "| binding | value |", "|---|---|",
+        f"| converted from | `{d.source_layout}` |",
+        f"| aux hidden states | layers {aux.layer_ids}, counted as *input of layer i* "
+        f"(source: {aux.source_ids or 'defaults'}, {aux.source_convention}) |",
+        f"| draft vocab | {d.draft_vocab_size} (map: {d.vocab_map}, t2d: {d.t2d_source}) |",
+        f"| embedding / lm_head | {d.embedding_source} / {d.lm_head_source} |",
+        f"| concat order | {d.concat_order} |",
+        f"| parameters / dtype | {d.parameters:,} / {d.dtype} |"])
+
+
+def _memory(m: Manifest) -> str:
+    mem = m.memory
+    return "\n".join([
+        "## Memory", "",
+        f"- target weights: {mem.target_weight_bytes / 2**20:,.1f} MiB; drafter adds "
+        f"{mem.drafter_weight_bytes / 2**20:,.1f} MiB",
+        f"- KV cache per token: target {mem.target_kv_bytes_per_token:,} B, drafter "
+        f"{mem.drafter_kv_bytes_per_token:,} B"])
+
+
+def _usage(m: Manifest) -> str:
+    return "\n".join([
+        "## Use", "", "```bash",
+        f"specpack verify {m.name} --key signer.pub",
+        f"specpack run {m.name} --prompt 'Hello'", "```"])

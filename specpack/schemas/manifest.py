@@ -1,0 +1,128 @@
+"""The artifact manifest (`specpack.json`), format v1: the single source of truth.
+
+`manifest.v1.json` beside this file is generated from these models (`python -m specpack.schemas`)
+and checked in; a test fails when the two drift.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from specpack import FORMAT_NAME, FORMAT_VERSION
+
+MANIFEST_NAME = "specpack.json"
+SIGNATURE_NAME = "model.sig"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class FileEntry(_Strict):
+    path: str = Field(description="Relative POSIX path inside the artifact (no '..', no links).")
+    size: int = Field(ge=0, description="Size in bytes.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="SHA-256 of the file's bytes, hex.")
+
+
+class Source(_Strict):
+    kind: Literal["path", "hub"] = Field(description="Where the input came from.")
+    path: Optional[str] = Field(None, description="Local path the input was read from, as given.")
+    repo_id: Optional[str] = Field(None, description="Hugging Face repo id, when pulled from the hub.")
+    revision: Optional[str] = Field(None, description="Hub revision (commit) of the input.")
+
+
+class TargetInfo(_Strict):
+    architecture: str = Field(description="config.json `architectures[0]`, e.g. LlamaForCausalLM.")
+    model_type: str = Field(description="config.json `model_type`.")
+    hidden_size: int = Field(gt=0, description="Width of the residual stream.")
+    num_hidden_layers: int = Field(gt=0, description="Number of decoder layers.")
+    num_attention_heads: int = Field(gt=0, description="Query heads.")
+    num_key_value_heads: int = Field(gt=0, description="Key/value heads (GQA).")
+    head_dim: int = Field(gt=0, description="Width of one attention head.")
+    intermediate_size: int = Field(gt=0, description="MLP width.")
+    vocab_size: int = Field(gt=0, description="Rows of the embedding / lm_head.")
+    max_position_embeddings: int = Field(gt=0, description="Context length the config declares.")
+    dtype: str = Field(description="Dtype of the weights on disk, e.g. float32, bfloat16.")
+    rope_theta: float = Field(description="RoPE base.")
+    rope_scaling: Optional[dict[str, Any]] = Field(None, description="config.json `rope_scaling`, verbatim.")
+    tie_word_embeddings: bool = Field(description="lm_head shares the embedding matrix.")
+    weight_files: list[str] = Field(description="The safetensors files holding the target's weights.")
+    parameters: int = Field(ge=0, description="Number of weights, counted from safetensors headers.")
+    config_sha256: str = Field(description="SHA-256 of config.json.")
+    tokenizer_sha256: Optional[str] = Field(
+        None, description="SHA-256 over the tokenizer files (sorted name + digest), None if none shipped.")
+    source: Source = Field(description="Where the target was read from.")
+
+
+class AuxLayers(_Strict):
+    layer_ids: list[int] = Field(
+        description="Target layers whose hidden states feed the head, low to mid to high.")
+    convention: Literal["input_of_layer"] = Field(
+        "input_of_layer",
+        description="`layer_ids[k] = i` means the hidden state ENTERING decoder layer i (HF "
+                    "`hidden_states[i]`; 0 = embeddings). Engines that count 'output of layer i' "
+                    "use i - 1 for the same tensor.")
+    source_ids: Optional[list[int]] = Field(
+        None, description="The ids as the source layout stated them (None: the source used defaults).")
+    source_convention: Literal["input_of_layer", "output_of_layer", "default"] = Field(
+        description="How the source layout counts, or `default` when it gave no ids.")
+
+
+class Eagle3Drafter(_Strict):
+    kind: Literal["eagle3"] = "eagle3"
+    source_layout: Literal["eagle3-official", "eagle3-sglang", "eagle3-modelopt", "eagle3-speculators"] = \
+        Field(description="The published layout the head was converted from.")
+    source: Source = Field(description="Where the head was read from.")
+    config: str = Field("drafter/config.json", description="Canonical drafter config.")
+    weights: str = Field("drafter/model.safetensors", description="Canonical drafter weights.")
+    dtype: str = Field(description="Dtype of the head's float weights.")
+    parameters: int = Field(ge=0, description="Number of weights in the head (maps excluded).")
+    hidden_size: int = Field(gt=0, description="Width of the head.")
+    num_layers: int = Field(1, description="Decoder layers in the head.")
+    aux_hidden_states: AuxLayers = Field(description="Which target hidden states feed `fc`.")
+    draft_vocab_size: int = Field(gt=0, description="Rows of the head's lm_head.")
+    vocab_map: Literal["d2t", "identity"] = Field(
+        description="`d2t`: target_id = draft_id + d2t[draft_id] (t2d marks the draft tokens); "
+                    "`identity`: draft vocab == target vocab.")
+    t2d_source: Literal["checkpoint", "derived", "none"] = Field(
+        description="Whether t2d came with the head or was derived from d2t.")
+    embedding_source: Literal["target", "drafter"] = Field(
+        description="Token embedding the head uses: the target's, or its own copy (stored).")
+    lm_head_source: Literal["drafter"] = Field("drafter", description="The head has its own lm_head.")
+    concat_order: Literal["embedding_first"] = Field(
+        "embedding_first", description="q/k/v input is cat(norm(embed), norm(h)).")
+    norm_before_residual: bool = Field(False, description="Residual is hidden_norm(h) instead of h.")
+
+
+class NgramDrafter(_Strict):
+    kind: Literal["ngram"] = "ngram"
+    min_n: int = Field(ge=1, description="Shortest context suffix to look up.")
+    max_n: int = Field(ge=1, description="Longest context suffix to look up (tried first).")
+    draft_len: int = Field(ge=1, description="Default number of proposed tokens.")
+
+
+Drafter = Annotated[Union[Eagle3Drafter, NgramDrafter], Field(discriminator="kind")]
+
+
+class MemoryInfo(_Strict):
+    target_weight_bytes: int = Field(ge=0, description="Bytes of target weights on disk.")
+    drafter_weight_bytes: int = Field(ge=0, description="Extra bytes the drafter adds.")
+    target_kv_bytes_per_token: int = Field(ge=0, description="KV cache bytes per token (target dtype).")
+    drafter_kv_bytes_per_token: int = Field(ge=0, description="KV cache bytes per token of the drafter.")
+
+
+class Manifest(_Strict):
+    format: Literal["specpack"] = Field(FORMAT_NAME, description="Always 'specpack'.")
+    format_version: Literal[1] = Field(FORMAT_VERSION, description="Manifest format version.")
+    specpack_version: str = Field(description="specpack version that wrote the artifact.")
+    created: str = Field(description="UTC creation time, ISO 8601.")
+    name: str = Field(description="Artifact name (the output directory's name at build time).")
+    target: TargetInfo
+    drafter: Drafter
+    memory: MemoryInfo
+    files: list[FileEntry] = Field(
+        description="Every file of the artifact except specpack.json and model.sig, sorted by path.")
+    profiles: list[dict[str, Any]] = Field(
+        default_factory=list, description="Validated profiles (empty until `specpack tune` writes some).")
