@@ -189,15 +189,12 @@ def main() -> None:
             raise
         error(exc, json_mode)
         sys.exit(exc.exit_code)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
+    except (click.exceptions.Abort, KeyboardInterrupt):
+        click.echo("interrupted: nothing was left behind", err=True)
         sys.exit(130)
     except click.ClickException as exc:
         exc.show()
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
-        click.echo("interrupted: nothing was left behind", err=True)
-        sys.exit(130)
 
 
 if __name__ == "__main__":

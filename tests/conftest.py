@@ -27,6 +27,7 @@ def cli(capsys, monkeypatch):
     from specpack.cli import main
 
     def run(*args):
+        capsys.readouterr()  # drop what came before (e.g. fixture progress bars)
         monkeypatch.setattr(sys, "argv", ["specpack", *map(str, args)])
         code = 0
         try:

@@ -158,6 +158,11 @@ def _geometry(config: dict, target: Target, tensors: dict) -> tuple[_Geometry, l
     if "target_hidden_size" not in config and hidden != t.hidden_size:
         problems.append(f"drafter hidden_size {hidden} != target hidden size {t.hidden_size} "
                         "(and the config states no target_hidden_size)")
+    theirs = (t.num_attention_heads, t.num_key_value_heads, t.head_dim)
+    if (geo.heads, geo.kv_heads, geo.head_dim) != theirs:
+        problems.append("drafter attention geometry (heads {}, KV heads {}, head dim {}) != target's "
+                        "(heads {}, KV heads {}, head dim {})".format(geo.heads, geo.kv_heads,
+                                                                      geo.head_dim, *theirs))
     if geo.draft_vocab > t.vocab_size:
         problems.append(f"draft vocab {geo.draft_vocab} is larger than the target vocab {t.vocab_size}")
     return geo, problems
@@ -170,7 +175,8 @@ def _configured_ids(config: dict) -> list | None:
 
 def _aux_layers(layout, config, geo, tensors, override) -> tuple[AuxLayers, list[str]]:
     fc = tensors.get("fc.weight")
-    n_aux = fc.shape[1] // geo.target_hidden if fc is not None and fc.ndim == 2 else 3
+    width = fc.shape[1] if fc is not None and fc.ndim == 2 else 0
+    n_aux = width // geo.target_hidden if width and width % geo.target_hidden == 0 else 3
     ids, convention = _source_ids(layout, config, override)
     if ids is None:
         ids_in = [2, geo.layers // 2, geo.layers - 3] if n_aux == 3 else []
