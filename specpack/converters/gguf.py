@@ -1,0 +1,424 @@
+"""Import a GGUF target (llama.cpp's single-file format) as a Hugging Face model directory.
+
+    report = import_gguf("SmolLM2-135M-Instruct.Q4_1.gguf", "smollm2-hf")
+
+The output is what `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` and
+`AutoTokenizer.from_pretrained(out_dir)` load with no GGUF file around: config.json,
+generation_config.json, model.safetensors (sharded with an index when large), tokenizer files.
+
+Weights are dequantized to `dtype` (quantization is not kept), and llama.cpp's q/k row permutation
+for rotary embeddings is undone, exactly as transformers' own GGUF loader does. The tokenizer is built
+by transformers' GGUF tokenizer converter from the file's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from specpack.errors import ConversionError, InputError, OutputError, UnsupportedError
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_ARCHITECTURES = ("llama",)
+# Each checked in tests/test_gguf.py: quantized through gguf's quantizer, or decoded identically by
+# gguf's numpy dequantizer and transformers' independent torch one, or against ggml's reference code.
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
+                   "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+DTYPES = ("float32", "float16", "bfloat16")
+MAX_SHARD_BYTES = 5 * 2**30
+
+# GGUF leaf name -> HF module path, for arch "llama" (llama.cpp's tensor map, read backwards).
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_LEAVES = {hf: leaf for leaf, hf in _GLOBAL_NAMES.items()}
+_BLOCK_LEAVES = {hf: leaf for leaf, hf in _BLOCK_NAMES.items()}
+# The damage a cut or lying file does inside gguf.GGUFReader (short reads, bad enums, bad utf-8).
+_READ_ERRORS = (ValueError, IndexError, KeyError, OverflowError, OSError)
+
+
+@dataclass(frozen=True)
+class ImportReport:
+    """What `import_gguf` read and wrote."""
+
+    architecture: str
+    tensor_types: dict[str, int]  # GGML type name -> number of tensors stored in it
+    n_tensors: int
+    bytes_written: int  # every file in out_dir
+    out_dir: Path
+    dtype: str
+    files: tuple[str, ...] = field(default=())
+
+    def to_dict(self) -> dict:
+        return {"architecture": self.architecture, "tensor_types": dict(self.tensor_types),
+                "n_tensors": self.n_tensors, "bytes_written": self.bytes_written,
+                "out_dir": str(self.out_dir), "dtype": self.dtype, "files": list(self.files)}
+
+
+def import_gguf(gguf_path, out_dir, dtype: str = "float32", progress: bool = True,
+                force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> ImportReport:
+    """Convert a GGUF target into a Hugging Face model directory at `out_dir`.
+
+    CLI: `specpack import-gguf FILE.gguf -o DIR [--dtype float32|float16|bfloat16] [--force]`.
+
+    Architectures: llama (llama.cpp's "llama": Llama 1/2/3.0, SmolLM, TinyLlama, ...). Tensor types:
+    `SUPPORTED_TYPES`. Every tensor is checked (type, name, shape) before anything is written, and all
+    problems are reported at once. The directory is built beside `out_dir` and renamed into place at
+    the end, so a failure leaves nothing behind.
+
+    Raises:
+        InputError: the file is missing, not GGUF, truncated or corrupt, or lacks required metadata.
+        UnsupportedError: an architecture, tensor type, rope scaling or tokenizer not supported.
+        ConversionError: tensors missing, unexpected, of the wrong shape, or not finite in `dtype`.
+        OutputError: `out_dir` exists (pass `force=True` to replace it) or cannot be written.
+    """
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype '{dtype}'", hint=f"use one of {', '.join(DTYPES)}")
+    if out_dir.exists() and not force:
+        raise OutputError(f"{out_dir} already exists", hint="choose another directory or pass --force")
+
+    reader = _open(gguf_path)
+    config = _llama_config(reader, gguf_path, dtype)
+    plan = _plan(reader, config, gguf_path)
+    with _staging(out_dir, force) as tmp:
+        _write_weights(plan, tmp, dtype, progress, max_shard_bytes)
+        config.save_pretrained(tmp)
+        _generation_config(reader, config).save_pretrained(tmp)
+        _write_tokenizer(gguf_path, tmp)
+        files = tuple(sorted(p.name for p in tmp.iterdir()))
+        nbytes = sum(p.stat().st_size for p in tmp.iterdir())
+
+    types = dict(Counter(t.tensor_type.name for t in reader.tensors))
+    report = ImportReport(_field(reader, "general.architecture"), types, len(reader.tensors),
+                          nbytes, out_dir, dtype, files)
+    logger.info("imported %s: %d tensors %s -> %s (%d bytes)", gguf_path, report.n_tensors,
+                types, out_dir, nbytes)
+    return report
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+def _open(path: Path):
+    """The file's GGUFReader; anything gguf trips over becomes an InputError naming the file."""
+    from gguf import GGUFReader
+
+    if not path.is_file():
+        raise InputError(f"{path} does not exist or is not a file")
+    try:
+        reader = GGUFReader(path)
+    except _READ_ERRORS as err:
+        raise InputError(f"{path} is not a readable GGUF file: {err}",
+                         hint="the file may be truncated or corrupt; download it again") from err
+    if "general.architecture" not in reader.fields:
+        raise InputError(f"{path} has no 'general.architecture' in its metadata")
+    return reader
+
+
+def _field(reader, key: str, default=None):
+    """A metadata value as a Python str/int/float/bool/list, or `default` when absent."""
+    found = reader.fields.get(key)
+    return default if found is None else found.contents()
+
+
+def _llama_config(reader, path: Path, dtype: str):
+    """A LlamaConfig from the GGUF metadata; reports every missing key at once."""
+    from transformers import LlamaConfig
+
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedError(f"{path}: architecture '{arch}' is not supported",
+                               hint=f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    required = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
+                "attention.layer_norm_rms_epsilon", "context_length")
+    missing = [f"{arch}.{key}" for key in required if f"{arch}.{key}" not in reader.fields]
+    if "tokenizer.ggml.tokens" not in reader.fields:
+        missing.append("tokenizer.ggml.tokens")
+    if missing:
+        raise InputError(f"{path} lacks metadata a {arch} model needs", problems=missing)
+    _check_rope(reader, arch, path)
+
+    get = lambda key, default=None: _field(reader, f"{arch}.{key}", default)  # noqa: E731
+    sizes = {key: get(key) for key in ("block_count", "embedding_length", "feed_forward_length",
+                                       "attention.head_count", "context_length")}
+    sizes["attention.head_count_kv"] = get("attention.head_count_kv", sizes["attention.head_count"])
+    _check_sizes(sizes, path)
+    heads = sizes["attention.head_count"]
+    names = {t.name for t in reader.tensors}
+    return LlamaConfig(
+        vocab_size=get("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data)),
+        hidden_size=sizes["embedding_length"],
+        intermediate_size=sizes["feed_forward_length"],
+        num_hidden_layers=sizes["block_count"],
+        num_attention_heads=heads,
+        num_key_value_heads=sizes["attention.head_count_kv"],
+        head_dim=get("attention.key_length", get("rope.dimension_count", sizes["embedding_length"] // heads)),
+        max_position_embeddings=sizes["context_length"],
+        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
+        rope_parameters={"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))},
+        # llama.cpp drops output.weight when the model ties it to the embeddings
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        mlp_bias="blk.0.ffn_up.bias" in names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+        architectures=["LlamaForCausalLM"],
+        dtype=dtype,
+    )
+
+
+def _check_sizes(sizes: dict, path: Path):
+    """Sizes a lying header could get wrong in ways that would only surface deep in the conversion."""
+    problems = [f"{key} = {value!r}: not a positive integer" for key, value in sizes.items()
+                if not (isinstance(value, int) and value > 0)]
+    heads, kv_heads = sizes["attention.head_count"], sizes["attention.head_count_kv"]
+    if not problems and heads % kv_heads:
+        problems.append(f"attention.head_count {heads} is not a multiple of attention.head_count_kv {kv_heads}")
+    if problems:
+        raise InputError(f"{path}: the model sizes in its metadata are not usable", problems=problems)
+
+
+def _check_rope(reader, arch: str, path: Path):
+    """Refuse rope scaling we would otherwise drop silently (the logits would quietly be wrong)."""
+    scaling = _field(reader, f"{arch}.rope.scaling.type", "none")
+    if scaling != "none":
+        raise UnsupportedError(f"{path}: rope scaling '{scaling}' is not supported yet")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise UnsupportedError(f"{path}: per-frequency rope factors (rope_freqs.weight, Llama 3.1+ "
+                               "rope scaling) are not supported yet")
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One GGUF tensor on its way to one HF tensor."""
+
+    tensor: object  # gguf.ReaderTensor
+    hf_name: str
+    shape: tuple[int, ...]  # torch order
+    unpermute_heads: int | None  # heads whose rotary rows llama.cpp permuted (q: heads, k: kv heads)
+
+
+def _plan(reader, config, path: Path) -> list[_Step]:
+    """Map every tensor to its HF name and check type, name and shape; report all problems at once."""
+    bad_types = [f"{t.name}: {t.tensor_type.name}" for t in reader.tensors
+                 if t.tensor_type.name not in SUPPORTED_TYPES]
+    if bad_types:
+        raise UnsupportedError(f"{path} holds tensors of types specpack cannot dequantize",
+                               hint=f"supported types: {', '.join(SUPPORTED_TYPES)}", problems=bad_types)
+
+    expected = _expected_shapes(config)
+    steps, problems = [], []
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # ggml lists dims fastest first
+        if hf_name not in expected:
+            problems.append(f"{tensor.name}: not a tensor of a {config.model_type} model with this config")
+            continue
+        if shape != (want := expected.pop(hf_name)):
+            problems.append(f"{tensor.name}: shape {list(shape)}, expected {list(want)}")
+            continue
+        steps.append(_Step(tensor, hf_name, shape, _rotary_heads(tensor.name, config)))
+    problems += [f"{name}: missing (GGUF name {_gguf_name(name)})" for name in expected]
+    if problems:
+        raise ConversionError(f"{path}: tensors do not match the model its metadata describes",
+                              problems=problems)
+    return steps
+
+
+def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
+    """HF name -> shape of every tensor a LlamaForCausalLM of `config` stores (tied ones once)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    return shapes
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name):
+        leaf = _BLOCK_NAMES.get(m[2])
+        return f"model.layers.{m[1]}.{leaf}.{m[3]}" if leaf else None
+    if m := re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name):
+        leaf = _GLOBAL_NAMES.get(m[1])
+        return f"{leaf}.{m[2]}" if leaf else None
+    return None
+
+
+def _gguf_name(hf_name: str) -> str:
+    module, kind = hf_name.rsplit(".", 1)
+    if m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module):
+        return f"blk.{m[1]}.{_BLOCK_LEAVES[m[2]]}.{kind}"
+    return f"{_GLOBAL_LEAVES[module]}.{kind}"
+
+
+def _rotary_heads(gguf_name: str, config) -> int | None:
+    if ".attn_q." in gguf_name:
+        return config.num_attention_heads
+    if ".attn_k." in gguf_name:
+        return config.num_key_value_heads
+    return None
+
+
+# --- converting and writing ----------------------------------------------------------------------
+
+def unpermute_rotary(weights: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo llama.cpp's `LlamaModel.permute` on q/k rows (weights or biases) of `n_heads` heads.
+
+    llama.cpp reorders each head's rows from HF's [first half | second half] rotary layout to
+    interleaved pairs. This is transformers' `LlamaTensorProcessor._reverse_permute_weights`.
+    """
+    # w: [n_heads, head_dim/2, 2, *rest] -> swap the pair and half axes -> back to [rows, *rest]
+    w = weights.reshape(n_heads, weights.shape[0] // n_heads // 2, 2, *weights.shape[1:])
+    return w.swapaxes(2, 1).reshape(weights.shape)
+
+
+def _convert(step: _Step, torch_dtype):
+    """`(tensor in torch_dtype, whether every value is finite in that dtype)`."""
+    import torch
+    from gguf.quants import dequantize
+
+    weights = dequantize(step.tensor.data, step.tensor.tensor_type).reshape(step.shape)
+    if step.unpermute_heads:
+        weights = unpermute_rotary(weights, step.unpermute_heads)
+    # F32 comes back as a read-only view of the memory map; torch wants writable memory
+    weights = np.require(weights, dtype=np.float32, requirements=["C", "W"])
+    # NaN fails the comparison too; checked in numpy fp32 because torch.isfinite on bf16 is slow on CPU
+    finite = bool(np.abs(weights).max(initial=0.0) <= torch.finfo(torch_dtype).max)
+    return torch.from_numpy(weights).to(torch_dtype), finite
+
+
+def _write_weights(plan: list[_Step], out: Path, dtype: str, progress: bool, max_shard_bytes: int):
+    """Dequantize tensor by tensor into safetensors shards of at most `max_shard_bytes` each."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    torch_dtype = getattr(torch, dtype)
+    shards = _shards(plan, torch_dtype.itemsize, max_shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
+    bar = tqdm(total=len(plan), desc="import-gguf", unit="tensor", disable=not progress, file=sys.stderr)
+    not_finite, weight_map = [], {}
+    with bar:
+        for shard, name in zip(shards, names):
+            tensors = {}
+            for step in shard:
+                tensors[step.hf_name], finite = _convert(step, torch_dtype)
+                if not finite:
+                    not_finite.append(f"{step.tensor.name}: non-finite values in {dtype}")
+                weight_map[step.hf_name] = name
+                bar.update()
+            save_file(tensors, str(out / name), metadata={"format": "pt"})
+    if not_finite:
+        raise ConversionError("some tensors hold NaN or infinity", problems=not_finite,
+                              hint="a float16 overflow needs --dtype float32 or bfloat16; otherwise the "
+                                   "file is corrupt")
+    if len(shards) > 1:
+        total = sum(int(np.prod(s.shape)) * torch_dtype.itemsize for s in plan)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _shards(plan: list[_Step], itemsize: int, max_bytes: int) -> list[list[_Step]]:
+    shards, size = [[]], 0
+    for step in plan:
+        nbytes = int(np.prod(step.shape)) * itemsize
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(step)
+        size += nbytes
+    return shards
+
+
+def _generation_config(reader, config):
+    """Stop on every end token the file names (llama.cpp's eos, end-of-turn, end-of-message)."""
+    from transformers import GenerationConfig
+
+    ends = [_field(reader, f"tokenizer.ggml.{key}_token_id") for key in ("eos", "eot", "eom")]
+    ends = list(dict.fromkeys(e for e in ends if e is not None))
+    return GenerationConfig(bos_token_id=config.bos_token_id, pad_token_id=config.pad_token_id,
+                            eos_token_id=ends[0] if len(ends) == 1 else (ends or None))
+
+
+def _write_tokenizer(gguf_path: Path, out: Path):
+    """transformers' GGUF tokenizer, saved so that it loads without the GGUF file.
+
+    TokenizersBackend is the class AutoTokenizer picks for a llama GGUF; calling it directly spares
+    AutoTokenizer's second full parse of the file for a config (tests check the two agree).
+    """
+    from transformers import TokenizersBackend
+
+    # Alone in a directory: from_pretrained would also read tokenizer files lying beside the GGUF file.
+    with tempfile.TemporaryDirectory() as alone:
+        link = Path(alone) / "model.gguf"
+        link.symlink_to(gguf_path.resolve())
+        try:
+            tokenizer = TokenizersBackend.from_pretrained(alone, gguf_file=link.name, local_files_only=True)
+        except ValueError as err:
+            raise UnsupportedError(f"{gguf_path}: cannot build its tokenizer: {err}") from err
+    for loading_detail in ("is_local", "local_files_only", "vocab_file", "name_or_path"):
+        tokenizer.init_kwargs.pop(loading_detail, None)  # about this load, not the tokenizer
+    tokenizer.save_pretrained(out)
+
+
+@contextmanager
+def _staging(out_dir: Path, force: bool):
+    """A fresh directory beside `out_dir`, renamed onto it on success and removed on any failure."""
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
+    except OSError as err:
+        raise OutputError(f"cannot write beside {out_dir}: {err}") from err
+    try:
+        yield tmp
+        _move_into_place(tmp, out_dir, force)
+    except OSError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise OutputError(f"cannot write {out_dir}: {err}") from err
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _move_into_place(tmp: Path, out_dir: Path, force: bool):
+    if not (out_dir.exists() or out_dir.is_symlink()):
+        os.rename(tmp, out_dir)
+        return
+    if not force:
+        raise OutputError(f"{out_dir} already exists", hint="choose another directory or pass --force")
+    old = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
+    os.rename(out_dir, old)
+    try:
+        os.rename(tmp, out_dir)
+    except OSError:
+        os.rename(old, out_dir)
+        raise
+    if old.is_dir() and not old.is_symlink():
+        shutil.rmtree(old)
+    else:
+        old.unlink()
