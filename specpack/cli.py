@@ -180,6 +180,89 @@ def _inspect_text(d: dict) -> str:
     return table(rows)
 
 
+@cli.command("import-gguf")
+@click.argument("gguf_file", type=click.Path(path_type=Path))
+@click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Directory to create.")
+@click.option("--dtype", default="float32", show_default=True,
+              type=click.Choice(["float32", "float16", "bfloat16"]), help="Dtype of the written weights.")
+@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@JSON
+def import_gguf(gguf_file, out, dtype, force, json_mode):
+    """Convert a GGUF target (llama.cpp) into a Hugging Face model directory.
+
+    Dequantizes F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quants and IQ4 tensors; writes config.json,
+    safetensors, tokenizer files and chat template. The result is a target for `specpack build`.
+
+    \b
+    Example:
+      specpack import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2-135m
+      specpack build smollm2-135m --drafter ngram -o smollm2-ngram
+    """
+    from specpack.converters.gguf import import_gguf as do_import
+
+    report = do_import(gguf_file, out, dtype=dtype, progress=progress_enabled(json_mode), force=force)
+    emit(report.to_dict(), json_mode,
+         lambda d: f"imported {gguf_file} -> {out} ({report.architecture}, {report.n_tensors} tensors, "
+                   f"{report.bytes_written / 2**20:,.1f} MiB {dtype})")
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompt", help="Prompt text.")
+@click.option("--prompt-file", type=click.File("r"), help="Read the prompt from a file ('-' for stdin).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the artifact's chat template.")
+@click.option("--max-new-tokens", default=256, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--seed", type=int, help="Seed for sampling (reproducible runs).")
+@click.option("--draft-len", type=int, help="Draft tokens per step [default: the artifact's].")
+@click.option("--no-spec", is_flag=True, help="Decode without speculation (the baseline).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16"]))
+@PUBKEY
+@JSON
+def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
+        no_spec, stop, device, dtype, public_key, json_mode):
+    """Verify ARTIFACT, then generate with single-model speculative decoding.
+
+    Text streams to stdout as it is accepted; the figures (tokens/s, acceptance length, per-position
+    acceptance, draft vs verify time) follow on stderr. Greedy output is identical to --no-spec.
+
+    \b
+    Examples:
+      specpack run my-artifact --prompt "def fib(n):" --max-new-tokens 64
+      specpack run my-artifact --chat --prompt "Summarise this: ..." --json
+      specpack run my-artifact --prompt-file story.txt --temperature 0.8 --seed 1
+    """
+    from specpack.runtime.generate import GenerateRequest, generate_text
+
+    text = prompt if prompt is not None else (prompt_file.read() if prompt_file else None)
+    if text is None:
+        raise click.UsageError("give --prompt TEXT or --prompt-file FILE")
+    request = GenerateRequest(prompt=text, chat=chat, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              draft_len=draft_len, speculative=not no_spec, stop=list(stop))
+    writer = None if json_mode else (lambda s: click.echo(s, nl=False))
+    result = generate_text(artifact, request, public_key=public_key, device=device, dtype=dtype,
+                           write=writer, progress=progress_enabled(json_mode))
+    if json_mode:
+        emit(result, True)
+    else:
+        click.echo()
+        click.echo(_run_summary(result), err=True)
+
+
+def _run_summary(r: dict) -> str:
+    pos = ", ".join(f"{p:.2f}" for p in r["per_position_acceptance"]) or "-"
+    mode = f"speculative, draft length {r['draft_len']}" if r["speculative"] else "no speculation"
+    return (f"--- {len(r['token_ids'])} tokens in {r['seconds']:.2f}s: {r['tokens_per_s']:.1f} tokens/s "
+            f"({mode}); finish: {r['finish_reason']}\n"
+            f"    acceptance length {r['acceptance_length']:.2f} over {r['steps']} steps; per position: {pos}\n"
+            f"    draft {r['draft_s']:.2f}s, verify {r['verify_s']:.2f}s, prefill {r['prefill_s']:.2f}s")
+
+
 def main() -> None:
     json_mode = "--json" in sys.argv
     try:

@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import shutil
 import sys
 import tempfile
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from specpack._atomic import staging_dir
 from specpack.errors import ConversionError, InputError, OutputError, UnsupportedError
 
 logger = logging.getLogger(__name__)
@@ -97,7 +95,7 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32", progress: bool = Tru
     reader = _open(gguf_path)
     config = _llama_config(reader, gguf_path, dtype)
     plan = _plan(reader, config, gguf_path)
-    with _staging(out_dir, force) as tmp:
+    with staging_dir(out_dir, force) as tmp:
         _write_weights(plan, tmp, dtype, progress, max_shard_bytes)
         config.save_pretrained(tmp)
         _generation_config(reader, config).save_pretrained(tmp)
@@ -383,42 +381,3 @@ def _write_tokenizer(gguf_path: Path, out: Path):
     tokenizer.save_pretrained(out)
 
 
-@contextmanager
-def _staging(out_dir: Path, force: bool):
-    """A fresh directory beside `out_dir`, renamed onto it on success and removed on any failure."""
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".partial", dir=out_dir.parent))
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
-    except OSError as err:
-        raise OutputError(f"cannot write beside {out_dir}: {err}") from err
-    try:
-        yield tmp
-        _move_into_place(tmp, out_dir, force)
-    except OSError as err:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise OutputError(f"cannot write {out_dir}: {err}") from err
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def _move_into_place(tmp: Path, out_dir: Path, force: bool):
-    if not (out_dir.exists() or out_dir.is_symlink()):
-        os.rename(tmp, out_dir)
-        return
-    if not force:
-        raise OutputError(f"{out_dir} already exists", hint="choose another directory or pass --force")
-    old = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
-    os.rename(out_dir, old)
-    try:
-        os.rename(tmp, out_dir)
-    except OSError:
-        os.rename(old, out_dir)
-        raise
-    if old.is_dir() and not old.is_symlink():
-        shutil.rmtree(old)
-    else:
-        old.unlink()

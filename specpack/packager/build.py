@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpack import __version__
+from specpack._atomic import staging_dir
 from specpack.converters import detect_drafter, eagle3, ngram, target_hf
 from specpack.converters.base import AuxOverride, ConvertedDrafter
 from specpack.packager import card
 from specpack.packager.artifact import write_manifest
-from specpack.packager.fsutil import staging_dir
 from specpack.packager.hashing import parallel_map, place_file, sha256_file
 from specpack.packager.progress import byte_bar
 from specpack.packager.signing import sign

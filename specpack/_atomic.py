@@ -20,15 +20,16 @@ def staging_dir(out: Path, force: bool = False):
     if out.exists() and not force:
         raise OutputError(f"output '{out}' already exists", hint="choose another path or pass --force")
     parent = out.absolute().parent
-    if not parent.is_dir():
-        raise OutputError(f"output directory's parent '{parent}' does not exist",
-                          hint=f"create it first: mkdir -p {parent}")
     try:
+        parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=parent))
-    except PermissionError:
-        raise OutputError(f"cannot write to '{parent}'", hint="choose a writable location") from None
+    except OSError as exc:
+        raise OutputError(f"cannot write to '{parent}': {exc.strerror}",
+                          hint="choose a writable location") from None
     try:
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; an artifact is meant to be shared
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
         yield tmp
         _replace(tmp, out)
     except OSError as exc:
@@ -46,7 +47,7 @@ def staging_dir(out: Path, force: bool = False):
 
 
 def _replace(tmp: Path, out: Path) -> None:
-    if not out.exists():
+    if not (out.exists() or out.is_symlink()):
         os.rename(tmp, out)
         return
     trash = out.with_name(f".{out.name}.old-{os.getpid()}")

@@ -1,0 +1,78 @@
+"""`specpack.load(ARTIFACT)`: verify first, then build one SpecModel from the artifact."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from specpack.errors import InputError, MissingDependencyError
+
+log = logging.getLogger(__name__)
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def load(path, public_key=None, require_signature: bool | None = None, device: str = "cpu",
+         dtype: str = "float32", verify: bool = True, progress: bool = False):
+    """Verify the artifact at `path` (signature when a key is given or required, every digest
+    always), then load target and drafter, memory-mapped, into one `SpecModel`.
+
+    The returned model carries `.manifest` (the parsed specpack.json), `.tokenizer` (from the
+    artifact) and `.verification` (what was checked). A tampered artifact is never loaded.
+    """
+    import torch
+
+    from specpack.packager import verify as verify_artifact
+    from specpack.packager.artifact import read_manifest
+    from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
+
+    path = Path(path)
+    if require_signature is None:
+        require_signature = os.environ.get("SPECPACK_REQUIRE_SIGNATURE", "") not in ("", "0")
+    report = verify_artifact(path, public_key, require_signature, progress) if verify else None
+    manifest = report.manifest if report else read_manifest(path)
+    torch_device, torch_dtype = _device(device), _dtype(dtype)
+    target = load_target(path, torch_device, torch_dtype)
+    drafter_entry = manifest.drafter
+    params = drafter_entry.model_dump(exclude={"kind"}) if drafter_entry.kind == "ngram" else None
+    drafter_dir = path / "drafter" if drafter_entry.kind != "ngram" else None
+    drafter = load_drafter(drafter_entry.kind, params, drafter_dir, target)
+    model = SpecModel(target, drafter).eval()
+    model.manifest, model.verification, model.tokenizer = manifest, report, load_tokenizer(path)
+    log.info("loaded %s (%s drafter) on %s/%s", path, drafter_entry.kind, device, dtype)
+    return model
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _device(name: str):
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda was asked for, but torch sees no CUDA device",
+                         hint="run on a GPU machine with a CUDA build of torch, or use --device cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise InputError(f"unknown device '{name}'", hint="use cpu or cuda")
+    return torch.device(name)
+
+
+def _dtype(name: str):
+    import torch
+
+    if name not in DTYPES:
+        raise InputError(f"unknown dtype '{name}'", hint="use one of " + ", ".join(DTYPES))
+    return getattr(torch, name)
+
+
+def require(module: str, extra: str):
+    """Import an optional dependency or say which extra installs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        raise MissingDependencyError.for_module(module, extra) from None

@@ -1,0 +1,57 @@
+"""One call from text to text for `specpack run`: load (verified), encode, stream, report."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+DEFAULT_DRAFT_LEN = {"eagle3": 4}
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str
+    chat: bool = False
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    draft_len: int | None = None
+    speculative: bool = True
+    stop: list[str] = field(default_factory=list)
+
+
+def default_draft_len(manifest) -> int:
+    drafter = manifest.drafter
+    return getattr(drafter, "draft_len", None) or DEFAULT_DRAFT_LEN.get(drafter.kind, 4)
+
+
+def generate_text(artifact, req: GenerateRequest, public_key=None, device: str = "cpu",
+                  dtype: str = "float32", write: Callable[[str], None] | None = None,
+                  progress: bool = False, model=None) -> dict:
+    """Generate for `req` from the artifact (or an already loaded `model`) and return the text,
+    token ids and figures as plain data (the `--json` shape of `specpack run`)."""
+    from specpack.errors import InputError
+    from specpack.runtime.api import load
+    from specpack.runtime.text import TextStream, encode_prompt, stop_sequences
+
+    if req.temperature < 0:
+        raise InputError(f"temperature {req.temperature} is negative", hint="use 0 (greedy) or more")
+    model = model or load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress)
+    tok = model.tokenizer
+    ids = encode_prompt(tok, req.prompt, req.chat)
+    stream = TextStream(tok, write or (lambda s: None), stops=list(req.stop))
+    draft_len = req.draft_len if req.draft_len is not None else default_draft_len(model.manifest)
+    result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,
+                            temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+                            seed=req.seed, stop=stop_sequences(tok, req.stop),
+                            speculative=req.speculative, on_tokens=stream)
+    s = result.stats
+    return {"text": stream.flush(), "token_ids": result.tokens, "prompt_tokens": len(ids),
+            "finish_reason": result.finish_reason, "speculative": req.speculative,
+            "drafter": model.manifest.drafter.kind, "draft_len": draft_len, "steps": s.steps,
+            "accepted": s.accepted, "acceptance_length": s.acceptance_length,
+            "per_position_acceptance": s.position_acceptance, "tokens_per_s": s.tokens_per_s,
+            "decode_tokens_per_s": s.decode_tokens_per_s, "seconds": s.total_s,
+            "draft_s": s.draft_s, "verify_s": s.verify_s, "prefill_s": s.prefill_s}

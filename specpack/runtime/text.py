@@ -1,0 +1,65 @@
+"""Text in, text out: prompts (plain or chat), stop strings, and streaming decoded text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from specpack.errors import InputError
+
+
+def encode_prompt(tokenizer, text: str, chat: bool) -> list[int]:
+    """Token ids of `text`; with `chat`, wrapped in the artifact's chat template as a user turn."""
+    if not text:
+        raise InputError("the prompt is empty", hint="pass --prompt TEXT or --prompt-file FILE")
+    if chat:
+        if not getattr(tokenizer, "chat_template", None):
+            raise InputError("--chat was asked for, but the artifact's tokenizer has no chat template",
+                             hint="drop --chat, or build from a target that ships one")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                            add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+    return tokenizer(text).input_ids
+
+
+def stop_sequences(tokenizer, stops: list[str]) -> list[list[int]]:
+    """Token-id sequences of the stop strings (the text is also cut at the first stop string)."""
+    return [tokenizer(s, add_special_tokens=False).input_ids for s in stops if s]
+
+
+@dataclass
+class TextStream:
+    """Decodes the growing token list and hands only new, final text to `write`: an incomplete
+    UTF-8 character, or a tail that may be the start of a stop string, waits for the next tokens."""
+
+    tokenizer: object
+    write: Callable[[str], None]
+    stops: list[str] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    sent: int = 0
+
+    def __call__(self, new_tokens: list[int]) -> None:
+        self.tokens.extend(new_tokens)
+        text = self.text()
+        if text.endswith("\ufffd"):
+            return
+        self._send(text[: len(text) - self._held_back(text)])
+
+    def flush(self) -> str:
+        """Send the rest; return the whole text."""
+        text = self.text()
+        self._send(text)
+        return text
+
+    def text(self) -> str:
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        cuts = [text.find(s) for s in self.stops if s and s in text]
+        return text[: min(cuts)] if cuts else text
+
+    def _held_back(self, text: str) -> int:
+        return max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+    def _send(self, text: str) -> None:
+        if len(text) > self.sent:
+            self.write(text[self.sent:])
+            self.sent = len(text)
