@@ -1,0 +1,171 @@
+"""What the runtime needs to know about a target, read from its Hugging Face `config.json`.
+
+Pure Python (no torch) so the packager can call `target_spec_from_config` to fill the manifest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from specpack.errors import InputError, UnsupportedError
+
+# architecture -> the model_type transformers writes for it
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",  # also SmolLM / SmolLM2
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling. `kind` 'llama3' uses all fields, 'linear' only `factor`."""
+
+    kind: str
+    factor: float
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    """The shape and numerics of a supported decoder-only target."""
+
+    architecture: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v (Qwen2 always; Llama when attention_bias)
+    o_proj_bias: bool  # Llama's attention_bias also puts one on o_proj
+    qk_norm: bool  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+    max_position_embeddings: int
+    context_length: int  # positions we can run exactly (a sliding window, if any, clips it)
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+    dtype: str | None = None  # the checkpoint's declared dtype
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def rope_from_config(cfg: dict) -> tuple[float, RopeScaling | None, list[str]]:
+    """(theta, scaling, problems) from either the transformers v5 `rope_parameters` or the older
+    top-level `rope_theta` + `rope_scaling`. Problems name what we cannot run exactly."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    problems = []
+    if kind not in SUPPORTED_ROPE_TYPES:
+        problems.append(f"rope scaling type '{kind}' (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        return theta, None, problems
+    if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))) != 1.0:
+        problems.append("partial_rotary_factor != 1")
+    if kind == "default":
+        return theta, None, problems
+    fields = {k: params[k] for k in ("low_freq_factor", "high_freq_factor",
+                                     "original_max_position_embeddings") if k in params}
+    if kind == "llama3" and len(fields) < 3:
+        problems.append("llama3 rope scaling needs low_freq_factor, high_freq_factor and "
+                        "original_max_position_embeddings")
+        return theta, None, problems
+    return theta, RopeScaling(kind=kind, factor=float(params.get("factor", 1.0)), **fields), problems
+
+
+def _sliding_window(cfg: dict) -> int | None:
+    """The attention window if any layer uses one (Mistral v0.1, Qwen with use_sliding_window)."""
+    window = cfg.get("sliding_window")
+    layer_types = cfg.get("layer_types") or []
+    if cfg.get("use_sliding_window") is False and "sliding_attention" not in layer_types:
+        return None
+    return int(window) if window else None
+
+
+def target_spec_from_config(cfg: dict, generation_config: dict | None = None) -> TargetSpec:
+    """Read a Hugging Face `config.json` dict (and optionally `generation_config.json`, whose EOS
+    ids are added) into a `TargetSpec`. Raises UnsupportedError / InputError listing every problem."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedError(
+            f"target architecture {arch!r} is not supported",
+            hint="supported: " + ", ".join(SUPPORTED_ARCHITECTURES) + " (SmolLM/SmolLM2 are Llama)")
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "vocab_size")
+    missing = [k for k in required if cfg.get(k) is None]
+    if missing:
+        raise InputError("target config.json lacks required fields", problems=missing,
+                         hint="is this a Hugging Face model config.json?")
+    theta, scaling, problems = rope_from_config(cfg)
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act '{cfg['hidden_act']}' (only silu)")
+    if cfg.get("mlp_bias"):
+        problems.append("mlp_bias")
+    if problems:
+        raise UnsupportedError(f"target {arch} uses features specpack cannot run yet",
+                               problems=problems, hint="open an issue with the model id")
+
+    model_type = SUPPORTED_ARCHITECTURES[arch]
+    heads = int(cfg["num_attention_heads"])
+    max_pos = int(cfg.get("max_position_embeddings") or 4096)
+    window = _sliding_window(cfg)
+    eos = _ids(cfg.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
+    llama_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "mistral", "qwen3")
+    return TargetSpec(
+        architecture=arch,
+        model_type=cfg.get("model_type", model_type),
+        hidden_size=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or cfg["hidden_size"] // heads),
+        intermediate_size=int(cfg["intermediate_size"]),
+        vocab_size=int(cfg["vocab_size"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta,
+        rope_scaling=scaling,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or llama_bias,
+        o_proj_bias=llama_bias,
+        qk_norm=model_type == "qwen3",
+        max_position_embeddings=max_pos,
+        context_length=min(max_pos, window) if window else max_pos,
+        eos_token_ids=tuple(dict.fromkeys(eos)),
+        bos_token_id=cfg.get("bos_token_id"),
+        dtype=cfg.get("dtype", cfg.get("torch_dtype")),
+    )
+
+
+def load_target_spec(model_dir) -> TargetSpec:
+    """`target_spec_from_config` for a model directory (config.json + optional generation_config.json)."""
+    import json
+    from pathlib import Path
+
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise InputError(f"no config.json in {model_dir}", hint="point at a Hugging Face model directory")
+    try:
+        cfg = json.loads(path.read_text())
+        gen_path = model_dir / "generation_config.json"
+        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
+    except json.JSONDecodeError as e:
+        raise InputError(f"cannot parse JSON in {model_dir}: {e}") from e
+    return target_spec_from_config(cfg, gen)

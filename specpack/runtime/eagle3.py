@@ -1,0 +1,231 @@
+"""EAGLE-3 head in specpack's canonical layout (FORMATS.md), with its own one-layer KV cache.
+
+Alignment (EAGLE reference): at position p the head reads f_p = fc(cat(aux features of target
+position p)) and the embedding of token x_{p+1}, and predicts x_{p+2}. Later draft steps feed the
+head's own output hidden state (before the final norm) in place of f.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specpack.errors import InputError
+from specpack.runtime.config import RopeScaling, rope_from_config
+from specpack.runtime.model import MLP, Attention, KVCache, RMSNorm, rope_inv_freq, rope_tables
+from specpack.runtime.speculative import Draft
+
+REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
+            "target_hidden_size", "aux_layer_ids", "draft_vocab_size", "target_vocab_size")
+
+
+@dataclass(frozen=True)
+class Eagle3Spec:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    target_hidden_size: int
+    aux_layer_ids: tuple[int, ...]  # convention: input of layer i == transformers hidden_states[i]
+    draft_vocab_size: int
+    target_vocab_size: int
+    embedding: str  # "target" (the target's embed_tokens) or "drafter" (its own)
+    norm_before_residual: bool
+
+
+def eagle3_spec_from_config(cfg: dict) -> Eagle3Spec:
+    """Read a canonical drafter config.json dict; InputError lists every missing or bad field."""
+    problems = [f"missing field {k}" for k in REQUIRED if cfg.get(k) is None]
+    if cfg.get("kind", "eagle3") != "eagle3":
+        problems.append(f"kind is {cfg.get('kind')!r}, expected 'eagle3'")
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act {cfg['hidden_act']!r} (only silu)")
+    if cfg.get("embedding", "target") not in ("target", "drafter"):
+        problems.append(f"embedding {cfg['embedding']!r} (expected 'target' or 'drafter')")
+    theta, scaling, rope_problems = rope_from_config(cfg)
+    if problems or rope_problems:
+        raise InputError("the EAGLE-3 drafter config is not usable", problems=problems + rope_problems,
+                         hint="re-run the converter on the source drafter")
+    heads = int(cfg["num_attention_heads"])
+    return Eagle3Spec(
+        hidden_size=int(cfg["hidden_size"]), intermediate_size=int(cfg["intermediate_size"]),
+        num_heads=heads, num_kv_heads=int(cfg["num_key_value_heads"]),
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        rms_norm_eps=float(cfg["rms_norm_eps"]), rope_theta=theta, rope_scaling=scaling,
+        max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
+        target_hidden_size=int(cfg["target_hidden_size"]), aux_layer_ids=tuple(int(i) for i in cfg["aux_layer_ids"]),
+        draft_vocab_size=int(cfg["draft_vocab_size"]), target_vocab_size=int(cfg["target_vocab_size"]),
+        embedding=cfg.get("embedding", "target"), norm_before_residual=bool(cfg.get("norm_before_residual", False)))
+
+
+def eagle3_tensor_shapes(s: Eagle3Spec) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the canonical safetensors file (t2d and embed_tokens handled separately)."""
+    H, I, q, kv = s.hidden_size, s.intermediate_size, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    p = "layers.0."
+    shapes = {"fc.weight": (H, len(s.aux_layer_ids) * s.target_hidden_size),
+              p + "self_attn.q_proj.weight": (q, 2 * H), p + "self_attn.k_proj.weight": (kv, 2 * H),
+              p + "self_attn.v_proj.weight": (kv, 2 * H), p + "self_attn.o_proj.weight": (H, q),
+              p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I),
+              p + "input_layernorm.weight": (H,), p + "hidden_norm.weight": (H,),
+              p + "post_attention_layernorm.weight": (H,), "norm.weight": (H,),
+              "lm_head.weight": (s.draft_vocab_size, H), "d2t": (s.draft_vocab_size,)}
+    if s.embedding == "drafter":
+        shapes["embed_tokens.weight"] = (s.target_vocab_size, H)
+    return shapes
+
+
+class Eagle3Layer(nn.Module):
+    """The head's decoder layer: q/k/v read cat(norm(embedding), norm(h)) (embedding first)."""
+
+    def __init__(self, s: Eagle3Spec):
+        super().__init__()
+        H = s.hidden_size
+        self.norm_before_residual = s.norm_before_residual
+        self.input_layernorm = RMSNorm(H, s.rms_norm_eps)
+        self.hidden_norm = RMSNorm(H, s.rms_norm_eps)
+        self.self_attn = Attention(2 * H, H, s.num_heads, s.num_kv_heads, s.head_dim)
+        self.post_attention_layernorm = RMSNorm(H, s.rms_norm_eps)
+        self.mlp = MLP(H, s.intermediate_size)
+
+    def forward(self, emb, h, cos, sin, k_cache, v_cache, start, mask):
+        # emb, h: [T, H] -> [T, H]
+        normed = self.hidden_norm(h)
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)  # [T, 2H]
+        h = (normed if self.norm_before_residual else h) + self.self_attn(x, cos, sin, k_cache, v_cache, start, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    """Proposes D tokens per call from the target features of the positions accepted since the last one."""
+
+    kind = "eagle3"
+
+    def __init__(self, spec: Eagle3Spec, target_embed: nn.Embedding | None = None):
+        super().__init__()
+        self.spec = spec
+        self.capture_layers = spec.aux_layer_ids
+        H = spec.hidden_size
+        self.fc = nn.Linear(len(spec.aux_layer_ids) * spec.target_hidden_size, H, bias=False)
+        self.layers = nn.ModuleList([Eagle3Layer(spec)])
+        self.norm = RMSNorm(H, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(H, spec.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
+        if spec.embedding == "drafter":
+            self.embed_tokens = nn.Embedding(spec.target_vocab_size, H)
+        else:
+            # the target's table, held outside the module tree so it is not a second copy in state_dict
+            object.__setattr__(self, "embed_tokens", target_embed)
+        self.cache: KVCache | None = None
+
+    @torch.inference_mode()
+    def reset(self, max_len: int) -> None:
+        """Room for `max_len` positions; empties the cache."""
+        s, w = self.spec, self.lm_head.weight
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = KVCache(1, s.num_kv_heads, s.head_dim, max_len, w.dtype, w.device)
+            self.cos, self.sin = rope_tables(rope_inv_freq(s.head_dim, s.rope_theta, s.rope_scaling),
+                                             max_len, w.dtype, w.device)
+            self.draft_to_target = torch.arange(s.draft_vocab_size, device=w.device) + self.d2t
+        self.cache.length = 0
+
+    def step(self, h: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        """h: [T, H] features (or own hidden states), tokens: [T] target ids of the next positions.
+        Appends T positions to the cache. Returns the output hidden states [T, H] (pre-norm) and
+        the draft-vocab logits of the last position [1, Vd]."""
+        cache, T = self.cache, tokens.shape[0]
+        start = cache.length
+        pos = cache.slots[start : start + T]
+        out = self.layers[0](self.embed_tokens(tokens), h, self.cos[pos, None], self.sin[pos, None],
+                             cache.k[0], cache.v[0], start, cache.mask(T, None))
+        cache.length = start + T
+        return out, self.lm_head(self.norm(out[-1:])).float()
+
+    def choose(self, logits: Tensor, sampler) -> tuple[Tensor, Tensor | None]:
+        """Draft-vocab logits [1, Vd] -> (target id [1], distribution over the target vocab [1, Vt] or None)."""
+        if sampler is None:
+            return self.draft_to_target[logits.argmax(-1)], None
+        q = sampler.probs(logits)  # [1, Vd]
+        d = sampler.sample(q)
+        q_target = q.new_zeros(1, self.spec.target_vocab_size).index_copy_(1, self.draft_to_target, q)
+        return self.draft_to_target[d], q_target
+
+    @torch.inference_mode()
+    def propose(self, context: Tensor, feats: Tensor, draft_len: int, sampler=None) -> Draft:
+        """context: [n] all tokens so far; feats: [r, n_aux·Ht] target features of the r positions
+        committed since the last call (their next tokens are the last r of context).
+        Greedy when sampler is None. The draft steps' cache slots are dropped before returning."""
+        r = feats.shape[0]
+        h, logits = self.step(self.fc(feats), context[-r:])
+        committed = self.cache.length
+        tokens, probs = [], []
+        for i in range(draft_len):
+            if i:
+                h, logits = self.step(h[-1:], tokens[-1])
+            tok, q = self.choose(logits, sampler)
+            tokens.append(tok)
+            probs.append(q)
+        self.cache.length = committed
+        if not tokens:
+            return Draft(context[:0], None)
+        return Draft(torch.cat(tokens), torch.cat(probs) if sampler is not None else None)
+
+
+def _vocab_map_problems(d2t: Tensor, t2d: Tensor | None, s: Eagle3Spec) -> list[str]:
+    ids = torch.arange(s.draft_vocab_size) + d2t
+    problems = []
+    if ((ids < 0) | (ids >= s.target_vocab_size)).any():
+        problems.append(f"d2t maps draft ids outside the target vocab of {s.target_vocab_size}")
+    elif len(torch.unique(ids)) != len(ids):
+        problems.append("d2t maps two draft ids to the same target id")
+    elif t2d is not None and (t2d.shape != (s.target_vocab_size,) or not bool(t2d[ids].all())
+                              or int(t2d.sum()) != s.draft_vocab_size):
+        problems.append("t2d does not mark exactly the target ids d2t maps to")
+    return problems
+
+
+def load_eagle3(params: dict | None, drafter_dir, target) -> Eagle3Drafter:
+    """Load a canonical EAGLE-3 drafter dir for `target` (our Transformer), on its device and dtype.
+    `params` entries override config.json fields. Every mismatch is reported at once."""
+    from specpack.runtime.weights import assign_weights, check_shapes, checkpoint_files, read_tensors, tensor_shapes
+    from specpack.runtime.weights import fuse_layer
+
+    drafter_dir = Path(drafter_dir)
+    if not (drafter_dir / "config.json").is_file():
+        raise InputError(f"no config.json in drafter dir {drafter_dir}")
+    spec = eagle3_spec_from_config({**json.loads((drafter_dir / "config.json").read_text()), **(params or {})})
+    t = target.spec
+    problems = [f"{name} is {mine}, the target's is {theirs}" for name, mine, theirs in [
+        ("target_hidden_size", spec.target_hidden_size, t.hidden_size),
+        ("target_vocab_size", spec.target_vocab_size, t.vocab_size)] if mine != theirs]
+    problems += [f"aux layer id {i} is not a layer of the {t.num_layers}-layer target"
+                 for i in spec.aux_layer_ids if not 0 <= i < t.num_layers]
+    if spec.embedding == "target" and spec.hidden_size != t.hidden_size:
+        problems.append(f"the head (hidden {spec.hidden_size}) cannot use the target's embedding ({t.hidden_size})")
+    files = checkpoint_files(drafter_dir)
+    try:
+        check_shapes(tensor_shapes(files), eagle3_tensor_shapes(spec), f"EAGLE-3 drafter {drafter_dir}")
+    except InputError as e:
+        problems += e.problems
+    if problems:
+        raise InputError(f"drafter {drafter_dir} does not fit this target", problems=problems,
+                         hint="the drafter must be converted for exactly this target model")
+    names = list(eagle3_tensor_shapes(spec)) + (["t2d"] if "t2d" in files else [])
+    w = read_tensors(files, names)
+    vocab_problems = _vocab_map_problems(w["d2t"], w.get("t2d"), spec)
+    if vocab_problems:
+        raise InputError(f"drafter {drafter_dir} has a broken vocabulary map", problems=vocab_problems)
+    state = {k: v for k, v in w.items() if not k.startswith("layers.") and k != "t2d"}
+    state.update(fuse_layer(w, "layers.0.", "layers.0."))
+    with torch.device("meta"):
+        head = Eagle3Drafter(spec, target.embed_tokens)
+    return assign_weights(head, state, target.device, target.dtype)

@@ -1,0 +1,75 @@
+"""`SpecModel`: one module whose submodules are the target and its drafter; plus the loaders."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+from torch import nn
+
+from specpack.errors import InputError, UnsupportedError
+from specpack.runtime.eagle3 import load_eagle3
+from specpack.runtime.model import Transformer
+from specpack.runtime.ngram import load_ngram
+from specpack.runtime.sampling import SamplingParams
+from specpack.runtime.speculative import MAX_DRAFT_LEN, GenerationResult, generate as run_loop
+from specpack.runtime.weights import load_target
+
+# kind -> loader(params: dict | None, drafter_dir: path | None, target: Transformer) -> drafter module
+DRAFTERS = {"eagle3": load_eagle3, "ngram": load_ngram}
+
+__all__ = ["SpecModel", "load_target", "load_drafter", "DRAFTERS", "MAX_DRAFT_LEN"]
+
+
+def load_drafter(kind: str, params: dict | None, drafter_dir, target: Transformer) -> nn.Module:
+    """The drafter of `kind` for `target`, from a canonical drafter dir (None for n-gram defaults)."""
+    if kind not in DRAFTERS:
+        raise UnsupportedError(f"drafter kind {kind!r} is not supported by the torch runtime",
+                               hint="supported: " + ", ".join(DRAFTERS))
+    return DRAFTERS[kind](params, drafter_dir, target)
+
+
+class SpecModel(nn.Module):
+    """A target and its drafter run as one model: draft, verify in one forward, accept, roll back."""
+
+    def __init__(self, target: Transformer, drafter: nn.Module | None = None, context_length: int | None = None):
+        super().__init__()
+        self.target = target
+        self.drafter = drafter
+        self.context_length = min(context_length or target.spec.context_length, target.spec.context_length)
+
+    def _check(self, prompt: list[int], max_new_tokens: int, draft_len: int, speculative: bool) -> None:
+        vocab = self.target.spec.vocab_size
+        if not prompt:
+            raise InputError("the prompt is empty", hint="give at least one token (e.g. BOS)")
+        bad = [t for t in prompt if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"prompt token ids outside the vocabulary of {vocab}: {bad[:10]}")
+        if len(prompt) >= self.context_length:
+            raise InputError(f"the prompt has {len(prompt)} tokens but the context holds {self.context_length}",
+                             hint="shorten the prompt: at least one new token needs room")
+        if not (isinstance(draft_len, int) and 1 <= draft_len <= MAX_DRAFT_LEN):
+            raise InputError(f"draft length {draft_len!r} is out of range", hint=f"use 1..{MAX_DRAFT_LEN}")
+        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+            raise InputError(f"max_new_tokens {max_new_tokens!r} must be a positive integer")
+        if speculative and self.drafter is None:
+            raise InputError("speculative decoding needs a drafter", hint="pass speculative=False or load one")
+
+    def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 128, draft_len: int = 4,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                 eos_ids: Sequence[int] | None = None, stop: Sequence[Sequence[int]] | None = None,
+                 speculative: bool = True, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+        """Generate up to `max_new_tokens` after `prompt_ids`.
+
+        Greedy (temperature 0) output is token-identical with and without speculation; sampling
+        keeps the target's distribution. `eos_ids` defaults to the target's; `stop` lists token-id
+        sequences that end generation; `on_tokens` receives each step's new tokens. The result's
+        tokens include a final EOS / stop sequence; see GenerationStats for the counters."""
+        prompt = prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else [int(t) for t in prompt_ids]
+        sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
+        self._check(prompt, max_new_tokens, draft_len, speculative)
+        eos = self.target.spec.eos_token_ids if eos_ids is None else tuple(eos_ids)
+        with torch.inference_mode():
+            prompt_t = torch.tensor(prompt, dtype=torch.long, device=self.target.device)
+            return run_loop(self.target, self.drafter, prompt_t, max_new_tokens, draft_len, sampling,
+                            seed, eos, stop, speculative, on_tokens, self.context_length)

@@ -1,0 +1,149 @@
+"""Load safetensors checkpoints (single file or sharded) by memory-mapping them, and check every tensor.
+
+Only fused matrices (q/k/v, gate/up) and dtype or device changes make copies; everything else stays
+a view of the mapped file until used.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from specpack.errors import InputError
+from specpack.runtime.config import TargetSpec, load_target_spec
+
+log = logging.getLogger(__name__)
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+
+
+def checkpoint_files(model_dir: Path) -> dict[str, Path]:
+    """tensor name -> the safetensors file holding it (from the index when sharded)."""
+    from safetensors import safe_open
+
+    model_dir = Path(model_dir)
+    if (model_dir / INDEX).is_file():
+        weight_map = json.loads((model_dir / INDEX).read_text()).get("weight_map", {})
+        files = {name: model_dir / f for name, f in weight_map.items()}
+        missing = sorted({str(p.name) for p in files.values() if not p.is_file()})
+        if missing:
+            raise InputError(f"{model_dir / INDEX} names shard files that are missing", problems=missing,
+                             hint="download the complete checkpoint")
+        return files
+    if (model_dir / SINGLE).is_file():
+        with safe_open(model_dir / SINGLE, framework="pt") as f:
+            return {name: model_dir / SINGLE for name in f.keys()}
+    hint = ("convert pytorch_model.bin to safetensors first" if (model_dir / "pytorch_model.bin").exists()
+            else "expected model.safetensors or model.safetensors.index.json")
+    raise InputError(f"no safetensors checkpoint in {model_dir}", hint=hint)
+
+
+def tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
+    """Shapes from the safetensors headers, without reading any data."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for path in sorted(set(files.values())):
+        with safe_open(path, framework="pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys() if files.get(k) == path})
+    return shapes
+
+
+def check_shapes(found: dict[str, tuple], expected: dict[str, tuple], what: str) -> None:
+    """Raise one InputError naming every missing tensor and every shape mismatch."""
+    problems = [f"missing tensor {name} (expected shape {list(shape)})"
+                for name, shape in expected.items() if name not in found]
+    problems += [f"tensor {name} has shape {list(found[name])}, expected {list(shape)}"
+                 for name, shape in expected.items() if name in found and tuple(found[name]) != tuple(shape)]
+    if problems:
+        raise InputError(f"{what} does not match its config ({len(problems)} problems)", problems=problems,
+                         hint="the checkpoint and config.json must come from the same model")
+
+
+def read_tensors(files: dict[str, Path], names) -> dict[str, Tensor]:
+    """The named tensors, memory-mapped (safetensors maps the file; get_tensor does not copy)."""
+    from safetensors import safe_open
+
+    out, by_file = {}, {}
+    for name in names:
+        by_file.setdefault(files[name], []).append(name)
+    for path, group in by_file.items():
+        with safe_open(path, framework="pt") as f:
+            out.update({name: f.get_tensor(name) for name in group})
+    return out
+
+
+def target_tensor_shapes(s: TargetSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor a transformers checkpoint of this target must hold, with its shape."""
+    H, hd, q, kv = s.hidden_size, s.head_dim, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    shapes = {"model.embed_tokens.weight": (s.vocab_size, H), "model.norm.weight": (H,)}
+    if not s.tie_word_embeddings:
+        shapes["lm_head.weight"] = (s.vocab_size, H)
+    for i in range(s.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                       p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                       p + "mlp.gate_proj.weight": (s.intermediate_size, H),
+                       p + "mlp.up_proj.weight": (s.intermediate_size, H),
+                       p + "mlp.down_proj.weight": (H, s.intermediate_size),
+                       p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
+        if s.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if s.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (H,)
+        if s.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def fuse_layer(t: dict[str, Tensor], src: str, dst: str) -> dict[str, Tensor]:
+    """One decoder layer's tensors `src*` (transformers names) as our fused `dst*` parameters."""
+    out = {}
+    for kind in ("weight", "bias"):
+        qkv = [t.get(f"{src}self_attn.{p}_proj.{kind}") for p in "qkv"]
+        if qkv[0] is not None:
+            out[f"{dst}self_attn.qkv_proj.{kind}"] = torch.cat(qkv)
+    out[f"{dst}mlp.gate_up_proj.weight"] = torch.cat([t[f"{src}mlp.gate_proj.weight"], t[f"{src}mlp.up_proj.weight"]])
+    plain = ["self_attn.o_proj.weight", "self_attn.o_proj.bias", "self_attn.q_norm.weight",
+             "self_attn.k_norm.weight", "mlp.down_proj.weight", "input_layernorm.weight",
+             "post_attention_layernorm.weight", "hidden_norm.weight"]
+    out.update({dst + name: t[src + name] for name in plain if src + name in t})
+    return out
+
+
+def assign_weights(model: torch.nn.Module, state: dict[str, Tensor], device, dtype) -> torch.nn.Module:
+    """Move each tensor to device/dtype (no copy when they already match) and assign it in place of
+    the module's meta parameters; integer/bool buffers keep their dtype."""
+    moved = {}  # by id, so a tied embedding/lm_head stays one tensor on the device
+    for v in state.values():
+        if id(v) not in moved:
+            moved[id(v)] = v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+    state = {k: moved[id(v)] for k, v in state.items()}
+    model.load_state_dict(state, strict=True, assign=True)
+    return model.requires_grad_(False).eval()
+
+
+def load_target(model_dir, device="cpu", dtype=torch.float32):
+    """Build our `Transformer` from a transformers model directory (config.json + safetensors)."""
+    from specpack.runtime.model import Transformer
+
+    spec = load_target_spec(model_dir)
+    files = checkpoint_files(Path(model_dir))
+    expected = target_tensor_shapes(spec)
+    check_shapes(tensor_shapes(files), expected, f"target checkpoint {model_dir}")
+    unused = sorted(set(files) - set(expected) - {"lm_head.weight"})
+    if unused:
+        log.info("ignoring %d tensors not used by %s: %s", len(unused), spec.architecture, unused[:5])
+    t = read_tensors(files, expected)
+    state = {"embed_tokens.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"],
+             "lm_head.weight": t["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]}
+    for i in range(spec.num_layers):
+        state.update(fuse_layer(t, f"model.layers.{i}.", f"layers.{i}."))
+    with torch.device("meta"):
+        model = Transformer(spec)
+    return assign_weights(model, state, device, dtype)

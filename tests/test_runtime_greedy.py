@@ -1,0 +1,111 @@
+"""Greedy speculative decoding is token-identical to plain decoding, whatever the drafter."""
+
+import pytest
+import torch
+
+import eagle_fixtures as ef
+import tiny
+from eagle_fixtures import one_thread, target_dir  # noqa: F401
+from specpack.runtime.ngram import lookup
+from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
+
+NEW = 32
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_target(target_dir("llama"))
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    """24 prompts: prefixes of the sequences the trained head learned from, of varied length."""
+    seqs = ef.greedy_sequences(tiny.build_model("llama"), ef.training_prompts(), 12)
+    return [seqs[i, : 8 + i % 5].tolist() for i in range(24)]
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompts):
+    plain = SpecModel(target)
+    return [plain.generate(p, NEW, speculative=False, eos_ids=()).tokens for p in prompts]
+
+
+@pytest.fixture(scope="module", params=["ngram", "eagle3-random", "eagle3-trained"])
+def spec_model(request, target, tmp_path_factory):
+    if request.param == "ngram":
+        drafter = load_drafter("ngram", {"min_n": 1, "max_n": 3}, None, target)
+    elif request.param == "eagle3-random":
+        drafter = load_drafter("eagle3", None, ef.random_head(tmp_path_factory.mktemp("h"), target_dir("llama")), target)
+    else:
+        drafter = load_drafter("eagle3", None, ef.trained_head("llama"), target)
+    return request.param, SpecModel(target, drafter)
+
+
+def test_greedy_identical(spec_model, prompts, reference):
+    kind, model = spec_model
+    stats = []
+    for i, (prompt, want) in enumerate(zip(prompts, reference)):
+        got = model.generate(prompt, NEW, draft_len=1 + i % 8, eos_ids=())
+        assert got.tokens == want, f"prompt {i}, draft length {1 + i % 8}"
+        assert got.finish_reason == "length"
+        stats.append(got.stats)
+    al = sum(s.acceptance_length for s in stats) / len(stats)
+    assert {"ngram": 1.3 < al, "eagle3-random": al < 1.2, "eagle3-trained": al > 2.5}[kind], al
+
+
+def test_eos_inside_an_accepted_draft(spec_model, prompts, reference):
+    _, model = spec_model
+    cut = 0
+    for i, (prompt, want) in enumerate(zip(prompts, reference)):
+        eos = want[6 + i % 7]  # a token the model emits; stop at its first occurrence
+        expect = want[: want.index(eos) + 1]
+        chunks = []
+        got = model.generate(prompt, NEW, draft_len=8, eos_ids=[eos], on_tokens=chunks.append)
+        assert got.tokens == expect and got.finish_reason == "eos"
+        assert sum(chunks, []) == expect
+        s = got.stats
+        cut += 1 + s.steps + s.accepted > s.new_tokens  # accepted tokens after the EOS were dropped
+    if spec_model[0] != "eagle3-random":
+        assert cut > 0, "no prompt put the EOS inside an accepted draft"
+
+
+def test_max_tokens_and_context_mid_draft(spec_model, prompts, reference):
+    _, model = spec_model
+    for n in range(1, 12):
+        got = model.generate(prompts[n], n, draft_len=8, eos_ids=())
+        assert got.tokens == reference[n][:n] and got.finish_reason == "length"
+    short = SpecModel(model.target, model.drafter, context_length=len(prompts[0]) + 7)
+    got = short.generate(prompts[0], NEW, draft_len=5, eos_ids=())
+    assert got.tokens == reference[0][:7] and got.finish_reason == "context"
+
+
+def test_stop_sequence(target, prompts, reference):
+    model = SpecModel(target, load_drafter("ngram", None, None, target))
+    want = reference[3]
+    stop = want[9:11]
+    got = model.generate(prompts[3], NEW, draft_len=4, eos_ids=(), stop=[stop])
+    end = next(i for i in range(len(want)) if want[i - 1 : i + 1] == stop) + 1
+    assert got.tokens == want[:end] and got.finish_reason == "stop"
+
+
+def test_stats_add_up(target, prompts):
+    model = SpecModel(target, load_drafter("eagle3", None, ef.trained_head("llama"), target))
+    s = model.generate(prompts[0], NEW, draft_len=4, eos_ids=()).stats
+    assert s.new_tokens == NEW == 1 + s.steps + s.accepted
+    assert s.acceptance_length == pytest.approx(1 + s.accepted / s.steps)
+    assert s.position_tried[0] == s.steps and s.position_accepted[0] <= s.steps
+    assert all(0 <= r <= 1 for r in s.position_acceptance) and len(s.position_acceptance) == 4
+    assert s.draft_s > 0 and s.verify_s > 0 and s.tokens_per_s > 0
+    assert set(s.to_dict()) >= {"acceptance_length", "position_acceptance", "tokens_per_s", "draft_s", "verify_s"}
+    plain = model.generate(prompts[0], NEW, speculative=False, eos_ids=()).stats
+    assert plain.steps == NEW - 1 and plain.acceptance_length == 1.0
+
+
+def test_ngram_lookup():
+    t = torch.tensor
+    assert lookup(t([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3]), 1, 3, 2).tolist() == [4, 5]  # most recent occurrence
+    assert lookup(t([7, 8, 5, 1, 2, 9, 2]), 1, 3, 3).tolist() == [9, 2, 9]  # 1-gram; copy runs on
+    assert lookup(t([4, 4, 4, 4]), 2, 3, 5).tolist() == [4, 4, 4, 4, 4]
+    assert lookup(t([1, 2, 3, 4]), 1, 3, 3).tolist() == []
+    assert lookup(t([5]), 1, 3, 3).tolist() == []
+    assert lookup(t([1, 2, 3, 1, 2, 3, 1, 2]), 3, 3, 4).tolist() == [3, 1, 2, 3]

@@ -1,0 +1,123 @@
+"""Speculative sampling keeps the target's distribution; a wrong accept rule is caught by the same test."""
+
+import math
+
+import pytest
+import torch
+
+from eagle_fixtures import one_thread  # noqa: F401
+from specpack.runtime import speculative
+from specpack.runtime.config import target_spec_from_config
+from specpack.runtime.eagle3 import Eagle3Drafter, eagle3_spec_from_config
+from specpack.runtime.model import Transformer
+from specpack.runtime.ngram import NgramDrafter
+from specpack.runtime.sampling import SamplingParams, process_logits
+from specpack.runtime.spec_model import SpecModel
+
+V = 4  # a tiny vocab: the first 3 tokens have V**3 = 64 outcomes
+PROMPT = [0, 1, 2, 3, 0, 1, 2]  # repeats, so the n-gram drafter proposes
+RUNS = 600
+
+
+@pytest.fixture(scope="module")
+def target():
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_hidden_layers": 2,
+           "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": V,
+           "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    return Transformer(target_spec_from_config(cfg)).requires_grad_(False)
+
+
+@pytest.fixture(scope="module")
+def eagle(target):
+    cfg = {"kind": "eagle3", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "rms_norm_eps": 1e-5, "target_hidden_size": 32, "aux_layer_ids": [0, 1, 1],
+           "draft_vocab_size": 3, "target_vocab_size": V}
+    torch.manual_seed(1)
+    head = Eagle3Drafter(eagle3_spec_from_config(cfg), target.embed_tokens).requires_grad_(False)
+    with torch.no_grad():
+        head.d2t.copy_(torch.tensor([0, 2, 3]) - torch.arange(3))  # token 1 is outside the draft vocab
+        head.lm_head.weight.mul_(3)  # a confident head, unlike the target
+    return head
+
+
+def exact_distribution(target, params):
+    """P(first three tokens) under the target alone: [V, V, V]."""
+    def dist(seq):
+        target.setup_cache(16)
+        return process_logits(target(torch.tensor(seq)).logits[-1:], params)[0]
+
+    p = torch.zeros(V, V, V)
+    first = dist(PROMPT)
+    for a in range(V):
+        second = dist(PROMPT + [a])
+        for b in range(V):
+            p[a, b] = first[a] * second[b] * dist(PROMPT + [a, b])
+    return p.flatten()
+
+
+def chi_square(model, params, exact, speculative_on=True):
+    """Pearson's statistic of RUNS seeded samples against `exact` (cells expecting < 5 pooled),
+    and the critical value at significance 1e-3 (Wilson–Hilferty)."""
+    counts = torch.zeros(V, V, V)
+    for seed in range(RUNS):
+        r = model.generate(PROMPT, 3, draft_len=2, temperature=params.temperature, top_k=params.top_k,
+                           top_p=params.top_p, seed=seed, eos_ids=(), speculative=speculative_on)
+        counts[tuple(r.tokens)] += 1
+    expected, counts = exact * RUNS, counts.flatten()
+    small = expected < 5
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    counts = torch.cat([counts[~small], counts[small].sum()[None]])
+    stat = float(((counts - expected) ** 2 / expected.clamp_min(1e-9)).sum())
+    df = len(expected) - 1
+    critical = df * (1 - 2 / (9 * df) + 3.09 * math.sqrt(2 / (9 * df))) ** 3
+    return stat, critical
+
+
+def always_accept(draft, q, p, generator):
+    """A deliberately wrong rule: keep every draft, then sample the bonus."""
+    k = draft.shape[0]
+    return k, draft.tolist() + torch.multinomial(p[k], 1, generator=generator).tolist()
+
+
+PARAMS = {"t1": SamplingParams(temperature=1.0), "t0.7-k3-p0.9": SamplingParams(temperature=0.7, top_k=3, top_p=0.9)}
+
+
+@pytest.fixture(scope="module", params=["eagle3", "ngram"])
+def drafter(request, eagle):
+    return eagle if request.param == "eagle3" else NgramDrafter(1, 3)
+
+
+def test_plain_sampling_matches_the_exact_distribution(target):
+    stat, critical = chi_square(SpecModel(target), PARAMS["t1"], exact_distribution(target, PARAMS["t1"]), False)
+    assert stat < critical
+
+
+@pytest.mark.parametrize("name", PARAMS)
+def test_speculative_sampling_keeps_the_distribution(target, drafter, name):
+    stat, critical = chi_square(SpecModel(target, drafter), PARAMS[name], exact_distribution(target, PARAMS[name]))
+    assert stat < critical
+
+
+def test_the_bound_rejects_a_wrong_accept_rule(target, drafter, monkeypatch):
+    monkeypatch.setattr(speculative, "accept_sampled", always_accept)
+    stat, critical = chi_square(SpecModel(target, drafter), PARAMS["t1"], exact_distribution(target, PARAMS["t1"]))
+    assert stat > 5 * critical
+
+
+def test_process_logits():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    assert torch.allclose(process_logits(logits, SamplingParams(1.0)), logits.softmax(-1))
+    assert torch.allclose(process_logits(logits, SamplingParams(0.5)), (logits / 0.5).softmax(-1))
+    top2 = process_logits(logits, SamplingParams(1.0, top_k=2))
+    assert (top2[0, 2:] == 0).all() and torch.allclose(top2[0, :2], logits[0, :2].softmax(-1))
+    p = logits.softmax(-1)[0]  # ≈ [0.61, 0.22, 0.14, 0.03, 0.004]
+    nucleus = process_logits(logits, SamplingParams(1.0, top_p=0.8))
+    assert (nucleus[0, :2] > 0).all() and (nucleus[0, 2:] == 0).all() and p[0] < 0.8 < p[:2].sum()
+    assert (process_logits(logits, SamplingParams(1.0, top_p=0.5))[0, 1:] == 0).all()
+
+
+def test_sampling_is_reproducible(target, eagle):
+    model = SpecModel(target, eagle)
+    runs = [model.generate(PROMPT, 12, draft_len=3, temperature=1.0, seed=7, eos_ids=()).tokens for _ in range(2)]
+    assert runs[0] == runs[1]
