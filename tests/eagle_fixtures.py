@@ -6,9 +6,11 @@ ops and no KV cache: every draft step recomputes the whole sequence.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import math
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -32,10 +34,17 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+def session_dir(prefix: str) -> Path:
+    """A temp dir removed when the test session's process exits (for lru_cached fixtures)."""
+    path = Path(tempfile.mkdtemp(prefix=prefix))
+    atexit.register(shutil.rmtree, path, True)
+    return path
+
+
 @functools.lru_cache(maxsize=None)
 def target_dir(family: str = "llama", shards: int = 1) -> Path:
     """A tiny target model dir of `family` (seed 0, the weights of tiny.build_model), made once per session."""
-    return tiny.make_target(Path(tempfile.mkdtemp(prefix=f"target-{family}-")), family, shards=shards)
+    return tiny.make_target(session_dir(f"target-{family}-"), family, shards=shards)
 
 
 def head_config(target_cfg: dict, draft_vocab: int, aux=AUX, embedding="target", **over) -> dict:
@@ -123,7 +132,8 @@ def ref_layer(w: dict, cfg: dict, emb, h, positions):
     residual = _rms(h, w[p + "hidden_norm.weight"]) if cfg["norm_before_residual"] else h
     h = residual + attn
     m = _rms(h, w[p + "post_attention_layernorm.weight"])
-    mlp = (F.silu(m @ w[p + "mlp.gate_proj.weight"].T) * (m @ w[p + "mlp.up_proj.weight"].T)) @ w[p + "mlp.down_proj.weight"].T
+    gate, up = m @ w[p + "mlp.gate_proj.weight"].T, m @ w[p + "mlp.up_proj.weight"].T
+    mlp = (F.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
     return h + mlp
 
 
@@ -131,7 +141,7 @@ def ref_logits(w, out):
     return _rms(out, w["norm.weight"]) @ w["lm_head.weight"].T
 
 
-def ref_draft(w: dict, cfg: dict, embed: torch.Tensor, aux: torch.Tensor, next_tokens: torch.Tensor, D: int) -> list[int]:
+def ref_draft(w: dict, cfg: dict, embed, aux: torch.Tensor, next_tokens: torch.Tensor, D: int) -> list[int]:
     """Greedy draft of D tokens (target ids). aux [P, n_aux·Ht]: target features of positions 0..P-1;
     next_tokens [P]: x_1..x_P. Recomputes the whole sequence at every step."""
     d2t_ids = torch.arange(cfg["draft_vocab_size"]) + w["d2t"]
@@ -201,4 +211,4 @@ def trained_head(family: str = "llama", steps: int = 150, draft_vocab: int = 256
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return write_head(Path(tempfile.mkdtemp(prefix="eagle3-trained-")), cfg, {k: v.detach() for k, v in w.items()})
+    return write_head(session_dir("eagle3-trained-"), cfg, {k: v.detach() for k, v in w.items()})

@@ -35,7 +35,8 @@ def spec_model(request, target, tmp_path_factory):
     if request.param == "ngram":
         drafter = load_drafter("ngram", {"min_n": 1, "max_n": 3}, None, target)
     elif request.param == "eagle3-random":
-        drafter = load_drafter("eagle3", None, ef.random_head(tmp_path_factory.mktemp("h"), target_dir("llama")), target)
+        head = ef.random_head(tmp_path_factory.mktemp("h"), target_dir("llama"))
+        drafter = load_drafter("eagle3", None, head, target)
     else:
         drafter = load_drafter("eagle3", None, ef.trained_head("llama"), target)
     return request.param, SpecModel(target, drafter)

@@ -86,8 +86,10 @@ def test_spec_reads_families_and_both_rope_formats():
         assert spec.attention_bias == (family == "qwen2") and spec.qk_norm == (family == "qwen3")
         assert spec.tie_word_embeddings == (family == "smollm")
         assert spec.head_dim == (32 if family == "qwen3" else 16)
+        assert spec.kv_bytes_per_token() == 2 * 6 * 2 * spec.head_dim * 4
     new = target_spec_from_config(tiny.read_json(target_dir("llama3") / "config.json"))
-    old_cfg = {k: v for k, v in tiny.read_json(target_dir("llama3") / "config.json").items() if k != "rope_parameters"}
+    old_cfg = tiny.read_json(target_dir("llama3") / "config.json")
+    del old_cfg["rope_parameters"]
     old = target_spec_from_config({**old_cfg, "rope_theta": 500000.0, "rope_scaling": {
         "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}})

@@ -56,6 +56,10 @@ class TargetSpec:
     bos_token_id: int | None = None
     dtype: str | None = None  # the checkpoint's declared dtype
 
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """KV cache bytes one token takes (keys and values of every layer)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
+
     def to_dict(self) -> dict:
         return asdict(self)
 

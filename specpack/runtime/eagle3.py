@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpack.errors import InputError
@@ -41,6 +40,10 @@ class Eagle3Spec:
     target_vocab_size: int
     embedding: str  # "target" (the target's embed_tokens) or "drafter" (its own)
     norm_before_residual: bool
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """KV cache bytes one token takes in the head's one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
 def eagle3_spec_from_config(cfg: dict) -> Eagle3Spec:
@@ -126,6 +129,9 @@ class Eagle3Drafter(nn.Module):
             # the target's table, held outside the module tree so it is not a second copy in state_dict
             object.__setattr__(self, "embed_tokens", target_embed)
         self.cache: KVCache | None = None
+        self.register_buffer("cos", None, persistent=False)  # [max_len, hd] RoPE tables, with the cache
+        self.register_buffer("sin", None, persistent=False)
+        self.register_buffer("draft_to_target", None, persistent=False)  # [Vd] target id of each draft id
 
     @torch.inference_mode()
     def reset(self, max_len: int) -> None:

@@ -160,6 +160,8 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.cache: KVCache | None = None
+        self.register_buffer("cos", None, persistent=False)  # [max_len, hd] RoPE tables, with the cache
+        self.register_buffer("sin", None, persistent=False)
 
     @property
     def device(self) -> torch.device:

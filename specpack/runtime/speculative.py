@@ -102,7 +102,7 @@ class _Output:
     def __init__(self, prompt: Tensor, size: int, max_new: int, context: int, eos, stop, on_tokens):
         self.buf = torch.empty(size, dtype=torch.long, device=prompt.device)
         self.buf[: len(prompt)] = prompt
-        self.n, self.prompt_len, self.max_new, self.context = len(prompt), len(prompt), max_new, context
+        self.n, self.max_new, self.context = len(prompt), max_new, context
         self.eos, self.stop, self.on_tokens = set(eos), [list(s) for s in stop or () if s], on_tokens
         self.new: list[int] = []
         self.finish: str | None = None
@@ -146,25 +146,26 @@ def generate(target, drafter, prompt: Tensor, max_new_tokens: int, draft_len: in
     sampler = Sampler(sampling, target.device, seed)
     out = _Output(prompt, size + 1, max_new_tokens, context, eos_ids, stop, on_tokens)
 
-    res = target(prompt, capture=capture)  # prefill
+    res = target(prompt, capture=capture, last_only=True)  # prefill
     feats = res.aux
     out.emit(sampler.pick(res.logits[-1:]).tolist())
     stats.prefill_s = clock() - t_start
 
+    no_draft = Draft(out.buf[:0], None)
     while not out.finish:
-        t0 = clock()
-        n, k = out.n, min(draft_len, out.budget - 1) if speculative else 0
+        n, t0 = out.n, clock()
+        k = min(draft_len, out.budget - 1)  # never draft past what may still be emitted
         draft = drafter.propose(out.buf[:n], feats, k, None if sampling.greedy else sampler) if speculative \
-            else Draft(out.buf[:0], None)
+            else no_draft
         t1 = clock()
-        start = target.cache.length  # == n - 1
-        res = target(torch.cat([out.buf[n - 1 : n], draft.tokens]), capture=capture)  # [1 + k] positions
+        start = target.cache.length  # n - 1: all but the last token
+        res = target(torch.cat([out.buf[n - 1 : n], draft.tokens]), capture=capture)  # verify 1 + k positions
         if sampling.greedy:
             a, new = accept_greedy(draft.tokens, res.logits)
         else:
             a, new = accept_sampled(draft.tokens, draft.probs, sampler.probs(res.logits), sampler.generator)
-        target.cache.length = start + a + 1  # roll back: drop the rejected drafts' slots
-        feats = res.aux[: a + 1] if res.aux is not None else None
+        target.cache.length = start + a + 1  # roll back: the rejected drafts' slots are dropped
+        feats = None if res.aux is None else res.aux[: a + 1]  # features of the newly committed positions
         out.emit(new)
         t2 = clock()
         stats.count(len(draft.tokens), a)
