@@ -110,3 +110,14 @@ def test_ngram_lookup():
     assert lookup(t([1, 2, 3, 4]), 1, 3, 3).tolist() == []
     assert lookup(t([5]), 1, 3, 3).tolist() == []
     assert lookup(t([1, 2, 3, 1, 2, 3, 1, 2]), 3, 3, 4).tolist() == [3, 1, 2, 3]
+
+
+def test_half_precision_runs(prompts):
+    """bf16 weights, caches and features run end to end (exactness is per precision: not compared)."""
+    target = load_target(target_dir("llama"), dtype=torch.bfloat16)
+    assert target.lm_head.weight.dtype == torch.bfloat16
+    model = SpecModel(target, load_drafter("eagle3", None, ef.trained_head("llama"), target))
+    assert model.drafter.fc.weight.dtype == torch.bfloat16
+    for temperature in (0.0, 1.0):
+        got = model.generate(prompts[0], 12, draft_len=4, temperature=temperature, seed=0, eos_ids=())
+        assert len(got.tokens) == 12
