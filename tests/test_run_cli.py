@@ -1,0 +1,82 @@
+"""`specpack run`: verified load, streaming text, --json figures, lossless greedy, clear errors."""
+
+import json
+
+import pytest
+
+PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def ngram_artifact(tmp_path_factory, tiny_target):
+    from specpack.packager import BuildOptions, NgramParams, build
+
+    out = tmp_path_factory.mktemp("run") / "art"
+    build(BuildOptions(target=tiny_target, drafter="ngram", out=out, ngram=NgramParams(1, 3, 4)))
+    return out
+
+
+def _run_json(cli, *args):
+    code, out, err = cli("run", *args, "--json")
+    assert code == 0, out + err
+    return json.loads(out)
+
+
+def test_run_json_greedy_equals_no_spec(ngram_artifact, cli):
+    spec = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "40")
+    plain = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "40", "--no-spec")
+    assert spec["token_ids"] == plain["token_ids"] and spec["text"] == plain["text"]
+    for key in ("text", "token_ids", "acceptance_length", "per_position_acceptance", "tokens_per_s",
+                "draft_len", "steps"):
+        assert key in spec
+    assert spec["draft_len"] == 4 and spec["speculative"] is True
+    assert spec["acceptance_length"] == 1 + spec["accepted"] / spec["steps"]
+    assert plain["acceptance_length"] == 1.0
+
+
+def test_run_streams_text_and_reports_figures(ngram_artifact, cli):
+    code, out, err = cli("run", ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "12")
+    assert code == 0, err
+    data = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "12")
+    assert out.rstrip("\n") == data["text"]
+    assert "tokens/s" in err and "acceptance length" in err and "per position" in err and "verify" in err
+
+
+def test_run_chat_and_prompt_file(ngram_artifact, cli, tmp_path):
+    f = tmp_path / "p.txt"
+    f.write_text("hello")
+    a = _run_json(cli, ngram_artifact, "--prompt-file", f, "--chat", "--max-new-tokens", "5")
+    b = _run_json(cli, ngram_artifact, "--prompt", "hello", "--chat", "--max-new-tokens", "5")
+    assert a["token_ids"] == b["token_ids"] and a["prompt_tokens"] > 3
+
+
+def test_stop_string_cuts_text(ngram_artifact, cli):
+    full = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "30", "--no-spec")
+    stop = full["text"][5:8]
+    cut = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "30", "--stop", stop)
+    assert cut["text"] == full["text"][: full["text"].find(stop)]
+
+
+@pytest.mark.parametrize("args, text", [
+    (["--prompt", ""], "the prompt is empty"),
+    (["--prompt", "x", "--draft-len", "0"], "draft length 0"),
+    (["--prompt", "x", "--draft-len", "99"], "draft length 99"),
+    (["--prompt", "x", "--temperature", "-1"], "temperature -1.0 is negative"),
+    (["--prompt", "word " * 600], "but the context holds 512"),
+])
+def test_bad_run_inputs(ngram_artifact, cli, args, text):
+    code, out, err = cli("run", ngram_artifact, *args)
+    assert code == 2, out + err
+    assert text in err and "Traceback" not in err
+
+
+def test_tampered_artifact_is_never_loaded(ngram_artifact, cli, tmp_path):
+    import shutil
+
+    art = tmp_path / "art"
+    shutil.copytree(ngram_artifact, art)
+    cfg = json.loads((art / "config.json").read_text())
+    cfg["num_hidden_layers"] = 7
+    (art / "config.json").write_text(json.dumps(cfg))
+    code, _, err = cli("run", art, "--prompt", "x")
+    assert code == 3 and "config.json: changed" in err
