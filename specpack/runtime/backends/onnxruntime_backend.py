@@ -1,0 +1,143 @@
+"""ONNX Runtime backend (CPU): the artifact's exported step graphs (`specpack export --to onnx`).
+
+The KV cache lives in torch tensors (`SlotCache`); every call binds the committed slots as the
+graph's `past_*` inputs and slots P..P+T of the same buffers as its `new_*` outputs (IOBinding),
+so ONNX Runtime reads the cache in place and writes the new keys and values where they belong: no
+copies, no allocation but the logits. Two intra-op threads by default (the machine class this
+targets has two cores; one pool at a time, see PERF-NOTES).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from specpack.errors import InputError, UnsupportedError
+from specpack.runtime.backends import GraphEagle3, GraphTarget, eagle3_files
+
+log = logging.getLogger(__name__)
+
+NAME = "onnxruntime"
+DEFAULT_THREADS = 2
+
+
+def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", threads: int = DEFAULT_THREADS):
+    """(target, drafter) running the exported graphs of the verified `artifact` on ONNX Runtime."""
+    from specpack.runtime.config import load_target_spec
+    from specpack.runtime.spec_model import load_drafter
+
+    if device != "cpu" or dtype != "float32":
+        raise UnsupportedError(f"the onnxruntime backend runs on cpu in float32, not {device}/{dtype}",
+                               hint="use --device cpu --dtype float32, or --backend tensorrt on a GPU")
+    artifact = Path(artifact)
+    index = require_export(artifact, manifest)
+    target = OrtTarget(artifact, index, load_target_spec(artifact), threads)
+    kind = manifest.drafter.kind
+    if kind == "eagle3":
+        spec, d2t = eagle3_files(artifact)
+        return target, OrtEagle3(artifact, index, spec, d2t, threads)
+    return target, load_drafter(kind, manifest.drafter.model_dump(exclude={"kind"}), None, None)
+
+
+def require_export(artifact: Path, manifest):
+    """The artifact's ONNX export index, or an error saying how to make one."""
+    from specpack.converters.onnx_export import read_index
+
+    index = read_index(artifact)
+    if index is None:
+        raise InputError(f"'{artifact}' has no ONNX export",
+                         hint=f"run `specpack export {artifact} --to onnx --key KEY.pem` first")
+    if index.drafter_kind != manifest.drafter.kind:
+        raise InputError(f"the ONNX export of '{artifact}' was made for a {index.drafter_kind} drafter, "
+                         f"the artifact has {manifest.drafter.kind}", hint="re-export with --force")
+    return index
+
+
+def session(path: Path, threads: int = DEFAULT_THREADS):
+    """An ONNX Runtime CPU session over `path` with `threads` intra-op threads and full graph optimisation."""
+    from specpack.runtime.api import require
+
+    ort = require("onnxruntime", "onnx")
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3  # the graphs' dynamic shapes make ORT warn about shape inference
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+_ELEMENT = {torch.float32: "float32", torch.int64: "int64", torch.bool: "bool"}
+
+
+class _Binder:
+    """IOBinding over torch CPU tensors: ONNX Runtime reads and writes their memory directly."""
+
+    def __init__(self, sess):
+        import numpy as np
+
+        self.sess, self.io = sess, sess.io_binding()
+        self.np = {t: np.dtype(n) for t, n in _ELEMENT.items()}
+        self._keep: list[Tensor] = []
+
+    def run(self, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        """Run with `inputs` (copied only when not contiguous) and write into `outputs` (must be)."""
+        self._keep = []
+        for name, t in inputs.items():
+            self.io.bind_input(name, "cpu", 0, self.np[t.dtype], tuple(t.shape), self._ptr(t.contiguous()))
+        for name, t in outputs.items():
+            if not t.is_contiguous():
+                raise ValueError(f"output {name} must be contiguous")  # a bug: results would be lost
+            self.io.bind_output(name, "cpu", 0, self.np[t.dtype], tuple(t.shape), self._ptr(t))
+        self.sess.run_with_iobinding(self.io)
+        self._keep = []
+
+    def _ptr(self, t: Tensor) -> int:
+        if t.numel() == 0:
+            t = torch.empty(1, dtype=t.dtype)  # an empty tensor may have no storage to point at
+        self._keep.append(t)  # alive until the run is over
+        return t.data_ptr()
+
+
+class OrtTarget(GraphTarget):
+    """The target step graph on ONNX Runtime, behaving like `Transformer` for the loop."""
+
+    def __init__(self, artifact: Path, index, spec, threads: int = DEFAULT_THREADS):
+        super().__init__(spec, index.aux_layer_ids, torch.device("cpu"), torch.float32)
+        graph = index.graph("target_step")
+        self.binder = _Binder(session(artifact / graph.path, threads))
+        self.names = [i.name for i in graph.inputs]
+        self.new_names = [o.name for o in graph.outputs if o.name.startswith("new_")]
+        self.aux_width = next((o.shape[1] for o in graph.outputs if o.name == "aux"), None)
+
+    def _run(self, tokens, positions, mask, rows):
+        T = tokens.shape[0]
+        outputs = {"logits": torch.empty(rows.shape[0], self.spec.vocab_size)}
+        if self.aux_width is not None:
+            outputs["aux"] = torch.empty(T, self.aux_width)
+        outputs.update(zip(self.new_names, self.cache.new(T)))
+        values = [tokens, positions, mask, rows, *self.cache.past()]
+        self.binder.run(dict(zip(self.names, values)), outputs)
+        return outputs["logits"], outputs.get("aux")
+
+
+class OrtEagle3(GraphEagle3):
+    """The EAGLE-3 step graph on ONNX Runtime, drafting exactly as `Eagle3Drafter`."""
+
+    def __init__(self, artifact: Path, index, spec, d2t: Tensor, threads: int = DEFAULT_THREADS):
+        super().__init__(spec, d2t, torch.device("cpu"), torch.float32)
+        graph = index.graph("eagle3_step")
+        self.binder = _Binder(session(artifact / graph.path, threads))
+
+    def _run(self, feats, hidden, tokens, positions, mask, rows):
+        T = tokens.shape[0]
+        out = torch.empty(T, self.spec.hidden_size)
+        logits = torch.empty(rows.shape[0], self.spec.draft_vocab_size)
+        (past_k, past_v), (new_k, new_v) = self.cache.past(), self.cache.new(T)
+        inputs = {"feats": feats, "hidden": hidden, "tokens": tokens, "positions": positions, "mask": mask,
+                  "logits_index": rows, "past_key": past_k, "past_value": past_v}
+        self.binder.run(inputs, {"hidden_out": out, "logits": logits, "new_key": new_k, "new_value": new_v})
+        return out, logits

@@ -1,0 +1,357 @@
+"""TensorRT backend (NVIDIA GPU): engines built from the artifact's ONNX export, run on CUDA buffers.
+
+    engines/<sm_XX>/<role>-<dtype>.plan   the serialized engine (role: target_step | eagle3_step)
+    engines/<sm_XX>/<role>-<dtype>.json   what it was built for: TensorRT version, GPU, dtype,
+                                          optimization profiles, digest of the ONNX graph + weights
+
+An engine is reused only when every field of its sidecar equals what this machine and request
+need (`rebuild_reasons`); otherwise it is rebuilt, written into the artifact, added to the manifest
+and the artifact re-signed (with `key`; an unsigned artifact stays unsigned). A signed artifact
+without a key keeps its files: the engine goes to `$SPECPACK_CACHE/engines/` instead.
+
+Two optimization profiles per graph: `decode` (T up to D+1 verified tokens, tuned for `opt_tokens`)
+and `prefill` (T up to `prefill_chunk`; longer prompts run in chunks). Precision: the ONNX graph is
+fp32; `float16` / `bfloat16` set the builder flag and keep the KV cache in that dtype, logits fp32.
+
+Written against TensorRT 10's Python API (Builder / OnnxParser / IBuilderConfig / Runtime /
+IExecutionContext with set_input_shape, set_tensor_address, execute_async_v3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Callable
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import Tensor
+
+from specpack.errors import ConversionError, InputError, MissingDependencyError
+from specpack.runtime.backends import GraphEagle3, GraphTarget, eagle3_files
+
+log = logging.getLogger(__name__)
+
+NAME = "tensorrt"
+ENGINE_DIR = "engines"
+DTYPES = ("float16", "bfloat16", "float32")
+ALIGN = 256  # bytes: every buffer handed to TensorRT starts on this boundary
+
+
+def import_tensorrt():
+    """The `tensorrt` module, or a MissingDependencyError naming the extra to install."""
+    try:
+        import tensorrt
+    except ImportError:
+        raise MissingDependencyError(
+            "the TensorRT backend needs the 'tensorrt' Python package, which is not installed",
+            hint="pip install 'specpack[tensorrt]' (NVIDIA publishes the TensorRT wheels; if pip "
+                 "cannot find them, add NVIDIA's package index with --extra-index-url), on a machine "
+                 "with an NVIDIA GPU, its driver and a CUDA build of torch") from None
+    return tensorrt
+
+
+# ---- what an engine was built for: its cache key and sidecar ----
+
+class EngineKey(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    role: str = Field(description="Graph role: target_step or eagle3_step.")
+    tensorrt_version: str = Field(description="TensorRT that built the engine (engines do not move across versions).")
+    gpu_name: str = Field(description="GPU model the engine was tuned on.")
+    gpu_arch: str = Field(description="Compute capability as sm_XY.")
+    dtype: str = Field(description="Builder precision: float16, bfloat16 or float32.")
+    profiles: list[dict[str, list[list[int]]]] = Field(
+        description="Per optimization profile: input name -> [min, opt, max] shapes.")
+    onnx_sha256: str = Field(description="Digest of the ONNX graph file and its external data, from the manifest.")
+
+
+def rebuild_reasons(found: EngineKey | None, wanted: EngineKey) -> list[str]:
+    """Why a cached engine cannot be used (empty: use it)."""
+    if found is None:
+        return ["no engine built yet"]
+    return [f"{name} is {getattr(found, name)!r}, needed {getattr(wanted, name)!r}"
+            for name in EngineKey.model_fields if getattr(found, name) != getattr(wanted, name)]
+
+
+def engine_paths(root: Path, key: EngineKey) -> tuple[Path, Path]:
+    """(plan, sidecar) for `key` under `root` (the artifact, or the user cache)."""
+    stem = Path(root) / ENGINE_DIR / key.gpu_arch / f"{key.role}-{key.dtype}"
+    return stem.with_suffix(".plan"), stem.with_suffix(".json")
+
+
+def onnx_digest(manifest, graph_path: str, data_path: str) -> str:
+    """One digest over the graph file's and its weights' manifest digests (no re-hashing)."""
+    digests = {f.path: f.sha256 for f in manifest.files}
+    missing = [p for p in (graph_path, data_path) if p not in digests]
+    if missing:
+        raise InputError("the ONNX export is not listed in the manifest", problems=missing,
+                         hint="re-export with `specpack export ARTIFACT --to onnx --force`")
+    return hashlib.sha256((digests[graph_path] + digests[data_path]).encode()).hexdigest()
+
+
+# ---- optimization profiles ----
+
+def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: int,
+                   max_context: int) -> list[dict[str, tuple[int, int, int]]]:
+    """(min, opt, max) of each symbolic dimension, for the decode and the prefill profile.
+
+    T: new tokens; P: cached slots; K: logits rows; R/U: feature/hidden rows of the head (R+U = T)."""
+    def one(t_max, t_opt, k_opt, r_opt, u_opt):
+        p_max = max_context - 1
+        p_opt = max_context // 2
+        return {"T": (1, t_opt, t_max), "P": (0, p_opt, p_max), "P+T": (1, p_opt + t_opt, p_max + t_max),
+                "K": (1, k_opt, t_max), "R": (0, r_opt, t_max), "U": (0, u_opt, t_max)}
+
+    opt = min(opt_tokens, max_verify)
+    if role == "eagle3_step":  # drafting: one own hidden state a step; prefill: features of the prompt
+        return [one(max_verify, 1, 1, 0, 1), one(prefill_chunk, prefill_chunk, 1, prefill_chunk, 0)]
+    return [one(max_verify, opt, opt, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
+
+
+def profile_shapes(inputs, ranges: dict[str, tuple[int, int, int]]) -> dict[str, list[list[int]]]:
+    """input name -> [min, opt, max] shapes, from the graph's symbolic input shapes (TensorInfo)."""
+    out = {}
+    for t in inputs:
+        out[t.name] = [[d if isinstance(d, int) else ranges[d][i] for d in t.shape] for i in range(3)]
+    return out
+
+
+# ---- building (needs TensorRT) and caching (does not) ----
+
+def build_engine(onnx_path: Path, key: EngineKey, io_dtypes: dict[str, str]) -> bytes:
+    """Parse the ONNX file (external data beside it), set precision and profiles, serialize."""
+    trt = import_tensorrt()
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        raise ConversionError(f"TensorRT cannot parse {onnx_path.name}",
+                              problems=[str(parser.get_error(i)) for i in range(parser.num_errors)])
+    config = builder.create_builder_config()
+    if key.dtype in ("float16", "bfloat16"):
+        config.set_flag(trt.BuilderFlag.FP16 if key.dtype == "float16" else trt.BuilderFlag.BF16)
+    trt_types = {"float16": trt.float16, "bfloat16": trt.bfloat16, "float32": trt.float32}
+    tensors = [network.get_input(i) for i in range(network.num_inputs)]
+    tensors += [network.get_output(i) for i in range(network.num_outputs)]
+    for t in tensors:
+        if t.name in io_dtypes:
+            t.dtype = trt_types[io_dtypes[t.name]]
+    for shapes in key.profiles:
+        profile = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in shapes.items():
+            profile.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(profile)
+    plan = builder.build_serialized_network(network, config)
+    if plan is None:
+        raise ConversionError(f"TensorRT failed to build an engine from {onnx_path.name}",
+                              hint="run with SPECPACK_TRT_VERBOSE=1 to see the builder log")
+    return bytes(plan)
+
+
+def ensure_engine(artifact: Path, key: EngineKey, onnx_path: Path, io_dtypes: dict[str, str],
+                  sign_key: Path | None = None, build: Callable[..., bytes] = build_engine) -> Path:
+    """The plan file for `key`: reused when its sidecar matches, else built (with `build`) and stored
+    in the artifact (manifest updated, re-signed with `sign_key`), or in the user cache when the
+    artifact is signed and no key was given."""
+    from specpack.converters.onnx_export import add_files
+    from specpack.schemas import SIGNATURE_NAME
+
+    artifact = Path(artifact)
+    signed = (artifact / SIGNATURE_NAME).is_file()
+    root = artifact if sign_key is not None or not signed else _user_cache(artifact)
+    for where in dict.fromkeys([artifact, root]):
+        plan, sidecar = engine_paths(where, key)
+        found = EngineKey.model_validate_json(sidecar.read_text()) if sidecar.is_file() and plan.is_file() else None
+        reasons = rebuild_reasons(found, key)
+        if not reasons:
+            return plan
+    log.info("building the TensorRT engine %s (%s)", plan.name, "; ".join(reasons))
+    data = build(onnx_path, key, io_dtypes)
+    plan, sidecar = engine_paths(root, key)
+    plan.parent.mkdir(parents=True, exist_ok=True)
+    _write_atomic(plan, data)
+    _write_atomic(sidecar, (key.model_dump_json(indent=2) + "\n").encode())
+    if root == artifact:
+        add_files(artifact, ENGINE_DIR, sign_key)
+    else:
+        log.warning("'%s' is signed and no key was given: engine kept in %s, not in the artifact "
+                    "(pass a signing key to store it signed)", artifact, plan.parent)
+    return plan
+
+
+def _user_cache(artifact: Path) -> Path:
+    from specpack.schemas import MANIFEST_NAME
+
+    base = Path(os.environ.get("SPECPACK_CACHE") or Path.home() / ".cache" / "specpack")
+    digest = hashlib.sha256((Path(artifact) / MANIFEST_NAME).read_bytes()).hexdigest()[:16]
+    return base / "engines" / digest
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# ---- running ----
+
+def gpu(device: torch.device) -> tuple[str, str]:
+    """(GPU name, sm_XY) of `device`."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return torch.cuda.get_device_name(device), f"sm_{major}{minor}"
+
+
+def _padded(n: int, elem_bytes: int, row: int) -> int:
+    """n rounded up so that n * row * elem_bytes is a multiple of ALIGN."""
+    unit = ALIGN // math.gcd(ALIGN, row * elem_bytes)
+    return -(-n // unit) * unit
+
+
+class _Engine:
+    """A deserialized engine with one execution context per optimization profile."""
+
+    def __init__(self, plan: Path, ranges: list[dict], device: torch.device):
+        trt = import_tensorrt()
+        self.trt, self.device = trt, device
+        self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self.engine = self.runtime.deserialize_cuda_engine(plan.read_bytes())
+        if self.engine is None:
+            raise ConversionError(f"TensorRT could not load {plan}", hint="delete it to rebuild")
+        stream = torch.cuda.current_stream(device).cuda_stream
+        self.contexts = []
+        for i in range(len(ranges)):
+            ctx = self.engine.create_execution_context()
+            ctx.set_optimization_profile_async(i, stream)
+            self.contexts.append(ctx)
+        self.t_max = [r["T"][2] for r in ranges]
+        self._dummy = torch.empty(ALIGN, dtype=torch.uint8, device=device)  # address for empty tensors
+
+    def run(self, T: int, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        ctx = self.contexts[0] if T <= self.t_max[0] else self.contexts[-1]
+        for name, t in inputs.items():
+            ctx.set_input_shape(name, tuple(t.shape))
+            ctx.set_tensor_address(name, t.data_ptr() if t.numel() else self._dummy.data_ptr())
+        for name, t in outputs.items():
+            ctx.set_tensor_address(name, t.data_ptr())
+        if not ctx.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
+            raise RuntimeError("TensorRT execution failed")
+
+
+class _Staging:
+    """Where the engine writes the new KV slots: a [2L, T, kv, hd] buffer with aligned rows, copied
+    into the cache in one kernel (slot offsets in the cache itself need not be 256-byte aligned)."""
+
+    def __init__(self, cache, t_max: int):
+        L2, _, kv, hd = cache.store.shape
+        T = _padded(t_max, cache.store.element_size(), kv * hd)
+        self.buf = torch.empty(L2, T, kv, hd, dtype=cache.store.dtype, device=cache.store.device)
+
+    def outputs(self, T: int) -> list[Tensor]:
+        return list(self.buf[:, :T].unbind(0))
+
+    def commit(self, cache, T: int) -> None:
+        n = cache.length
+        cache.store[:, n : n + T].copy_(self.buf[:, :T])
+
+
+class TrtTarget(GraphTarget):
+    """The target step engine, behaving like `Transformer` for the loop (CUDA tensors throughout)."""
+
+    def __init__(self, engine: _Engine, graph, spec, aux_layer_ids, device, kv_dtype, prefill_chunk: int):
+        super().__init__(spec, aux_layer_ids, device, kv_dtype)
+        self.engine, self.max_tokens_per_call = engine, prefill_chunk
+        self.names = [i.name for i in graph.inputs]
+        self.new_names = [o.name for o in graph.outputs if o.name.startswith("new_")]
+        self.aux_width = next((o.shape[1] for o in graph.outputs if o.name == "aux"), None)
+        self.staging: _Staging | None = None
+
+    def setup_cache(self, max_len: int) -> None:
+        super().setup_cache(_padded(max_len, torch.finfo(self.dtype).bits // 8,
+                                    self.spec.num_kv_heads * self.spec.head_dim))
+        self.staging = _Staging(self.cache, self.max_tokens_per_call)
+
+    def _run(self, tokens, positions, mask, rows):
+        T = tokens.shape[0]
+        outputs = {"logits": torch.empty(rows.shape[0], self.spec.vocab_size, device=self.device)}
+        if self.aux_width is not None:
+            outputs["aux"] = torch.empty(T, self.aux_width, device=self.device)
+        outputs.update(zip(self.new_names, self.staging.outputs(T)))
+        values = [tokens.contiguous(), positions.contiguous(), mask.contiguous(), rows, *self.cache.past()]
+        self.engine.run(T, dict(zip(self.names, values)), outputs)
+        self.staging.commit(self.cache, T)
+        return outputs["logits"], outputs.get("aux")
+
+
+class TrtEagle3(GraphEagle3):
+    """The EAGLE-3 step engine, drafting exactly as `Eagle3Drafter`."""
+
+    def __init__(self, engine: _Engine, spec, d2t, device, kv_dtype, prefill_chunk: int):
+        super().__init__(spec, d2t, device, kv_dtype)
+        self.engine, self.max_tokens_per_call = engine, prefill_chunk
+        self.staging: _Staging | None = None
+
+    def reset(self, max_len: int) -> None:
+        super().reset(_padded(max_len, torch.finfo(self.dtype).bits // 8, self.spec.num_kv_heads * self.spec.head_dim))
+        self.staging = _Staging(self.cache, self.max_tokens_per_call)
+
+    def _run(self, feats, hidden, tokens, positions, mask, rows):
+        T = tokens.shape[0]
+        out = torch.empty(T, self.spec.hidden_size, device=self.device)
+        logits = torch.empty(rows.shape[0], self.spec.draft_vocab_size, device=self.device)
+        new_k, new_v = self.staging.outputs(T)
+        past_k, past_v = self.cache.past()
+        inputs = {"feats": feats.float().contiguous(), "hidden": hidden.float().contiguous(),
+                  "tokens": tokens.contiguous(), "positions": positions, "mask": mask, "logits_index": rows,
+                  "past_key": past_k, "past_value": past_v}
+        self.engine.run(T, inputs, {"hidden_out": out, "logits": logits, "new_key": new_k, "new_value": new_v})
+        self.staging.commit(self.cache, T)
+        return out, logits
+
+
+def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: Path | None = None,
+         max_context: int | None = None, opt_tokens: int = 8, prefill_chunk: int = 256):
+    """(target, drafter) running TensorRT engines of the verified `artifact` on `device`.
+
+    Engines are built on first use (minutes for a large model) and cached as described above.
+    `max_context` bounds the KV length the engines accept (default: the target's context)."""
+    from specpack.runtime.backends.onnxruntime_backend import require_export
+    from specpack.runtime.config import load_target_spec
+    from specpack.runtime.spec_model import load_drafter
+
+    import_tensorrt()
+    dev = torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
+        raise InputError(f"the tensorrt backend needs a CUDA device, not '{device}'",
+                         hint="run on an NVIDIA GPU with a CUDA build of torch (--device cuda)")
+    if dtype not in DTYPES:
+        raise InputError(f"unknown dtype '{dtype}' for tensorrt", hint="use " + ", ".join(DTYPES))
+    artifact = Path(artifact)
+    index = require_export(artifact, manifest)
+    spec = load_target_spec(artifact)
+    max_context = min(max_context or spec.context_length, spec.context_length)
+    kv_dtype = getattr(torch, dtype)
+
+    def engine_for(role: str) -> tuple[_Engine, object]:
+        graph = index.graph(role)
+        ranges = profile_ranges(role, index.max_verify_tokens, opt_tokens, prefill_chunk, max_context)
+        name, arch = gpu(dev)
+        trt = import_tensorrt()
+        wanted = EngineKey(role=role, tensorrt_version=trt.__version__, gpu_name=name, gpu_arch=arch, dtype=dtype,
+                        profiles=[profile_shapes(graph.inputs, r) for r in ranges],
+                        onnx_sha256=onnx_digest(manifest, graph.path, index.data_file))
+        io = {t.name: dtype for t in graph.inputs + graph.outputs if "_key" in t.name or "_value" in t.name}
+        plan = ensure_engine(artifact, wanted, artifact / graph.path, io, sign_key=key)
+        return _Engine(plan, ranges, dev), graph
+
+    engine, graph = engine_for("target_step")
+    target = TrtTarget(engine, graph, spec, index.aux_layer_ids, dev, kv_dtype, prefill_chunk)
+    if manifest.drafter.kind == "eagle3":
+        head_spec, d2t = eagle3_files(artifact)
+        return target, TrtEagle3(engine_for("eagle3_step")[0], head_spec, d2t, dev, kv_dtype, prefill_chunk)
+    return target, load_drafter(manifest.drafter.kind, manifest.drafter.model_dump(exclude={"kind"}), None, None)
