@@ -1,0 +1,139 @@
+"""The TensorRT backend without TensorRT: the missing-library error, engine cache keys and rebuild
+rules, profile shapes, and where engines go (artifact + manifest + signature, or the user cache).
+
+Engines are "built" by a stand-in that writes bytes: nothing here pretends to run TensorRT."""
+
+import sys
+
+import pytest
+import torch
+
+from specpack.converters.onnx_export import export_onnx, read_index
+from specpack.errors import InputError, MissingDependencyError
+from specpack.packager import BuildOptions, NgramParams, build, verify
+from specpack.runtime.backends import SlotCache
+from specpack.runtime.backends import tensorrt_backend as trtb
+
+
+@pytest.fixture
+def no_tensorrt(monkeypatch):
+    monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` raises ImportError
+
+
+def test_missing_library_says_what_to_install(no_tensorrt, tmp_path):
+    with pytest.raises(MissingDependencyError) as exc:
+        trtb.import_tensorrt()
+    assert "pip install 'specpack[tensorrt]'" in exc.value.hint and "NVIDIA" in exc.value.hint
+    with pytest.raises(MissingDependencyError):
+        trtb.load(tmp_path, None)  # before anything else is looked at
+    with pytest.raises(MissingDependencyError):
+        trtb.build_engine(tmp_path / "x.onnx", None, {})
+
+
+def _key(**over):
+    base = dict(role="target_step", tensorrt_version="10.9.0", gpu_name="NVIDIA H100", gpu_arch="sm_90",
+                dtype="float16", profiles=[{"tokens": [[1], [8], [17]]}], onnx_sha256="ab" * 32)
+    return trtb.EngineKey(**{**base, **over})
+
+
+def test_rebuild_rules():
+    assert trtb.rebuild_reasons(_key(), _key()) == []
+    assert trtb.rebuild_reasons(None, _key()) == ["no engine built yet"]
+    for field, value in [("tensorrt_version", "10.10.0"), ("gpu_name", "NVIDIA H200"), ("gpu_arch", "sm_89"),
+                         ("dtype", "bfloat16"), ("profiles", [{"tokens": [[1], [4], [9]]}]),
+                         ("onnx_sha256", "cd" * 32)]:
+        reasons = trtb.rebuild_reasons(_key(**{field: value}), _key())
+        assert len(reasons) == 1 and reasons[0].startswith(field), reasons
+    plan, sidecar = trtb.engine_paths("ART", _key())
+    assert plan.as_posix() == "ART/engines/sm_90/target_step-float16.plan" and sidecar.suffix == ".json"
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, tiny_target):
+    art = tmp_path_factory.mktemp("trt") / "art"
+    build(BuildOptions(target=tiny_target, drafter="ngram", out=art, ngram=NgramParams(1, 3, 4)))
+    export_onnx(art, progress=False)
+    return art
+
+
+def test_profile_shapes(exported):
+    graph = read_index(exported).graph("target_step")
+    decode, prefill = trtb.profile_ranges("target_step", max_verify=17, opt_tokens=8, prefill_chunk=256,
+                                          max_context=512)
+    shapes = trtb.profile_shapes(graph.inputs, decode)
+    assert shapes["tokens"] == [[1], [8], [17]] and shapes["positions"] == shapes["tokens"]
+    assert shapes["logits_index"] == [[1], [8], [17]]
+    assert shapes["mask"] == [[1, 1], [8, 256 + 8], [17, 511 + 17]]  # [T, P+T]
+    kv, hd = 2, 16  # tiny: 2 KV heads of 16
+    assert shapes["past_key.0"] == [[0, kv, hd], [256, kv, hd], [511, kv, hd]]
+    assert set(shapes) == {i.name for i in graph.inputs}
+    pre = trtb.profile_shapes(graph.inputs, prefill)
+    assert pre["tokens"] == [[1], [256], [256]] and pre["logits_index"] == [[1], [1], [256]]
+    head = trtb.profile_ranges("eagle3_step", 17, 8, 64, 512)
+    assert head[0]["U"] == (0, 1, 17) and head[0]["R"] == (0, 0, 17) and head[1]["R"] == (0, 64, 64)
+
+
+def test_onnx_digest(exported):
+    manifest = verify(exported).manifest
+    index = read_index(exported)
+    d = trtb.onnx_digest(manifest, index.graph("target_step").path, index.data_file)
+    assert len(d) == 64
+    with pytest.raises(InputError, match="not listed"):
+        trtb.onnx_digest(manifest, "exports/onnx/missing.onnx", index.data_file)
+
+
+class FakeBuild:
+    """Stands in for TensorRT's builder: counts calls, returns bytes naming the key."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, onnx_path, key, io_dtypes):
+        self.calls.append((onnx_path.name, key, io_dtypes))
+        return f"plan {key.tensorrt_version} {key.dtype}".encode()
+
+
+def test_engine_cached_in_unsigned_artifact(exported):
+    fake, onnx_path = FakeBuild(), exported / "exports/onnx/target.onnx"
+    plan = trtb.ensure_engine(exported, _key(), onnx_path, {"past_key.0": "float16"}, build=fake)
+    assert plan.read_bytes() == b"plan 10.9.0 float16" and len(fake.calls) == 1
+    listed = {f.path for f in verify(exported).manifest.files}  # digests of the new files check out
+    assert {"engines/sm_90/target_step-float16.plan", "engines/sm_90/target_step-float16.json"} <= listed
+    assert trtb.ensure_engine(exported, _key(), onnx_path, {}, build=fake) == plan and len(fake.calls) == 1
+    trtb.ensure_engine(exported, _key(tensorrt_version="10.10.0"), onnx_path, {}, build=fake)  # upgrade
+    assert len(fake.calls) == 2 and plan.read_bytes() == b"plan 10.10.0 float16"
+    trtb.ensure_engine(exported, _key(gpu_arch="sm_89"), onnx_path, {}, build=fake)  # another GPU: both kept
+    assert len(fake.calls) == 3 and plan.is_file()
+    assert (exported / "engines/sm_89/target_step-float16.plan").is_file()
+    verify(exported)
+
+
+def test_engine_in_signed_artifact(tmp_path, tiny_target, keypair, monkeypatch):
+    art = tmp_path / "art"
+    build(BuildOptions(target=tiny_target, drafter="ngram", out=art, key=keypair.private))
+    export_onnx(art, key=keypair.private, progress=False)
+    onnx_path, fake = art / "exports/onnx/target.onnx", FakeBuild()
+    monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path / "cache"))
+    before = (art / "specpack.json").read_bytes()
+    plan = trtb.ensure_engine(art, _key(), onnx_path, {}, build=fake)  # no key: the artifact is left alone
+    assert (tmp_path / "cache" / "engines") in plan.parents and (art / "specpack.json").read_bytes() == before
+    assert trtb.ensure_engine(art, _key(), onnx_path, {}, build=fake) == plan and len(fake.calls) == 1
+    plan = trtb.ensure_engine(art, _key(), onnx_path, {}, sign_key=keypair.private, build=fake)
+    assert art in plan.parents and len(fake.calls) == 2
+    verify(art, keypair.public)  # re-signed over the engine too
+    assert trtb.ensure_engine(art, _key(), onnx_path, {}, build=fake) == plan  # found in the artifact first
+
+
+def test_staging_commit_and_alignment():
+    """The engine writes new KV slots to an aligned staging buffer, copied into the cache in one go."""
+    assert trtb._padded(5, 2, 3 * 64) * 3 * 64 * 2 % trtb.ALIGN == 0
+    assert trtb._padded(256, 4, 2 * 16) == 256
+    cache = SlotCache(2, 2, 16, trtb._padded(50, 4, 32), torch.float32, "cpu")
+    assert cache.store[1].data_ptr() % trtb.ALIGN == cache.store[0].data_ptr() % trtb.ALIGN
+    stage = trtb._Staging(cache, 17)
+    cache.length = 7
+    for i, t in enumerate(stage.outputs(3)):
+        t.fill_(i + 1)
+    stage.commit(cache, 3)
+    assert cache.store[:, 7:10].flatten(1).amin(1).tolist() == [1, 2, 3, 4]
+    assert cache.store[:, :7].abs().sum() == 0 and cache.store[:, 10:].abs().sum() == 0
