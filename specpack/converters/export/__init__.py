@@ -1,0 +1,92 @@
+"""Export an artifact's drafter in the form a distributed serving engine loads.
+
+    export_engine(ART, "vllm" | "sglang" | "trtllm", OUT)
+
+One module per engine, each with the same three names: `NAME`, `limits(manifest)` (why it cannot
+represent this drafter; empty when it can) and `KINDS` (drafter kind → writer). Adding a drafter
+kind (MTP) means one writer per engine plus its entry in `KINDS`; `export_engine` and the
+"which engines can" hint need no change.
+
+Every export is written atomically into OUT: the drafter in the engine's layout (aux layer ids in
+the engine's own convention), the engine config, and a README with the exact serve command
+(tensor-parallel flag included). The target is the artifact directory itself, which every engine
+loads as the plain model; the artifact is verified before anything is exported.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from specpack._atomic import staging_dir
+from specpack.converters.export import sglang, trtllm, vllm
+from specpack.converters.export._common import ExportContext, load_head, write_readme
+from specpack.errors import InputError, UnsupportedError
+
+log = logging.getLogger(__name__)
+
+ENGINES = {m.NAME: m for m in (vllm, sglang, trtllm)}
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out: Path
+    engine: str
+    kind: str
+    command: str
+    config: dict
+    aux_layer_ids: list[int] | None
+    aux_convention: str | None
+    files: list[str]
+
+
+def capable_engines(manifest) -> list[str]:
+    """Engines that can represent this artifact's drafter."""
+    return [name for name, module in ENGINES.items() if not module.limits(manifest)]
+
+
+def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None = None,
+                  tensor_parallel: int = 1, force: bool = False, public_key: Path | None = None,
+                  progress: bool = False) -> ExportResult:
+    """Verify `artifact`, then write its drafter for `engine` into `out` (atomically)."""
+    from specpack.packager.verify import verify
+    from specpack.runtime.generate import default_draft_len
+
+    module = _engine(engine)
+    _check_positive(draft_len=draft_len, tensor_parallel=tensor_parallel)
+    manifest = verify(artifact, public_key=public_key, progress=progress).manifest
+    _check_representable(module, manifest)
+    artifact = Path(artifact).absolute()
+    head, tensors = load_head(artifact) if manifest.drafter.kind == "eagle3" else (None, None)
+    with staging_dir(Path(out), force) as tmp:
+        ctx = ExportContext(artifact, manifest, tmp, Path(out).absolute(),
+                            draft_len or default_draft_len(manifest), tensor_parallel)
+        export = module.KINDS[manifest.drafter.kind](ctx, head, tensors)
+        write_readme(ctx, engine, export)
+        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
+    log.info("exported %s for %s into %s", artifact, engine, out)
+    return ExportResult(Path(out), engine, manifest.drafter.kind, export.command,
+                        export.config_summary, export.aux_layer_ids, export.aux_convention, files)
+
+
+def _engine(engine: str):
+    if engine not in ENGINES:
+        raise InputError(f"unknown engine '{engine}'", hint="choose one of: " + ", ".join(ENGINES))
+    return ENGINES[engine]
+
+
+def _check_positive(**values) -> None:
+    bad = [f"{k} must be at least 1, got {v}" for k, v in values.items() if v is not None and v < 1]
+    if bad:
+        raise InputError("invalid export options", problems=bad)
+
+
+def _check_representable(module, manifest) -> None:
+    problems = module.limits(manifest)
+    if not problems:
+        return
+    others = [e for e in capable_engines(manifest) if e != module.NAME]
+    can = ", ".join(others) if others else "none of the export engines; serve it with specpack"
+    raise UnsupportedError(f"{module.NAME} cannot represent this {manifest.drafter.kind} drafter",
+                           problems=problems, hint=f"engines that can: {can}")

@@ -1,0 +1,104 @@
+"""vLLM: EAGLE-3 heads in the speculators layout; n-gram as vLLM's `ngram` method.
+
+Sources followed (read with the search tool, not guessed):
+- vllm/transformers_utils/configs/speculators/{base,algos}.py: vLLM reads `speculators_model_type`,
+  `transformer_layer_config`, `draft_vocab_size`, `target_hidden_size`,
+  `eagle_aux_hidden_state_layer_ids`, `speculators_config.proposal_methods[0].speculative_tokens`,
+  `speculators_config.verifier.name_or_path`, and `norm_before_residual`, which it defaults to
+  TRUE when absent, so it is always written.
+- speculators 0.9.0 models/eagle3/config.py (Eagle3SpeculatorConfig), config.py
+  (SpeculatorsConfig, VerifierConfig), proposals/greedy.py, convert/eagle/eagle3_converter.py
+  (`midlayer.*` → `layers.0.*`, a LlamaConfig as transformer_layer_config, tie_word_embeddings off).
+- vllm/model_executor/models/llama.py: aux states are captured as `hidden_states + residual`
+  before layer idx runs, i.e. *input of layer i*, the canonical convention: ids are copied as is.
+- vllm/config/speculative.py: `prompt_lookup_min` / `prompt_lookup_max` for `method: ngram`.
+- vLLM's EAGLE proposer keeps a head's own `embed_tokens` when the checkpoint has one that differs
+  from the target's (`has_own_embed_tokens` + `torch.equal`), and shares the target's otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+
+from specpack.converters.export._common import (EngineExport, ExportContext, aux_problems,
+                                                quote, write_json)
+from specpack.packager.hashing import place_file
+
+NAME = "vllm"
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config classes this layout follows
+
+
+def limits(manifest) -> list[str]:
+    d = manifest.drafter
+    if d.kind == "eagle3":
+        return aux_problems(manifest)
+    return [] if d.kind in KINDS else [f"vLLM export of {d.kind} drafters is not implemented"]
+
+
+def write_eagle3(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
+    ids = list(ctx.manifest.drafter.aux_hidden_states.layer_ids)
+    config = speculators_config(ctx, head, ids)
+    write_json(ctx.out / "config.json", config)
+    # canonical names are the speculators names: carry the weights byte for byte (a copy, not a
+    # hard link, so editing the export can never change the signed artifact)
+    place_file(ctx.artifact / "drafter/model.safetensors", ctx.out / "model.safetensors", link=False)
+    spec = {"method": "eagle3", "model": str(ctx.final_out), "num_speculative_tokens": ctx.draft_len}
+    notes = ["Weights are the artifact's canonical head, bit for bit (`layers.0.*`, `fc`, `norm`, "
+             "`lm_head`, `d2t`, `t2d`).",
+             "`norm_before_residual` is written explicitly: vLLM assumes true when it is absent."]
+    if ctx.manifest.drafter.embedding_source == "drafter":
+        notes.append("The head carries its own `embed_tokens` (it differs from the target's); "
+                     "vLLM releases that compare the two keep it, older ones share the target's.")
+    return EngineExport(_serve(ctx, spec), {"speculative_config": spec}, notes, ids,
+                        "input_of_layer")
+
+
+def write_ngram(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
+    d = ctx.manifest.drafter
+    spec = {"method": "ngram", "num_speculative_tokens": ctx.draft_len,
+            "prompt_lookup_min": d.min_n, "prompt_lookup_max": d.max_n}
+    write_json(ctx.out / "speculative_config.json", spec)
+    return EngineExport(_serve(ctx, spec), {"speculative_config": spec},
+                        ["No weights: vLLM's ngram proposer looks the context up itself."])
+
+
+def speculators_config(ctx: ExportContext, head: dict, aux_ids: list[int]) -> dict:
+    t, d = ctx.manifest.target, ctx.manifest.drafter
+    layer = {"model_type": "llama", "vocab_size": head["target_vocab_size"],
+             "hidden_size": head["hidden_size"], "intermediate_size": head["intermediate_size"],
+             "num_hidden_layers": 1, "num_attention_heads": head["num_attention_heads"],
+             "num_key_value_heads": head["num_key_value_heads"], "head_dim": head["head_dim"],
+             "hidden_act": head["hidden_act"], "rms_norm_eps": head["rms_norm_eps"],
+             "rope_theta": head["rope_theta"],
+             "max_position_embeddings": max(head["max_position_embeddings"],
+                                            t.max_position_embeddings),
+             "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+             "torch_dtype": d.dtype}
+    if head.get("rope_scaling"):
+        layer["rope_scaling"] = head["rope_scaling"]
+    greedy = {"proposal_type": "greedy", "speculative_tokens": ctx.draft_len,
+              "verifier_accept_k": 1, "accept_tolerance": 0.0}
+    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
+            "draft_vocab_size": head["draft_vocab_size"],
+            "norm_before_residual": head["norm_before_residual"],
+            "target_hidden_size": head["target_hidden_size"],
+            "eagle_aux_hidden_state_layer_ids": aux_ids,
+            "speculators_config": {"algorithm": "eagle3", "proposal_methods": [greedy],
+                                   "default_proposal_method": "greedy",
+                                   "verifier": {"name_or_path": _verifier_name(ctx),
+                                                "architectures": [t.architecture]}}}
+
+
+def _verifier_name(ctx: ExportContext) -> str:
+    """The target's hub id when it came from the hub (what speculators and vLLM expect), else the
+    artifact directory, which loads as the plain target."""
+    return ctx.manifest.target.source.repo_id or str(ctx.artifact)
+
+
+def _serve(ctx: ExportContext, spec: dict) -> str:
+    return (f"vllm serve {quote(ctx.artifact)} --tensor-parallel-size {ctx.tensor_parallel} \\\n"
+            f"  --speculative-config {quote(json.dumps(spec, separators=(',', ':')))}")
+
+
+KINDS = {"eagle3": write_eagle3, "ngram": write_ngram}

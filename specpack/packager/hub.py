@@ -1,0 +1,176 @@
+"""Push and pull artifacts on the Hugging Face hub (or any hub-compatible endpoint).
+
+    push(ART, "org/name")       verify → create the repo → one commit with every file
+    pull("org/name", OUT, public_key=PUB)
+                                download into a hidden dir beside OUT → verify signature and
+                                digests → rename to OUT; on any failure nothing is left
+
+An artifact directory is already a valid model repo (README.md is its model card with the hub
+YAML header), so files are uploaded as they are. Tokens come from `token=`, else HF_TOKEN or the
+token saved by `hf auth login`; the endpoint from `endpoint=`, else HF_ENDPOINT.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+
+from specpack.errors import InputError
+from specpack._atomic import staging_dir
+from specpack.packager.transfer import (PullResult, PushResult, TransferError, check_download,
+                                        files_to_upload, require_trust_choice)
+
+log = logging.getLogger(__name__)
+
+LOGIN_HINT = "set HF_TOKEN to a token with access to the repo (write access to push), or run " \
+             "`hf auth login` (`huggingface-cli login` in older clients)"
+
+
+def validate_repo_id(repo_id: str) -> str:
+    """Return `repo_id` if it is a valid `namespace/name`, else raise InputError."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id as hf_validate
+
+    problems = [] if str(repo_id).count("/") == 1 else ["a repo id is NAMESPACE/NAME (one '/')"]
+    try:
+        hf_validate(repo_id)
+    except HFValidationError as exc:
+        problems.append(str(exc).splitlines()[0])
+    if problems:
+        raise InputError(f"'{repo_id}' is not a valid Hugging Face repo id", problems=problems,
+                         hint="e.g. my-org/llama-3.1-8b-eagle3: letters, digits, '-', '_', '.', "
+                              "at most 96 characters per part")
+    return repo_id
+
+
+def push(artifact: Path, repo_id: str, revision: str | None = None, private: bool = False,
+         token: str | None = None, endpoint: str | None = None, progress: bool = True,
+         public_key: Path | None = None) -> PushResult:
+    """Verify `artifact`, then upload all its files to `repo_id` in one commit on `revision`
+    (a branch; created from main when missing). `public_key` also checks the signature first."""
+    from huggingface_hub import CommitOperationAdd, HfApi
+
+    validate_repo_id(repo_id)
+    artifact = Path(artifact)
+    report, files = files_to_upload(artifact, public_key, progress)
+    api = HfApi(endpoint=endpoint, token=_require_token(token))
+    ops = [CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(artifact / f.path))
+           for f in files]
+    with _hub_errors(repo_id, revision), _progress_bars(progress):
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision and revision != "main":
+            api.create_branch(repo_id, branch=revision, exist_ok=True)
+        info = api.create_commit(repo_id, ops, revision=revision,
+                                 commit_message=f"specpack: {report.manifest.name}",
+                                 commit_description=_commit_description(report))
+    log.info("pushed %s to %s@%s (%s)", artifact, repo_id, revision or "main", info.oid)
+    return PushResult(f"hf://{repo_id}@{revision or 'main'}", info.oid, len(files),
+                      sum(f.size for f in files), url=info.commit_url)
+
+
+def pull(repo_id: str, out: Path, revision: str | None = None, public_key: Path | None = None,
+         allow_unsigned: bool = False, token: str | None = None, endpoint: str | None = None,
+         force: bool = False, progress: bool = True) -> PullResult:
+    """Download `repo_id` at `revision`, verify it, and only then move it to `out`."""
+    validate_repo_id(repo_id)
+    source = f"hf://{repo_id}@{revision or 'main'}"
+    require_trust_choice(public_key, allow_unsigned, source)
+    with staging_dir(Path(out), force) as tmp:
+        with _hub_errors(repo_id, revision), _progress_bars(progress):
+            commit = _download(repo_id, revision, tmp, token, endpoint)
+        report = check_download(tmp, public_key, allow_unsigned, f"{source} ({commit[:12]})",
+                                progress)
+    return PullResult(Path(out), source, commit, report)
+
+
+def _download(repo_id: str, revision: str | None, tmp: Path, token, endpoint) -> str:
+    """Resolve `revision` to a commit, download that commit's files as real files into `tmp`
+    (a private cache inside it, removed after), and return the commit sha."""
+    from huggingface_hub import HfApi, snapshot_download
+
+    commit = HfApi(endpoint=endpoint, token=token).repo_info(repo_id, revision=revision).sha
+    cache = tmp / ".cache"
+    snapshot_download(repo_id, revision=commit, local_dir=tmp, cache_dir=cache / "hub",
+                      endpoint=endpoint, token=token, ignore_patterns=[".gitattributes"])
+    shutil.rmtree(cache, ignore_errors=True)
+    return commit
+
+
+def _require_token(token: str | None) -> str:
+    from huggingface_hub import get_token
+
+    token = token or get_token()
+    if not token:
+        raise TransferError("no Hugging Face token: pushing needs one with write access",
+                            hint=LOGIN_HINT)
+    return token
+
+
+def _commit_description(report) -> str:
+    m = report.manifest
+    signed = "signed" if report.signed else "unsigned"
+    return (f"specpack artifact format v{m.format_version} ({m.drafter.kind} drafter, {signed}, "
+            f"{len(m.files)} files), pushed by specpack {m.specpack_version}")
+
+
+@contextlib.contextmanager
+def _progress_bars(enabled: bool):
+    from huggingface_hub.utils import (are_progress_bars_disabled, disable_progress_bars,
+                                       enable_progress_bars)
+
+    was_disabled = are_progress_bars_disabled()
+    if not enabled:
+        disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not enabled and not was_disabled:
+            enable_progress_bars()
+
+
+@contextlib.contextmanager
+def _hub_errors(repo_id: str, revision: str | None):
+    """Turn the client's exceptions into errors a user can act on."""
+    import httpx2
+    from huggingface_hub import errors
+
+    try:
+        yield
+    except errors.RevisionNotFoundError:
+        raise TransferError(f"revision '{revision}' does not exist in {repo_id}",
+                            hint="check the branch, tag or commit on the hub, or omit "
+                                 "--revision for main") from None
+    except errors.RepositoryNotFoundError:
+        raise TransferError(f"repo {repo_id} does not exist or this token cannot see it",
+                            hint="check the repo id; for a private repo " + LOGIN_HINT) from None
+    except errors.HfHubHTTPError as exc:
+        raise _http_error(exc, repo_id) from None
+    except (httpx2.ConnectError, httpx2.TimeoutException) as exc:
+        raise TransferError(f"cannot reach the hub ({repo_id}): {exc}",
+                            hint="check the network, HF_ENDPOINT or --endpoint") from None
+    except httpx2.RemoteProtocolError as exc:
+        raise TransferError(f"the connection to the hub was lost ({repo_id}): {exc}",
+                            hint="try again; a pull leaves nothing behind and a push commits "
+                                 "all files or none") from None
+    except RuntimeError as exc:  # the client wraps failed LFS uploads in a RuntimeError
+        if "Error while uploading" not in str(exc):
+            raise
+        raise TransferError(f"upload to {repo_id} failed: {exc}: {exc.__cause__}",
+                            hint="push again; the hub keeps no partial commit") from None
+    except OSError as exc:
+        if "Consistency check failed" not in str(exc):
+            raise  # local disk problems are reported by staging_dir
+        raise TransferError(f"download from {repo_id} was incomplete: {str(exc).splitlines()[0]}",
+                            hint="pull again; nothing was written") from None
+
+
+def _http_error(exc, repo_id: str) -> TransferError:
+    status = exc.response.status_code if exc.response is not None else None
+    server = (exc.server_message or str(exc)).strip().splitlines()[0]
+    if status in (401, 403):
+        return TransferError(f"the hub refused the request for {repo_id} (HTTP {status}): {server}",
+                             hint=LOGIN_HINT)
+    return TransferError(f"the hub failed the request for {repo_id} (HTTP {status}): {server}",
+                         hint="retry later; if it persists, check the hub's status")

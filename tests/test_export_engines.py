@@ -1,0 +1,211 @@
+"""Exports for vLLM, SGLang and TensorRT-LLM: layouts, aux ids in each engine's convention,
+serve commands, round trips back through specpack's own importer, and refusals that name the
+engines that can."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import eagle_layouts
+from conftest import read_json
+from specpack.converters import eagle3
+from specpack.converters.base import AuxOverride
+from specpack.converters.export import ENGINES, export_engine
+from specpack.errors import InputError, OutputError, UnsupportedError, VerificationError
+from specpack.packager import BuildOptions, NgramParams, build
+
+AUX_IN = [1, 3, 6]  # explicit, not the defaults: a convention mix-up would show
+AUX_OUT = [0, 2, 5]
+
+
+def _head(tmp_path, tiny_cfg, tiny_target, embed=None, **config_over):
+    t = eagle_layouts.random_head(tiny_cfg, draft_vocab=256)
+    if embed is None:
+        with safe_open(tiny_target / "model.safetensors", "pt") as f:
+            embed = f.get_tensor("model.embed_tokens.weight")
+    head = eagle_layouts.write_sglang(tmp_path / "head", t, tiny_cfg, embed=embed)
+    if config_over:
+        cfg = read_json(head / "config.json")
+        (head / "config.json").write_text(json.dumps({**cfg, **config_over}))
+    return head
+
+
+def _build(tmp_path, tiny_target, drafter, aux=AUX_IN, name="art"):
+    opts = BuildOptions(target=tiny_target, drafter=str(drafter), out=tmp_path / name,
+                        aux=AuxOverride(tuple(aux), "input_of_layer") if aux else None)
+    return build(opts).out
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, tiny_target, tiny_cfg):
+    tmp = tmp_path_factory.mktemp("export")
+    return _build(tmp, tiny_target, _head(tmp, tiny_cfg, tiny_target))
+
+
+def _canonical(art):
+    return load_file(art / "drafter/model.safetensors")
+
+
+def _assert_same_tensors(got: dict, want: dict):
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
+
+
+def test_vllm_speculators_layout(artifact, tmp_path):
+    r = export_engine(artifact, "vllm", tmp_path / "vllm", tensor_parallel=2, draft_len=3)
+    cfg = read_json(tmp_path / "vllm/config.json")
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["architectures"] == ["Eagle3Speculator"]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == AUX_IN  # vLLM counts input of layer i
+    assert cfg["norm_before_residual"] is False  # explicit: vLLM defaults it to true
+    assert cfg["draft_vocab_size"] == 256 and cfg["target_hidden_size"] == 64
+    layer = cfg["transformer_layer_config"]
+    assert layer["vocab_size"] == 384 and layer["num_hidden_layers"] == 1
+    assert layer["tie_word_embeddings"] is False
+    spec = cfg["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"] == [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}]
+    assert spec["verifier"] == {"name_or_path": str(artifact.absolute()),
+                                "architectures": ["LlamaForCausalLM"]}
+    # the canonical names are the speculators names: the weights are the artifact's, bit for bit
+    assert (tmp_path / "vllm/model.safetensors").read_bytes() == \
+        (artifact / "drafter/model.safetensors").read_bytes()
+    assert (r.aux_layer_ids, r.aux_convention) == (AUX_IN, "input_of_layer")
+    assert "--tensor-parallel-size 2" in r.command and '"method":"eagle3"' in r.command
+    assert r.command in (tmp_path / "vllm/README.md").read_text()
+
+
+def test_vllm_round_trip(artifact, tmp_path, tiny_target):
+    """Through specpack's importer once it reads the speculators layout (issue 5); until then by
+    reading the exported tensors back (names are identical) and the config's aux ids."""
+    export_engine(artifact, "vllm", tmp_path / "vllm")
+    if "eagle3-speculators" in eagle3.LAYOUTS:
+        back = _build(tmp_path, tiny_target, tmp_path / "vllm", aux=None, name="back")
+        _assert_same_tensors(_canonical(back), _canonical(artifact))
+        assert read_json(back / "specpack.json")["drafter"]["aux_hidden_states"]["layer_ids"] == AUX_IN
+    else:
+        _assert_same_tensors(load_file(tmp_path / "vllm/model.safetensors"), _canonical(artifact))
+        assert read_json(tmp_path / "vllm/config.json")["eagle_aux_hidden_state_layer_ids"] == AUX_IN
+
+
+@pytest.mark.parametrize("engine, head_dir", [("sglang", "."), ("trtllm", "draft")])
+def test_sglang_and_trtllm_layouts_round_trip_through_the_importer(engine, head_dir, artifact,
+                                                                   tmp_path, tiny_target):
+    r = export_engine(artifact, engine, tmp_path / engine, tensor_parallel=4)
+    head = tmp_path / engine / head_dir
+    cfg = read_json(head / "config.json")
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["tie_word_embeddings"] is False
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX_OUT  # output of layer i
+    names = set(load_file(head / "model.safetensors"))
+    assert "midlayer.self_attn.q_proj.weight" in names and not any(n.startswith("layers.") for n in names)
+    assert (r.aux_layer_ids, r.aux_convention) == (AUX_OUT, "output_of_layer")
+
+    back = _build(tmp_path, tiny_target, head, aux=None, name="back")
+    _assert_same_tensors(_canonical(back), _canonical(artifact))
+    aux = read_json(back / "specpack.json")["drafter"]["aux_hidden_states"]
+    assert aux == {"layer_ids": AUX_IN, "convention": "input_of_layer", "source_ids": AUX_OUT,
+                   "source_convention": "output_of_layer"}
+
+
+def test_sglang_command(artifact, tmp_path):
+    r = export_engine(artifact, "sglang", tmp_path / "sg", tensor_parallel=4, draft_len=5)
+    for flag in ("--tp 4", "--speculative-algorithm EAGLE3", "--speculative-num-steps 5",
+                 "--speculative-eagle-topk 1", "--speculative-num-draft-tokens 6",
+                 f"--speculative-draft-model-path {tmp_path / 'sg'}", f"--model-path {artifact}"):
+        assert flag in r.command
+    assert r.command in (tmp_path / "sg/README.md").read_text()
+
+
+def test_trtllm_config_and_command(artifact, tmp_path):
+    r = export_engine(artifact, "trtllm", tmp_path / "trt", tensor_parallel=8, draft_len=3)
+    spec = yaml.safe_load((tmp_path / "trt/extra-llm-api-config.yml").read_text())["speculative_config"]
+    assert spec == {"decoding_type": "Eagle3", "max_draft_len": 3,
+                    "speculative_model_dir": str(tmp_path / "trt/draft"), "eagle3_one_model": True,
+                    "eagle3_layers_to_capture": AUX_OUT}
+    assert "--tp_size 8" in r.command and "--backend pytorch" in r.command
+    assert f"--extra_llm_api_options {tmp_path / 'trt/extra-llm-api-config.yml'}" in r.command
+
+
+def test_ngram_exports(tmp_path, tiny_target):
+    art = build(BuildOptions(target=tiny_target, drafter="ngram", out=tmp_path / "art",
+                             ngram=NgramParams(2, 5, 6))).out
+    v = export_engine(art, "vllm", tmp_path / "v")
+    assert read_json(tmp_path / "v/speculative_config.json") == {
+        "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+    assert '"method":"ngram"' in v.command
+    s = export_engine(art, "sglang", tmp_path / "s", tensor_parallel=2)
+    assert "--speculative-algorithm NGRAM" in s.command and "--speculative-ngram-min-match-window-size 2" \
+        in s.command and "--speculative-ngram-max-match-window-size 5" in s.command
+    export_engine(art, "trtllm", tmp_path / "t")
+    spec = yaml.safe_load((tmp_path / "t/extra-llm-api-config.yml").read_text())["speculative_config"]
+    assert spec == {"decoding_type": "NGram", "max_draft_len": 6, "max_matching_ngram_size": 5}
+    assert "minimum n (2)" in (tmp_path / "t/README.md").read_text()
+
+
+@pytest.mark.parametrize("case, refusing, can", [
+    ("norm_before_residual", {"sglang", "trtllm"}, "vllm"),
+    ("own_embedding", {"sglang", "trtllm"}, "vllm"),
+    ("embedding_layer", {"trtllm"}, "vllm, sglang"),
+    ("unsorted", set(ENGINES), "none of the export engines"),
+])
+def test_unrepresentable_heads_are_refused_naming_who_can(case, refusing, can, tmp_path, tiny_target,
+                                                          tiny_cfg):
+    aux, over, embed = AUX_IN, {}, None
+    if case == "norm_before_residual":
+        over = {"norm_before_residual": True}
+    elif case == "own_embedding":
+        embed = torch.randn(tiny_cfg.vocab_size, tiny_cfg.hidden_size)
+    elif case == "embedding_layer":
+        aux = [0, 3, 6]
+    else:
+        aux = [6, 1, 3]
+    art = _build(tmp_path, tiny_target, _head(tmp_path, tiny_cfg, tiny_target, embed, **over), aux)
+    for engine in ENGINES:
+        out = tmp_path / f"out-{engine}"
+        if engine not in refusing:
+            export_engine(art, engine, out)
+            continue
+        with pytest.raises(UnsupportedError) as err:
+            export_engine(art, engine, out)
+        assert f"engines that can: {can}" in err.value.hint and err.value.problems
+        assert not out.exists()
+
+
+def test_bad_inputs(artifact, tmp_path):
+    with pytest.raises(InputError, match="unknown engine 'tgi'"):
+        export_engine(artifact, "tgi", tmp_path / "x")
+    with pytest.raises(InputError, match="invalid export options"):
+        export_engine(artifact, "vllm", tmp_path / "x", draft_len=0)
+    (tmp_path / "taken").mkdir()
+    with pytest.raises(OutputError):
+        export_engine(artifact, "vllm", tmp_path / "taken")
+    assert not (tmp_path / "x").exists()
+
+
+def test_tampered_artifact_is_not_exported(artifact, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact, copy)
+    weights = copy / "drafter/model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    with pytest.raises(VerificationError):
+        export_engine(copy, "sglang", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.*"))
+
+
+def test_vllm_config_validates_with_speculators(artifact, tmp_path):
+    """The speculators package's own config classes accept the export (skipped when absent: its
+    pip dependencies would replace this venv's transformers)."""
+    config_mod = pytest.importorskip("speculators.models.eagle3.config")
+    export_engine(artifact, "vllm", tmp_path / "vllm")
+    cfg = config_mod.Eagle3SpeculatorConfig.model_validate(read_json(tmp_path / "vllm/config.json"))
+    assert cfg.eagle_aux_hidden_state_layer_ids == AUX_IN and cfg.draft_vocab_size == 256
+    assert cfg.speculators_config.proposal_methods[0].speculative_tokens >= 1
