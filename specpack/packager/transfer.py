@@ -2,8 +2,8 @@
 check a download must pass before it is renamed into place, and the results both return.
 
 A push never publishes an artifact that fails verification. A pull downloads into a hidden
-directory beside OUT (`specpack._atomic.staging_dir`), verifies it there, and only then renames it to OUT;
-on any failure the partial download is removed and OUT is left as it was.
+directory beside OUT (`specpack._atomic.staging_dir`), verifies it there, and only then renames
+it to OUT; on any failure the partial download is removed and OUT is left as it was.
 """
 
 from __future__ import annotations
