@@ -1,0 +1,349 @@
+"""Validated profiles: which ones fit this machine, picking one for `run`/`serve`, storing new ones.
+
+    list_profiles(artifact)                  every profile with its status here and the reasons
+    select_profile(manifest, device, dtype)  the settings run/serve use, and which profile they came from
+    store_profile(artifact, profile, key)    write a profile into specpack.json (re-signed with a key)
+
+Statuses: `runnable` (compatible and fits in memory), `low-memory` (compatible but the memory it
+needs is not free now), `incompatible` (wrong drafter, backend not installed, no such device, or a
+profile that is not valid). `specpack tune` (runtime/tune.py) measures the profiles.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import logging
+import os
+import platform
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from pydantic import ValidationError
+
+from specpack.errors import InputError
+from specpack.schemas.profile import Hardware, Profile, profile_id
+
+log = logging.getLogger(__name__)
+
+RUNNABLE, LOW_MEMORY, INCOMPATIBLE = "runnable", "low-memory", "incompatible"
+BACKEND_MODULES = {"torch": ("torch", None), "onnxruntime": ("onnxruntime", "onnx"),
+                   "tensorrt": ("tensorrt", "tensorrt")}  # backend -> (module, extra that installs it)
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Gpu:
+    name: str
+    memory_total: int
+    memory_free: int
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this machine offers; tests build one by hand to fake a small or GPU-less machine."""
+
+    cpu_model: str
+    cpu_cores: int
+    memory_total: int
+    memory_available: int
+    gpus: tuple[Gpu, ...] = ()
+    backends: dict[str, str] = field(default_factory=dict)  # installed backend -> version
+
+    def hardware(self, device: str = "cpu") -> Hardware:
+        gpu = self.gpus[0] if device == "cuda" and self.gpus else None
+        return Hardware(cpu_model=self.cpu_model, cpu_cores=self.cpu_cores, memory_bytes=self.memory_total,
+                        gpu=gpu.name if gpu else None, gpu_memory_bytes=gpu.memory_total if gpu else None)
+
+
+def this_machine(gpus: bool = True) -> Machine:
+    """Describe this machine: CPU, memory (/proc/meminfo, else psutil), GPUs torch sees, backends."""
+    total, available = _memory()
+    backends = {}
+    for backend, (module, _) in BACKEND_MODULES.items():
+        if importlib.util.find_spec(module) is not None:
+            backends[backend] = package_version(module)
+    return Machine(_cpu_model(), os.cpu_count() or 1, total, available,
+                   _gpus() if gpus and "torch" in backends else (), backends)
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _memory() -> tuple[int, int]:
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        return int(info["MemTotal"].split()[0]) * 1024, int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        import psutil  # not on Linux: psutil knows the platform's way
+
+        vm = psutil.virtual_memory()
+        return vm.total, vm.available
+
+
+def _gpus() -> tuple[Gpu, ...]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    found = []
+    for i in range(torch.cuda.device_count()):
+        free, total = torch.cuda.mem_get_info(i)
+        found.append(Gpu(torch.cuda.get_device_name(i), total, free))
+    return tuple(found)
+
+
+def package_version(module: str) -> str:
+    try:
+        return importlib.metadata.version(module)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@dataclass(frozen=True)
+class ProfileStatus:
+    profile: Optional[Profile]  # None when the stored entry is not a valid profile
+    status: str
+    reasons: list[str]
+    notes: list[str]
+    raw: dict
+
+    @property
+    def label(self) -> str:
+        return self.profile.name if self.profile else str(self.raw.get("name", "?"))
+
+    def to_dict(self) -> dict:
+        p = self.profile
+        data = {"name": self.label, "id": p.id if p else self.raw.get("id"), "status": self.status,
+                "reasons": self.reasons, "notes": self.notes}
+        if p:
+            e = p.evidence
+            data |= {"settings": p.settings.model_dump(), "required_bytes": p.memory.required_bytes,
+                     "speedup": e.speedup, "acceptance_length": e.acceptance_length,
+                     "tokens_per_s": e.speculative_tokens_per_s, "workload": e.workload.name,
+                     "measured_at": e.measured_at, "measured_on": _hardware_text(e.hardware)}
+        return data
+
+
+def format_statuses(statuses: list[ProfileStatus]) -> str:
+    """The listing `specpack profiles` prints."""
+    if not statuses:
+        return "no validated profiles (run `specpack tune ARTIFACT --workload FILE.jsonl`)"
+    lines = []
+    for s in statuses:
+        head = f"{s.status:<13} {s.label} ({s.raw.get('id', '?')})"
+        if s.profile:
+            e, st = s.profile.evidence, s.profile.settings
+            head += (f": {e.speedup:.2f}x, acceptance length {e.acceptance_length:.2f}, "
+                     f"max concurrency {st.max_concurrency}, needs {_size(s.profile.memory.required_bytes)}, "
+                     f"workload '{e.workload.name}', {e.measured_at}")
+        lines += [head] + [f"    - {r}" for r in s.reasons] + [f"    note: {n}" for n in s.notes]
+    return "\n".join(lines)
+
+
+def check_profile(raw: dict, manifest, machine: Machine) -> ProfileStatus:
+    """The status of one stored profile entry on `machine`, with every reason it does not run."""
+    try:
+        p = Profile.model_validate(raw)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()[:5]]
+        return ProfileStatus(None, INCOMPATIBLE, ["not a valid profile: " + "; ".join(problems)], [], raw)
+    reasons = _validity(p, raw, manifest) + _capability(p, machine)
+    if reasons:
+        return ProfileStatus(p, INCOMPATIBLE, reasons, [], raw)
+    need, free, where = p.memory.required_bytes, *_free_memory(p, machine)
+    notes = [] if _same_hardware(p, machine) else [f"measured on other hardware ({_hardware_text(p.evidence.hardware)})"]
+    if need > free:
+        return ProfileStatus(p, LOW_MEMORY, [f"needs {_size(need)} of {where} memory, {_size(free)} available"],
+                             notes, raw)
+    return ProfileStatus(p, RUNNABLE, [], notes, raw)
+
+
+def _validity(p: Profile, raw: dict, manifest) -> list[str]:
+    reasons = []
+    if profile_id(p.model_dump(mode="json")) != p.id:
+        reasons.append("its id does not match its content: it was edited after tuning")
+    if not p.evidence.greedy_equal:
+        reasons.append("greedy output was not identical to decoding without speculation when it was tuned")
+    if p.drafter not in ("none", manifest.drafter.kind):
+        reasons.append(f"it is for a {p.drafter} drafter, this artifact has {manifest.drafter.kind}")
+    return reasons
+
+
+def _capability(p: Profile, machine: Machine) -> list[str]:
+    reasons = []
+    if p.backend not in machine.backends:
+        module, extra = BACKEND_MODULES[p.backend]
+        how = f"pip install 'specpack[{extra}]'" if extra else f"pip install {module}"
+        reasons.append(f"backend {p.backend} is not installed ({how})")
+    if p.device == "cuda" and not machine.gpus:
+        reasons.append("it needs a CUDA GPU and none is visible")
+    return reasons
+
+
+def _free_memory(p: Profile, machine: Machine) -> tuple[int, str]:
+    if p.device == "cuda":
+        return max(g.memory_free for g in machine.gpus), "GPU"
+    return machine.memory_available, "system"
+
+
+def _same_hardware(p: Profile, machine: Machine) -> bool:
+    hw = p.evidence.hardware
+    if p.device == "cuda":
+        return any(g.name == hw.gpu for g in machine.gpus)
+    return hw.cpu_model == machine.cpu_model and hw.cpu_cores == machine.cpu_cores
+
+
+def _hardware_text(hw: Hardware) -> str:
+    return hw.gpu or f"{hw.cpu_model}, {hw.cpu_cores} cores"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def list_profiles(artifact, machine: Optional[Machine] = None) -> list[ProfileStatus]:
+    """Every profile of `artifact` with its status on `machine` (this one by default)."""
+    from specpack.packager.artifact import read_manifest
+
+    manifest = read_manifest(artifact)
+    machine = machine or this_machine(gpus=any(_raw(p).get("device") == "cuda" for p in manifest.profiles))
+    return [check_profile(_raw(p), manifest, machine) for p in manifest.profiles]
+
+
+def _raw(entry) -> dict:
+    """A manifest profile entry as JSON data (typed Profile or plain dict)."""
+    return entry.model_dump(mode="json") if hasattr(entry, "model_dump") else dict(entry)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What run/serve apply: speculation, draft length, concurrency limit (None: no limit)."""
+
+    profile: Optional[Profile]
+    speculative: bool
+    draft_len: int
+    max_concurrency: Optional[int]
+    message: str
+
+
+def select_profile(manifest, device: str = "cpu", dtype: str = "float32", wanted: Optional[str] = None,
+                   backend: str = "torch", machine: Optional[Machine] = None) -> Selection:
+    """The best runnable profile for backend/device/dtype (or the one named `wanted`, by name or id),
+    else the artifact's defaults. Best: measured on this hardware first, then the highest speedup."""
+    device = device.split(":")[0]
+    if not manifest.profiles and wanted is None:
+        return _defaults(manifest, "no validated profiles in the artifact")
+    machine = machine or this_machine(gpus=device == "cuda" or wanted is not None)
+    checked = [check_profile(_raw(p), manifest, machine) for p in manifest.profiles]
+    if wanted is not None:
+        return _chosen(_find(checked, wanted), backend, device, dtype)
+    fits = [c for c in checked if c.status == RUNNABLE and
+            (c.profile.backend, c.profile.device, c.profile.dtype) == (backend, device, dtype)]
+    if not fits:
+        return _defaults(manifest, f"no runnable validated profile for {backend}/{device}/{dtype} "
+                                   f"(`specpack profiles` says why)")
+    best = max(fits, key=lambda c: (not c.notes, c.profile.evidence.speedup, c.profile.evidence.measured_at))
+    return _from_profile(best.profile, "picked")
+
+
+def _find(checked: list[ProfileStatus], wanted: str) -> ProfileStatus:
+    named = [c for c in checked if c.profile and wanted in (c.profile.name, c.profile.id)]
+    named = named or [c for c in checked if c.profile and len(wanted) >= 4 and c.profile.id.startswith(wanted)]
+    if not named:
+        known = ", ".join(f"{c.label} ({c.raw.get('id')})" for c in checked) or "none"
+        raise InputError(f"the artifact has no profile named '{wanted}'", hint=f"profiles: {known}")
+    order = {RUNNABLE: 0, LOW_MEMORY: 1, INCOMPATIBLE: 2}
+    return min(named, key=lambda c: (order[c.status], bool(c.notes), -c.profile.evidence.speedup))
+
+
+def _chosen(c: ProfileStatus, backend: str, device: str, dtype: str) -> Selection:
+    p = c.profile
+    if c.status != RUNNABLE:
+        raise InputError(f"profile {p.name} ({p.id}) cannot run here: {c.status}", problems=c.reasons,
+                         hint="`specpack profiles ARTIFACT` lists the ones that can")
+    if (p.backend, p.device, p.dtype) != (backend, device, dtype):
+        raise InputError(f"profile {p.name} is for {p.backend}/{p.device}/{p.dtype}, this run uses "
+                         f"{backend}/{device}/{dtype}", hint=f"pass --device {p.device} --dtype {p.dtype}")
+    return _from_profile(p, "using")
+
+
+def _from_profile(p: Profile, verb: str) -> Selection:
+    s, e = p.settings, p.evidence
+    limit = f"speculation up to {s.max_concurrency} concurrent requests" if s.speculative else "speculation off"
+    message = (f"{verb} profile {p.name} ({p.id}): {e.speedup:.2f}x on workload '{e.workload.name}', "
+               f"acceptance length {e.acceptance_length:.2f}, {limit}")
+    return Selection(p, s.speculative, s.draft_len if s.speculative else 1, s.max_concurrency, message)
+
+
+def _defaults(manifest, why: str) -> Selection:
+    from specpack.runtime.generate import default_draft_len
+
+    d = default_draft_len(manifest)
+    return Selection(None, True, d, None, f"{why}: artifact defaults (speculation on, draft length {d})")
+
+
+def store_profile(artifact, profile: Profile, key=None) -> Path:
+    """Add `profile` to the artifact's manifest, replacing one measured for the same backend, device,
+    dtype, hardware and workload; re-sign with `key` when given. specpack.json is not in the files
+    list, so every digest stays valid; a signed artifact needs `key` (its signature covers the manifest)."""
+    from specpack.packager.artifact import read_manifest
+
+    artifact = Path(artifact)
+    check_writable(artifact, key)
+    manifest = read_manifest(artifact)
+    kept = [_raw(p) for p in manifest.profiles if _slot(_raw(p)) != _slot(profile.model_dump(mode="json"))]
+    data = manifest.model_dump(mode="json", exclude_none=True)
+    data["profiles"] = kept + [profile.model_dump(mode="json")]
+    path = _write_manifest_atomic(artifact, type(manifest).model_validate(data))
+    if key is not None:
+        from specpack.packager import sign_artifact
+
+        sign_artifact(artifact, key)
+    return path
+
+
+def check_writable(artifact: Path, key) -> None:
+    """Refuse before any work when writing profiles would leave a stale signature behind."""
+    from specpack.schemas import SIGNATURE_NAME
+
+    if key is None and (Path(artifact) / SIGNATURE_NAME).is_file():
+        raise InputError(f"'{artifact}' is signed: writing profiles changes specpack.json, which the "
+                         "signature covers", hint="pass --key SIGNER.pem to re-sign it (or delete "
+                                                 f"{SIGNATURE_NAME} to keep it unsigned)")
+
+
+def _slot(data: dict) -> tuple:
+    hw = data.get("evidence", {}).get("hardware", {})
+    return (data.get("backend"), data.get("device"), data.get("dtype"), hw.get("cpu_model"), hw.get("gpu"),
+            data.get("evidence", {}).get("workload", {}).get("sha256"))
+
+
+def _write_manifest_atomic(artifact: Path, manifest) -> Path:
+    from specpack.schemas import MANIFEST_NAME
+
+    path = artifact / MANIFEST_NAME
+    tmp = artifact / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
+    try:
+        tmp.write_text(manifest.model_dump_json(indent=2, exclude_none=True) + "\n")
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+
+def kv_and_weight_bytes(manifest, dtype: str, context: int) -> tuple[int, int]:
+    """(weights, KV cache for `context` tokens) in `dtype`, from the manifest's on-disk figures."""
+    mem, disk = manifest.memory, DTYPE_BYTES.get(manifest.target.dtype, 4)
+    scale = DTYPE_BYTES[dtype] / disk
+    weights = int((mem.target_weight_bytes + mem.drafter_weight_bytes) * scale)
+    kv = int((mem.target_kv_bytes_per_token + mem.drafter_kv_bytes_per_token) * scale * context)
+    return weights, kv

@@ -1,0 +1,401 @@
+"""`specpack serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over one worker thread.
+
+    GET  /health  /metrics  /v1/models
+    POST /v1/completions  /v1/chat/completions     (stream: server-sent events, then [DONE])
+
+Requests queue for the worker (the model runs one generation at a time). Speculation follows the
+chosen profile: on while the requests in flight are within its concurrency limit, off above it. A
+client that disconnects cancels its generation between decoding steps. Every bad request gets
+OpenAI's error body with a 4xx status, and the server keeps serving.
+"""
+
+# No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime,
+# and `Request` is imported inside create_app so that FastAPI stays an optional dependency.
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from specpack.errors import InputError
+from specpack.runtime import openai_api as oa
+from specpack.runtime.worker import Cancelled, Job, Metrics, Worker
+
+log = logging.getLogger(__name__)
+_DONE, _GONE = object(), object()  # stream sentinels: generation finished / client left
+
+
+class ApiError(Exception):
+    """A request error sent as OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.body = status, oa.error_body(message, type_, param, code)
+
+
+@dataclass
+class ServerPlan:
+    """A loaded model with the settings it will be served with; `app` is the ASGI application."""
+
+    app: object
+    model_name: str
+    selection: object  # profiles.Selection
+
+
+def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype: str = "float32",
+            public_key=None, model_name: Optional[str] = None, max_concurrency: Optional[int] = None,
+            draft_len: Optional[int] = None, progress: bool = False) -> ServerPlan:
+    """Verify and load `artifact`, pick its best runnable profile (or `profile`), build the app.
+    `max_concurrency` / `draft_len` override what the profile says."""
+    from specpack.runtime.api import load, require
+    from specpack.runtime.profiles import select_profile
+
+    require("fastapi", "serve")
+    _check_overrides(max_concurrency, draft_len)
+    model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress)
+    selection = select_profile(model.manifest, device, dtype, wanted=profile)
+    worker = Worker(model, draft_len or selection.draft_len, speculative=selection.speculative,
+                    max_concurrency=max_concurrency if max_concurrency is not None else selection.max_concurrency)
+    name = model_name or model.manifest.name
+    log.info("%s", selection.message)
+    return ServerPlan(create_app(model, worker, name), name, selection)
+
+
+def _check_overrides(max_concurrency: Optional[int], draft_len: Optional[int]) -> None:
+    from specpack.runtime.speculative import MAX_DRAFT_LEN
+
+    problems = []
+    if max_concurrency is not None and max_concurrency < 0:
+        problems.append(f"--max-concurrency {max_concurrency} is negative")
+    if draft_len is not None and not 1 <= draft_len <= MAX_DRAFT_LEN:
+        problems.append(f"--draft-len {draft_len} is outside 1..{MAX_DRAFT_LEN}")
+    if problems:
+        raise InputError("invalid serve options", problems=problems)
+
+
+def run(plan: ServerPlan, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve `plan` until interrupted."""
+    import uvicorn
+
+    uvicorn.run(plan.app, host=host, port=port, log_level=log_level)
+
+
+def create_app(model, worker: Worker, model_name: str):
+    """The FastAPI application serving `model` through `worker` (started and stopped with the app)."""
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, PlainTextResponse
+    from starlette.exceptions import HTTPException
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        yield
+        worker.stop()
+
+    app = FastAPI(title="specpack", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(_CountRequests, metrics=worker.metrics)
+    state = _State(model, worker, model_name)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request, exc: ApiError):
+        return JSONResponse(exc.body, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request, exc: RequestValidationError):
+        return JSONResponse(_validation_body(exc.errors()), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def _http(request, exc: HTTPException):
+        code = "not_found" if exc.status_code == 404 else None
+        return JSONResponse(oa.error_body(str(exc.detail), param=None, code=code), status_code=exc.status_code)
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": model_name, "in_flight": worker.in_flight}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(worker.metrics.render(worker.gauges()), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [state.card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def one_model(name: str):
+        state.check_model(name)
+        return state.card()
+
+    @app.post("/v1/completions")
+    async def completions(body: oa.CompletionRequest, request: Request):
+        return await state.complete(request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: oa.ChatRequest, request: Request):
+        return await state.complete(request, body, chat=True)
+
+    return app
+
+
+def _validation_body(errors) -> dict:
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return oa.error_body("the request body is not valid JSON: " + str(first.get("ctx", {}).get("error", "")))
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    message = "; ".join(f"{'.'.join(str(p) for p in e['loc'] if p != 'body') or 'body'}: {e['msg']}" for e in errors)
+    return oa.error_body(message, param=param, code="missing_required_parameter"
+                         if first.get("type") == "missing" else "invalid_value")
+
+
+class _CountRequests:
+    """Pure ASGI middleware counting HTTP responses by path and status (streams included)."""
+
+    PATHS = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            path = scope["path"] if scope["path"] in self.PATHS else "other"
+            self.metrics.count_request(path, status)
+
+
+class _State:
+    """What the handlers share: the model's tokenizer and limits, and the worker."""
+
+    def __init__(self, model, worker: Worker, name: str):
+        self.model, self.worker, self.name, self.created = model, worker, name, int(time.time())
+        self.tokenizer, self.context = model.tokenizer, model.context_length
+
+    def card(self) -> dict:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "specpack"}
+
+    def check_model(self, name: str) -> None:
+        if name != self.name:
+            raise ApiError(404, f"The model '{name}' does not exist; this server serves '{self.name}'.",
+                           param="model", code="model_not_found")
+
+    async def complete(self, request, body, chat: bool):
+        from starlette.concurrency import run_in_threadpool
+
+        self.check_model(body.model)
+        ids = await run_in_threadpool(self._encode, body, chat)
+        limit = body.token_limit() if chat else body.max_tokens
+        job, stream = self._job(ids, self._budget(ids, limit, "messages" if chat else "prompt"), body)
+        rid = oa.new_id("chatcmpl" if chat else "cmpl")
+        if body.stream:
+            return self._stream(request, job, stream, rid, chat, body)
+        job.on_tokens = None  # decode once at the end
+        self.worker.submit(job)
+        result = await _wait(request, job)
+        stream.tokens.extend(result.tokens)
+        text, finish = self._finish(stream, result, body)
+        use = oa.usage(len(ids), len(result.tokens))
+        return oa.chat_completion(rid, self.name, text, finish, use) if chat else \
+            oa.completion(rid, self.name, text, finish, use)
+
+    def _encode(self, body, chat: bool) -> list[int]:
+        from specpack.runtime.text import encode_prompt
+        from specpack.runtime.workload import encode_messages
+
+        try:
+            return encode_messages(self.tokenizer, body.messages) if chat else \
+                encode_prompt(self.tokenizer, body.prompt, chat=False)
+        except InputError as exc:
+            raise ApiError(400, exc.message, param="messages" if chat else "prompt") from None
+
+    def _budget(self, ids: list[int], limit: Optional[int], param: str) -> int:
+        room = self.context - len(ids)
+        if room < 1 or (limit is not None and limit > room):
+            asked = len(ids) + (limit or 1)
+            raise ApiError(400, f"This model's maximum context length is {self.context} tokens. However, you "
+                                f"requested {asked} tokens ({len(ids)} in the {param}, {limit or 1} for the "
+                                f"completion). Please reduce the length of the {param} or the completion.",
+                           param=param if room < 1 else "max_tokens", code="context_length_exceeded")
+        return limit if limit is not None else room
+
+    def _job(self, ids: list[int], max_new: int, body):
+        from specpack.runtime.text import TextStream, stop_sequences
+
+        stops = body.stop_list()
+        stream = TextStream(self.tokenizer, lambda s: None, stops=stops)
+        job = Job(ids, max_new, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                  stop=stop_sequences(self.tokenizer, stops), on_tokens=stream)
+        return job, stream
+
+    def _finish(self, stream, result, body) -> tuple[str, str]:
+        """All text not yet sent, and OpenAI's finish reason (a stop string cut the text: stop)."""
+        sent = stream.sent
+        text = stream.flush()[sent:]
+        finish = oa.FINISH[result.finish_reason]
+        if finish == "length" and body.stop_list():
+            raw = self.tokenizer.decode(result.tokens, skip_special_tokens=True)
+            finish = "stop" if any(s in raw for s in body.stop_list()) else finish
+        return text, finish
+
+    def _stream(self, request, job: Job, stream, rid: str, chat: bool, body):
+        loop, deltas = asyncio.get_running_loop(), asyncio.Queue()
+        stream.write = lambda s: loop.call_soon_threadsafe(deltas.put_nowait, s)
+        job.future.add_done_callback(lambda f: loop.call_soon_threadsafe(deltas.put_nowait, _DONE))
+        self.worker.submit(job)
+        usage = body.stream_options is not None and body.stream_options.include_usage
+
+        def chunk(text: Optional[str], finish: Optional[str] = None, use: Optional[dict] = None) -> str:
+            if chat:
+                delta = {} if text is None else ({"role": "assistant", "content": ""} if text == "" else
+                                                 {"content": text})
+                data = oa.chat_chunk(rid, self.name, delta, finish, use)
+            else:
+                data = oa.completion(rid, self.name, text or "", finish, use, chunk=True)
+                if use is not None:
+                    data["choices"] = []
+            return _event(data)
+
+        async def events():
+            if chat:
+                yield chunk("")
+            while (item := await _next(request, deltas, job)) is not _DONE:
+                if item is _GONE:
+                    return
+                yield chunk(item)
+            try:
+                result = job.future.result()
+            except Cancelled:
+                return
+            except Exception:  # noqa: BLE001 - the status line is sent: report in the stream
+                log.exception("generation failed")
+                yield _event(oa.error_body("generation failed", type_="server_error"))
+                return
+            stream.write = lambda s: None
+            text, finish = self._finish(stream, result, body)
+            if text:
+                yield chunk(text)
+            yield chunk(None, finish)
+            if usage:
+                yield chunk(None, None, oa.usage(len(job.prompt_ids), len(result.tokens)))
+            yield "data: [DONE]\n\n"
+
+        return _sse_response(events(), job)
+
+
+def _event(data: dict) -> str:
+    import json
+
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+def _sse_response(events, job: Job):
+    from starlette.responses import StreamingResponse
+
+    class _Events(StreamingResponse):
+        async def __call__(self, scope, receive, send):
+            try:
+                await super().__call__(scope, receive, send)
+            finally:  # however the stream ended (done, disconnect, error): free the worker
+                _cancel(job)
+
+    return _Events(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def _cancel(job: Job) -> None:
+    job.cancel.set()
+    job.future.cancel()  # succeeds only while it is still queued
+
+
+POLL_S = 0.25
+
+
+async def _next(request, deltas: asyncio.Queue, job: Job):
+    """The next text delta, _DONE when the job has finished, or _GONE (the job cancelled) when the
+    client went away meanwhile."""
+    while True:
+        try:
+            return await asyncio.wait_for(deltas.get(), POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                _cancel(job)
+                return _GONE
+
+
+async def _wait(request, job: Job):
+    """The job's result; cancels it when the client disconnects while waiting."""
+    fut = asyncio.wrap_future(job.future)
+    try:
+        while True:
+            done, _ = await asyncio.wait({fut}, timeout=POLL_S)
+            if done:
+                break
+            if await request.is_disconnected():
+                _cancel(job)
+                fut.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: no warning
+                raise ApiError(499, "the client closed the request", code="client_closed_request")
+        return fut.result()
+    except asyncio.CancelledError:
+        _cancel(job)
+        raise
+    except Cancelled:
+        raise ApiError(499, "the client closed the request", code="client_closed_request") from None
+    except InputError as exc:
+        raise ApiError(400, exc.message) from None
+    except ApiError:
+        raise
+    except Exception:
+        log.exception("generation failed")
+        raise ApiError(500, "generation failed", type_="server_error") from None
+
+
+class ServerThread:
+    """Serve an app on a free loopback port from a background thread (tests, benchmarks).
+
+        with ServerThread(plan.app) as server:
+            client = OpenAI(base_url=server.url + "/v1", api_key="none")
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", start_timeout: float = 30.0):
+        self.app, self.host, self.start_timeout = app, host, start_timeout
+        self.port = 0
+        self._server = self._thread = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "ServerThread":
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, 0))
+        self.port = sock.getsockname()[1]
+        self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + self.start_timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)

@@ -1,0 +1,376 @@
+"""`specpack tune`: measure settings on a workload and store them as a validated profile.
+
+    baseline (no speculation) → sweep draft length from a heuristic start, checking greedy
+    equality on every prompt → concurrency sweep through the serve queue → profile → manifest → sign
+
+Figures are measured, never assumed; the draft-length heuristic only chooses where to start.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+import platform
+import resource
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional, Sequence
+
+from specpack import __version__
+from specpack.errors import InputError, SpecpackError, UnsupportedError
+from specpack.runtime.profiles import (Machine, check_writable, kv_and_weight_bytes, package_version,
+                                       store_profile, this_machine)
+from specpack.runtime.speculative import MAX_DRAFT_LEN, GenerationStats
+from specpack.runtime.worker import Job, Worker, add_stats
+from specpack.runtime.workload import Workload, encode_request, read_workload
+from specpack.schemas.profile import (ConcurrencyPoint, DraftLenPoint, Evidence, Profile, ProfileMemory,
+                                      ProfileSettings, Software, WorkloadInfo, make_profile)
+
+log = logging.getLogger(__name__)
+MIN_GAIN = 1.02  # a longer/shorter draft must beat the best so far by 2% to be taken (noise)
+
+
+@dataclass(frozen=True)
+class Prompt:
+    line: int
+    ids: list[int]
+    max_new_tokens: int
+
+
+@dataclass
+class Pass:
+    """One pass over the workload at one setting."""
+
+    speculative: bool
+    draft_len: int
+    stats: GenerationStats
+    outputs: list[list[int]]
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.stats.tokens_per_s
+
+
+@dataclass
+class TuneResult:
+    profile: Profile
+    baseline: Pass
+    sweep: dict[int, Pass]
+    manifest_path: Path
+    signed: bool
+    plots: list[Path] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        p = self.profile
+        return {"profile": p.model_dump(mode="json"), "manifest": str(self.manifest_path), "signed": self.signed,
+                "plots": [str(x) for x in self.plots], "notes": self.notes}
+
+
+def merge_stats(all_stats: Sequence[GenerationStats]) -> GenerationStats:
+    """Counters summed over generations (rates follow from the sums, not from averaging rates)."""
+    total = GenerationStats()
+    for s in all_stats:
+        add_stats(total, s)
+    return total
+
+
+def encode_workload(model, workload: Workload, max_new_tokens: int) -> list[Prompt]:
+    """Token ids of every line; InputError lists every line that does not fit the context."""
+    prompts, problems = [], []
+    for item in workload.items:
+        try:
+            ids = encode_request(model.tokenizer, item.request)
+        except InputError as exc:
+            problems.append(f"line {item.line}: {exc.message}")
+            continue
+        new = item.request.max_tokens or max_new_tokens
+        if len(ids) + new > model.context_length:
+            problems.append(f"line {item.line}: {len(ids)} prompt tokens + {new} new exceed the context "
+                            f"of {model.context_length}")
+        prompts.append(Prompt(item.line, ids, new))
+    if problems:
+        raise InputError(f"workload '{workload.path}' does not fit this model", problems=problems,
+                         hint="shorten those prompts or lower max_tokens / --max-new-tokens")
+    return prompts
+
+
+def measure_workload(model, prompts: Sequence[Prompt], draft_len: int, speculative: bool,
+                     reference: Optional[Pass] = None, tick=None) -> Pass:
+    """Greedy generation of every prompt, one at a time; with `reference`, check token equality
+    on every prompt and raise naming each line that differs."""
+    stats, outputs = [], []
+    for p in prompts:
+        r = model.generate(p.ids, max_new_tokens=p.max_new_tokens, draft_len=draft_len,
+                           speculative=speculative)
+        stats.append(r.stats)
+        outputs.append(r.tokens)
+        if tick:
+            tick()
+    result = Pass(speculative, draft_len, merge_stats(stats), outputs)
+    if reference is not None:
+        bad = [p.line for p, a, b in zip(prompts, outputs, reference.outputs) if a != b]
+        if bad:
+            raise SpecpackError(f"speculative output at draft length {draft_len} differs from decoding without "
+                                f"speculation on workload lines {bad}: no profile was written",
+                                hint="this is a bug in the runtime or the drafter binding; please report it")
+    return result
+
+
+def measure_concurrency(model, prompts: Sequence[Prompt], clients: int, draft_len: int, speculative: bool,
+                        tick=None) -> float:
+    """Aggregate tokens/s of `clients` concurrent clients sending the workload through the same
+    queue `serve` uses (max(clients, prompts) requests in all)."""
+    n_requests = max(clients, len(prompts))
+
+    def client(c: int) -> int:
+        tokens = 0
+        for i in range(c, n_requests, clients):
+            p = prompts[i % len(prompts)]
+            result = worker.submit(Job(p.ids, p.max_new_tokens, speculative=speculative)).result()
+            tokens += len(result.tokens)
+            if tick:
+                tick()
+        return tokens
+
+    with Worker(model, draft_len) as worker, ThreadPoolExecutor(clients) as pool:
+        start = time.perf_counter()
+        tokens = sum(pool.map(client, range(clients)))
+        seconds = time.perf_counter() - start
+    return tokens / seconds if seconds > 0 else 0.0
+
+
+def heuristic_draft_len(manifest, device: str) -> int:
+    """Where the sweep starts. GPU: D = 128/G - 1 with G query heads per KV head (NVIDIA's
+    co-design arithmetic, a hypothesis the sweep tests). CPU: the artifact's own default."""
+    from specpack.runtime.generate import default_draft_len
+
+    if device == "cuda":
+        t = manifest.target
+        g = max(1, t.num_attention_heads // t.num_key_value_heads)
+        return max(1, min(MAX_DRAFT_LEN, round(128 / g - 1)))
+    return max(1, min(MAX_DRAFT_LEN, default_draft_len(manifest)))
+
+
+def max_draft_len(drafter) -> int:
+    """The longest draft `drafter` accepts (MTP without layer reuse: its number of layers)."""
+    check = getattr(drafter, "check_draft_len", None)
+    longest = MAX_DRAFT_LEN
+    while check is not None and longest > 1:
+        try:
+            check(longest)
+            break
+        except InputError:
+            longest -= 1
+    return longest
+
+
+def sweep_draft_len(measure, start: int, lengths: Optional[Sequence[int]] = None,
+                    longest: int = MAX_DRAFT_LEN) -> dict[int, Pass]:
+    """Measure the given `lengths`, or search 1..`longest` from `start`: try best ± step, move
+    while it pays, halve the step when it does not (each length measured once)."""
+    results: dict[int, Pass] = {}
+
+    def at(d: int) -> Pass:
+        if d not in results:
+            results[d] = measure(d)
+        return results[d]
+
+    if lengths:
+        for d in sorted(set(lengths)):
+            at(d)
+        return results
+    best = min(start, longest)
+    step = max(1, best // 2)
+    at(best)
+    while step >= 1:
+        moves = [d for d in (best - step, best + step) if 1 <= d <= longest]
+        better = [d for d in moves if at(d).tokens_per_s > at(best).tokens_per_s * MIN_GAIN]
+        if better:
+            best = max(better, key=lambda d: at(d).tokens_per_s)
+        else:
+            step //= 2
+    return results
+
+
+def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype: str = "float32",
+         concurrency: Sequence[int] = (1, 2, 4, 8), draft_lens: Optional[Sequence[int]] = None,
+         max_new_tokens: int = 128, repeats: int = 2, key=None, public_key=None, progress: bool = False,
+         plot_dir=None, machine: Optional[Machine] = None) -> TuneResult:
+    """Measure `artifact` on `workload` and write the best setting as a validated profile into its
+    manifest (re-signed with `key`; a signed artifact without `key` is refused before any work).
+    Each setting is measured `repeats` times and its fastest pass kept (less noise)."""
+    from specpack.runtime.api import load
+
+    if backend != "torch":
+        raise UnsupportedError(f"tune measures the torch backend only, not {backend!r}", hint="use --backend torch")
+    _check_options(concurrency, draft_lens, max_new_tokens, repeats)
+    wl = read_workload(workload)
+    check_writable(Path(artifact), key)
+    start = time.perf_counter()
+    model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress)
+    prompts = encode_workload(model, wl, max_new_tokens)
+    with _Progress(progress) as bar:
+        figures = _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar)
+    machine = machine or this_machine(gpus=device.startswith("cuda"))
+    profile = _profile(model, wl, max_new_tokens, backend, device.split(":")[0], dtype, figures, machine,
+                       time.perf_counter() - start)
+    path = store_profile(artifact, profile, key)
+    result = TuneResult(profile, figures["baseline"], figures["sweep"], path, key is not None)
+    if plot_dir is not None:
+        from specpack.runtime.tune_report import save_plots
+
+        result.plots, result.notes = save_plots(result, Path(plot_dir))
+    log.info("tuned %s: %s", artifact, profile.name)
+    return result
+
+
+def remeasure(model, profile: Profile, workload) -> dict:
+    """Measure `profile`'s settings again on `workload` (the one it was tuned on) with a loaded
+    model: the figures to hold against its evidence. Acceptance is deterministic for greedy
+    decoding, so it must match exactly; tokens/s only within the machine's noise."""
+    wl = read_workload(workload)
+    if wl.sha256 != profile.evidence.workload.sha256:
+        raise InputError(f"workload '{wl.path}' is not the one profile {profile.name} was tuned on",
+                         hint=f"use the workload '{profile.evidence.workload.name}' (sha256 "
+                              f"{profile.evidence.workload.sha256[:12]}…)")
+    prompts = encode_workload(model, wl, profile.evidence.workload.max_new_tokens)
+    s = profile.settings
+    base = measure_workload(model, prompts, 1, False)
+    spec = measure_workload(model, prompts, s.draft_len, True, base) if s.speculative else base
+    return {"baseline_tokens_per_s": base.tokens_per_s, "speculative_tokens_per_s": spec.tokens_per_s,
+            "acceptance_length": spec.stats.acceptance_length,
+            "position_acceptance": spec.stats.position_acceptance, "new_tokens": base.stats.new_tokens,
+            "acceptance_matches": spec.stats.acceptance_length == profile.evidence.acceptance_length
+            and spec.stats.position_acceptance == profile.evidence.position_acceptance}
+
+
+def _check_options(concurrency, draft_lens, max_new_tokens, repeats) -> None:
+    problems = [f"concurrency {c!r} must be a positive integer" for c in concurrency
+                if not (isinstance(c, int) and c >= 1)]
+    problems += [f"draft length {d!r} is outside 1..{MAX_DRAFT_LEN}" for d in draft_lens or ()
+                 if not (isinstance(d, int) and 1 <= d <= MAX_DRAFT_LEN)]
+    if not concurrency:
+        problems.append("give at least one concurrency level")
+    if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
+        problems.append(f"max_new_tokens {max_new_tokens!r} must be a positive integer")
+    if not (isinstance(repeats, int) and repeats >= 1):
+        problems.append(f"repeats {repeats!r} must be a positive integer")
+    if problems:
+        raise InputError("invalid tune options", problems=problems)
+
+
+def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar) -> dict:
+    import torch
+
+    if model.drafter is None:
+        raise InputError("the artifact has no drafter to tune")
+    longest = max_draft_len(model.drafter)
+    refused = [d for d in draft_lens or () if d > longest]
+    if refused:
+        raise InputError(f"the {model.manifest.drafter.kind} drafter takes at most {longest} draft tokens, "
+                         f"not {refused}", hint=f"give --draft-lens within 1..{longest}")
+    if device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    for spec in (False, True):  # warm up: first calls pay for allocation and kernel setup
+        model.generate(prompts[0].ids, max_new_tokens=4, speculative=spec)
+    def fastest(draft_len: int, speculative: bool, reference=None) -> Pass:
+        runs = [measure_workload(model, prompts, draft_len, speculative, reference, bar.tick) for _ in range(repeats)]
+        return max(runs, key=lambda p: p.tokens_per_s)
+
+    bar.phase("baseline")
+    baseline = fastest(1, False)
+    bar.phase("draft length")
+    sweep = sweep_draft_len(lambda d: fastest(d, True, baseline),
+                            heuristic_draft_len(model.manifest, device.split(":")[0]), draft_lens, longest)
+    best = max(sweep.values(), key=lambda p: p.tokens_per_s)
+    pays = best.tokens_per_s > baseline.tokens_per_s
+    bar.phase("concurrency")
+    points = _concurrency_sweep(model, prompts, sorted(set(concurrency)), best.draft_len, bar) if pays else []
+    peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else \
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    return {"baseline": baseline, "sweep": sweep, "best": best, "pays": pays, "points": points, "peak": peak,
+            "limit": _concurrency_limit(points) if pays else 0}
+
+
+def _concurrency_sweep(model, prompts, levels, draft_len, bar) -> list[ConcurrencyPoint]:
+    points = []
+    for n in levels:
+        base = measure_concurrency(model, prompts, n, draft_len, False, bar.tick)
+        spec = measure_concurrency(model, prompts, n, draft_len, True, bar.tick)
+        points.append(ConcurrencyPoint(concurrency=n, baseline_tokens_per_s=base, speculative_tokens_per_s=spec))
+    return points
+
+
+def _concurrency_limit(points: list[ConcurrencyPoint]) -> int:
+    """The highest concurrency before the first one at which speculation lost (at least 1:
+    the single-stream sweep already showed it pays for one request)."""
+    limit = 1
+    for p in points:
+        if p.speculative_tokens_per_s <= p.baseline_tokens_per_s:
+            break
+        limit = p.concurrency
+    return limit
+
+
+def _profile(model, wl: Workload, max_new_tokens, backend, device, dtype, f: dict, machine: Machine,
+             seconds: float) -> Profile:
+    base, best, pays = f["baseline"], f["best"], f["pays"]
+    chosen = best if pays else base
+    weights, kv = kv_and_weight_bytes(model.manifest, dtype, model.context_length)
+    evidence = Evidence(
+        workload=WorkloadInfo(name=wl.name, sha256=wl.sha256, prompts=len(wl.items), max_new_tokens=max_new_tokens,
+                              new_tokens=base.stats.new_tokens),
+        baseline_tokens_per_s=base.tokens_per_s, speculative_tokens_per_s=chosen.tokens_per_s,
+        speedup=chosen.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0,
+        acceptance_length=chosen.stats.acceptance_length, position_acceptance=chosen.stats.position_acceptance,
+        greedy_equal=True, prompts_checked=len(base.outputs),
+        draft_len_sweep=[DraftLenPoint(draft_len=d, tokens_per_s=p.tokens_per_s,
+                                       acceptance_length=p.stats.acceptance_length,
+                                       speedup=p.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
+                         for d, p in sorted(f["sweep"].items())],
+        concurrency_sweep=f["points"], hardware=machine.hardware(device), software=_software(backend),
+        measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), seconds=seconds)
+    settings = ProfileSettings(speculative=pays, draft_len=best.draft_len if pays else 0,
+                               max_concurrency=f["limit"])
+    memory = ProfileMemory(weights_bytes=weights, kv_cache_bytes=kv, context_tokens=model.context_length,
+                           required_bytes=weights + kv, measured_peak_bytes=f["peak"])
+    return make_profile(backend=backend, device=device, dtype=dtype,
+                        drafter=model.manifest.drafter.kind if pays else "none",
+                        settings=settings, memory=memory, evidence=evidence)
+
+
+def _software(backend: str) -> Software:
+    packages = {name: package_version(name) for name in (backend, "transformers", "tokenizers", "numpy")}
+    return Software(specpack=__version__, python=platform.python_version(),
+                    platform=f"{platform.system()}-{platform.machine()}", packages=packages)
+
+
+class _Progress:
+    """A generation counter on stderr (tqdm) while tuning; silent when off."""
+
+    def __init__(self, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(desc="tune", unit="gen", leave=False)
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def phase(self, name: str) -> None:
+        log.info("tune: %s", name)
+        if self.bar is not None:
+            self.bar.set_description(f"tune: {name}")
+
+    def tick(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)

@@ -1,0 +1,262 @@
+"""Validated profiles: tune writes evidence that re-measures, the artifact still verifies, profiles
+are judged against the machine, run/serve pick one, and bad workloads get exact errors."""
+
+import importlib.util
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from specpack.errors import InputError, UnsupportedError
+from specpack.packager import BuildOptions, NgramParams, build, sign_artifact, verify
+from specpack.packager.artifact import read_manifest
+from specpack.runtime.profiles import (INCOMPATIBLE, LOW_MEMORY, RUNNABLE, Machine, check_profile,
+                                       list_profiles, select_profile, this_machine)
+from specpack.runtime.tune import heuristic_draft_len, remeasure, sweep_draft_len, tune
+from specpack.runtime.workload import read_workload
+from specpack.schemas.profile import Profile, make_profile, profile_id
+
+WORKLOAD = [
+    {"prompt": "def add(a, b):\n    return a + b\n\ndef add(a, b):"},
+    {"prompt": "The quick brown fox jumps over the lazy dog. The quick brown", "max_tokens": 10},
+    {"messages": [{"role": "user", "content": "for i in range(10):\n    print(i * i)\n"}]},
+]
+TUNE = dict(concurrency=[1, 2], draft_lens=[2, 4], max_new_tokens=16, repeats=1)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, tiny_target):
+    out = tmp_path_factory.mktemp("prof") / "art"
+    build(BuildOptions(target=tiny_target, drafter="ngram", out=out, ngram=NgramParams(1, 3, 4)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def workload(tmp_path_factory):
+    path = tmp_path_factory.mktemp("wl") / "tiny-code.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in WORKLOAD))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tuned(artifact, workload, tmp_path_factory):
+    art = tmp_path_factory.mktemp("tuned") / "art"
+    shutil.copytree(artifact, art)
+    return art, tune(art, workload, **TUNE)
+
+
+def _machine(**changes) -> Machine:
+    here = this_machine(gpus=False)
+    return replace(here, **changes)
+
+
+def test_tune_writes_a_profile_whose_evidence_remeasures(tuned, workload):
+    import specpack
+
+    art, result = tuned
+    p = result.profile
+    stored = read_manifest(art).profiles
+    assert len(stored) == 1 and Profile.model_validate(stored[0]) == p
+    assert p.id == profile_id(p.model_dump(mode="json"))
+    assert p.name == f"torch-cpu-float32-{p.drafter}-d{p.settings.draft_len}"
+    e = p.evidence
+    assert e.greedy_equal and e.prompts_checked == 3 and e.workload.name == "tiny-code"
+    assert [pt.draft_len for pt in e.draft_len_sweep] == [2, 4]
+    assert e.hardware.cpu_cores >= 1 and e.software.packages["torch"]
+    assert p.memory.required_bytes == p.memory.weights_bytes + p.memory.kv_cache_bytes > 0
+    if p.settings.speculative:
+        assert [c.concurrency for c in e.concurrency_sweep] == [1, 2]
+        assert 1 <= p.settings.max_concurrency <= 2
+
+    again = remeasure(specpack.load(art), p, workload)
+    assert again["new_tokens"] == e.workload.new_tokens
+    assert again["acceptance_length"] == e.acceptance_length  # deterministic for greedy decoding
+    assert again["position_acceptance"] == e.position_acceptance and again["acceptance_matches"]
+    ratio = again["speculative_tokens_per_s"] / e.speculative_tokens_per_s
+    assert 1 / 50 < ratio < 50  # loose: this is a shared machine, timings are never asserted
+
+
+def test_tuned_artifact_still_verifies_and_loads(tuned):
+    import specpack
+
+    art, _ = tuned
+    assert verify(art).files == len(read_manifest(art).files)
+    assert specpack.load(art).manifest.profiles
+
+
+def test_signed_artifact_needs_the_key_and_is_resigned(tuned, workload, keypair, tmp_path):
+    art = tmp_path / "signed"
+    shutil.copytree(tuned[0], art)
+    sign_artifact(art, keypair.private)
+    with pytest.raises(InputError, match="is signed: writing profiles changes specpack.json"):
+        tune(art, workload, **TUNE)
+    tune(art, workload, key=keypair.private, **{**TUNE, "concurrency": [1], "draft_lens": [3]})
+    report = verify(art, keypair.public, require_signature=True)
+    assert report.signature_checked
+    assert len(read_manifest(art).profiles) == 1  # same machine and workload: replaced, not added
+
+
+def test_old_artifacts_without_profiles_still_load(artifact, tmp_path):
+    import specpack
+
+    art = tmp_path / "old"
+    shutil.copytree(artifact, art)
+    manifest = json.loads((art / "specpack.json").read_text())
+    del manifest["profiles"]  # written before profiles existed
+    (art / "specpack.json").write_text(json.dumps(manifest))
+    model = specpack.load(art)
+    assert list_profiles(art) == []
+    chosen = select_profile(model.manifest)
+    assert chosen.profile is None and chosen.speculative and chosen.draft_len == 4
+    assert "no validated profiles" in chosen.message
+
+
+def test_profile_statuses_with_reasons(tuned):
+    art, result = tuned
+    manifest, raw = read_manifest(art), result.profile.model_dump(mode="json")
+    assert check_profile(raw, manifest, _machine()).status == RUNNABLE
+
+    low = check_profile(raw, manifest, _machine(memory_available=1000))
+    assert low.status == LOW_MEMORY and "MiB of system memory, 0.0 MiB available" in low.reasons[0]
+    no_torch = check_profile(raw, manifest, _machine(backends={}))
+    assert no_torch.status == INCOMPATIBLE and "backend torch is not installed" in no_torch.reasons[0]
+    edited = {**raw, "settings": {**raw["settings"], "max_concurrency": 64}}
+    assert "edited after tuning" in check_profile(edited, manifest, _machine()).reasons[0]
+    broken = check_profile({"name": "x", "backend": "torch"}, manifest, _machine())
+    assert broken.status == INCOMPATIBLE and broken.reasons[0].startswith("not a valid profile")
+
+    listed = list_profiles(art, _machine(memory_available=1000))
+    assert [s.status for s in listed] == [LOW_MEMORY]
+    assert listed[0].to_dict()["reasons"] and listed[0].to_dict()["settings"]
+
+
+def _variant(profile: Profile, **fields) -> dict:
+    data = profile.model_dump(mode="json")
+    data.update(fields)
+    return make_profile(**{k: v for k, v in data.items() if k not in ("id", "name")}).model_dump(mode="json")
+
+
+def test_backend_not_installed_gpu_missing_or_other_drafter(tuned):
+    art, result = tuned
+    manifest, p = read_manifest(art), result.profile
+    trt = check_profile(_variant(p, backend="tensorrt"), manifest, _machine(backends={"torch": "2"}))
+    assert trt.status == INCOMPATIBLE
+    assert trt.reasons == ["backend tensorrt is not installed (pip install 'specpack[tensorrt]')"]
+    gpu = check_profile(_variant(p, device="cuda"), manifest, _machine(gpus=()))
+    assert gpu.reasons == ["it needs a CUDA GPU and none is visible"]
+    eagle = check_profile(_variant(p, drafter="eagle3"), manifest, _machine())
+    assert eagle.reasons == ["it is for a eagle3 drafter, this artifact has ngram"]
+
+
+def test_select_profile_for_run_and_serve(tuned):
+    art, result = tuned
+    manifest, p = read_manifest(art), result.profile
+    picked = select_profile(manifest, "cpu", "float32", machine=_machine())
+    assert picked.profile == p and picked.message.startswith(f"picked profile {p.name} ({p.id})")
+    assert select_profile(manifest, wanted=p.id[:6], machine=_machine()).profile == p
+    assert select_profile(manifest, wanted=p.name, machine=_machine()).message.startswith("using profile")
+    fallback = select_profile(manifest, "cpu", "bfloat16", machine=_machine())
+    assert fallback.profile is None and "no runnable validated profile for torch/cpu/bfloat16" in fallback.message
+    with pytest.raises(InputError, match="has no profile named 'nope'"):
+        select_profile(manifest, wanted="nope", machine=_machine())
+    with pytest.raises(InputError, match="cannot run here: low-memory") as err:
+        select_profile(manifest, wanted=p.name, machine=_machine(memory_available=10))
+    assert "available" in err.value.problems[0]
+    with pytest.raises(InputError, match="is for torch/cpu/float32, this run uses torch/cpu/bfloat16"):
+        select_profile(manifest, dtype="bfloat16", wanted=p.name, machine=_machine())
+
+
+@pytest.mark.parametrize("text, message, problems", [
+    ("", "is empty: no prompts", []),
+    ("\n  \n", "is empty: no prompts", []),
+    ('{"prompt": "a"}\n{"prompt": \n[1]\n{"text": "a"}\n{"prompt": "a", "max_tokens": -2}\n'
+     '{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}\n{"messages": [{"role": "bot", "content": 1}]}\n',
+     r"has 6 bad line\(s\)",
+     ["line 2: not valid JSON", "line 3: expected a JSON object, got list", "line 4: ",
+      "line 5: max_tokens: Input should be greater than or equal to 1",
+      "line 6: give exactly one of 'prompt' or 'messages'", "line 7: messages.0.role"]),
+])
+def test_bad_workload_files(tmp_path, text, message, problems):
+    path = tmp_path / "w.jsonl"
+    path.write_text(text)
+    with pytest.raises(InputError, match=message) as err:
+        read_workload(path)
+    assert len(err.value.problems) == len(problems)
+    for got, want in zip(err.value.problems, problems):
+        assert got.startswith(want), got
+
+
+def test_missing_workload_and_directory(tmp_path):
+    with pytest.raises(InputError, match="workload file '.*nope.jsonl' does not exist"):
+        read_workload(tmp_path / "nope.jsonl")
+    with pytest.raises(InputError, match="is a directory"):
+        read_workload(tmp_path)
+
+
+def test_shipped_workloads_parse():
+    root = Path(__file__).parent.parent / "bench" / "workloads"
+    files = sorted(root.glob("*.jsonl"))
+    assert {f.stem for f in files} >= {"code_edit", "summarise_quotes", "chat"}
+    for f in files:
+        assert 5 <= len(read_workload(f).items) <= 10, f
+
+
+def test_bad_tune_inputs_fail_before_measuring(artifact, workload, tmp_path):
+    with pytest.raises(UnsupportedError, match="torch backend only"):
+        tune(artifact, workload, backend="onnxruntime")
+    with pytest.raises(InputError, match="invalid tune options") as err:
+        tune(artifact, workload, concurrency=[0], draft_lens=[0, 17], max_new_tokens=0)
+    assert len(err.value.problems) == 4
+    with pytest.raises(InputError, match="does not exist"):
+        tune(artifact, tmp_path / "missing.jsonl")
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "a"}) + "\n" + json.dumps({"prompt": "word " * 600}) + "\n")
+    with pytest.raises(InputError, match="does not fit this model") as err:
+        tune(artifact, long)
+    assert err.value.problems[0].startswith("line 2: ") and "exceed the context of 512" in err.value.problems[0]
+    assert read_manifest(artifact).profiles == []
+
+
+def test_draft_length_heuristic_and_search(artifact):
+    manifest = read_manifest(artifact)
+    assert heuristic_draft_len(manifest, "cpu") == 4  # the artifact's own default
+    for heads, kv, want in [(32, 4, 15), (32, 1, 3), (4, 2, 16)]:  # D = 128 / G - 1, at most 16
+        t = manifest.target.model_copy(update={"num_attention_heads": heads, "num_key_value_heads": kv})
+        assert heuristic_draft_len(manifest.model_copy(update={"target": t}), "cuda") == want
+
+    class Fake:
+        def __init__(self, d):
+            self.tokens_per_s = 100 - (d - 7) ** 2  # best at 7
+
+    measured = []
+    found = sweep_draft_len(lambda d: measured.append(d) or Fake(d), 4)
+    assert max(found, key=lambda d: found[d].tokens_per_s) == 7
+    assert len(measured) == len(set(measured))  # each length once
+    assert sorted(sweep_draft_len(lambda d: Fake(d), 4, [3, 1, 3])) == [1, 3]
+    capped = sweep_draft_len(lambda d: Fake(d), 4, longest=5)  # e.g. MTP with 5 layers, no reuse
+    assert max(capped) == 5 and max(capped, key=lambda d: capped[d].tokens_per_s) == 5
+
+
+def test_drafter_draft_length_limit():
+    from specpack.runtime.tune import max_draft_len
+
+    class TwoLayers:
+        def check_draft_len(self, d):
+            if d > 2:
+                raise InputError(f"{d} draft tokens asked for, but the MTP drafter has 2 layer(s)")
+
+    assert max_draft_len(TwoLayers()) == 2 and max_draft_len(object()) == 16
+
+
+def test_plots_are_optional(tuned, tmp_path):
+    from specpack.runtime.tune_report import save_plots, summary
+
+    _, result = tuned
+    assert result.profile.name in summary(result) and "draft length 4" in summary(result)
+    paths, notes = save_plots(result, tmp_path / "plots")
+    if importlib.util.find_spec("matplotlib") is None:
+        assert paths == [] and "matplotlib is not installed" in notes[0]
+    else:
+        assert all(p.is_file() and p.suffix == ".png" for p in paths) and len(paths) == 2

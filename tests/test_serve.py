@@ -1,0 +1,305 @@
+"""`specpack serve`: the official openai client against a loopback server; greedy answers equal
+`specpack run`; a bounded load test whose /metrics add up; every bad request gets an OpenAI error;
+speculation turns off above the concurrency limit; a client that leaves frees the worker."""
+
+import http.client
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytest.importorskip("fastapi")
+openai = pytest.importorskip("openai")
+
+from specpack.runtime.generate import GenerateRequest, generate_text  # noqa: E402
+from specpack.runtime.serve import ServerThread, create_app, prepare  # noqa: E402
+from specpack.runtime.speculative import GenerationResult, GenerationStats  # noqa: E402
+from specpack.runtime.worker import Cancelled, Job, Worker  # noqa: E402
+
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "The quick brown fox jumps over the",
+           "for i in range(10):\n    print(i * i)\n", "Hello, how are you today?"]
+LIMIT = 4  # speculation up to 4 requests in flight
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory, tiny_target):
+    from specpack.packager import BuildOptions, NgramParams, build
+
+    out = tmp_path_factory.mktemp("serve") / "tiny-ngram"
+    build(BuildOptions(target=tiny_target, drafter="ngram", out=out, ngram=NgramParams(1, 3, 4)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(artifact):
+    plan = prepare(artifact, max_concurrency=LIMIT)
+    with ServerThread(plan.app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def reference(artifact):
+    """`specpack run`'s output (its library call) from a separately loaded model."""
+    import specpack
+
+    model = specpack.load(artifact)
+    cache = {}
+
+    def run(prompt: str, chat: bool, max_tokens: int) -> dict:
+        key = (prompt, chat, max_tokens)
+        if key not in cache:
+            cache[key] = generate_text(artifact, GenerateRequest(prompt, chat=chat, max_new_tokens=max_tokens),
+                                       model=model)
+        return cache[key]
+
+    return run
+
+
+def _get(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.read().decode()
+
+
+def _post(url: str, body: bytes) -> tuple[int, dict]:
+    req = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def _metrics(server) -> dict[str, float]:
+    samples = {}
+    for line in _get(server.url + "/metrics").splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def test_models_and_health(server, client, artifact):
+    assert [m.id for m in client.models.list().data] == [artifact.name]
+    assert json.loads(_get(server.url + "/health"))["status"] == "ok"
+
+
+def test_completion_equals_run(client, reference, artifact):
+    for prompt in PROMPTS[:2]:
+        r = client.completions.create(model=artifact.name, prompt=prompt, max_tokens=24, temperature=0)
+        want = reference(prompt, False, 24)
+        assert r.choices[0].text == want["text"]
+        assert r.usage.completion_tokens == len(want["token_ids"])
+        assert r.usage.prompt_tokens == want["prompt_tokens"]
+        assert r.choices[0].finish_reason == {"length": "length", "context": "length"}.get(want["finish_reason"], "stop")
+
+
+def test_streamed_chat_equals_run_chat(client, reference, artifact):
+    stream = client.chat.completions.create(model=artifact.name, temperature=0, max_tokens=20, stream=True,
+                                            messages=[{"role": "user", "content": PROMPTS[2]}],
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    want = reference(PROMPTS[2], True, 20)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want["text"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want["token_ids"])
+
+    plain = client.chat.completions.create(model=artifact.name, temperature=0, max_tokens=20,
+                                           messages=[{"role": "user", "content": PROMPTS[2]}])
+    assert plain.choices[0].message.content == want["text"]
+
+
+def test_streamed_completion_equals_plain(client, artifact):
+    args = dict(model=artifact.name, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    whole = client.completions.create(**args).choices[0].text
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **args)) == whole
+
+
+def test_stop_string_cuts_like_run(client, reference, artifact):
+    full = reference(PROMPTS[0], False, 24)["text"]
+    stop = full[5:8]
+    r = client.completions.create(model=artifact.name, prompt=PROMPTS[0], max_tokens=24, temperature=0, stop=[stop])
+    assert r.choices[0].text == full[: full.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+BAD = [
+    (b'{"model": "tiny-ngram", "prompt": ', 400, None, None),
+    (b'[1, 2]', 400, None, "invalid_value"),
+    (json.dumps({"model": "other", "prompt": "x"}).encode(), 404, "model", "model_not_found"),
+    (json.dumps({"model": "tiny-ngram", "prompt": "x", "max_tokens": -1}).encode(), 400, "max_tokens", "invalid_value"),
+    (json.dumps({"model": "tiny-ngram", "prompt": "x", "temperature": -0.5}).encode(), 400, "temperature", "invalid_value"),
+    (json.dumps({"model": "tiny-ngram", "prompt": "x", "temperature": 2.5}).encode(), 400, "temperature", "invalid_value"),
+    (json.dumps({"model": "tiny-ngram", "prompt": "word " * 600}).encode(), 400, "prompt", "context_length_exceeded"),
+    (json.dumps({"model": "tiny-ngram", "prompt": "x", "max_tokens": 5000}).encode(), 400, "max_tokens",
+     "context_length_exceeded"),
+    (json.dumps({"model": "tiny-ngram", "prompt": ""}).encode(), 400, "prompt", None),
+    (json.dumps({"model": "tiny-ngram"}).encode(), 400, "prompt", "missing_required_parameter"),
+    (json.dumps({"model": "tiny-ngram", "prompt": "x", "n": 3}).encode(), 400, "n", "invalid_value"),
+]
+
+
+@pytest.mark.parametrize("body, status, param, code", BAD)
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, client, body, status, param, code):
+    got, data = _post(server.url + "/v1/completions", body)
+    assert got == status, data
+    err = data["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error" and err["param"] == param and err["code"] == code
+    ok = client.completions.create(model="tiny-ngram", prompt="x", max_tokens=2, temperature=0)
+    assert ok.usage.completion_tokens >= 1
+
+
+def test_bad_chat_requests(server, client):
+    long = [{"role": "user", "content": "word " * 600}]
+    for body, status, param in [({"model": "tiny-ngram", "messages": []}, 400, "messages"),
+                                ({"model": "tiny-ngram", "messages": [{"role": "alien", "content": "x"}]}, 400,
+                                 "messages.0.role"),
+                                ({"model": "tiny-ngram", "messages": long}, 400, "messages")]:
+        got, data = _post(server.url + "/v1/chat/completions", json.dumps(body).encode())
+        assert (got, data["error"]["param"]) == (status, param), data
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny-ngram", messages=[{"role": "user", "content": "x"}], max_tokens=-3)
+
+
+def test_load_32_clients_every_answer_complete_and_metrics_add_up(server, client, reference, artifact):
+    n_requests, max_tokens = 200, 6
+    before = _metrics(server)
+
+    def one(i: int) -> tuple[int, int]:
+        prompt = PROMPTS[i % len(PROMPTS)]
+        if i % 2 == 0:
+            r = client.completions.create(model=artifact.name, prompt=prompt, max_tokens=max_tokens, temperature=0)
+            assert r.choices[0].text == reference(prompt, False, max_tokens)["text"]
+            return r.usage.prompt_tokens, r.usage.completion_tokens
+        chunks = list(client.chat.completions.create(
+            model=artifact.name, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
+            temperature=0, stream=True, stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+            reference(prompt, True, max_tokens)["text"]
+        assert chunks[-1].usage is not None
+        return chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens
+
+    for p in PROMPTS:  # fill the reference cache before the clock starts
+        reference(p, False, max_tokens), reference(p, True, max_tokens)
+    with ThreadPoolExecutor(32) as pool:
+        usage = list(pool.map(one, range(n_requests), timeout=300))
+    assert len(usage) == n_requests
+
+    delta = _settled_delta(server, before, n_requests)
+    assert delta['specpack_http_requests_total{path="/v1/completions",status="200"}'] == n_requests / 2
+    assert delta['specpack_http_requests_total{path="/v1/chat/completions",status="200"}'] == n_requests / 2
+    spec, plain = delta['specpack_generations_total{speculative="true"}'], \
+        delta['specpack_generations_total{speculative="false"}']
+    assert spec + plain == n_requests
+    assert spec > 0 and plain > 0  # 32 clients > the limit of 4: speculation went off, and back on
+    assert delta["specpack_prompt_tokens_total"] == sum(p for p, _ in usage)
+    assert delta["specpack_completion_tokens_total"] == sum(c for _, c in usage)
+    assert delta["specpack_generations_cancelled_total"] == delta["specpack_generations_failed_total"] == 0
+    after = _metrics(server)
+    assert after["specpack_queue_depth"] == after["specpack_requests_in_flight"] == 0
+    assert after["specpack_acceptance_length"] >= 1
+    assert after['specpack_position_tried_total{position="0"}'] >= 1
+
+
+def _settled_delta(server, before: dict, n: int) -> dict:
+    """Metrics minus `before`, once the last responses' counters are in (bounded wait)."""
+    key = 'specpack_http_requests_total{path="/v1/chat/completions",status="200"}'
+    for _ in range(50):
+        now = _metrics(server)
+        if now.get(key, 0) - before.get(key, 0) >= n / 2:
+            break
+        time.sleep(0.05)
+    return {k: v - before.get(k, 0) for k, v in now.items()}
+
+
+class SlowModel:
+    """A stand-in for SpecModel: one token per step, a pause between steps, and a gate that holds
+    the first generation until the test opens it. Records whether each call speculated."""
+
+    def __init__(self, tokenizer, step_s: float = 0.01):
+        self.tokenizer, self.context_length, self.drafter = tokenizer, 512, object()
+        self.step_s, self.calls, self.emitted = step_s, [], []
+        self.gate = threading.Event()
+        self.token = tokenizer.convert_tokens_to_ids("a")
+
+    def generate(self, prompt_ids, max_new_tokens, draft_len, speculative, on_tokens, **_):
+        self.calls.append(speculative)
+        self.emitted.append(0)
+        self.gate.wait(30)
+        stats = GenerationStats(prompt_tokens=len(prompt_ids))
+        for _ in range(max_new_tokens):
+            time.sleep(self.step_s)
+            self.emitted[-1] += 1
+            stats.steps += 1
+            on_tokens([self.token])
+        stats.new_tokens = max_new_tokens
+        return GenerationResult([self.token] * max_new_tokens, "length", stats)
+
+
+@pytest.fixture
+def slow_model(tiny_target):
+    from transformers import AutoTokenizer
+
+    return SlowModel(AutoTokenizer.from_pretrained(tiny_target))
+
+
+def test_speculation_turns_off_above_the_limit_and_back_on(slow_model):
+    with Worker(slow_model, draft_len=3, max_concurrency=2) as worker:
+        first = worker.submit(Job([1, 5], 2))
+        while not slow_model.calls:
+            time.sleep(0.005)
+        rest = [worker.submit(Job([1, 5], 2)) for _ in range(3)]  # 4 in flight
+        slow_model.gate.set()
+        for f in [first, *rest]:
+            f.result(30)
+    # started with 1, 3, 2, 1 requests in flight: on, off (3 > 2), on, on
+    assert slow_model.calls == [True, False, True, True]
+    assert worker.metrics.generations == {True: 3, False: 1}
+
+
+def test_cancelled_job_stops_between_steps_and_frees_the_worker(slow_model):
+    slow_model.gate.set()
+    with Worker(slow_model, draft_len=3) as worker:
+        job = Job([1, 5], 400)
+        job.on_tokens = lambda toks: job.cancel.set() if slow_model.emitted[-1] >= 3 else None
+        with pytest.raises(Cancelled):
+            worker.submit(job).result(30)
+        assert worker.submit(Job([1, 5], 2)).result(30).tokens == [slow_model.token] * 2
+    assert slow_model.emitted[0] <= 5 and worker.metrics.cancelled == 1 and worker.in_flight == 0
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_that_disconnects_frees_its_slot(slow_model, stream):
+    slow_model.gate.set()
+    worker = Worker(slow_model, draft_len=3)
+    with ServerThread(create_app(slow_model, worker, "slow")) as srv:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
+        body = {"model": "slow", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": stream}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        if stream:
+            resp = conn.getresponse()
+            assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        else:
+            while not slow_model.emitted or slow_model.emitted[0] < 2:
+                time.sleep(0.01)
+        conn.sock.shutdown(2)
+        conn.close()
+        deadline = time.monotonic() + 10
+        while worker.metrics.cancelled < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert worker.metrics.cancelled == 1 and worker.in_flight == 0
+        assert slow_model.emitted[0] < 400  # stopped between steps, long before its 400 tokens
+        status, data = _post(srv.url + "/v1/completions", json.dumps({"model": "slow", "prompt": "x",
+                                                                      "max_tokens": 3}).encode())
+        assert status == 200 and data["usage"]["completion_tokens"] == 3
