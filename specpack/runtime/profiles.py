@@ -79,14 +79,20 @@ def _cpu_model() -> str:
 
 
 def _memory() -> tuple[int, int]:
+    """(total, available) bytes of system memory: /proc/meminfo, else psutil, else sysconf."""
     try:
         info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
         return int(info["MemTotal"].split()[0]) * 1024, int(info["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError):
-        import psutil  # not on Linux: psutil knows the platform's way
+        pass
+    try:
+        import psutil
 
         vm = psutil.virtual_memory()
         return vm.total, vm.available
+    except ImportError:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return total, total  # availability unknown without psutil: assume all of it
 
 
 def _gpus() -> tuple[Gpu, ...]:
