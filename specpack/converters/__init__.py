@@ -2,6 +2,9 @@
 
 - `target_hf`: Hugging Face target directories (configs and headers only)
 - `eagle3`: EAGLE-3 heads (official, SGLang/SpecForge, ModelOpt layouts)
+- `speculators`: EAGLE-3 heads in the vLLM speculators layout (→ the same canonical head)
+- `mtp`: MTP layers (DeepSeek-V3/GLM, Qwen3-Next, MiMo), in the target or a separate head dir
+- `draft_model`: a separate small causal LM sharing the target's tokenizer
 - `ngram`: prompt-lookup drafters (parameters only)
 """
 
@@ -9,23 +12,28 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpack.converters import eagle3, ngram
+from specpack.converters import draft_model, eagle3, mtp, ngram, speculators
 from specpack.errors import InputError
 
-DRAFTER_FAMILIES = {"eagle3": eagle3}
+# family -> module, in detection order (the first whose `detect` names a layout wins)
+DRAFTER_FAMILIES = {"speculators": speculators, "eagle3": eagle3, "mtp": mtp, "draft_model": draft_model}
 
 
 def detect_drafter(spec: str) -> tuple[str, str]:
-    """(kind, layout) of the drafter named by `spec`: 'ngram' or a directory."""
+    """(family, layout) of the drafter named by `spec`: 'ngram', 'mtp' (the target's own MTP
+    layers) or a directory. `family` is a key of DRAFTER_FAMILIES, or 'ngram'."""
     if ngram.detect(spec):
         return "ngram", "ngram"
+    if str(spec) == "mtp":
+        return "mtp", mtp.IN_TARGET
     path = Path(spec)
     if not path.is_dir():
-        raise InputError(f"drafter '{spec}' is neither 'ngram' nor a directory",
-                         hint="pass a drafter directory (config.json + weights) or 'ngram'")
-    for kind, module in DRAFTER_FAMILIES.items():
+        raise InputError(f"drafter '{spec}' is neither 'ngram', 'mtp' nor a directory",
+                         hint="pass a drafter directory (config.json + weights), 'mtp' or 'ngram'")
+    for family, module in DRAFTER_FAMILIES.items():
         layout = module.detect(path)
         if layout:
-            return kind, layout
+            return family, layout
     raise InputError(f"'{spec}' is not a drafter in any known layout",
-                     hint="supported: EAGLE-3 heads (" + ", ".join(eagle3.LAYOUTS) + ") and 'ngram'")
+                     hint="supported: EAGLE-3 heads (" + ", ".join(eagle3.LAYOUTS) + "), MTP heads (" +
+                          ", ".join(mtp.LAYOUTS) + "), draft models (Hugging Face causal LMs), 'mtp' and 'ngram'")

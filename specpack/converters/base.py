@@ -41,7 +41,9 @@ class ConvertedDrafter:
     config: Optional[dict] = None
     tensors: dict = field(default_factory=dict)
     kv_bytes_per_token: int = 0
+    files: dict = field(default_factory=dict)  # path under drafter/ -> source file, carried byte for byte
+    extra_weight_bytes: int = 0  # weights not in `tensors`: in-target MTP tensors, a draft model's files
 
     @property
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return self.extra_weight_bytes + sum(t.numel() * t.element_size() for t in self.tensors.values())

@@ -41,6 +41,8 @@ LAYOUTS = {
     "eagle3-official": ({**_MIDLAYER, **_SAME}, None),
     "eagle3-sglang": ({**_MIDLAYER, **_SAME}, "output_of_layer"),
     "eagle3-modelopt": (_MODELOPT, "output_of_layer"),
+    # vLLM speculators (converters/speculators.py reads its nested config): canonical names already
+    "eagle3-speculators": ({k: k for k in REQUIRED + OPTIONAL}, "input_of_layer"),
 }
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 
@@ -64,7 +66,7 @@ def detect(path: Path) -> str | None:
     if not (path / "config.json").is_file() or not any((path / w).is_file() for w in WEIGHT_FILES):
         return None
     config = read_json(path / "config.json", "drafter config")
-    return _layout(config, set(_load_tensors(path)))
+    return _layout(config, _tensor_names(path))
 
 
 def convert(path: Path, target: Target, aux: AuxOverride | None = None,
@@ -72,14 +74,21 @@ def convert(path: Path, target: Target, aux: AuxOverride | None = None,
     """Check the head at `path` against `target` and map it to the canonical layout."""
     path = Path(path)
     config = read_json(path / "config.json", "drafter config")
-    raw = _load_tensors(path)
+    raw = load_tensors(path)
     layout = _layout(config, set(raw))
     if layout is None:
         raise InputError(f"'{path}' is not an EAGLE-3 head in a known layout",
                          hint="known layouts: " + ", ".join(LAYOUTS))
-    tensors, problems = _map_names(layout, raw)
+    return convert_tensors(layout, config, raw, target, aux, source or Source(kind="path", path=str(path)), path)
+
+
+def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: AuxOverride | None,
+                    source: Source, path: Path, problems: list[str] | None = None) -> ConvertedDrafter:
+    """Check a head's tensors `raw` (named as in `layout`) and its flat Llama-style `config` against
+    `target`, and map them to the canonical head; `problems` found by the caller are reported along."""
+    tensors, name_problems = _map_names(layout, raw)
     geo, geo_problems = _geometry(config, target, tensors)
-    problems += geo_problems
+    problems = list(problems or []) + name_problems + geo_problems
     aux_layers, aux_problems = _aux_layers(layout, config, geo, tensors, aux)
     problems += aux_problems + _check_shapes(tensors, geo, aux_layers)
     t2d_source, map_problems = _check_vocab_map(tensors, geo)
@@ -89,11 +98,20 @@ def convert(path: Path, target: Target, aux: AuxOverride | None = None,
                               f"'{target.root}'", problems=problems,
                               hint="is this head made for this target? Fix or re-export the head")
     embedding = _embedding_source(tensors, target)
-    return _canonical(layout, config, tensors, geo, aux_layers, t2d_source, embedding,
-                      source or Source(kind="path", path=str(path)))
+    return _canonical(layout, config, tensors, geo, aux_layers, t2d_source, embedding, source)
 
 
-def _load_tensors(path: Path) -> dict:
+def _tensor_names(path: Path) -> set[str]:
+    """Names only: from the safetensors header when there is one (no weights loaded)."""
+    if (path / "model.safetensors").is_file():
+        from specpack.converters.safetensors_header import read_header
+
+        return set(read_header(path / "model.safetensors"))
+    return set(load_tensors(path))
+
+
+def load_tensors(path: Path) -> dict:
+    """The head's tensors: model.safetensors, else a weights-only `pytorch_model.bin`."""
     import torch
 
     stray = [p.name for p in path.iterdir() if p.suffix in (".pt", ".pth", ".ckpt", ".pkl", ".gguf")]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specpack import __version__
 from specpack._atomic import staging_dir
-from specpack.converters import detect_drafter, eagle3, ngram, target_hf
+from specpack.converters import DRAFTER_FAMILIES, detect_drafter, mtp, ngram, target_hf
 from specpack.converters.base import AuxOverride, ConvertedDrafter
 from specpack.packager import card
 from specpack.packager.artifact import write_manifest
@@ -38,6 +38,7 @@ class BuildOptions:
     force: bool = False
     aux: AuxOverride | None = None
     ngram: NgramParams = field(default_factory=NgramParams)
+    mtp_allow_reuse: bool = False  # MTP: allow more draft tokens than layers (step k uses layer k mod n)
     link: bool = True
     progress: bool = False
 
@@ -57,7 +58,7 @@ def build(opts: BuildOptions) -> BuildResult:
     drafter = convert_drafter(opts, target)
     with staging_dir(opts.out, opts.force) as tmp:
         digests = _place_target(target, tmp, opts)
-        digests |= _write_drafter(drafter, tmp)
+        digests |= _write_drafter(drafter, tmp, opts.link)
         manifest = _manifest(Path(opts.out).name, target, drafter)
         digests["README.md"] = _write_text(tmp / "README.md", card.render(manifest))
         manifest = manifest.model_copy(update={"files": _file_entries(tmp, digests)})
@@ -69,11 +70,18 @@ def build(opts: BuildOptions) -> BuildResult:
 
 
 def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDrafter:
-    kind, layout = detect_drafter(opts.drafter)
-    log.info("drafter %s: %s (%s)", opts.drafter, kind, layout)
-    if kind == "ngram":
+    family, layout = detect_drafter(opts.drafter)
+    log.info("drafter %s: %s (%s)", opts.drafter, family, layout)
+    if family == "ngram":
         return ngram.convert(opts.ngram.min_n, opts.ngram.max_n, opts.ngram.draft_len)
-    return eagle3.convert(Path(opts.drafter), target, aux=opts.aux)
+    if layout == mtp.IN_TARGET:
+        return mtp.convert_in_target(target, allow_reuse=opts.mtp_allow_reuse)
+    module, path = DRAFTER_FAMILIES[family], Path(opts.drafter)
+    if family == "mtp":
+        return module.convert(path, target, allow_reuse=opts.mtp_allow_reuse)
+    if family == "draft_model":
+        return module.convert(path, target)
+    return module.convert(path, target, aux=opts.aux)
 
 
 def _place_target(target: target_hf.Target, tmp: Path, opts: BuildOptions) -> dict[str, str]:
@@ -86,19 +94,24 @@ def _place_target(target: target_hf.Target, tmp: Path, opts: BuildOptions) -> di
     return {dest[rel]: d for rel, d in zip(target.files, digests)}
 
 
-def _write_drafter(drafter: ConvertedDrafter, tmp: Path) -> dict[str, str]:
-    if drafter.config is None:
+def _write_drafter(drafter: ConvertedDrafter, tmp: Path, link: bool = True) -> dict[str, str]:
+    """drafter/: files carried byte for byte (a draft model), canonical weights, canonical config."""
+    if drafter.config is None and not drafter.files:
         return {}
     import json
 
     from safetensors.torch import save_file
 
     (tmp / "drafter").mkdir()
-    save_file({k: v.contiguous() for k, v in drafter.tensors.items()},
-              tmp / "drafter/model.safetensors", metadata={"format": "pt", "specpack": "eagle3"})
-    digests = {"drafter/model.safetensors": sha256_file(tmp / "drafter/model.safetensors")}
-    digests["drafter/config.json"] = _write_text(tmp / "drafter/config.json",
-                                                 json.dumps(drafter.config, indent=2) + "\n")
+    digests = {f"drafter/{rel}": place_file(src, tmp / "drafter" / rel, None, link)
+               for rel, src in drafter.files.items()}
+    if drafter.tensors:
+        save_file({k: v.contiguous() for k, v in drafter.tensors.items()},
+                  tmp / "drafter/model.safetensors", metadata={"format": "pt", "specpack": drafter.entry.kind})
+        digests["drafter/model.safetensors"] = sha256_file(tmp / "drafter/model.safetensors")
+    if drafter.config is not None:
+        digests["drafter/config.json"] = _write_text(tmp / "drafter/config.json",
+                                                     json.dumps(drafter.config, indent=2) + "\n")
     return digests
 
 

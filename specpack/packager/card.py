@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specpack.schemas import Eagle3Drafter, Manifest
+from specpack.schemas import DraftModelDrafter, Eagle3Drafter, Manifest, MtpDrafter
 
 TARGET_CARD = "README.target.md"
 
@@ -43,6 +43,10 @@ def _target(m: Manifest) -> str:
 
 def _drafter(m: Manifest) -> str:
     d = m.drafter
+    if isinstance(d, MtpDrafter):
+        return _mtp(d)
+    if isinstance(d, DraftModelDrafter):
+        return _draft_model(d)
     if not isinstance(d, Eagle3Drafter):
         return (f"## Drafter: n-gram prompt lookup\n\nNo weights. Looks up the longest context suffix "
                 f"of {d.max_n} down to {d.min_n} tokens and proposes up to {d.draft_len} tokens.")
@@ -56,6 +60,33 @@ def _drafter(m: Manifest) -> str:
         f"| draft vocab | {d.draft_vocab_size} (map: {d.vocab_map}, t2d: {d.t2d_source}) |",
         f"| embedding / lm_head | {d.embedding_source} / {d.lm_head_source} |",
         f"| concat order | {d.concat_order} |",
+        f"| parameters / dtype | {d.parameters:,} / {d.dtype} |"])
+
+
+def _mtp(d: MtpDrafter) -> str:
+    where = "the target's own weight files" if d.location == "target" else "`drafter/model.safetensors`"
+    return "\n".join([
+        "## Drafter: MTP layers", "",
+        "| binding | value |", "|---|---|",
+        f"| converted from | `{d.source_layout}`, weights in {where} |",
+        f"| layers | {d.num_layers} (more draft steps than layers: "
+        f"{'layer k mod n' if d.allow_layer_reuse else 'refused'}) |",
+        f"| concat order | {d.concat_order} |",
+        f"| fed by | target {d.target_hidden_state}; layers chain their {d.chain_hidden_state} output |",
+        f"| shared with the target | {', '.join(d.shared_tensors)} |",
+        f"| duplicates checked equal | {', '.join(d.duplicates_checked) or 'none'} |",
+        f"| parameters / dtype | {d.parameters:,} / {d.dtype} |"])
+
+
+def _draft_model(d: DraftModelDrafter) -> str:
+    t = d.tokenizer
+    return "\n".join([
+        "## Drafter: draft model", "",
+        "| binding | value |", "|---|---|",
+        f"| model | {d.architecture} ({d.model_type}), {d.num_layers} layers × {d.hidden_size} |",
+        f"| tokenizer | {t.vocab_tokens} tokens with the target's ids; special tokens identical; files "
+        f"{'identical' if t.files_identical else 'differ, vocabularies equal'} |",
+        f"| vocab rows | draft {t.draft_vocab_size}, target {t.target_vocab_size} (past {t.vocab_tokens}: padding) |",
         f"| parameters / dtype | {d.parameters:,} / {d.dtype} |"])
 
 

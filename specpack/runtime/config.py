@@ -15,7 +15,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "MiMoForCausalLM": "qwen2",  # Xiaomi MiMo: a Qwen2 decoder (+ MTP layers, see runtime/mtp.py)
 }
+# loaded by runtime/deepseek.py (MLA + MoE), not by `target_spec_from_config`
+DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 
 
@@ -110,7 +113,8 @@ def target_spec_from_config(cfg: dict, generation_config: dict | None = None) ->
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedError(
             f"target architecture {arch!r} is not supported",
-            hint="supported: " + ", ".join(SUPPORTED_ARCHITECTURES) + " (SmolLM/SmolLM2 are Llama)")
+            hint="supported: " + ", ".join((*SUPPORTED_ARCHITECTURES, *DEEPSEEK_ARCHITECTURES))
+                 + " (SmolLM/SmolLM2 are Llama)")
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "vocab_size")
     missing = [k for k in required if cfg.get(k) is None]

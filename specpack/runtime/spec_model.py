@@ -8,15 +8,17 @@ import torch
 from torch import nn
 
 from specpack.errors import InputError, UnsupportedError
+from specpack.runtime.draft_model import load_draft_model
 from specpack.runtime.eagle3 import load_eagle3
 from specpack.runtime.model import Transformer
+from specpack.runtime.mtp import load_mtp
 from specpack.runtime.ngram import load_ngram
 from specpack.runtime.sampling import SamplingParams
 from specpack.runtime.speculative import MAX_DRAFT_LEN, GenerationResult, generate as run_loop
 from specpack.runtime.weights import load_target
 
 # kind -> loader(params: dict | None, drafter_dir: path | None, target: Transformer) -> drafter module
-DRAFTERS = {"eagle3": load_eagle3, "ngram": load_ngram}
+DRAFTERS = {"eagle3": load_eagle3, "ngram": load_ngram, "mtp": load_mtp, "draft_model": load_draft_model}
 
 __all__ = ["SpecModel", "load_target", "load_drafter", "DRAFTERS", "MAX_DRAFT_LEN"]
 
@@ -54,6 +56,8 @@ class SpecModel(nn.Module):
             raise InputError(f"max_new_tokens {max_new_tokens!r} must be a positive integer")
         if speculative and self.drafter is None:
             raise InputError("speculative decoding needs a drafter", hint="pass speculative=False or load one")
+        if speculative and hasattr(self.drafter, "check_draft_len"):  # e.g. MTP: no more steps than layers
+            self.drafter.check_draft_len(draft_len)
 
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 128, draft_len: int = 4,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,

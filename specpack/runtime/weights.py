@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError
-from specpack.runtime.config import TargetSpec, load_target_spec
+from specpack.runtime.config import DEEPSEEK_ARCHITECTURES, TargetSpec, load_target_spec
 
 log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
@@ -128,10 +128,22 @@ def assign_weights(model: torch.nn.Module, state: dict[str, Tensor], device, dty
     return model.requires_grad_(False).eval()
 
 
+def _architecture(model_dir) -> str | None:
+    try:
+        return (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
+    except (OSError, ValueError, AttributeError):
+        return None  # load_target_spec reports what is wrong with the config
+
+
 def load_target(model_dir, device="cpu", dtype=torch.float32):
-    """Build our `Transformer` from a transformers model directory (config.json + safetensors)."""
+    """Build our decoder from a transformers model directory (config.json + safetensors): a
+    `DeepseekTransformer` for DeepSeek-V3-style architectures, else our `Transformer`."""
     from specpack.runtime.model import Transformer
 
+    if _architecture(model_dir) in DEEPSEEK_ARCHITECTURES:
+        from specpack.runtime.deepseek import load_deepseek
+
+        return load_deepseek(model_dir, device, dtype)
     spec = load_target_spec(model_dir)
     files = checkpoint_files(Path(model_dir))
     expected = target_tensor_shapes(spec)

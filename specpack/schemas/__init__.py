@@ -5,14 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specpack.schemas.manifest import (MANIFEST_NAME, SIGNATURE_NAME, AuxLayers, Eagle3Drafter,
-                                       FileEntry, Manifest, MemoryInfo, NgramDrafter, Source,
-                                       TargetInfo)
+from specpack.schemas.manifest import (MANIFEST_NAME, SIGNATURE_NAME, AuxLayers, DraftModelDrafter,
+                                       Eagle3Drafter, FileEntry, Manifest, MemoryInfo, MtpDrafter,
+                                       NgramDrafter, Source, TargetInfo, TokenizerEvidence)
 
 SCHEMA_PATH = Path(__file__).with_name("manifest.v1.json")
 
-__all__ = ["MANIFEST_NAME", "SIGNATURE_NAME", "AuxLayers", "Eagle3Drafter", "FileEntry", "Manifest",
-           "MemoryInfo", "NgramDrafter", "Source", "TargetInfo", "SCHEMA_PATH", "manifest_schema"]
+__all__ = ["MANIFEST_NAME", "SIGNATURE_NAME", "AuxLayers", "DraftModelDrafter", "Eagle3Drafter", "FileEntry",
+           "Manifest", "MemoryInfo", "MtpDrafter", "NgramDrafter", "Source", "TargetInfo", "TokenizerEvidence",
+           "SCHEMA_PATH", "manifest_schema"]
 
 
 def manifest_schema() -> dict:

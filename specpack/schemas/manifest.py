@@ -103,7 +103,61 @@ class NgramDrafter(_Strict):
     draft_len: int = Field(ge=1, description="Default number of proposed tokens.")
 
 
-Drafter = Annotated[Union[Eagle3Drafter, NgramDrafter], Field(discriminator="kind")]
+class MtpDrafter(_Strict):
+    kind: Literal["mtp"] = "mtp"
+    source_layout: Literal["mtp-deepseek", "mtp-qwen3-next", "mtp-mimo"] = Field(
+        description="Published MTP layout: DeepSeek-V3/GLM (`model.layers.{L+k}.{enorm,hnorm,eh_proj,"
+                    "shared_head}`), Qwen3-Next (`mtp.*`) or MiMo (`model.mtp_layers.{k}.*`).")
+    source: Source = Field(description="Where the MTP tensors were read from (the target, or a head directory).")
+    location: Literal["target", "drafter"] = Field(
+        description="`target`: the tensors stay in the target's weight files and drafter/config.json maps "
+                    "each canonical name to its target tensor; `drafter`: drafter/model.safetensors.")
+    config: str = Field("drafter/config.json", description="Canonical drafter config.")
+    weights: Optional[str] = Field(None, description="Canonical weights file, when location is `drafter`.")
+    dtype: str = Field(description="Dtype of the MTP layers' weights.")
+    parameters: int = Field(ge=0, description="Weights of the MTP layers (shared embedding/lm_head excluded).")
+    num_layers: int = Field(gt=0, description="MTP layers; draft step k uses layer k (k mod n with reuse).")
+    concat_order: Literal["embedding_first", "hidden_first"] = Field(
+        description="Input of the projection: cat(norm(embed), norm(h)) or cat(norm(h), norm(embed)).")
+    target_hidden_state: Literal["final_norm_output", "last_layer_output"] = Field(
+        description="The target hidden state feeding MTP layer 0: after the final norm, or before it.")
+    chain_hidden_state: Literal["pre_norm", "post_norm"] = Field(
+        description="What MTP layer k hands to layer k+1: its block output before or after its final norm.")
+    shared_tensors: list[str] = Field(description="Target tensors the drafter uses (embedding, lm_head, ...).")
+    duplicates_checked: list[str] = Field(
+        default_factory=list,
+        description="Source tensors that duplicate target tensors: checked equal and not stored twice.")
+    allow_layer_reuse: bool = Field(
+        False, description="Whether more draft tokens than MTP layers may be asked for (layer k mod n).")
+
+
+class TokenizerEvidence(_Strict):
+    vocab_tokens: int = Field(ge=0, description="Token strings compared: same ids in both tokenizers.")
+    special_tokens: dict[str, Optional[str]] = Field(
+        description="Special tokens (bos, eos, pad, unk, ...), identical in both tokenizers.")
+    added_tokens: int = Field(ge=0, description="Added tokens compared (content, id and special flag).")
+    files_identical: bool = Field(description="The tokenizer files are byte-identical.")
+    target_vocab_size: int = Field(gt=0, description="Rows of the target's embedding.")
+    draft_vocab_size: int = Field(gt=0, description="Rows of the draft model's embedding; rows past "
+                                                    "`vocab_tokens` are padding in both.")
+    draft_tokenizer_sha256: Optional[str] = Field(None, description="Digest over the draft's tokenizer files.")
+
+
+class DraftModelDrafter(_Strict):
+    kind: Literal["draft_model"] = "draft_model"
+    source: Source = Field(description="Where the draft model was read from.")
+    architecture: str = Field(description="Draft model's config.json `architectures[0]`.")
+    model_type: str = Field(description="Draft model's config.json `model_type`.")
+    config: str = Field("drafter/config.json", description="The draft model's own config.json, bytes unchanged.")
+    weight_files: list[str] = Field(description="Its safetensors files (+ index) under drafter/, bytes unchanged.")
+    dtype: str = Field(description="Dtype of its weights on disk.")
+    parameters: int = Field(ge=0, description="Number of weights, from the safetensors headers.")
+    num_layers: int = Field(gt=0, description="Decoder layers.")
+    hidden_size: int = Field(gt=0, description="Width of its residual stream.")
+    tokenizer: TokenizerEvidence = Field(description="Why its token ids mean the same as the target's.")
+
+
+Drafter = Annotated[Union[Eagle3Drafter, NgramDrafter, MtpDrafter, DraftModelDrafter], Field(discriminator="kind")]
 
 
 class MemoryInfo(_Strict):

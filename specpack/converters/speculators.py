@@ -1,0 +1,103 @@
+"""EAGLE-3 heads in the vLLM speculators layout → the canonical EAGLE-3 head (converters/eagle3.py).
+
+Speculators configs nest the head's decoder config (`transformer_layer_config`, written with
+transformers' `to_diff_dict`, so fields equal to LlamaConfig's defaults may be absent) and name the
+target they were trained for in `speculators_config.verifier`. Weights already use the canonical
+names (`layers.0.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`, optional `embed_tokens`). Aux layer ids
+count "input of layer i", as in vLLM (default 2, L/2, L-3).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from specpack.converters import eagle3
+from specpack.converters.base import AuxOverride, ConvertedDrafter
+from specpack.converters.target_hf import Target, read_json
+from specpack.schemas import Source
+
+KIND = "eagle3"
+LAYOUT = "eagle3-speculators"
+ARCHITECTURES = ("Eagle3Speculator", "Eagle3DraftModel")
+_HUB_ID = re.compile(r"^[\w.-]+/[\w.-]+$")
+# the LlamaConfig defaults `to_diff_dict` leaves out (transformers LlamaConfig)
+_LLAMA_DEFAULTS = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+                   "num_attention_heads": 32, "hidden_act": "silu", "max_position_embeddings": 2048,
+                   "rms_norm_eps": 1e-6, "vocab_size": 32000, "rope_theta": 10000.0, "attention_bias": False,
+                   "mlp_bias": False}
+
+
+def detect(path: Path) -> str | None:
+    """'eagle3-speculators' when `path` holds a speculators config, else None."""
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        return None
+    config = read_json(path / "config.json", "drafter config")
+    archs = set(config.get("architectures") or [])
+    return LAYOUT if "speculators_model_type" in config or archs & set(ARCHITECTURES) else None
+
+
+def convert(path: Path, target: Target, aux: AuxOverride | None = None,
+            source: Source | None = None) -> ConvertedDrafter:
+    """Check the speculators head at `path` (and that its verifier is `target`), then canonicalise it."""
+    path = Path(path)
+    config = read_json(path / "config.json", "drafter config")
+    problems = _unsupported(config) + verifier_problems(config, target)  # reported with the tensor checks
+    return eagle3.convert_tensors(LAYOUT, flat_config(config), eagle3.load_tensors(path), target, aux,
+                                  source or Source(kind="path", path=str(path)), path, problems)
+
+
+def flat_config(config: dict) -> dict:
+    """The head's config as the other EAGLE-3 layouts write it: the nested layer config (defaults
+    restored, RoPE as rope_theta + rope_scaling) with the speculator's own fields on top."""
+    layer = {**_LLAMA_DEFAULTS, **(config.get("transformer_layer_config") or {})}
+    rope = layer.get("rope_parameters") or {}
+    if rope:
+        layer["rope_theta"] = rope.get("rope_theta", layer["rope_theta"])
+        if rope.get("rope_type", "default") != "default":
+            layer["rope_scaling"] = rope
+    flat = {**layer, "draft_vocab_size": config.get("draft_vocab_size") or layer["vocab_size"],
+            "norm_before_residual": bool(config.get("norm_before_residual", False))}
+    for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+        if config.get(key) is not None:
+            flat[key] = config[key]
+    return flat
+
+
+def _unsupported(config: dict) -> list[str]:
+    layer = config.get("transformer_layer_config") or {}
+    checks = [
+        (config.get("speculators_model_type", "eagle3") != "eagle3",
+         f"speculators_model_type {config.get('speculators_model_type')!r} (only 'eagle3')"),
+        (layer.get("model_type", "llama") != "llama",
+         f"transformer_layer_config.model_type {layer.get('model_type')!r}: the canonical head is a Llama layer"),
+        (int(layer.get("num_hidden_layers", 1)) != 1,
+         f"{layer.get('num_hidden_layers')} decoder layers in the head (only 1)"),
+        (bool(config.get("norm_before_fc")), "norm_before_fc (an input norm over the fused features)"),
+        (bool(layer.get("attention_bias")) or bool(layer.get("mlp_bias")), "attention or MLP biases in the head")]
+    return [f"unsupported: {text}" for bad, text in checks if bad]
+
+
+def verifier_problems(config: dict, target: Target) -> list[str]:
+    """The verifier the head was trained for must be this target: same architecture, and the same
+    hub id when both name one (the target's hub source, else its config's `_name_or_path`)."""
+    verifier = (config.get("speculators_config") or {}).get("verifier")
+    if not isinstance(verifier, dict):
+        return ["speculators_config.verifier is missing: nothing says which target the head was trained for"]
+    problems = []
+    archs = verifier.get("architectures") or []
+    if target.info.architecture not in archs:
+        problems.append(f"the head's verifier architectures {archs} do not include the target's "
+                        f"{target.info.architecture}")
+    name, mine = verifier.get("name_or_path"), _target_name(target)
+    if name and mine and _HUB_ID.match(str(name)) and str(name).lower() != mine.lower():
+        problems.append(f"the head was trained for verifier '{name}', but the target is '{mine}'")
+    return problems
+
+
+def _target_name(target: Target) -> str | None:
+    if target.info.source.kind == "hub" and target.info.source.repo_id:
+        return target.info.source.repo_id
+    name = read_json(target.root / "config.json", "target config").get("_name_or_path")
+    return name if name and _HUB_ID.match(str(name)) else None

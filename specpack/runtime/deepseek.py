@@ -1,0 +1,468 @@
+"""Our DeepSeek-V3-style decoder: MLA attention (q/kv LoRA, decoupled RoPE, YaRN) and MoE layers
+(shared experts, sigmoid + bias grouped top-k router), the first `first_k_dense_replace` layers dense.
+
+Same interface as `model.Transformer`: `setup_cache(max_len)`, then `forward` over T new tokens with an
+explicit mask and aux capture, so the speculative loop runs unchanged. The KV cache holds MLA's
+compressed latent (kv_lora_rank + rope dims per token, shared by all heads); attention runs on it
+directly by absorbing kv_b_proj's key half into the queries and its value half into the output
+(the "weight absorption" of DeepSeek-V2 §2.1.2). Logits are checked against transformers'
+`DeepseekV3ForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from specpack.errors import InputError, UnsupportedError
+from specpack.runtime.model import MLP, KVCache, Output, RMSNorm, apply_rope
+
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: fixed eps in DeepSeek's code and transformers'
+
+
+@dataclass(frozen=True)
+class Yarn:
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class DeepseekSpec:
+    """Shape and numerics of a DeepSeek-V3-style target (the fields SpecModel reads come first)."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    context_length: int
+    eos_token_ids: tuple[int, ...]
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    first_k_dense_replace: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_interleave: bool
+    yarn: Yarn | None
+    attention_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    num_nextn_predict_layers: int = 0
+    bos_token_id: int | None = None
+    dtype: str | None = None
+
+    def is_moe(self, layer: int) -> bool:
+        """Layer `layer` (MTP layers continue the numbering) has routed experts."""
+        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
+        """Latent cache bytes one token takes in every layer."""
+        return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
+
+
+def _ids(value) -> list[int]:
+    return [] if value is None else [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
+
+
+def _rope(cfg: dict) -> tuple[float, Yarn | None, list[str]]:
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return theta, None, []
+    if kind != "yarn" or "factor" not in params or "original_max_position_embeddings" not in params:
+        return theta, None, [f"rope scaling {kind!r} (supported: default, or yarn with factor and "
+                             "original_max_position_embeddings)"]
+    fields = {k: params[k] for k in ("mscale", "mscale_all_dim", "attention_factor") if params.get(k) is not None}
+    return theta, Yarn(factor=float(params["factor"]),
+                       original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                       truncate=bool(params.get("truncate", True)), **fields), []
+
+
+def deepseek_spec_from_config(cfg: dict, generation_config: dict | None = None) -> DeepseekSpec:
+    """Read a DeepSeek-V3 `config.json` dict; UnsupportedError lists every feature we cannot run."""
+    arch = (cfg.get("architectures") or [None])[0]
+    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "kv_lora_rank",
+                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size")
+    missing = [k for k in required if cfg.get(k) is None]
+    if missing:
+        raise InputError("DeepSeek-V3 config.json lacks required fields", problems=missing)
+    theta, yarn, problems = _rope(cfg)
+    checks = [(cfg.get("hidden_act", "silu") != "silu", f"hidden_act {cfg.get('hidden_act')!r} (only silu)"),
+              (cfg.get("topk_method", "noaux_tc") != "noaux_tc", f"topk_method {cfg.get('topk_method')!r} "
+               "(only V3's noaux_tc)"),
+              (cfg.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func {cfg.get('scoring_func')!r} "
+               "(only sigmoid)"),
+              (int(cfg.get("moe_layer_freq", 1)) != 1, "moe_layer_freq != 1"),
+              (cfg.get("quantization_config") is not None, "quantised weights (quantization_config): "
+               "dequantise to bf16 first")]
+    problems += [text for bad, text in checks if bad]
+    experts, groups = int(cfg.get("n_routed_experts") or 0), int(cfg.get("n_group") or 1)
+    if experts and experts % groups:
+        problems.append(f"n_routed_experts {experts} is not a multiple of n_group {groups}")
+    if problems:
+        raise UnsupportedError(f"target {arch} uses features specpack cannot run yet", problems=problems,
+                               hint="open an issue with the model id")
+    max_pos = int(cfg.get("max_position_embeddings") or 4096)
+    eos = _ids(cfg.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
+    return DeepseekSpec(
+        architecture=arch, model_type=cfg.get("model_type", "deepseek_v3"), vocab_size=int(cfg["vocab_size"]),
+        context_length=max_pos, eos_token_ids=tuple(dict.fromkeys(eos)), hidden_size=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]), num_heads=int(cfg["num_attention_heads"]),
+        q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
+        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0), n_routed_experts=experts,
+        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
+        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0), n_group=groups,
+        topk_group=int(cfg.get("topk_group") or 1), routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        rope_theta=theta, rope_interleave=bool(cfg.get("rope_interleave", True)), yarn=yarn,
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), max_position_embeddings=max_pos,
+        num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0), bos_token_id=cfg.get("bos_token_id"),
+        dtype=cfg.get("dtype", cfg.get("torch_dtype")))
+
+
+# ---- RoPE: YaRN as transformers' `_compute_yarn_parameters`, softmax scale as DeepSeek's ----
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def rope_parameters(s: DeepseekSpec) -> tuple[Tensor, float]:
+    """(inv_freq [rope_dim/2] fp32, factor multiplying cos and sin)."""
+    dim, base = s.qk_rope_head_dim, s.rope_theta
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    y = s.yarn
+    if y is None:
+        return 1.0 / pos_freqs, 1.0
+    attention_factor = y.attention_factor
+    if attention_factor is None:
+        attention_factor = (_yarn_mscale(y.factor, y.mscale) / _yarn_mscale(y.factor, y.mscale_all_dim)
+                            if y.mscale and y.mscale_all_dim else _yarn_mscale(y.factor))
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(y.original_max_position_embeddings / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low if high != low else 0.001)).clamp(0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency; 0: interpolate (divide by factor)
+    inv_freq = (1.0 / (y.factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def softmax_scale(s: DeepseekSpec) -> float:
+    scale = (s.qk_nope_head_dim + s.qk_rope_head_dim) ** -0.5
+    if s.yarn is not None and s.yarn.mscale_all_dim:
+        scale *= _yarn_mscale(s.yarn.factor, s.yarn.mscale_all_dim) ** 2
+    return scale
+
+
+def _deinterleave(x: Tensor) -> Tensor:
+    """DeepSeek's rope dims come as pairs (x0, x1), (x2, x3)...: regroup them as halves for apply_rope."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
+
+
+# ---- modules ----
+
+class LatentCache(KVCache):
+    """MLA's cache: per layer and token the normed latent c_kv [kv_lora_rank] and the roped k_pe
+    [rope_dim], stored together as `k`: [layers, 1, 1, max_len, r + rope]. No separate values (`v`
+    is None): the values are the latent itself."""
+
+    def __init__(self, layers: int, width: int, max_len: int, dtype, device):
+        nn.Module.__init__(self)
+        self.register_buffer("k", torch.zeros(layers, 1, 1, max_len, width, dtype=dtype, device=device),
+                             persistent=False)
+        self.register_buffer("slots", torch.arange(max_len, device=device), persistent=False)
+        self.v = None
+        self.length = 0
+
+
+class MLA(nn.Module):
+    """Multi-head latent attention with transformers' parameter names."""
+
+    def __init__(self, s: DeepseekSpec):
+        super().__init__()
+        self.s, H, n = s, s.hidden_size, s.num_heads
+        qk = s.qk_nope_head_dim + s.qk_rope_head_dim
+        if s.q_lora_rank:
+            self.q_a_proj = nn.Linear(H, s.q_lora_rank, bias=s.attention_bias)
+            self.q_a_layernorm = RMSNorm(s.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = nn.Linear(s.q_lora_rank, n * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(H, n * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(H, s.kv_lora_rank + s.qk_rope_head_dim, bias=s.attention_bias)
+        self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = nn.Linear(s.kv_lora_rank, n * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(n * s.v_head_dim, H, bias=s.attention_bias)
+        self.scale = softmax_scale(s)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, start: int, mask: Tensor | None) -> Tensor:
+        # x: [T, H]; cos, sin: [T, 1, rope]; cache: [1, 1, max_len, r + rope] (this layer's slice)
+        s, T, n = self.s, x.shape[0], self.s.num_heads
+        nope, rope, r, v = s.qk_nope_head_dim, s.qk_rope_head_dim, s.kv_lora_rank, s.v_head_dim
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if s.q_lora_rank else self.q_proj(x)
+        q_nope, q_pe = q.view(T, n, nope + rope).split([nope, rope], -1)  # [T, n, nope], [T, n, rope]
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([r, rope], -1)  # [T, r], [T, rope]
+        if s.rope_interleave:
+            q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
+        q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe[:, None], cos, sin)[:, 0]
+        end = start + T
+        cache[0, 0, start:end] = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
+        w = self.kv_b_proj.weight.view(n, nope + v, r)
+        q_latent = torch.einsum("tnd,ndr->ntr", q_nope, w[:, :nope])  # [n, T, r]: q_nope · W_UK
+        query = torch.cat([q_latent, q_pe.transpose(0, 1)], -1)[None]  # [1, n, T, r + rope]
+        kv = cache[:, :, :end]  # [1, 1, end, r + rope]: one latent "head" shared by all query heads
+        y = F.scaled_dot_product_attention(query, kv, kv[..., :r], attn_mask=mask, scale=self.scale,
+                                           enable_gqa=True)  # [1, n, T, r]
+        out = torch.einsum("ntr,nvr->tnv", y[0], w[:, nope:])  # [T, n, v]: latent · W_UV
+        return self.o_proj(out.reshape(T, n * v))
+
+
+class Router(nn.Module):
+    """V3 router: sigmoid scores; top-2-sum group scores pick `topk_group` groups; the bias-corrected
+    scores pick experts inside them; the uncorrected scores weight them. Runs in fp32."""
+
+    def __init__(self, s: DeepseekSpec):
+        super().__init__()
+        self.s = s
+        self.weight = nn.Parameter(torch.zeros(s.n_routed_experts, s.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(s.n_routed_experts))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        # x: [T, H] -> expert ids [T, k], weights [T, k] (fp32)
+        s, T = self.s, x.shape[0]
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        choice = scores + self.e_score_correction_bias.float()
+        groups = choice.view(T, s.n_group, -1).topk(2, dim=-1).values.sum(-1)  # [T, G]
+        keep = torch.zeros_like(groups).scatter_(1, groups.topk(s.topk_group, dim=-1, sorted=False).indices, 1)
+        keep = keep.bool()[:, :, None].expand(T, s.n_group, s.n_routed_experts // s.n_group).reshape(T, -1)
+        ids = choice.masked_fill(~keep, float("-inf")).topk(s.num_experts_per_tok, dim=-1, sorted=False).indices
+        weights = scores.gather(1, ids)
+        if s.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * s.routed_scaling_factor
+
+
+class MoE(nn.Module):
+    def __init__(self, s: DeepseekSpec):
+        super().__init__()
+        self.gate = Router(s)
+        self.experts = nn.ModuleList(MLP(s.hidden_size, s.moe_intermediate_size) for _ in range(s.n_routed_experts))
+        self.shared_experts = MLP(s.hidden_size, s.moe_intermediate_size * s.n_shared_experts) \
+            if s.n_shared_experts else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        ids, weights = self.gate(x)  # [T, k]
+        out = torch.zeros_like(x)
+        for e in ids.unique().tolist():
+            tok, slot = (ids == e).nonzero(as_tuple=True)
+            out.index_add_(0, tok, (self.experts[e](x[tok]) * weights[tok, slot, None]).to(x.dtype))
+        return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+
+class DeepseekBlock(nn.Module):
+    """A decoder layer. Same call as `model.Block`; `v_cache` is unused (MLA caches one latent)."""
+
+    def __init__(self, s: DeepseekSpec, moe: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.self_attn = MLA(s)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
+        self.mlp = MoE(s) if moe else MLP(s.hidden_size, s.intermediate_size)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, start, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekTransformer(nn.Module):
+    """The DeepSeek-V3-style target. Call `setup_cache(max_len)` before `forward`."""
+
+    def __init__(self, spec: DeepseekSpec):
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DeepseekBlock(spec, spec.is_moe(i)) for i in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.cache: LatentCache | None = None
+        self.register_buffer("cos", None, persistent=False)  # [max_len, rope] (YaRN-scaled), with the cache
+        self.register_buffer("sin", None, persistent=False)
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def new_cache(self, layers: int, max_len: int) -> LatentCache:
+        s = self.spec
+        return LatentCache(layers, s.kv_lora_rank + s.qk_rope_head_dim, max_len, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def setup_cache(self, max_len: int) -> None:
+        """Make room for `max_len` positions (reallocating only when it grows) and empty the cache."""
+        if self.cache is None or self.cache.max_len < max_len:
+            self.cache = self.new_cache(self.spec.num_layers, max_len)
+            inv_freq, factor = rope_parameters(self.spec)
+            freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+            emb = torch.cat([freqs, freqs], -1)  # [S, rope]
+            self.cos = (emb.cos() * factor).to(self.device, self.dtype)
+            self.sin = (emb.sin() * factor).to(self.device, self.dtype)
+        self.cache.length = 0
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,
+                capture: Sequence[int] = (), last_only: bool = False) -> Output:
+        """As `model.Transformer.forward`: T new tokens after the cached ones, mask [T, T] among them,
+        `capture` the hidden states entering the listed layers."""
+        cache, T = self.cache, tokens.shape[0]
+        start = cache.length
+        if start + T > cache.max_len:
+            raise InputError(f"{start + T} positions do not fit the KV cache of {cache.max_len}",
+                             hint="call setup_cache with a larger max_len")
+        if positions is None:
+            positions = cache.slots[start : start + T]
+        cos, sin = self.cos[positions, None], self.sin[positions, None]  # [T, 1, rope]
+        attn_mask = cache.mask(T, mask)
+        x = self.embed_tokens(tokens)  # [T, H]
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                captured[i] = x
+            x = layer(x, cos, sin, cache.k[i], None, start, attn_mask)
+        cache.length = start + T
+        if last_only:
+            x = x[-1:]
+        logits = self.lm_head(self.norm(x)).float()
+        aux = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
+        return Output(logits, aux)
+
+
+# ---- loading ----
+
+def layer_tensor_shapes(s: DeepseekSpec, prefix: str, moe: bool) -> dict[str, tuple[int, ...]]:
+    """Every tensor of one decoder layer in the published (transformers) names."""
+    H, n, r, rope = s.hidden_size, s.num_heads, s.kv_lora_rank, s.qk_rope_head_dim
+    qk = s.qk_nope_head_dim + rope
+    a = prefix + "self_attn."
+    shapes = {a + "kv_a_proj_with_mqa.weight": (r + rope, H), a + "kv_a_layernorm.weight": (r,),
+              a + "kv_b_proj.weight": (n * (s.qk_nope_head_dim + s.v_head_dim), r),
+              a + "o_proj.weight": (H, n * s.v_head_dim),
+              prefix + "input_layernorm.weight": (H,), prefix + "post_attention_layernorm.weight": (H,)}
+    if s.q_lora_rank:
+        shapes.update({a + "q_a_proj.weight": (s.q_lora_rank, H), a + "q_a_layernorm.weight": (s.q_lora_rank,),
+                       a + "q_b_proj.weight": (n * qk, s.q_lora_rank)})
+    else:
+        shapes[a + "q_proj.weight"] = (n * qk, H)
+    if s.attention_bias:
+        shapes.update({a + "kv_a_proj_with_mqa.bias": (r + rope,), a + "o_proj.bias": (H,)})
+        if s.q_lora_rank:
+            shapes[a + "q_a_proj.bias"] = (s.q_lora_rank,)
+
+    def mlp(p, width):
+        return {p + "gate_proj.weight": (width, H), p + "up_proj.weight": (width, H),
+                p + "down_proj.weight": (H, width)}
+
+    m = prefix + "mlp."
+    if not moe:
+        return {**shapes, **mlp(m, s.intermediate_size)}
+    shapes.update({m + "gate.weight": (s.n_routed_experts, H),
+                   m + "gate.e_score_correction_bias": (s.n_routed_experts,)})
+    for e in range(s.n_routed_experts):
+        shapes.update(mlp(f"{m}experts.{e}.", s.moe_intermediate_size))
+    if s.n_shared_experts:
+        shapes.update(mlp(m + "shared_experts.", s.moe_intermediate_size * s.n_shared_experts))
+    return shapes
+
+
+def target_tensor_shapes(s: DeepseekSpec) -> dict[str, tuple[int, ...]]:
+    shapes = {"model.embed_tokens.weight": (s.vocab_size, s.hidden_size), "model.norm.weight": (s.hidden_size,)}
+    if not s.tie_word_embeddings:
+        shapes["lm_head.weight"] = (s.vocab_size, s.hidden_size)
+    for i in range(s.num_layers):
+        shapes.update(layer_tensor_shapes(s, f"model.layers.{i}.", s.is_moe(i)))
+    return shapes
+
+
+def layer_state(t: dict[str, Tensor], src: str, dst: str) -> dict[str, Tensor]:
+    """One layer's tensors `src*` (published names) as our parameters `dst*`: every gate/up pair
+    (dense MLP, each expert, shared experts) fused into one `gate_up_proj`; the rest renamed only."""
+    out = {}
+    for name, value in t.items():
+        if not name.startswith(src) or name.endswith("up_proj.weight"):
+            continue
+        rel = name[len(src):]
+        if rel.endswith("gate_proj.weight"):
+            base = rel[: -len("gate_proj.weight")]
+            out[dst + base + "gate_up_proj.weight"] = torch.cat([value, t[src + base + "up_proj.weight"]])
+        else:
+            out[dst + rel] = value
+    return out
+
+
+def keep_router_fp32(model: nn.Module) -> nn.Module:
+    """Routing decides which experts run: keep it in fp32 whatever the model dtype (as transformers)."""
+    for module in model.modules():
+        if isinstance(module, Router):
+            module.float()
+    return model
+
+
+def load_deepseek(model_dir, device="cpu", dtype=torch.float32) -> DeepseekTransformer:
+    """Build a `DeepseekTransformer` from a transformers model directory (config.json + safetensors)."""
+    from specpack.runtime.weights import assign_weights, check_shapes, checkpoint_files, read_tensors, tensor_shapes
+
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    gen_path = model_dir / "generation_config.json"
+    spec = deepseek_spec_from_config(cfg, json.loads(gen_path.read_text()) if gen_path.is_file() else None)
+    files = checkpoint_files(model_dir)
+    expected = target_tensor_shapes(spec)
+    check_shapes(tensor_shapes(files), expected, f"target checkpoint {model_dir}")
+    t = read_tensors(files, expected)
+    state = {"embed_tokens.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"],
+             "lm_head.weight": t["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]}
+    for i in range(spec.num_layers):
+        state.update(layer_state(t, f"model.layers.{i}.", f"layers.{i}."))
+    with torch.device("meta"):
+        model = DeepseekTransformer(spec)
+    return keep_router_fp32(assign_weights(model, state, device, dtype))
