@@ -20,6 +20,7 @@ class GenerateRequest:
     draft_len: int | None = None
     speculative: bool = True
     stop: list[str] = field(default_factory=list)
+    profile: str | None = None  # validated profile name or id; None: the best runnable one, else defaults
 
 
 def default_draft_len(manifest) -> int:
@@ -34,6 +35,7 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     token ids and figures as plain data (the `--json` shape of `specpack run`)."""
     from specpack.errors import InputError
     from specpack.runtime.api import load
+    from specpack.runtime.profiles import select_profile
     from specpack.runtime.text import TextStream, encode_prompt, stop_sequences
 
     if req.temperature < 0:
@@ -42,14 +44,18 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     tok = model.tokenizer
     ids = encode_prompt(tok, req.prompt, req.chat)
     stream = TextStream(tok, write or (lambda s: None), stops=list(req.stop))
-    draft_len = req.draft_len if req.draft_len is not None else default_draft_len(model.manifest)
+    chosen = select_profile(model.manifest, device, dtype, wanted=req.profile)
+    draft_len = req.draft_len if req.draft_len is not None else chosen.draft_len
+    speculative = req.speculative and (chosen.speculative or req.draft_len is not None)
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,
                             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                             seed=req.seed, stop=stop_sequences(tok, req.stop),
-                            speculative=req.speculative, on_tokens=stream)
+                            speculative=speculative, on_tokens=stream)
     s = result.stats
     return {"text": stream.flush(), "token_ids": result.tokens, "prompt_tokens": len(ids),
-            "finish_reason": result.finish_reason, "speculative": req.speculative,
+            "finish_reason": result.finish_reason, "speculative": speculative,
+            "profile": chosen.profile.name if chosen.profile else None,
+            "profile_id": chosen.profile.id if chosen.profile else None, "profile_message": chosen.message,
             "drafter": model.manifest.drafter.kind, "draft_len": draft_len, "steps": s.steps,
             "accepted": s.accepted, "acceptance_length": s.acceptance_length,
             "per_position_acceptance": s.position_acceptance, "tokens_per_s": s.tokens_per_s,

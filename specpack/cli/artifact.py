@@ -1,41 +1,13 @@
-"""The `specpack` command line: thin commands that parse, call one library function, print."""
+"""Artifact commands: build, keygen, sign, verify, inspect, import-gguf."""
 
 from __future__ import annotations
 
-import logging
-import os
-import sys
 from pathlib import Path
 
 import click
 
-from specpack import __version__
-from specpack._output import emit, error, progress_enabled, table
-from specpack.errors import SpecpackError
-
-JSON = click.option("--json", "json_mode", is_flag=True, help="Print one JSON object for scripts.")
-PUBKEY = click.option("--key", "public_key", type=click.Path(path_type=Path),
-                      envvar="SPECPACK_PUBLIC_KEY",
-                      help="Public key (PEM) to check the signature with [env: SPECPACK_PUBLIC_KEY].")
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="specpack")
-@click.option("-v", "--verbose", count=True, help="Log more (-v info, -vv debug).")
-def cli(verbose: int) -> None:
-    """Ship an LLM and its speculative-decoding drafter as one signed artifact, and run it.
-
-    \b
-    Typical flow:
-      specpack keygen signer
-      specpack build ./Llama-3.1-8B-Instruct --drafter ./EAGLE3-LLaMA3.1-8B -o llama-eagle3 --key signer.pem
-      specpack verify llama-eagle3 --key signer.pub
-      specpack run llama-eagle3 --prompt "Write a haiku about caches"
-
-    Set SPECPACK_TRACEBACK=1 to see tracebacks of errors.
-    """
-    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
-    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+from specpack._output import emit, progress_enabled, table
+from specpack.cli._common import JSON, PUBKEY, cli
 
 
 @cli.command()
@@ -204,81 +176,3 @@ def import_gguf(gguf_file, out, dtype, force, json_mode):
     emit(report.to_dict(), json_mode,
          lambda d: f"imported {gguf_file} -> {out} ({report.architecture}, {report.n_tensors} tensors, "
                    f"{report.bytes_written / 2**20:,.1f} MiB {dtype})")
-
-
-@cli.command()
-@click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--prompt", help="Prompt text.")
-@click.option("--prompt-file", type=click.File("r"), help="Read the prompt from a file ('-' for stdin).")
-@click.option("--chat", is_flag=True, help="Wrap the prompt in the artifact's chat template.")
-@click.option("--max-new-tokens", default=256, show_default=True, type=int)
-@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--seed", type=int, help="Seed for sampling (reproducible runs).")
-@click.option("--draft-len", type=int, help="Draft tokens per step [default: the artifact's].")
-@click.option("--no-spec", is_flag=True, help="Decode without speculation (the baseline).")
-@click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "float16", "bfloat16"]))
-@PUBKEY
-@JSON
-def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
-        no_spec, stop, device, dtype, public_key, json_mode):
-    """Verify ARTIFACT, then generate with single-model speculative decoding.
-
-    Text streams to stdout as it is accepted; the figures (tokens/s, acceptance length, per-position
-    acceptance, draft vs verify time) follow on stderr. Greedy output is identical to --no-spec.
-
-    \b
-    Examples:
-      specpack run my-artifact --prompt "def fib(n):" --max-new-tokens 64
-      specpack run my-artifact --chat --prompt "Summarise this: ..." --json
-      specpack run my-artifact --prompt-file story.txt --temperature 0.8 --seed 1
-    """
-    from specpack.runtime.generate import GenerateRequest, generate_text
-
-    text = prompt if prompt is not None else (prompt_file.read() if prompt_file else None)
-    if text is None:
-        raise click.UsageError("give --prompt TEXT or --prompt-file FILE")
-    request = GenerateRequest(prompt=text, chat=chat, max_new_tokens=max_new_tokens,
-                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                              draft_len=draft_len, speculative=not no_spec, stop=list(stop))
-    writer = None if json_mode else (lambda s: click.echo(s, nl=False))
-    result = generate_text(artifact, request, public_key=public_key, device=device, dtype=dtype,
-                           write=writer, progress=progress_enabled(json_mode))
-    if json_mode:
-        emit(result, True)
-    else:
-        click.echo()
-        click.echo(_run_summary(result), err=True)
-
-
-def _run_summary(r: dict) -> str:
-    pos = ", ".join(f"{p:.2f}" for p in r["per_position_acceptance"]) or "-"
-    mode = f"speculative, draft length {r['draft_len']}" if r["speculative"] else "no speculation"
-    return (f"--- {len(r['token_ids'])} tokens in {r['seconds']:.2f}s: {r['tokens_per_s']:.1f} tokens/s "
-            f"({mode}); finish: {r['finish_reason']}\n"
-            f"    acceptance length {r['acceptance_length']:.2f} over {r['steps']} steps; per position: {pos}\n"
-            f"    draft {r['draft_s']:.2f}s, verify {r['verify_s']:.2f}s, prefill {r['prefill_s']:.2f}s")
-
-
-def main() -> None:
-    json_mode = "--json" in sys.argv
-    try:
-        cli.main(standalone_mode=False)
-    except SpecpackError as exc:
-        if os.environ.get("SPECPACK_TRACEBACK"):
-            raise
-        error(exc, json_mode)
-        sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        click.echo("interrupted: nothing was left behind", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,50 @@
+"""The click group and the options the commands share."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+from specpack import __version__
+
+JSON = click.option("--json", "json_mode", is_flag=True, help="Print one JSON object for scripts.")
+PUBKEY = click.option("--key", "public_key", type=click.Path(path_type=Path),
+                      envvar="SPECPACK_PUBLIC_KEY",
+                      help="Public key (PEM) to check the signature with [env: SPECPACK_PUBLIC_KEY].")
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="specpack")
+@click.option("-v", "--verbose", count=True, help="Log more (-v info, -vv debug).")
+def cli(verbose: int) -> None:
+    """Ship an LLM and its speculative-decoding drafter as one signed artifact, and run it.
+
+    \b
+    Typical flow:
+      specpack keygen signer
+      specpack build ./Llama-3.1-8B-Instruct --drafter ./EAGLE3-LLaMA3.1-8B -o llama-eagle3 --key signer.pem
+      specpack verify llama-eagle3 --key signer.pub
+      specpack run llama-eagle3 --prompt "Write a haiku about caches"
+
+    Set SPECPACK_TRACEBACK=1 to see tracebacks of errors.
+    """
+    level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+
+
+DTYPE = click.option("--dtype", default="float32", show_default=True,
+                     type=click.Choice(["float32", "float16", "bfloat16"]))
+DEVICE = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+
+
+def int_list(value: str | None, option: str) -> list[int] | None:
+    """Parse '1,2,4' into [1, 2, 4] (None stays None)."""
+    if value is None:
+        return None
+    try:
+        return [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {value!r}",
+                                 param_hint=option) from None

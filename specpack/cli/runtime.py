@@ -1,0 +1,172 @@
+"""Runtime commands: run, tune, profiles, serve."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from specpack._output import emit, progress_enabled
+from specpack.cli._common import DEVICE, DTYPE, JSON, PUBKEY, cli, int_list
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompt", help="Prompt text.")
+@click.option("--prompt-file", type=click.File("r"), help="Read the prompt from a file ('-' for stdin).")
+@click.option("--chat", is_flag=True, help="Wrap the prompt in the artifact's chat template.")
+@click.option("--max-new-tokens", default=256, show_default=True, type=int)
+@click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
+@click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True, type=float)
+@click.option("--seed", type=int, help="Seed for sampling (reproducible runs).")
+@click.option("--draft-len", type=int, help="Draft tokens per step [default: the artifact's].")
+@click.option("--no-spec", is_flag=True, help="Decode without speculation (the baseline).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--profile", help="Profile name or id [default: the best runnable validated profile].")
+@DEVICE
+@DTYPE
+@PUBKEY
+@JSON
+def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
+        no_spec, stop, profile, device, dtype, public_key, json_mode):
+    """Verify ARTIFACT, then generate with single-model speculative decoding.
+
+    Text streams to stdout as it is accepted; the figures (tokens/s, acceptance length, per-position
+    acceptance, draft vs verify time) follow on stderr. Greedy output is identical to --no-spec.
+
+    \b
+    Examples:
+      specpack run my-artifact --prompt "def fib(n):" --max-new-tokens 64
+      specpack run my-artifact --chat --prompt "Summarise this: ..." --json
+      specpack run my-artifact --prompt-file story.txt --temperature 0.8 --seed 1
+    """
+    from specpack.runtime.generate import GenerateRequest, generate_text
+
+    text = prompt if prompt is not None else (prompt_file.read() if prompt_file else None)
+    if text is None:
+        raise click.UsageError("give --prompt TEXT or --prompt-file FILE")
+    request = GenerateRequest(prompt=text, chat=chat, max_new_tokens=max_new_tokens,
+                              temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                              draft_len=draft_len, speculative=not no_spec, stop=list(stop),
+                              profile=profile)
+    writer = None if json_mode else (lambda s: click.echo(s, nl=False))
+    result = generate_text(artifact, request, public_key=public_key, device=device, dtype=dtype,
+                           write=writer, progress=progress_enabled(json_mode))
+    if json_mode:
+        emit(result, True)
+    else:
+        click.echo()
+        click.echo(_run_summary(result), err=True)
+
+
+def _run_summary(r: dict) -> str:
+    pos = ", ".join(f"{p:.2f}" for p in r["per_position_acceptance"]) or "-"
+    mode = f"speculative, draft length {r['draft_len']}" if r["speculative"] else "no speculation"
+    return (f"--- {len(r['token_ids'])} tokens in {r['seconds']:.2f}s: {r['tokens_per_s']:.1f} tokens/s "
+            f"({mode}); finish: {r['finish_reason']}\n"
+            f"    acceptance length {r['acceptance_length']:.2f} over {r['steps']} steps; per position: {pos}\n"
+            f"    draft {r['draft_s']:.2f}s, verify {r['verify_s']:.2f}s, prefill {r['prefill_s']:.2f}s\n"
+            f"    {r['profile_message']}")
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--workload", required=True, type=click.Path(path_type=Path),
+              help='JSONL, one request a line: {"prompt": ...} or {"messages": [...]}, optional "max_tokens".')
+@click.option("--backend", default="torch", show_default=True,
+              type=click.Choice(["torch", "onnxruntime", "tensorrt"]), help="Backend to measure.")
+@DEVICE
+@DTYPE
+@click.option("--concurrency", default="1,2,4,8", show_default=True,
+              help="Concurrent clients to measure through the serve queue, comma-separated.")
+@click.option("--draft-lens", help="Draft lengths to measure, e.g. 2,4,6 [default: search from the heuristic start].")
+@click.option("--max-new-tokens", default=128, show_default=True, type=int,
+              help="New tokens per prompt when a workload line sets no max_tokens.")
+@click.option("--repeats", default=2, show_default=True, type=int, help="Passes per setting; the fastest is kept.")
+@click.option("--key", type=click.Path(path_type=Path), envvar="SPECPACK_SIGNING_KEY",
+              help="EC private key (PEM) to re-sign with [env: SPECPACK_SIGNING_KEY]; needed if ARTIFACT is signed.")
+@click.option("--plot", "plot_dir", type=click.Path(path_type=Path),
+              help="Save PNG charts (tokens/s vs draft length, acceptance per position) here; needs matplotlib.")
+@click.option("--public-key", type=click.Path(path_type=Path), envvar="SPECPACK_PUBLIC_KEY",
+              help="Public key (PEM) to check the signature with before tuning [env: SPECPACK_PUBLIC_KEY].")
+@JSON
+def tune(artifact, workload, backend, device, dtype, concurrency, draft_lens, max_new_tokens, repeats, key,
+         plot_dir, public_key, json_mode):
+    """Measure ARTIFACT on a workload and store the best settings as a validated profile.
+
+    Measures tokens/s without speculation, sweeps the draft length (from D = 128/G - 1 on GPUs, the
+    artifact's default on CPUs), checks greedy output is identical on every prompt, finds the
+    concurrency above which speculation stops paying, and writes the profile with its evidence into
+    specpack.json (re-signed with --key).
+
+    \b
+    Examples:
+      specpack tune my-artifact --workload bench/workloads/code_edit.jsonl --key signer.pem
+      specpack tune my-artifact --workload chat.jsonl --draft-lens 2,4,6 --concurrency 1,4 --plot plots/
+    """
+    from specpack.runtime.tune import tune as do_tune
+    from specpack.runtime.tune_report import summary
+
+    result = do_tune(artifact, workload, backend=backend, device=device, dtype=dtype,
+                     concurrency=int_list(concurrency, "--concurrency"),
+                     draft_lens=int_list(draft_lens, "--draft-lens"), max_new_tokens=max_new_tokens,
+                     repeats=repeats, key=key, public_key=public_key, progress=progress_enabled(json_mode),
+                     plot_dir=plot_dir)
+    emit(result.to_dict(), json_mode, lambda d: summary(result))
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@JSON
+def profiles(artifact, json_mode):
+    """List ARTIFACT's validated profiles and whether each can run on this machine.
+
+    runnable: compatible and its memory is free; low-memory: compatible, but the memory it needs is
+    not free now; incompatible: wrong drafter, backend not installed, no such device, or edited.
+
+    \b
+    Example:
+      specpack profiles my-artifact --json | jq '.profiles[] | {name, status, reasons}'
+    """
+    from specpack.runtime.profiles import format_statuses, list_profiles
+
+    statuses = list_profiles(artifact)
+    emit({"artifact": str(artifact), "profiles": [s.to_dict() for s in statuses]}, json_mode,
+         lambda d: format_statuses(statuses))
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
+@click.option("--port", default=8000, show_default=True, type=int)
+@click.option("--profile", help="Profile name or id [default: the best runnable validated profile].")
+@click.option("--model-name", help="Model name clients send [default: the artifact's name].")
+@click.option("--max-concurrency", type=int,
+              help="Requests in flight up to which speculation stays on [default: the profile's; none: no limit].")
+@click.option("--draft-len", type=int, help="Draft tokens per step [default: the profile's].")
+@DEVICE
+@DTYPE
+@PUBKEY
+def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, device, dtype, public_key):
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API.
+
+    /v1/models, /v1/completions and /v1/chat/completions (streaming or not), /health, and /metrics
+    (Prometheus). Requests queue for one model; speculation turns off while more requests are in
+    flight than the profile's concurrency limit. Needs `pip install 'specpack[serve]'`.
+
+    \b
+    Examples:
+      specpack serve my-artifact --port 8000
+      curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
+           -d '{"model": "my-artifact", "prompt": "def fib(n):", "max_tokens": 64, "temperature": 0}'
+    """
+    from specpack.runtime.serve import prepare, run as run_server
+
+    plan = prepare(artifact, profile=profile, device=device, dtype=dtype, public_key=public_key,
+                   model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
+                   progress=progress_enabled(False))
+    click.echo(plan.selection.message, err=True)
+    click.echo(f"serving '{plan.model_name}' at http://{host}:{port}/v1 (OpenAI-compatible; also /health, "
+               "/metrics)", err=True)
+    run_server(plan, host, port)
