@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from specpack import FORMAT_NAME, FORMAT_VERSION
+from specpack.schemas.profile import Profile
 
 MANIFEST_NAME = "specpack.json"
 SIGNATURE_NAME = "model.sig"
@@ -178,5 +179,6 @@ class Manifest(_Strict):
     memory: MemoryInfo
     files: list[FileEntry] = Field(
         description="Every file of the artifact except specpack.json and model.sig, sorted by path.")
-    profiles: list[dict[str, Any]] = Field(
-        default_factory=list, description="Validated profiles (empty until `specpack tune` writes some).")
+    profiles: list[Profile] = Field(
+        default_factory=list, description="Validated profiles measured by `specpack tune` (empty until then); "
+                                          "`run` and `serve` pick the best one that fits the machine.")
