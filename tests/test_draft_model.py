@@ -50,6 +50,8 @@ def test_builds_verifies_and_carries_the_draft_byte_for_byte(tiny_target, draft,
     code, _, err = cli("build", tiny_target, "--drafter", draft, "-o", out, "--key", keypair.private)
     assert code == 0, err
     assert cli("verify", out, "--key", keypair.public)[0] == 0
+    code, text, _ = cli("inspect", out)
+    assert code == 0 and "tokens with the target's ids" in text
     assert sorted(p.name for p in (out / "drafter").iterdir()) == ["config.json", "model.safetensors"]
     for name in ("config.json", "model.safetensors"):
         assert (out / "drafter" / name).read_bytes() == (draft / name).read_bytes()

@@ -63,6 +63,8 @@ def test_in_target_mtp_builds_verifies_and_states_its_bindings(name, targets, tm
     assert "## Drafter: MTP layers" in (out / "README.md").read_text()
     code, js, _ = cli("inspect", out, "--json")
     assert json.loads(js)["memory"]["drafter_weight_bytes"] > 0
+    code, text, err = cli("inspect", out)
+    assert code == 0 and "layer reuse off" in text and "weights in target" in text, err
 
 
 def _check_reference(t, model):

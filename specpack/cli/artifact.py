@@ -13,7 +13,8 @@ from specpack.cli._common import JSON, PUBKEY, cli
 @cli.command()
 @click.argument("target", type=click.Path(path_type=Path))
 @click.option("--drafter", required=True,
-              help="Drafter directory (EAGLE-3: official, SGLang/SpecForge or ModelOpt layout) or 'ngram'.")
+              help="Drafter: a directory (EAGLE-3 official/SGLang/ModelOpt/vLLM speculators head, MTP head, "
+                   "or a draft model), 'mtp' (the target's own MTP layers) or 'ngram'.")
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--key", type=click.Path(path_type=Path), envvar="SPECPACK_SIGNING_KEY",
               help="EC private key (PEM) to sign with [env: SPECPACK_SIGNING_KEY]. Without it the "
@@ -25,16 +26,19 @@ from specpack.cli._common import JSON, PUBKEY, cli
 @click.option("--ngram-min", default=1, show_default=True, help="n-gram drafter: shortest suffix.")
 @click.option("--ngram-max", default=4, show_default=True, help="n-gram drafter: longest suffix.")
 @click.option("--draft-len", default=5, show_default=True, help="n-gram drafter: default tokens proposed.")
+@click.option("--mtp-allow-reuse", is_flag=True,
+              help="MTP: allow more draft tokens than MTP layers (step k reuses layer k mod n).")
 @click.option("--copy", "copy_files", is_flag=True, help="Copy target files even where hard links work.")
 @JSON
 def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, ngram_min, ngram_max,
-          draft_len, copy_files, json_mode):
+          draft_len, mtp_allow_reuse, copy_files, json_mode):
     """Convert TARGET and its drafter into one (signed) artifact at OUT.
 
     \b
     Examples:
       specpack build ./target --drafter ./eagle3-head -o my-artifact --key signer.pem
       specpack build ./target --drafter ngram --ngram-max 3 --draft-len 6 -o my-artifact
+      specpack build ./deepseek-v3 --drafter mtp -o deepseek-mtp --key signer.pem
     """
     from specpack.converters.base import AuxOverride
     from specpack.packager import BuildOptions, NgramParams, build as do_build
@@ -42,6 +46,7 @@ def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, ngram
     opts = BuildOptions(target=target, drafter=drafter, out=out, key=key, force=force,
                         aux=AuxOverride.parse(aux_layer_ids, aux_convention),
                         ngram=NgramParams(ngram_min, ngram_max, draft_len), link=not copy_files,
+                        mtp_allow_reuse=mtp_allow_reuse,
                         progress=progress_enabled(json_mode))
     result = do_build(opts)
     data = {"artifact": str(result.out), "signed": result.signed, "seconds": round(result.seconds, 3),
@@ -143,7 +148,7 @@ def _inspect_text(d: dict) -> str:
                  ("  embedding/lm_head", f"{dr['embedding_source']} / {dr['lm_head_source']}"),
                  ("  params/dtype", f"{dr['parameters']:,} / {dr['dtype']}")]
     else:
-        rows.append(("  lookup", f"n {dr['min_n']}..{dr['max_n']}, draft length {dr['draft_len']}"))
+        rows += _drafter_rows(dr)
     rows += [("memory", f"target {mem['target_weight_bytes'] / 2**20:,.1f} MiB + drafter "
                         f"{mem['drafter_weight_bytes'] / 2**20:,.1f} MiB; KV/token "
                         f"{mem['target_kv_bytes_per_token']:,} + {mem['drafter_kv_bytes_per_token']:,} B"),
@@ -176,3 +181,20 @@ def import_gguf(gguf_file, out, dtype, force, json_mode):
     emit(report.to_dict(), json_mode,
          lambda d: f"imported {gguf_file} -> {out} ({report.architecture}, {report.n_tensors} tensors, "
                    f"{report.bytes_written / 2**20:,.1f} MiB {dtype})")
+
+
+def _drafter_rows(dr: dict) -> list[tuple[str, str]]:
+    if dr["kind"] == "mtp":
+        return [("  layers", f"{dr['num_layers']} (weights in {dr['location']}; layer reuse "
+                             f"{'allowed' if dr['allow_layer_reuse'] else 'off'})"),
+                ("  inputs", f"{dr['concat_order']}; target {dr['target_hidden_state']}, chain "
+                             f"{dr['chain_hidden_state']}"),
+                ("  params/dtype", f"{dr['parameters']:,} / {dr['dtype']}")]
+    if dr["kind"] == "draft_model":
+        tok = dr["tokenizer"]
+        return [("  model", f"{dr['architecture']} {dr['num_layers']}L×{dr['hidden_size']}, "
+                            f"{dr['parameters']:,} params, {dr['dtype']}"),
+                ("  tokenizer", f"{tok['vocab_tokens']} tokens with the target's ids, files "
+                                f"{'identical' if tok['files_identical'] else 'differ'}; vocab rows "
+                                f"{tok['draft_vocab_size']} / {tok['target_vocab_size']}")]
+    return [("  lookup", f"n {dr['min_n']}..{dr['max_n']}, draft length {dr['draft_len']}")]
