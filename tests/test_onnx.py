@@ -159,6 +159,24 @@ def test_eagle3_head_graph_drafts_as_torch(family):
     assert td.cache.length == od.cache.length == len(ctx)
 
 
+def test_draft_model_graph(tmp_path, tiny_target):
+    """A draft model exports as its own step graph and drafts on ONNX Runtime as on torch."""
+    from test_draft_model import make_draft
+
+    art = tmp_path / "art"
+    build(BuildOptions(target=tiny_target, drafter=str(make_draft(tmp_path / "draft", tiny_target)), out=art))
+    written = export_onnx(art, progress=False)
+    assert "draft_model.onnx" in [p.name for p in written]
+    onnx.checker.check_model(str(art / ONNX_DIR / "draft_model.onnx"))
+    (tt, td), (ot, od) = both(art)
+    ref, ort = SpecModel(tt, td), SpecModel(ot, od)
+    for i, p in enumerate(prompts("llama", 3)):
+        want = ref.generate(p, 24, draft_len=3 + i, eos_ids=())
+        got = ort.generate(p, 24, draft_len=3 + i, eos_ids=())
+        assert got.tokens == want.tokens and got.stats.position_accepted == want.stats.position_accepted
+    assert got.stats.accepted > 0
+
+
 def test_chunked_calls_equal_one_call():
     """What the TensorRT backend does for prefills beyond its profile, checked here on ONNX Runtime."""
     art = exported("llama", "eagle3")

@@ -1,6 +1,7 @@
 """Export an artifact's target and drafter as the ONNX graphs the speculative loop runs.
 
-    export_onnx(ART, key=...)  ->  ART/exports/onnx/{target.onnx, eagle3.onnx, weights.bin, index.json}
+    export_onnx(ART, key=...)  ->  ART/exports/onnx/{target.onnx, eagle3.onnx | draft_model.onnx,
+                                                     weights.bin, index.json}
 
 Graphs (fp32, opset 17, weights in one external data file shared by both graphs):
 
@@ -14,6 +15,7 @@ Graphs (fp32, opset 17, weights in one external data file shared by both graphs)
   Inputs `feats [R, n_aux*Ht]` (target features; fc is applied to them) and `hidden [U, H]` (the
   head's own earlier outputs), whose rows are concatenated in that order, and `tokens [R+U]`;
   outputs `hidden_out [R+U, H]`, `logits [K, draft_vocab]` and the new KV.
+- `draft_model_step`: a draft model's own `target_step` graph (no aux). n-gram needs no drafter graph.
 
 Why the cache is slot-major `[slots, kv_heads, head_dim]` per layer with only the new slots out:
 the runtime keeps one preallocated buffer per layer, passes its first P slots as `past` (a
@@ -63,7 +65,8 @@ class TensorInfo(_Strict):
 
 
 class OnnxGraph(_Strict):
-    role: Literal["target_step", "eagle3_step"] = Field(description="What the graph computes (module docstring).")
+    role: Literal["target_step", "eagle3_step", "draft_model_step"] = Field(
+        description="What the graph computes (module docstring); a draft model's graph is a target_step graph.")
     path: str = Field(description="The .onnx file, relative to the artifact.")
     inputs: list[TensorInfo] = Field(description="Inputs in order.")
     outputs: list[TensorInfo] = Field(description="Outputs in order.")
@@ -323,13 +326,15 @@ def _export_graphs(artifact: Path, manifest, out: Path, progress: bool) -> OnnxE
     from specpack.runtime.spec_model import MAX_DRAFT_LEN, load_drafter, load_target
 
     kind = manifest.drafter.kind
-    if kind not in ("eagle3", "ngram"):
+    if kind not in ("eagle3", "ngram", "draft_model"):
         raise UnsupportedError(f"ONNX export does not support drafter kind '{kind}' yet",
-                               hint="supported: eagle3, ngram")
+                               hint="supported: eagle3, ngram, draft_model")
     target = load_target(artifact)
-    if not isinstance(target, Transformer):
-        raise UnsupportedError(f"ONNX export does not support {target.spec.architecture} targets yet",
-                               hint="supported: the dense Llama / Mistral / Qwen2 / Qwen3 families")
+    draft = load_drafter(kind, None, artifact / "drafter", target).model if kind == "draft_model" else None
+    for model in (target, draft):
+        if model is not None and not isinstance(model, Transformer):
+            raise UnsupportedError(f"ONNX export does not support {model.spec.architecture} models yet",
+                                   hint="supported: the dense Llama / Mistral / Qwen2 / Qwen3 families")
     aux = tuple(manifest.drafter.aux_hidden_states.layer_ids) if kind == "eagle3" else ()
     graphs, protos = [], {}
     log.info("exporting the target step graph (%d layers)", target.spec.num_layers)
@@ -340,6 +345,11 @@ def _export_graphs(artifact: Path, manifest, out: Path, progress: bool) -> OnnxE
         log.info("exporting the EAGLE-3 step graph")
         protos["eagle3.onnx"], g = _trace(Eagle3Step(head), eagle3_io(head.spec), out / "raw-eagle3")
         graphs.append(OnnxGraph(role="eagle3_step", path=f"{ONNX_DIR}/eagle3.onnx", num_layers=1, **g))
+    if draft is not None:
+        log.info("exporting the draft model step graph (%d layers)", draft.spec.num_layers)
+        protos["draft_model.onnx"], g = _trace(TargetStep(draft), target_io(draft.spec, ()), out / "raw-draft")
+        graphs.append(OnnxGraph(role="draft_model_step", path=f"{ONNX_DIR}/draft_model.onnx",
+                                num_layers=draft.spec.num_layers, **g))
     _save_graphs(protos, out, DATA_NAME)
     for name in protos:
         _check(out / name)

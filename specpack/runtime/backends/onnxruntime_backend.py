@@ -39,6 +39,11 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", thread
     if kind == "eagle3":
         spec, d2t = eagle3_files(artifact)
         return target, OrtEagle3(artifact, index, spec, d2t, threads)
+    if kind == "draft_model":
+        from specpack.runtime.draft_model import DraftModelDrafter
+
+        draft = OrtTarget(artifact, index, load_target_spec(artifact / "drafter"), threads, "draft_model_step")
+        return target, DraftModelDrafter(draft, target.spec.vocab_size)
     return target, load_drafter(kind, manifest.drafter.model_dump(exclude={"kind"}), None, None)
 
 
@@ -103,11 +108,12 @@ class _Binder:
 
 
 class OrtTarget(GraphTarget):
-    """The target step graph on ONNX Runtime, behaving like `Transformer` for the loop."""
+    """The target step graph (or a draft model's) on ONNX Runtime, behaving like `Transformer`."""
 
-    def __init__(self, artifact: Path, index, spec, threads: int = DEFAULT_THREADS):
-        super().__init__(spec, index.aux_layer_ids, torch.device("cpu"), torch.float32)
-        graph = index.graph("target_step")
+    def __init__(self, artifact: Path, index, spec, threads: int = DEFAULT_THREADS, role: str = "target_step"):
+        aux = index.aux_layer_ids if role == "target_step" else None
+        super().__init__(spec, aux, torch.device("cpu"), torch.float32)
+        graph = index.graph(role)
         self.binder = _Binder(session(artifact / graph.path, threads))
         self.names = [i.name for i in graph.inputs]
         self.new_names = [o.name for o in graph.outputs if o.name.startswith("new_")]

@@ -354,4 +354,10 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
     if manifest.drafter.kind == "eagle3":
         head_spec, d2t = eagle3_files(artifact)
         return target, TrtEagle3(engine_for("eagle3_step")[0], head_spec, d2t, dev, kv_dtype, prefill_chunk)
+    if manifest.drafter.kind == "draft_model":
+        from specpack.runtime.draft_model import DraftModelDrafter
+
+        engine, graph = engine_for("draft_model_step")
+        draft = TrtTarget(engine, graph, load_target_spec(artifact / "drafter"), None, dev, kv_dtype, prefill_chunk)
+        return target, DraftModelDrafter(draft, spec.vocab_size)
     return target, load_drafter(manifest.drafter.kind, manifest.drafter.model_dump(exclude={"kind"}), None, None)
