@@ -63,6 +63,11 @@ def test_in_target_mtp_builds_verifies_and_states_its_bindings(name, targets, tm
     assert "## Drafter: MTP layers" in (out / "README.md").read_text()
     code, js, _ = cli("inspect", out, "--json")
     assert json.loads(js)["memory"]["drafter_weight_bytes"] > 0
+    m = read_json(out / "specpack.json")
+    if deepseek:  # MLA caches one latent per layer: layers × (kv_lora_rank + rope dim) × bytes
+        cfg_t = read_json(t.path / "config.json")
+        assert m["memory"]["target_kv_bytes_per_token"] == cfg_t["num_hidden_layers"] * (
+            cfg_t["kv_lora_rank"] + cfg_t["qk_rope_head_dim"]) * 4
     code, text, err = cli("inspect", out)
     assert code == 0 and "layer reuse off" in text and "weights in target" in text, err
 

@@ -40,8 +40,9 @@ class Target:
         return sum(m.end - m.start for _, m in self.tensors.values())
 
     def kv_bytes_per_token(self) -> int:
-        i = self.info
-        return 2 * i.num_hidden_layers * i.num_key_value_heads * i.head_dim * _dtype_bytes(i.dtype)
+        i, latent = self.info, self.info.mla_latent_dim
+        per_layer = latent if latent else 2 * i.num_key_value_heads * i.head_dim  # MLA caches one latent
+        return i.num_hidden_layers * per_layer * _dtype_bytes(i.dtype)
 
 
 def detect(path: Path) -> str | None:
@@ -144,11 +145,14 @@ def _target_info(root, config, files, weight_files, tensors, source) -> TargetIn
     text = config.get("text_config") or config
     try:
         hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
+        mla = "kv_lora_rank" in text  # DeepSeek-V3-style multi-head latent attention
         fields = dict(
             hidden_size=hidden, num_hidden_layers=int(text["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text.get("head_dim") or hidden // heads),
+            head_dim=int(text["qk_nope_head_dim"] + text["qk_rope_head_dim"] if mla
+                         else text.get("head_dim") or hidden // heads),
+            mla_latent_dim=int(text["kv_lora_rank"] + text["qk_rope_head_dim"]) if mla else None,
             intermediate_size=int(text["intermediate_size"]), vocab_size=int(text["vocab_size"]))
     except (KeyError, TypeError, ValueError) as exc:
         raise InputError(f"{root / 'config.json'}: missing or invalid field {exc}",

@@ -41,7 +41,10 @@ class TargetInfo(_Strict):
     num_hidden_layers: int = Field(gt=0, description="Number of decoder layers.")
     num_attention_heads: int = Field(gt=0, description="Query heads.")
     num_key_value_heads: int = Field(gt=0, description="Key/value heads (GQA).")
-    head_dim: int = Field(gt=0, description="Width of one attention head.")
+    head_dim: int = Field(gt=0, description="Width of one attention head (MLA: query/key head width).")
+    mla_latent_dim: Optional[int] = Field(
+        None, description="MLA (DeepSeek-V3-style): width of the cached latent per layer "
+                          "(kv_lora_rank + rope key dim); None for standard attention.")
     intermediate_size: int = Field(gt=0, description="MLP width.")
     vocab_size: int = Field(gt=0, description="Rows of the embedding / lm_head.")
     max_position_embeddings: int = Field(gt=0, description="Context length the config declares.")
