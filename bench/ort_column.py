@@ -31,14 +31,18 @@ def load_ort(artifact, public_key=None, key=None, threads: int = 2, export: bool
     if read_index(artifact) is None and export:
         export_onnx(artifact, key=key, public_key=public_key, progress=sys.stderr.isatty())
     manifest = verify(artifact, public_key).manifest
-    target, drafter = backends.load("onnxruntime", artifact, manifest, threads=threads)
+    target, drafter = backends.load("onnxruntime", artifact, manifest, threads=threads, torch_threads=None)
     return SpecModel(target, drafter)
 
 
-def engines_of(model, max_new_tokens: int, draft_len: int, label: str) -> dict[str, Engine]:
-    """{label plain, label speculative} engines over one SpecModel."""
+def engines_of(model, max_new_tokens: int, draft_len: int, label: str, torch_threads: int) -> dict[str, Engine]:
+    """{label plain, label speculative} engines over one SpecModel; each run sets torch's thread count
+    first (engines of different backends share the process)."""
+    import torch
+
     def run(spec: bool) -> Engine:
         def fn(ids):
+            torch.set_num_threads(torch_threads)
             r = model.generate(ids, max_new_tokens=max_new_tokens, speculative=spec, draft_len=draft_len)
             return r.tokens, r.stats.tokens_per_s, r.stats.acceptance_length if spec else None
         return fn
@@ -50,7 +54,7 @@ def engines_of(model, max_new_tokens: int, draft_len: int, label: str) -> dict[s
 def ort_engines(artifact, public_key=None, key=None, max_new_tokens: int = 128, draft_len: int = 8,
                 threads: int = 2) -> dict[str, Engine]:
     """decode.py's ONNX Runtime column: {"onnxruntime plain": fn, "onnxruntime <drafter>": fn}."""
-    return engines_of(load_ort(artifact, public_key, key, threads), max_new_tokens, draft_len, "onnxruntime")
+    return engines_of(load_ort(artifact, public_key, key, threads), max_new_tokens, draft_len, "onnxruntime", 1)
 
 
 def main() -> None:
@@ -62,8 +66,6 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    import torch
-
     import specpack
     from specpack.demo import PROMPTS, cache_dir, prepare
 
@@ -72,10 +74,9 @@ def main() -> None:
     if artifact is None:
         artifact, pub = prepare(cache_dir(), lambda s: print(s, file=sys.stderr))
         key = cache_dir() / "demo-signer.pem"
-    torch.set_num_threads(args.threads)
     ref = specpack.load(artifact, public_key=pub)
     tok = ref.tokenizer
-    engines = engines_of(ref, args.max_new_tokens, args.draft_len, "torch")
+    engines = engines_of(ref, args.max_new_tokens, args.draft_len, "torch", args.threads)
     engines.update(ort_engines(artifact, pub, key, args.max_new_tokens, args.draft_len, args.threads))
     for name, prompt in PROMPTS.items():
         ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
