@@ -20,7 +20,7 @@ def no_tensorrt(monkeypatch):
     monkeypatch.setitem(sys.modules, "tensorrt", None)  # `import tensorrt` raises ImportError
 
 
-def test_missing_library_says_what_to_install(no_tensorrt, tmp_path):
+def test_missing_library_says_what_to_install(no_tensorrt, tmp_path, exported):
     with pytest.raises(MissingDependencyError) as exc:
         trtb.import_tensorrt()
     assert "pip install 'specpack[tensorrt]'" in exc.value.hint and "NVIDIA" in exc.value.hint
@@ -28,6 +28,8 @@ def test_missing_library_says_what_to_install(no_tensorrt, tmp_path):
         trtb.load(tmp_path, None)  # before anything else is looked at
     with pytest.raises(MissingDependencyError):
         trtb.build_engine(tmp_path / "x.onnx", None, {})
+    with pytest.raises(MissingDependencyError):
+        trtb.build_engines(exported)  # `specpack export ART --to tensorrt`
 
 
 def _key(**over):
@@ -137,3 +139,43 @@ def test_staging_commit_and_alignment():
     stage.commit(cache, 3)
     assert cache.store[:, 7:10].flatten(1).amin(1).tolist() == [1, 2, 3, 4]
     assert cache.store[:, :7].abs().sum() == 0 and cache.store[:, 10:].abs().sum() == 0
+
+
+class OrtAsEngine:
+    """The one method TrtTarget / TrtEagle3 call on an engine, served by ONNX Runtime on the same
+    graph: checks the adapters' plumbing (names, staging, chunked prefills), not TensorRT."""
+
+    def __init__(self, path):
+        from specpack.runtime.backends.onnxruntime_backend import _Binder, session
+
+        self.binder, self.calls = _Binder(session(path, 1)), []
+
+    def run(self, T, inputs, outputs):
+        self.calls.append(T)
+        self.binder.run(inputs, outputs)
+
+
+def test_trt_adapters_decode_as_torch():
+    """TrtTarget and TrtEagle3 over graph runners: the same tokens and accepted drafts as torch."""
+    from test_onnx import exported, prompts
+
+    from specpack.runtime import backends
+    from specpack.runtime.backends import eagle3_files
+    from specpack.runtime.config import load_target_spec
+    from specpack.runtime.spec_model import SpecModel
+
+    art = exported("llama", "eagle3")
+    manifest = verify(art).manifest
+    index = read_index(art)
+    engine, head_engine = OrtAsEngine(art / "exports/onnx/target.onnx"), OrtAsEngine(art / "exports/onnx/eagle3.onnx")
+    cpu = torch.device("cpu")
+    target = trtb.TrtTarget(engine, index.graph("target_step"), load_target_spec(art), index.aux_layer_ids, cpu,
+                            torch.float32, prefill_chunk=5)
+    head = trtb.TrtEagle3(head_engine, *eagle3_files(art), cpu, torch.float32, prefill_chunk=5)
+    ref = SpecModel(*backends.load("torch", art, manifest))
+    got = SpecModel(target, head)
+    for i, p in enumerate(prompts("llama", 3)):
+        want, have = ref.generate(p, 24, draft_len=2 + i, eos_ids=()), got.generate(p, 24, draft_len=2 + i, eos_ids=())
+        assert have.tokens == want.tokens and have.stats.position_accepted == want.stats.position_accepted
+    assert max(engine.calls) <= 5 and max(head_engine.calls) <= 5  # prompts of 8+ tokens went in chunks
+    assert target.cache.max_len * 2 * 16 * 4 % trtb.ALIGN == 0  # padded so every layer's slots start aligned

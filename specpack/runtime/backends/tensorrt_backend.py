@@ -361,3 +361,20 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
         draft = TrtTarget(engine, graph, load_target_spec(artifact / "drafter"), None, dev, kv_dtype, prefill_chunk)
         return target, DraftModelDrafter(draft, spec.vocab_size)
     return target, load_drafter(manifest.drafter.kind, manifest.drafter.model_dump(exclude={"kind"}), None, None)
+
+
+def build_engines(artifact, key: Path | None = None, public_key: Path | None = None, device: str = "cuda",
+                  dtype: str = "float16", **options) -> list[Path]:
+    """`specpack export ARTIFACT --to tensorrt`: build (or reuse) this GPU's engines for the artifact's
+    ONNX export, store them under engines/<sm_XX>/, add them to the manifest and re-sign with `key`."""
+    from specpack.packager import verify
+    from specpack.schemas import SIGNATURE_NAME
+
+    artifact = Path(artifact)
+    manifest = verify(artifact, public_key).manifest
+    if (artifact / SIGNATURE_NAME).is_file() and key is None:
+        raise InputError(f"'{artifact}' is signed: storing engines in it needs the signing key",
+                         hint="pass --key KEY.pem (without it, `run --backend tensorrt` caches engines "
+                              "outside the artifact)")
+    load(artifact, manifest, device, dtype, key=key, **options)
+    return sorted(p for p in (artifact / ENGINE_DIR).rglob("*") if p.is_file())
