@@ -32,6 +32,18 @@ def test_missing_library_says_what_to_install(no_tensorrt, tmp_path, exported):
         trtb.build_engines(exported)  # `specpack export ART --to tensorrt`
 
 
+def test_tensorrt_11_has_no_weak_typing(monkeypatch, tmp_path):
+    """TensorRT 11 dropped BuilderFlag.FP16/BF16: say so before building anything."""
+    from types import SimpleNamespace
+
+    from specpack.errors import UnsupportedError
+
+    monkeypatch.setitem(sys.modules, "tensorrt", SimpleNamespace(__version__="11.4.0", BuilderFlag=SimpleNamespace()))
+    with pytest.raises(UnsupportedError, match="BuilderFlag.FP16") as exc:
+        trtb.build_engine(tmp_path / "target.onnx", _key(), {})
+    assert "float32" in exc.value.hint
+
+
 def _key(**over):
     base = dict(role="target_step", tensorrt_version="10.9.0", gpu_name="NVIDIA H100", gpu_arch="sm_90",
                 dtype="float16", profiles=[{"tokens": [[1], [8], [17]]}], onnx_sha256="ab" * 32)

@@ -14,7 +14,8 @@ and `prefill` (T up to `prefill_chunk`; longer prompts run in chunks). Precision
 fp32; `float16` / `bfloat16` set the builder flag and keep the KV cache in that dtype, logits fp32.
 
 Written against TensorRT 10's Python API (Builder / OnnxParser / IBuilderConfig / Runtime /
-IExecutionContext with set_input_shape, set_tensor_address, execute_async_v3).
+IExecutionContext with set_input_shape, set_tensor_address, execute_async_v3). TensorRT 11 removed
+the weak-typing flags (BuilderFlag.FP16/BF16): there only `float32` engines build from this export.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
-from specpack.errors import ConversionError, InputError, MissingDependencyError
+from specpack.errors import ConversionError, InputError, MissingDependencyError, UnsupportedError
 from specpack.runtime.backends import GraphEagle3, GraphTarget, eagle3_files
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,12 @@ def profile_shapes(inputs, ranges: dict[str, tuple[int, int, int]]) -> dict[str,
 def build_engine(onnx_path: Path, key: EngineKey, io_dtypes: dict[str, str]) -> bytes:
     """Parse the ONNX file (external data beside it), set precision and profiles, serialize."""
     trt = import_tensorrt()
+    flag = {"float16": "FP16", "bfloat16": "BF16"}.get(key.dtype)
+    if flag and not hasattr(trt.BuilderFlag, flag):
+        raise UnsupportedError(
+            f"TensorRT {trt.__version__} has no BuilderFlag.{flag}: TensorRT 11 removed weakly typed "
+            f"reduced precision, and specpack's export is fp32", hint="use TensorRT 10 (the "
+            "'specpack[tensorrt]' extra pins tensorrt<11) or --dtype float32")
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(0)  # TensorRT 10: explicit batch is the only mode
@@ -140,7 +147,7 @@ def build_engine(onnx_path: Path, key: EngineKey, io_dtypes: dict[str, str]) -> 
     tensors = [network.get_input(i) for i in range(network.num_inputs)]
     tensors += [network.get_output(i) for i in range(network.num_outputs)]
     for t in tensors:
-        if t.name in io_dtypes:
+        if io_dtypes.get(t.name, "float32") != "float32":  # KV cache in the engine's precision
             t.dtype = trt_types[io_dtypes[t.name]]
     for shapes in key.profiles:
         profile = builder.create_optimization_profile()
