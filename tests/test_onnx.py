@@ -277,3 +277,20 @@ def test_smollm2_logits_and_greedy(smollm2_artifact):
     want = ref.generate(ids, 48, draft_len=6, speculative=False, eos_ids=())
     got = ort.generate(ids, 48, draft_len=6, eos_ids=())
     assert got.tokens == want.tokens and got.stats.accepted > 0
+
+
+def test_export_reads_packed_linear_weights():
+    """The export reads weights from nn.Linear or from the CPU kernel's K-major panels alike."""
+    from types import SimpleNamespace
+
+    from specpack.converters.onnx_export import linear_params
+    from specpack.runtime.kernels.linear import pack_panels
+
+    w, b = torch.randn(37, 24), torch.randn(37)
+    packed = SimpleNamespace(weight=pack_panels(w), bias=b, out_features=37)
+    for layer in (packed, torch.nn.Linear(24, 37).requires_grad_(False)):
+        if isinstance(layer, torch.nn.Linear):
+            layer.weight.copy_(w)
+            layer.bias.copy_(b)
+        got_w, got_b = linear_params(layer)
+        assert torch.equal(got_w, w) and torch.equal(got_b, b)
