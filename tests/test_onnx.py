@@ -11,6 +11,7 @@ import torch
 import eagle_fixtures as ef
 import eagle_layouts as el
 import tiny
+from specpack.packager.artifact import read_manifest
 from eagle_fixtures import one_thread  # noqa: F401
 from specpack.converters.onnx_export import ONNX_DIR, export_onnx, read_index
 from specpack.errors import InputError, OutputError, UnsupportedError
@@ -92,6 +93,24 @@ def test_export_is_checked_listed_and_signed(tmp_path, keypair):
         return {tuple(e.value for e in t.external_data if e.key in ("offset", "length")) for t in m.graph.initializer
                 if t.data_location == onnx.TensorProto.EXTERNAL}
     assert refs("target.onnx") & refs("eagle3.onnx"), "the head's embedding should share the target's bytes"
+    assert read_manifest(art).exports.onnx == index  # the manifest states the export too
+
+
+def test_cli_export_then_run_on_onnxruntime_equals_torch(tmp_path, keypair, cli):
+    import json
+
+    art = make_artifact(tmp_path / "art", "llama", "eagle3", key=keypair.private)
+    code, out, err = cli("export", art, "--to", "onnx", "--signing-key", keypair.private, "--json")
+    assert code == 0, err
+    assert "exports/onnx/target.onnx" in json.loads(out)["files"]
+    runs = {}
+    for backend in ("torch", "onnxruntime"):
+        code, out, err = cli("run", art, "--prompt", "def add(a, b):", "--max-new-tokens", "24",
+                             "--backend", backend, "--key", keypair.public, "--json")
+        assert code == 0, err
+        runs[backend] = json.loads(out)
+    assert runs["onnxruntime"]["token_ids"] == runs["torch"]["token_ids"]
+    assert runs["onnxruntime"]["steps"] == runs["torch"]["steps"]
 
 
 @pytest.mark.parametrize("family", tiny.FAMILIES)

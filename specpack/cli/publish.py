@@ -95,17 +95,25 @@ def pull(source, out, revision, public_key, allow_unsigned, force, endpoint, pla
 
 @cli.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--to", "engine", required=True, type=click.Choice(["vllm", "sglang", "trtllm"]),
-              help="Serving engine to export for.")
-@click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Directory to create.")
+@click.option("--to", "engine", required=True,
+              type=click.Choice(["vllm", "sglang", "trtllm", "onnx", "tensorrt"]),
+              help="Serving engine to export for, or onnx / tensorrt: graphs or engines stored inside ARTIFACT.")
+@click.option("-o", "--out", type=click.Path(path_type=Path), help="Directory to create (vllm, sglang, trtllm).")
 @click.option("--tp", "tensor_parallel", default=1, show_default=True,
               help="Tensor-parallel size written into the serve command.")
 @click.option("--draft-len", type=int, help="Draft tokens per step [default: the artifact's].")
-@click.option("--force", is_flag=True, help="Replace OUT if it exists.")
+@click.option("--force", is_flag=True, help="Replace OUT (or an existing ONNX export) if it exists.")
+@click.option("--signing-key", type=click.Path(path_type=Path), envvar="SPECPACK_SIGNING_KEY",
+              help="onnx/tensorrt: private key (PEM) to re-sign ARTIFACT [env: SPECPACK_SIGNING_KEY].")
+@click.option("--drop-signature", is_flag=True, help="onnx: leave a signed ARTIFACT unsigned instead.")
+@click.option("--engine-dtype", default="float16", show_default=True,
+              type=click.Choice(["float16", "bfloat16", "float32"]), help="tensorrt: engine precision.")
 @PUBKEY
 @JSON
-def export(artifact, engine, out, tensor_parallel, draft_len, force, public_key, json_mode):
-    """Write ARTIFACT's drafter in the layout ENGINE loads, with its config and serve command.
+def export(artifact, engine, out, tensor_parallel, draft_len, force, signing_key, drop_signature,
+           engine_dtype, public_key, json_mode):
+    """Write ARTIFACT's drafter in the layout ENGINE loads (with its config and serve command), or
+    store ONNX graphs / TensorRT engines of the whole model inside ARTIFACT.
 
     Aux layer ids are converted to the engine's own convention; a drafter the engine cannot
     represent is refused with the engines that can. OUT/README.md holds the exact command.
@@ -114,7 +122,14 @@ def export(artifact, engine, out, tensor_parallel, draft_len, force, public_key,
     Examples:
       specpack export llama-eagle3 --to vllm -o llama-eagle3-vllm --tp 4
       specpack export llama-eagle3 --to trtllm -o llama-eagle3-trtllm --tp 8 --draft-len 3
+      specpack export llama-eagle3 --to onnx --signing-key signer.pem
     """
+    if engine in ("onnx", "tensorrt"):
+        _export_inside(artifact, engine, force, signing_key, drop_signature, engine_dtype, public_key,
+                       json_mode)
+        return
+    if out is None:
+        raise click.UsageError(f"--to {engine} needs -o/--out")
     from specpack.converters.export import export_engine
 
     r = export_engine(artifact, engine, out, draft_len=draft_len, tensor_parallel=tensor_parallel,
@@ -124,3 +139,18 @@ def export(artifact, engine, out, tensor_parallel, draft_len, force, public_key,
             "config": r.config, "command": r.command}
     emit(data, json_mode, lambda d: f"exported the {d['drafter']} drafter for {d['engine']} into "
                                     f"{d['out']}\nserve with:\n{d['command']}")
+
+
+def _export_inside(artifact, engine, force, signing_key, drop_signature, engine_dtype, public_key, json_mode):
+    if engine == "onnx":
+        from specpack.converters.onnx_export import export_onnx
+
+        files = export_onnx(artifact, key=signing_key, public_key=public_key, force=force,
+                            drop_signature=drop_signature, progress=progress_enabled(json_mode))
+    else:
+        from specpack.runtime.backends.tensorrt_backend import build_engines
+
+        files = build_engines(artifact, key=signing_key, public_key=public_key, dtype=engine_dtype)
+    data = {"artifact": str(artifact), "to": engine,
+            "files": [Path(p).relative_to(artifact).as_posix() for p in files]}
+    emit(data, json_mode, lambda d: f"exported {d['to']} into {d['artifact']}: " + ", ".join(d["files"]))

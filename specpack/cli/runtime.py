@@ -24,12 +24,16 @@ from specpack.cli._common import DEVICE, DTYPE, JSON, PUBKEY, cli, int_list
 @click.option("--no-spec", is_flag=True, help="Decode without speculation (the baseline).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--profile", help="Profile name or id [default: the best runnable validated profile].")
+@click.option("--backend", default="torch", show_default=True,
+              type=click.Choice(["torch", "onnxruntime", "tensorrt"]),
+              help="torch (cpu/cuda); onnxruntime (cpu, needs `specpack export ART --to onnx`); "
+                   "tensorrt (cuda, engines built and cached on first use).")
 @DEVICE
 @DTYPE
 @PUBKEY
 @JSON
 def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
-        no_spec, stop, profile, device, dtype, public_key, json_mode):
+        no_spec, stop, profile, backend, device, dtype, public_key, json_mode):
     """Verify ARTIFACT, then generate with single-model speculative decoding.
 
     Text streams to stdout as it is accepted; the figures (tokens/s, acceptance length, per-position
@@ -40,6 +44,7 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
       specpack run my-artifact --prompt "def fib(n):" --max-new-tokens 64
       specpack run my-artifact --chat --prompt "Summarise this: ..." --json
       specpack run my-artifact --prompt-file story.txt --temperature 0.8 --seed 1
+      specpack run my-artifact --backend onnxruntime --prompt "def fib(n):"
     """
     from specpack.runtime.generate import GenerateRequest, generate_text
 
@@ -52,7 +57,7 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
                               profile=profile)
     writer = None if json_mode else (lambda s: click.echo(s, nl=False))
     result = generate_text(artifact, request, public_key=public_key, device=device, dtype=dtype,
-                           write=writer, progress=progress_enabled(json_mode))
+                           write=writer, progress=progress_enabled(json_mode), backend=backend)
     if json_mode:
         emit(result, True)
     else:

@@ -27,20 +27,19 @@ graph returning the whole updated cache would copy every cached slot on every st
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os
 import shutil
 from pathlib import Path
-from typing import Literal, Optional, Sequence, Union
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor, nn
 
 from specpack.errors import InputError, OutputError
+from specpack.schemas.exports import Exports, OnnxExport, OnnxGraph, TensorInfo
 
 log = logging.getLogger(__name__)
 
@@ -52,47 +51,7 @@ ALIGN = 1 << 16  # big tensors start on 64 KiB boundaries so ONNX Runtime can ma
 STAGING = ".specpack-onnx-export"
 
 
-# ---- what the graphs are (index.json; the typed model for the manifest's `exports` field) ----
-
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class TensorInfo(_Strict):
-    name: str = Field(description="Graph input or output name.")
-    dtype: Literal["int64", "bool", "float32", "float16", "bfloat16"] = Field(description="Element type.")
-    shape: list[Union[int, str]] = Field(description="Dimensions: a number, or a symbol (T, P, K, R, U).")
-
-
-class OnnxGraph(_Strict):
-    role: Literal["target_step", "eagle3_step", "draft_model_step"] = Field(
-        description="What the graph computes (module docstring); a draft model's graph is a target_step graph.")
-    path: str = Field(description="The .onnx file, relative to the artifact.")
-    inputs: list[TensorInfo] = Field(description="Inputs in order.")
-    outputs: list[TensorInfo] = Field(description="Outputs in order.")
-    num_layers: int = Field(ge=1, description="Layers with a KV cache (past_key.{i} ... for i below this).")
-
-
-class OnnxExport(_Strict):
-    format: Literal["onnx"] = "onnx"
-    opset: int = Field(description="ONNX opset of every graph.")
-    dtype: Literal["float32"] = Field("float32", description="Weights, activations and KV cache dtype.")
-    data_file: str = Field(description="External data file holding every weight of every graph.")
-    kv_layout: Literal["slot_major_new_slots"] = Field(
-        "slot_major_new_slots", description="KV per layer is [slots, kv_heads, head_dim]; graphs read the "
-        "P cached slots and return only the T new ones, which the runtime writes at slots P..P+T.")
-    max_verify_tokens: int = Field(description="D+1 for the longest draft the runtime asks for (T's "
-                                   "intended range when verifying; prefills may be longer).")
-    aux_layer_ids: Optional[list[int]] = Field(
-        None, description="Target layers whose input hidden states `aux` concatenates (input-of-layer "
-                          "convention); None when the drafter needs none.")
-    drafter_kind: str = Field(description="The manifest's drafter kind the graphs were exported for.")
-    exporter: str = Field(description="The exporter and its version.")
-    graphs: list[OnnxGraph] = Field(description="The graphs.")
-
-    def graph(self, role: str) -> OnnxGraph | None:
-        return next((g for g in self.graphs if g.role == role), None)
-
+# ---- what the graphs are: specpack.schemas.exports (index.json and the manifest's `exports`) ----
 
 def read_index(artifact: Path) -> OnnxExport | None:
     """The export's index (None when the artifact has no ONNX export)."""
@@ -298,7 +257,8 @@ def export_onnx(artifact: Path, key: Path | None = None, public_key: Path | None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     written = sorted(dest.iterdir())
-    add_files(artifact, ONNX_DIR, key, drop_signature=drop_signature and signed)
+    exports = (manifest.exports or Exports()).model_copy(update={"onnx": index})
+    add_files(artifact, ONNX_DIR, key, drop_signature=drop_signature and signed, update={"exports": exports})
     log.info("exported %s: %s", artifact, ", ".join(p.name for p in written))
     return written
 
@@ -463,9 +423,11 @@ def _check(path: Path) -> None:
 
 # ---- adding exported files to the manifest ----
 
-def add_files(artifact: Path, prefix: str, key: Path | None, drop_signature: bool = False) -> None:
-    """Replace the manifest's entries under `prefix/` with the files now there (size, sha256), write
-    the manifest atomically, and re-sign with `key` (or remove a signature that no longer holds)."""
+def add_files(artifact: Path, prefix: str, key: Path | None, drop_signature: bool = False,
+              update: dict | None = None) -> None:
+    """Replace the manifest's entries under `prefix/` with the files now there (size, sha256), apply
+    `update` (manifest fields), write the manifest atomically, and re-sign with `key` (or remove a
+    signature that no longer holds)."""
     import tempfile
 
     from specpack.packager import sign_artifact
@@ -480,7 +442,7 @@ def add_files(artifact: Path, prefix: str, key: Path | None, drop_signature: boo
     entries = [f for f in manifest.files if not f.path.startswith(prefix.rstrip("/") + "/")]
     entries += [FileEntry(path=p.relative_to(artifact).as_posix(), size=p.stat().st_size, sha256=sha256_file(p))
                 for p in new]
-    updated = manifest.model_copy(update={"files": sorted(entries, key=lambda f: f.path)})
+    updated = manifest.model_copy(update={**(update or {}), "files": sorted(entries, key=lambda f: f.path)})
     with tempfile.TemporaryDirectory(dir=artifact.parent) as tmp:
         os.replace(write_manifest(Path(tmp), updated), artifact / "specpack.json")
     if key is not None:

@@ -13,33 +13,31 @@ DTYPES = ("float32", "float16", "bfloat16")
 
 
 def load(path, public_key=None, require_signature: bool | None = None, device: str = "cpu",
-         dtype: str = "float32", verify: bool = True, progress: bool = False):
+         dtype: str = "float32", verify: bool = True, progress: bool = False, backend: str = "torch",
+         **backend_options):
     """Verify the artifact at `path` (signature when a key is given or required, every digest
     always), then load target and drafter, memory-mapped, into one `SpecModel`.
 
-    The returned model carries `.manifest` (the parsed specpack.json), `.tokenizer` (from the
-    artifact) and `.verification` (what was checked). A tampered artifact is never loaded.
+    `backend` is torch (CPU/CUDA, the reference), onnxruntime (CPU; needs `specpack export ART
+    --to onnx`) or tensorrt (CUDA). The returned model carries `.manifest` (the parsed
+    specpack.json), `.tokenizer` (from the artifact) and `.verification` (what was checked). A
+    tampered artifact is never loaded.
     """
-    import torch
-
     from specpack.packager import verify as verify_artifact
     from specpack.packager.artifact import read_manifest
-    from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
+    from specpack.runtime import backends
+    from specpack.runtime.spec_model import SpecModel
 
     path = Path(path)
     if require_signature is None:
         require_signature = os.environ.get("SPECPACK_REQUIRE_SIGNATURE", "") not in ("", "0")
     report = verify_artifact(path, public_key, require_signature, progress) if verify else None
     manifest = report.manifest if report else read_manifest(path)
-    torch_device, torch_dtype = _device(device), _dtype(dtype)
-    target = load_target(path, torch_device, torch_dtype)
-    drafter_entry = manifest.drafter
-    params = drafter_entry.model_dump(exclude={"kind"}) if drafter_entry.kind == "ngram" else None
-    drafter_dir = path / "drafter" if drafter_entry.kind != "ngram" else None
-    drafter = load_drafter(drafter_entry.kind, params, drafter_dir, target)
+    _device(device), _dtype(dtype)  # check both before any work
+    target, drafter = backends.load(backend, path, manifest, device, dtype, **backend_options)
     model = SpecModel(target, drafter).eval()
     model.manifest, model.verification, model.tokenizer = manifest, report, load_tokenizer(path)
-    log.info("loaded %s (%s drafter) on %s/%s", path, drafter_entry.kind, device, dtype)
+    log.info("loaded %s (%s drafter) on %s %s/%s", path, manifest.drafter.kind, backend, device, dtype)
     return model
 
 

@@ -30,7 +30,7 @@ def default_draft_len(manifest) -> int:
 
 def generate_text(artifact, req: GenerateRequest, public_key=None, device: str = "cpu",
                   dtype: str = "float32", write: Callable[[str], None] | None = None,
-                  progress: bool = False, model=None) -> dict:
+                  progress: bool = False, model=None, backend: str = "torch") -> dict:
     """Generate for `req` from the artifact (or an already loaded `model`) and return the text,
     token ids and figures as plain data (the `--json` shape of `specpack run`)."""
     from specpack.errors import InputError
@@ -40,11 +40,12 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
 
     if req.temperature < 0:
         raise InputError(f"temperature {req.temperature} is negative", hint="use 0 (greedy) or more")
-    model = model or load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress)
+    model = model or load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress,
+                          backend=backend)
     tok = model.tokenizer
     ids = encode_prompt(tok, req.prompt, req.chat)
     stream = TextStream(tok, write or (lambda s: None), stops=list(req.stop))
-    chosen = select_profile(model.manifest, device, dtype, wanted=req.profile)
+    chosen = select_profile(model.manifest, device, dtype, wanted=req.profile, backend=backend)
     draft_len = req.draft_len if req.draft_len is not None else chosen.draft_len
     speculative = req.speculative and (chosen.speculative or req.draft_len is not None)
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,

@@ -11,6 +11,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from specpack import FORMAT_NAME, FORMAT_VERSION
+from specpack.schemas.exports import Exports
 from specpack.schemas.profile import Profile
 
 MANIFEST_NAME = "specpack.json"
@@ -182,6 +183,8 @@ class Manifest(_Strict):
     memory: MemoryInfo
     files: list[FileEntry] = Field(
         description="Every file of the artifact except specpack.json and model.sig, sorted by path.")
+    exports: Optional[Exports] = Field(
+        None, description="Graphs and engines derived from the artifact and stored in it (exports/, engines/).")
     profiles: list[Profile] = Field(
         default_factory=list, description="Validated profiles measured by `specpack tune` (empty until then); "
                                           "`run` and `serve` pick the best one that fits the machine.")
