@@ -32,6 +32,7 @@ class EngineExport:
     notes: list[str] = field(default_factory=list)
     aux_layer_ids: list[int] | None = None
     aux_convention: str | None = None
+    bindings: list[str] = field(default_factory=list)  # README "Bindings" lines (MTP)
 
 
 def load_head(artifact: Path) -> tuple[dict, dict]:
@@ -118,6 +119,8 @@ def write_readme(ctx: ExportContext, engine: str, export: EngineExport) -> None:
         lines += [f"Aux hidden states: layers {export.aux_layer_ids}, counted as "
                   f"*{export.aux_convention.replace('_', ' ')} i* ({engine}'s convention; the "
                   f"artifact states {d.aux_hidden_states.layer_ids} as input of layer i).", ""]
+    if export.bindings:
+        lines += ["## Bindings", ""] + [f"- {b}" for b in export.bindings] + [""]
     lines += ["## Scale-out", "",
               f"`{ctx.tensor_parallel}` is the tensor-parallel size used above; set it to the GPUs "
               "per replica (it must divide the target's attention heads and KV heads). The drafter "

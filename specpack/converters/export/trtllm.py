@@ -1,5 +1,6 @@
 """TensorRT-LLM (PyTorch backend): an EAGLE-3 draft directory plus `extra-llm-api-config.yml`
-with its `speculative_config`; n-gram as `decoding_type: NGram`.
+with its `speculative_config`; n-gram as `decoding_type: NGram`; MTP inside a DeepSeek-V3 / GLM-4.5
+target as `decoding_type: MTP` (config only).
 
 Sources followed:
 - tensorrt_llm/llmapi/llm_args.py: `DecodingBaseConfig.speculative_model` (alias
@@ -12,11 +13,21 @@ Sources followed:
   (`midlayer.*`, or `layers.0.*` remapped), sizes `fc` as target hidden × number of captured
   layers, shares the target's embedding when the head's width equals the target's, keeps the
   un-normed residual (no `norm_before_residual`), and loads `d2t` when the vocabularies differ.
-- trtllm-serve: `--backend pytorch`, `--tp_size`, `--extra_llm_api_options`.
+- trtllm-serve: `--backend pytorch`, `--tp_size`, `--extra_llm_api_options`, `--trust_remote_code`.
+- MTP. llm_args.py `MTPDecodingConfig`: `decoding_type: MTP`, `num_nextn_predict_layers` (= the
+  draft length, `max_draft_len`), `use_mtp_vanilla`; one checkpoint layer and no vanilla: MTP Eagle
+  (the layer repeated), else vanilla (step k runs checkpoint layer k mod n).
+  docs/source/models/supported-models.md: MTP "Yes" for DeepseekV3ForCausalLM and Glm4MoeForCausalLM,
+  "No" for Qwen3NextForCausalLM; no MiMo model.
+- _torch/models/modeling_deepseekv3.py `DeepseekV3MTP.forward`: `eh_proj(cat(enorm(emb), hnorm(h)))`
+  and returns `shared_head.norm(hidden, residual)` (post-norm, what the next step receives); the
+  target model's last layer fuses the final norm, so layer 0 gets the final-norm output; MTP layers
+  are read from the target checkpoint (`model.layers.{L+k}.*`), embedding and head shared.
 """
 
 from __future__ import annotations
 
+from specpack.converters.export import _mtp
 from specpack.converters.export._common import (EngineExport, ExportContext, aux_problems,
                                                 hf_draft_config, midlayer_names, output_of_layer,
                                                 quote, save_tensors, write_json)
@@ -24,12 +35,21 @@ from specpack.converters.export._common import (EngineExport, ExportContext, aux
 NAME = "trtllm"
 CONFIG = "extra-llm-api-config.yml"
 DRAFT_DIR = "draft"
+MTP = {"mtp-deepseek": _mtp.EngineMtp("embedding_first", "final_norm_output", "post_norm", "mod"),
+       "mtp-qwen3-next": "TensorRT-LLM's support matrix lists no MTP for Qwen3NextForCausalLM",
+       "mtp-mimo": "TensorRT-LLM has no MiMo model"}
+MTP_ARCHS = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 
-def limits(manifest) -> list[str]:
+def limits(manifest, draft_len: int = 1) -> list[str]:
     d = manifest.drafter
     if d.kind == "ngram":
         return []
+    if d.kind == "mtp":
+        problems = _mtp.problems("TensorRT-LLM", MTP, manifest, draft_len)
+        if d.source_layout == "mtp-deepseek" and manifest.target.architecture not in MTP_ARCHS:
+            problems.append(f"TensorRT-LLM runs MTP for {', '.join(MTP_ARCHS)} only")
+        return problems
     if d.kind != "eagle3":
         return [f"TensorRT-LLM export of {d.kind} drafters is not implemented"]
     problems = aux_problems(manifest, n_aux_fixed=False)
@@ -69,15 +89,27 @@ def write_ngram(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
     return EngineExport(_serve(ctx), {"speculative_config": spec}, notes)
 
 
+def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
+    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": ctx.draft_len}
+    _write_yaml(ctx, spec)
+    reads = _mtp.check_reads(ctx, "TensorRT-LLM")
+    notes = ["No weights are written: TensorRT-LLM builds the MTP module from the target checkpoint "
+             "(one-model MTP); `num_nextn_predict_layers` is the number of draft tokens per step."]
+    how = MTP[ctx.manifest.drafter.source_layout]
+    return EngineExport(_serve(ctx, _mtp.remote_code(ctx)), {"speculative_config": spec}, notes,
+                        bindings=_mtp.bindings(ctx, "TensorRT-LLM", how, reads))
+
+
 def _write_yaml(ctx: ExportContext, spec: dict) -> None:
     import yaml
 
     (ctx.out / CONFIG).write_text(yaml.safe_dump({"speculative_config": spec}, sort_keys=False))
 
 
-def _serve(ctx: ExportContext) -> str:
-    return (f"trtllm-serve {quote(ctx.artifact)} --backend pytorch --tp_size {ctx.tensor_parallel} "
+def _serve(ctx: ExportContext, trust_remote_code: bool = False) -> str:
+    remote = " --trust_remote_code" if trust_remote_code else ""
+    return (f"trtllm-serve {quote(ctx.artifact)} --backend pytorch --tp_size {ctx.tensor_parallel}{remote} "
             f"\\\n  --extra_llm_api_options {quote(ctx.final_out / CONFIG)}")
 
 
-KINDS = {"eagle3": write_eagle3, "ngram": write_ngram}
+KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp}

@@ -1,4 +1,5 @@
-"""vLLM: EAGLE-3 heads in the speculators layout; n-gram as vLLM's `ngram` method.
+"""vLLM: EAGLE-3 heads in the speculators layout; n-gram as vLLM's `ngram` method; MTP layers
+inside the target as `method: mtp` (config only: vLLM drafts with the target checkpoint itself).
 
 Sources followed (read with the search tool, not guessed):
 - vllm/transformers_utils/configs/speculators/{base,algos}.py: vLLM reads `speculators_model_type`,
@@ -14,24 +15,46 @@ Sources followed (read with the search tool, not guessed):
 - vllm/config/speculative.py: `prompt_lookup_min` / `prompt_lookup_max` for `method: ngram`.
 - vLLM's EAGLE proposer keeps a head's own `embed_tokens` when the checkpoint has one that differs
   from the target's (`has_own_embed_tokens` + `torch.equal`), and shares the target's otherwise.
+- MTP, vllm/config/speculative.py: `method: mtp` (`deepseek_mtp`, `glm4_moe_mtp`, `mimo_mtp`,
+  `qwen3_next_mtp` are deprecated aliases); with `num_speculative_tokens` and no `model`, the draft
+  model is the target itself, and `hf_config_override` turns its config into DeepSeekMTPModel /
+  Glm4MoeMTPModel / MiMoMTPModel / Qwen3NextMTP; more than one token "will run multiple times of
+  forward on same MTP layer".
+- vllm/v1/spec_decode/eagle.py: `EagleProposer.propose` calls the draft model without
+  `spec_step_idx`, so every draft step runs MTP layer 0, chaining the layer's own output.
+- models/deepseek_mtp.py, glm4_moe_mtp.py: `model.layers.{L+k}.{enorm,hnorm,eh_proj,shared_head.*}`
+  plus the block; `eh_proj(cat(enorm(emb), hnorm(h)))`; returns `residual + hidden` (pre-norm;
+  `shared_head.norm` only in compute_logits); loads `embed_tokens` (layer L) and each
+  `shared_head.head` from the checkpoint. mimo_mtp.py: `model.mtp_layers.{k}.*`,
+  `input_proj(cat(hidden_layernorm(h), token_layernorm(emb)))`, returns `final_layernorm(..)`;
+  mimo.py's model returns the last layer output before the norm. qwen3_next_mtp.py: `mtp.*`
+  (`fc(cat(pre_fc_norm_embedding(emb), pre_fc_norm_hidden(h)))`), returns `norm(..)`.
 """
 
 from __future__ import annotations
 
 import json
 
+from specpack.converters.export import _mtp
 from specpack.converters.export._common import (EngineExport, ExportContext, aux_problems,
                                                 quote, write_json)
 from specpack.packager.hashing import place_file
 
 NAME = "vllm"
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose config classes this layout follows
+MTP = {"mtp-deepseek": _mtp.EngineMtp("embedding_first", "final_norm_output", "pre_norm", "first"),
+       "mtp-mimo": _mtp.EngineMtp("hidden_first", "last_layer_output", "post_norm", "first"),
+       "mtp-qwen3-next": _mtp.EngineMtp("embedding_first", "final_norm_output", "post_norm", "first")}
+MTP_ALIASES = {"DeepseekV3ForCausalLM": "deepseek_mtp", "Glm4MoeForCausalLM": "glm4_moe_mtp",
+               "MiMoForCausalLM": "mimo_mtp", "Qwen3NextForCausalLM": "qwen3_next_mtp"}
 
 
-def limits(manifest) -> list[str]:
+def limits(manifest, draft_len: int = 1) -> list[str]:
     d = manifest.drafter
     if d.kind == "eagle3":
         return aux_problems(manifest)
+    if d.kind == "mtp":
+        return _mtp.problems("vLLM", MTP, manifest, draft_len) + _deepseek_copies(manifest)[1]
     return [] if d.kind in KINDS else [f"vLLM export of {d.kind} drafters is not implemented"]
 
 
@@ -60,6 +83,32 @@ def write_ngram(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
     write_json(ctx.out / "speculative_config.json", spec)
     return EngineExport(_serve(ctx, spec), {"speculative_config": spec},
                         ["No weights: vLLM's ngram proposer looks the context up itself."])
+
+
+def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
+    d, arch = ctx.manifest.drafter, ctx.manifest.target.architecture
+    spec = {"method": "mtp", "num_speculative_tokens": ctx.draft_len}
+    write_json(ctx.out / "speculative_config.json", spec)
+    reads = _mtp.check_reads(ctx, "vLLM", _deepseek_copies(ctx.manifest)[0])
+    notes = [f"No weights are written: with no `model` in the speculative config vLLM reads the MTP "
+             f"layers from the target ({ctx.artifact}) and runs them as {arch}'s MTP model.",
+             f"`method: mtp` needs a vLLM release that has it; older ones call it "
+             f"`{MTP_ALIASES.get(arch, 'mtp')}`, and some of those feed draft steps 2.. the target's "
+             "hidden state instead of the MTP output (v1/spec_decode/eagle.py)."]
+    return EngineExport(_serve(ctx, spec, _mtp.remote_code(ctx)), {"speculative_config": spec}, notes,
+                        bindings=_mtp.bindings(ctx, "vLLM", MTP[d.source_layout], reads))
+
+
+def _deepseek_copies(manifest) -> tuple[list[str], list[str]]:
+    """(the embedding / head copies vLLM's DeepSeek MTP loader reads from each MTP layer, the problem
+    when the checkpoint lacks them: its loader leaves those parameters unset)."""
+    d, L = manifest.drafter, manifest.target.num_hidden_layers
+    if d.source_layout != "mtp-deepseek":
+        return [], []
+    want = [f"model.layers.{L}.embed_tokens.weight"]
+    want += [f"model.layers.{L + k}.shared_head.head.weight" for k in range(d.num_layers)]
+    missing = [n for n in want if n not in d.duplicates_checked]
+    return want, [f"vLLM's DeepSeek MTP loader reads {n}, which the checkpoint lacks" for n in missing]
 
 
 def speculators_config(ctx: ExportContext, head: dict, aux_ids: list[int]) -> dict:
@@ -96,9 +145,10 @@ def _verifier_name(ctx: ExportContext) -> str:
     return ctx.manifest.target.source.repo_id or str(ctx.artifact)
 
 
-def _serve(ctx: ExportContext, spec: dict) -> str:
-    return (f"vllm serve {quote(ctx.artifact)} --tensor-parallel-size {ctx.tensor_parallel} \\\n"
+def _serve(ctx: ExportContext, spec: dict, trust_remote_code: bool = False) -> str:
+    remote = " --trust-remote-code" if trust_remote_code else ""
+    return (f"vllm serve {quote(ctx.artifact)} --tensor-parallel-size {ctx.tensor_parallel}{remote} \\\n"
             f"  --speculative-config {quote(json.dumps(spec, separators=(',', ':')))}")
 
 
-KINDS = {"eagle3": write_eagle3, "ngram": write_ngram}
+KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp}
