@@ -62,8 +62,13 @@ class SpecModel(nn.Module):
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 128, draft_len: int = 4,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  eos_ids: Sequence[int] | None = None, stop: Sequence[Sequence[int]] | None = None,
-                 speculative: bool = True, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+                 speculative: bool = True, on_tokens: Callable[[list[int]], None] | None = None,
+                 adaptive: bool = True) -> GenerationResult:
         """Generate up to `max_new_tokens` after `prompt_ids`.
+
+        `draft_len` is the longest draft; with `adaptive` (the default) the loop drafts fewer tokens
+        while the target rejects them, and none for a while when even one keeps failing (see
+        speculative.DraftLength); `adaptive=False` always drafts `draft_len`.
 
         Greedy (temperature 0) output is token-identical with and without speculation; sampling
         keeps the target's distribution. `eos_ids` defaults to the target's; `stop` lists token-id
@@ -76,4 +81,4 @@ class SpecModel(nn.Module):
         with torch.inference_mode():
             prompt_t = torch.tensor(prompt, dtype=torch.long, device=self.target.device)
             return run_loop(self.target, self.drafter, prompt_t, max_new_tokens, draft_len, sampling,
-                            seed, eos, stop, speculative, on_tokens, self.context_length)
+                            seed, eos, stop, speculative, on_tokens, self.context_length, adaptive)

@@ -132,9 +132,43 @@ class _Output:
             self.on_tokens(taken)
 
 
+class DraftLength:
+    """How many tokens to draft next: up to `max_len`, adapted to what the target has been accepting.
+
+    All drafts accepted → double (copying runs long); none accepted → halve; some → unchanged. After `patience` rejected single-token drafts it stops drafting for `cooldown`
+    steps, then probes with one token again: when drafts keep failing (open chat with n-gram), a
+    verify over extra tokens is pure cost. Lossless: only the number of proposed tokens changes.
+    """
+
+    def __init__(self, max_len: int, adaptive: bool = True, patience: int = 2, cooldown: int = 8):
+        self.max_len, self.adaptive, self.patience, self.cooldown = max_len, adaptive, patience, cooldown
+        self.current, self.misses, self.resting = max_len, 0, 0
+
+    def next(self) -> int:
+        if self.resting:
+            self.resting -= 1
+            self.current = 1 if not self.resting else 0
+            return 0 if self.resting else 1
+        return self.current
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        if accepted == proposed:
+            self.current, self.misses = min(self.max_len, 2 * proposed), 0
+        elif accepted == 0:
+            self.misses = self.misses + 1 if proposed == 1 else 0
+            self.current = max(1, proposed // 2)
+            if self.misses >= self.patience:
+                self.misses, self.resting = 0, self.cooldown
+        else:
+            self.misses = 0
+
+
 def generate(target, drafter, prompt: Tensor, max_new_tokens: int, draft_len: int, sampling: SamplingParams,
              seed: int | None, eos_ids: Sequence[int], stop: Sequence[Sequence[int]] | None,
-             speculative: bool, on_tokens: Callable[[list[int]], None] | None, context: int) -> GenerationResult:
+             speculative: bool, on_tokens: Callable[[list[int]], None] | None, context: int,
+             adaptive: bool = True) -> GenerationResult:
     """Generate after `prompt` [m] (inputs already validated by SpecModel.generate)."""
     clock, stats = _Timer(target.device), GenerationStats(prompt_tokens=len(prompt))
     t_start = clock()
@@ -151,10 +185,10 @@ def generate(target, drafter, prompt: Tensor, max_new_tokens: int, draft_len: in
     out.emit(sampler.pick(res.logits[-1:]).tolist())
     stats.prefill_s = clock() - t_start
 
-    no_draft = Draft(out.buf[:0], None)
+    no_draft, length = Draft(out.buf[:0], None), DraftLength(draft_len, adaptive)
     while not out.finish:
         n, t0 = out.n, clock()
-        k = min(draft_len, out.budget - 1)  # never draft past what may still be emitted
+        k = min(length.next(), out.budget - 1)  # never draft past what may still be emitted
         draft = drafter.propose(out.buf[:n], feats, k, None if sampling.greedy else sampler) if speculative \
             else no_draft
         t1 = clock()
@@ -168,6 +202,7 @@ def generate(target, drafter, prompt: Tensor, max_new_tokens: int, draft_len: in
         feats = None if res.aux is None else res.aux[: a + 1]  # features of the newly committed positions
         out.emit(new)
         t2 = clock()
+        length.update(len(draft.tokens), a)
         stats.count(len(draft.tokens), a)
         stats.draft_s += t1 - t0
         stats.verify_s += t2 - t1
