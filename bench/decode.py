@@ -2,7 +2,8 @@
 
 In ONE run, on the same prompts (chat-formatted workloads shipped here plus HumanEval prompts):
   specpack plain greedy | specpack n-gram | transformers greedy `generate` |
-  transformers prompt lookup (`prompt_lookup_num_tokens`) | llama.cpp F32 plain and prompt lookup
+  transformers prompt lookup (`prompt_lookup_num_tokens`) | ONNX Runtime plain and n-gram on the
+  exported graph | llama.cpp F32 plain and prompt lookup
   (through llama-cpp-python, when installed: `pip install llama-cpp-python`, the bench extra).
 Prints tokens/s, the ratios, acceptance length, whether outputs are identical, and the cost of a
 verify forward over 8 new tokens vs 1.
@@ -203,6 +204,7 @@ def main() -> None:
     ap.add_argument("--draft-len", type=int, default=8)
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime column")
     args = ap.parse_args()
 
     from specpack.demo import cache_dir, find_gguf, prepare
@@ -215,6 +217,11 @@ def main() -> None:
           "(goal <= 1.3; llama.cpp F32 pays ~1.7)")
     engines = {"specpack plain": lambda ids: sp.run(ids, args.max_new_tokens, False),
                "specpack n-gram": lambda ids: sp.run(ids, args.max_new_tokens, True, args.draft_len)}
+    if not args.no_ort:  # exports the artifact's ONNX graphs first (re-signed with the demo key)
+        from ort_column import ort_engines
+
+        engines.update(ort_engines(artifact, pub, cache_dir() / "demo-signer.pem", args.max_new_tokens,
+                                   args.draft_len))
     if not args.no_hf:
         hf = HF(artifact)
         engines["HF greedy"] = lambda ids: hf.run(ids, args.max_new_tokens)
@@ -266,9 +273,9 @@ def report(engines, prompts, max_new) -> None:
             print(f"{'':18s}specpack n-gram / llama.cpp lookup: "
                   f"{med['specpack n-gram'] / med['llama.cpp F32 lookup']:.2f}x; "
                   f"specpack plain / llama.cpp plain: {med['specpack plain'] / med['llama.cpp F32']:.2f}x")
+        vs_hf = ("n/a" if "HF greedy" not in engines else "yes" if same_hf else "NO")
         print(f"{'':18s}n-gram acceptance length {statistics.mean(al):.2f}; speculative == plain: "
-              f"{'yes' if same_plain else 'NO'}; first 64 tokens == transformers: "
-              f"{'yes' if same_hf else 'NO'}")
+              f"{'yes' if same_plain else 'NO'}; first 64 tokens == transformers: {vs_hf}")
 
 
 if __name__ == "__main__":
