@@ -1,6 +1,6 @@
 """The `specpack` command line: thin commands that parse, call one library function, print.
 
-Commands live in one module per family (artifact, runtime, publish); each registers on `cli`.
+Commands live in one module per family (artifact, runtime, publish, train); each registers on `cli`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import sys
 import click
 
 from specpack._output import error
-from specpack.cli import artifact, publish, runtime  # noqa: F401  (register the commands)
+from specpack.cli import artifact, publish, runtime, train  # noqa: F401  (register the commands)
 from specpack.cli._common import cli
 from specpack.errors import SpecpackError
 

@@ -1,0 +1,43 @@
+"""Training commands: distill an EAGLE-3 head for a target that ships none."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from specpack._output import emit, progress_enabled
+from specpack.cli._common import JSON, cli
+
+
+@cli.command()
+@click.argument("target", type=click.Path(path_type=Path))
+@click.option("-o", "--out", required=True, type=click.Path(path_type=Path),
+              help="Head directory to write (SGLang/SpecForge layout; `specpack build --drafter OUT`).")
+@click.option("--data", type=click.Path(path_type=Path),
+              help='JSONL of {"text"}, {"messages"} or {"prompt"[, "completion"]} lines.')
+@click.option("--self-generate", type=int,
+              help="Train on N greedy continuations by the target itself (of --data prompts or built-in ones).")
+@click.option("--draft-vocab", type=int, help="Rows of the head's vocabulary [default: min(8192, target vocab)].")
+@click.option("--steps", default=2000, show_default=True, type=int)
+@click.option("--seq-len", default=256, show_default=True, type=int)
+@click.option("--lr", default=1e-3, show_default=True, type=float)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--resume/--no-resume", default=True, show_default=True, help="Continue from OUT's checkpoint.")
+@JSON
+def distill(target, out, data, self_generate, draft_vocab, steps, seq_len, lr, seed, resume, json_mode):
+    """Train an EAGLE-3 head for TARGET against its own outputs (CPU-capable, resumable, seeded).
+
+    \b
+    Examples:
+      specpack distill smollm2-135m -o smollm2-eagle3 --self-generate 512 --steps 2000
+      specpack distill ./target -o head --data chats.jsonl --draft-vocab 16384
+      specpack build smollm2-135m --drafter smollm2-eagle3 -o smollm2-eagle3-artifact
+    """
+    from specpack.distill import distill as do_distill
+
+    result = do_distill(target, out, data=data, self_generate=self_generate, draft_vocab=draft_vocab,
+                        steps=steps, seq_len=seq_len, lr=lr, seed=seed, resume=resume,
+                        progress=progress_enabled(json_mode))
+    data = {"out": str(result.out), "finished": result.finished, "record": result.record}
+    emit(data, json_mode, lambda d: f"wrote {d['out']} ({'finished' if d['finished'] else 'partial: resume'})")

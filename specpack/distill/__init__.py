@@ -1,0 +1,201 @@
+"""`distill`: train an EAGLE-3 head for a target that has none, on the target's own outputs.
+
+    distill(target_dir, out_dir, self_generate=200)      the target writes its own training text
+    distill(target_dir, out_dir, data="chats.jsonl")     or train on given text
+
+The pipeline reads as it runs: check inputs -> sequences (given or self-generated, cached) ->
+teacher-forced target features (cached) -> draft vocabulary from token frequencies -> train with
+EAGLE-3's training-time test (resumable) -> export in the SGLang layout + training.json. The result
+is a directory `specpack build TARGET --drafter OUT` accepts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specpack.errors import InputError, UnsupportedError
+
+log = logging.getLogger(__name__)
+__all__ = ["distill", "DistillResult"]
+DEFAULT_DRAFT_VOCAB = 8192
+
+
+@dataclass(frozen=True)
+class DistillResult:
+    out: Path
+    finished: bool  # False when stopped early (stop_after): resume to finish
+    record: dict  # training.json's content (partial when not finished)
+
+
+def default_cache() -> Path:
+    root = Path(os.environ.get("SPECPACK_CACHE", Path.home() / ".cache" / "specpack"))
+    return root / "distill"
+
+
+def distill(target_dir, out_dir, data=None, self_generate: int | None = None, draft_vocab: int | None = None,
+            aux_layer_ids=None, steps: int = 2000, seq_len: int = 256, batch_size: int = 4, lr: float = 1e-3, seed: int = 0,
+            ttt_steps: int = 3, gen_tokens: int = 256, resume: bool = True, progress: bool = True,
+            dtype: str = "float32", cache_dir=None, checkpoint_every: int = 100,
+            stop_after: int | None = None, command: str | None = None, **train_options) -> DistillResult:
+    """Train an EAGLE-3 head for the target at `target_dir` and write it to `out_dir`.
+
+    Data: `data` (JSONL of {"text"}, {"messages"} or {"prompt"[, "completion"]} lines) used as is, or,
+    with `self_generate=N`, N greedy continuations by the target of the prompts in `data` (or of
+    built-in open-chat and code prompts, chat-formatted for an instruct model). Generated text and
+    target features are cached under `cache_dir`. `draft_vocab` target tokens (the most often
+    predicted; default min(8192, target vocab)) form the head's output vocabulary. Training checkpoints to `out_dir` every
+    `checkpoint_every` steps and resumes from there unless `resume` is false; `stop_after` ends this
+    call after that many steps (the checkpoint stays). Deterministic for a given `seed` and thread count.
+    """
+    import torch
+
+    from specpack.distill.data import DataSpec, build_features, read_jsonl, target_digest
+    from specpack.distill.export import RECORD, write_head
+    from specpack.distill.head import HeadConfig, TrainableHead
+    from specpack.distill.train import CHECKPOINT, TrainConfig, fingerprint, train
+    from specpack.distill.vocab import build_vocab
+    from specpack.runtime.weights import load_target
+
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    spec = check_target(target_dir)
+    draft_vocab = min(DEFAULT_DRAFT_VOCAB, spec.vocab_size) if draft_vocab is None else draft_vocab
+    cfg = TrainConfig(steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed, ttt_steps=ttt_steps,
+                      checkpoint_every=checkpoint_every, **train_options)
+    check_options(spec, draft_vocab, self_generate, data, cfg, dtype, gen_tokens, aux_layer_ids)
+    records = read_jsonl(data) if data is not None else None
+
+    t0 = time.perf_counter()
+    data_spec = DataSpec(target_digest=target_digest(target_dir), source="self-generate" if self_generate else "file",
+                         data_digest=_file_digest(data), self_generate=self_generate,
+                         gen_tokens=gen_tokens if self_generate else 0, capture=HeadConfig.for_target(spec, 1, aux_layer_ids).aux_layer_ids)
+    target = load_target(target_dir)
+    feats = build_features(target_dir, target, _tokenizer(target_dir), records, self_generate, gen_tokens,
+                           Path(cache_dir or default_cache()) / data_spec.key(), data_spec.capture, progress)
+    data_seconds = time.perf_counter() - t0
+
+    vocab = build_vocab(feats.pred, feats.tokens, spec.vocab_size, draft_vocab)
+    head_cfg = HeadConfig.for_target(spec, draft_vocab, aux_layer_ids)
+    extra = {"data": data_spec.key(), "head": head_cfg.to_dict(), "steps": steps}
+    fp = fingerprint(cfg, extra)
+    finished = _finished_record(out_dir / RECORD, fp) if resume else None
+    if finished is not None:
+        log.info("%s already holds this head (same settings and data): nothing to do", out_dir)
+        return DistillResult(out_dir, True, finished)
+
+    torch.manual_seed(seed)
+    head = TrainableHead(head_cfg, target.embed_tokens.weight)
+    head.init_from_target(target, vocab.ids, feats.aux)
+    teacher_w = target.lm_head.weight[vocab.ids].detach().float()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = train(head, feats, vocab, teacher_w, cfg, out_dir, resume, progress, extra, stop_after)
+    record = {
+        "specpack_version": _version(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "fingerprint": fp, "command": command,
+        "target": {"path": str(target_dir), "architecture": spec.architecture, "digest": data_spec.target_digest,
+                   "layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size},
+        "head": {**head_cfg.to_dict(), "aux_convention": "input_of_layer", "export_layout": "eagle3-sglang",
+                 "dtype": dtype},
+        "data": {"source": data_spec.source, "file": str(data) if data else None, "file_sha256": data_spec.data_digest,
+                 "self_generate": self_generate, "gen_tokens": data_spec.gen_tokens, "cache_key": data_spec.key(),
+                 "sequences": len(feats.offsets) - 1, "tokens": feats.num_tokens,
+                 "seconds_this_run": round(data_seconds, 1)},
+        "vocab": {"size": vocab.size, "coverage": round(vocab.coverage, 4), "built_from": "target argmax frequencies"},
+        "training": asdict(cfg), "result": result,
+        "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
+    }
+    if result["steps_done"] < steps:
+        return DistillResult(out_dir, False, record)
+    write_head(out_dir, head_cfg, head.canonical_state(), vocab, record, dtype)
+    (out_dir / CHECKPOINT).unlink(missing_ok=True)
+    return DistillResult(out_dir, True, record)
+
+
+def check_target(target_dir: Path):
+    """The target's spec, or a clear error for what distill cannot train against."""
+    from specpack.runtime.config import DEEPSEEK_ARCHITECTURES, load_target_spec
+
+    if not Path(target_dir).is_dir():
+        raise InputError(f"target '{target_dir}' is not a directory", hint="pass a Hugging Face model directory")
+    cfg_path = Path(target_dir) / "config.json"
+    arch = None
+    if cfg_path.is_file():
+        try:
+            arch = (json.loads(cfg_path.read_text()).get("architectures") or [None])[0]
+        except (ValueError, AttributeError):
+            pass  # load_target_spec reports it
+    if arch in DEEPSEEK_ARCHITECTURES:
+        raise UnsupportedError(f"distill does not support {arch} targets (MLA + MoE) yet",
+                               hint="distill trains heads for Llama, Mistral, Qwen2 and Qwen3 targets")
+    return load_target_spec(target_dir)
+
+
+def check_options(spec, draft_vocab, self_generate, data, cfg, dtype: str, gen_tokens: int,
+                  aux_layer_ids=None) -> None:
+    """Every bad option at once, before any expensive work."""
+    from specpack.distill.export import DTYPES
+    from specpack.distill.head import default_aux_ids
+
+    vocab_size, L = spec.vocab_size, spec.num_layers
+    ids = list(aux_layer_ids) if aux_layer_ids is not None else list(default_aux_ids(L))
+    problems = []
+    if len(set(ids)) != len(ids) or not ids or any(not 0 <= i < L for i in ids):
+        which = "given" if aux_layer_ids is not None else f"default for a {L}-layer target"
+        problems.append(f"aux layer ids {ids} ({which}) must be distinct layers in 0..{L - 1}")
+    if not isinstance(draft_vocab, int) or draft_vocab <= 0:
+        problems.append(f"draft vocab {draft_vocab!r} must be a positive integer")
+    elif draft_vocab > vocab_size:
+        problems.append(f"draft vocab {draft_vocab} is larger than the target's vocabulary of {vocab_size}")
+    if data is None and not self_generate:
+        problems.append("no data: pass a JSONL file (--data) or let the target write it (--self-generate N)")
+    if self_generate is not None and (not isinstance(self_generate, int) or self_generate <= 0):
+        problems.append(f"--self-generate {self_generate!r} must be a positive number of continuations")
+    for name in ("steps", "seq_len", "batch_size", "ttt_steps", "checkpoint_every"):
+        if getattr(cfg, name) <= 0:
+            problems.append(f"{name} {getattr(cfg, name)} must be positive")
+    if not cfg.lr > 0:
+        problems.append(f"learning rate {cfg.lr} must be positive")
+    if self_generate and gen_tokens <= 0:
+        problems.append(f"gen_tokens {gen_tokens} must be positive")
+    if dtype not in DTYPES:
+        problems.append(f"dtype {dtype!r} (use one of {', '.join(DTYPES)})")
+    if problems:
+        raise InputError("distill options are not usable", problems=problems,
+                         hint=f"the draft vocab must lie in 1..{vocab_size}" if any("vocab" in p for p in problems)
+                         else None)
+
+
+def _file_digest(path) -> str | None:
+    if path is None:
+        return None
+    from specpack.packager.hashing import sha256_file
+
+    return sha256_file(Path(path))
+
+
+def _tokenizer(target_dir: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(target_dir)
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot load the tokenizer of '{target_dir}': {str(exc).splitlines()[0]}",
+                         hint="the target directory needs its tokenizer files") from None
+
+
+def _finished_record(path: Path, fp: str) -> dict | None:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("fingerprint") == fp else None
+
+
+def _version() -> str:
+    from specpack import __version__
+
+    return __version__

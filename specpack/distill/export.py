@@ -1,0 +1,63 @@
+"""Write a trained head in the SGLang / SpecForge layout, which `specpack build --drafter` accepts.
+
+    config.json         LlamaForCausalLMEagle3, flat Llama fields + draft_vocab_size, target_hidden_size,
+                        eagle_config.eagle_aux_hidden_state_layer_ids (counted as *output* of layer i,
+                        SGLang's convention: our input-of-layer ids minus one)
+    model.safetensors   fc, midlayer.*, norm, lm_head, d2t (int64), t2d (bool)
+    training.json       how it was trained: target, data, vocab, options, time, figures
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from specpack.distill.head import HeadConfig
+from specpack.distill.vocab import DraftVocab
+
+CONFIG, WEIGHTS, RECORD = "config.json", "model.safetensors", "training.json"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def sglang_config(c: HeadConfig, dtype: str) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+        "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+        "rope_scaling": None, "max_position_embeddings": c.max_position_embeddings,
+        "vocab_size": c.target_vocab_size, "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": c.target_hidden_size, "tie_word_embeddings": False, "torch_dtype": dtype,
+        "norm_before_residual": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in c.aux_layer_ids],
+                         "use_aux_hidden_state": True},
+    }
+
+
+def sglang_tensors(state: dict, vocab: DraftVocab, dtype: str) -> dict:
+    """Canonical names (layers.0.*) -> SGLang's (midlayer.*), floats cast to `dtype`."""
+    out = {}
+    for name, t in state.items():
+        out[name.replace("layers.0.", "midlayer.", 1)] = t.detach().to(DTYPES[dtype]).contiguous()
+    out["d2t"], out["t2d"] = vocab.d2t.contiguous(), vocab.t2d
+    return out
+
+
+def write_head(out: Path, c: HeadConfig, state: dict, vocab: DraftVocab, record: dict, dtype: str) -> None:
+    """Write the three files; each lands by rename, so a reader never sees a half-written one."""
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / (WEIGHTS + ".tmp")
+    save_file(sglang_tensors(state, vocab, dtype), str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / WEIGHTS)
+    _write_json(out / CONFIG, sglang_config(c, dtype))
+    _write_json(out / RECORD, record)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    tmp.replace(path)
