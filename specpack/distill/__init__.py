@@ -38,28 +38,28 @@ def default_cache() -> Path:
 
 
 def distill(target_dir, out_dir, data=None, self_generate: int | None = None, draft_vocab: int | None = None,
-            aux_layer_ids=None, steps: int = 2000, seq_len: int = 256, batch_size: int = 4, lr: float = 1e-3, seed: int = 0,
-            ttt_steps: int = 3, gen_tokens: int = 256, resume: bool = True, progress: bool = True,
-            dtype: str = "float32", cache_dir=None, checkpoint_every: int = 100,
-            stop_after: int | None = None, command: str | None = None, **train_options) -> DistillResult:
+            aux_layer_ids=None, steps: int = 2000, seq_len: int = 256, batch_size: int = 4, lr: float = 1e-3,
+            seed: int = 0, ttt_steps: int = 3, gen_tokens: int = 256, resume: bool = True, progress: bool = True,
+            dtype: str = "float32", cache_dir=None, checkpoint_every: int = 100, stop_after: int | None = None,
+            command: str | None = None, **train_options) -> DistillResult:
     """Train an EAGLE-3 head for the target at `target_dir` and write it to `out_dir`.
 
     Data: `data` (JSONL of {"text"}, {"messages"} or {"prompt"[, "completion"]} lines) used as is, or,
-    with `self_generate=N`, N greedy continuations by the target of the prompts in `data` (or of
-    built-in open-chat and code prompts, chat-formatted for an instruct model). Generated text and
-    target features are cached under `cache_dir`. `draft_vocab` target tokens (the most often
-    predicted; default min(8192, target vocab)) form the head's output vocabulary. Training checkpoints to `out_dir` every
-    `checkpoint_every` steps and resumes from there unless `resume` is false; `stop_after` ends this
-    call after that many steps (the checkpoint stays). Deterministic for a given `seed` and thread count.
+    with `self_generate=N`, the target's greedy continuations of the first N prompts of `data` (or of
+    the built-in open-chat and code prompts, chat-formatted for an instruct model), `gen_tokens` new
+    tokens each. Generated text and target features are cached under `cache_dir`. The `draft_vocab`
+    target tokens the target predicts most often (default min(8192, target vocab)) form the head's
+    output vocabulary. Training checkpoints to `out_dir` every `checkpoint_every` steps and resumes
+    from there unless `resume` is false; `stop_after` ends this call after that many steps (the
+    checkpoint stays). Other `TrainConfig` fields go in `train_options`. Deterministic for a given
+    seed and thread count.
     """
     import torch
 
-    from specpack.distill.data import DataSpec, build_features, read_jsonl, target_digest
-    from specpack.distill.export import RECORD, write_head
+    from specpack.distill.export import write_head
     from specpack.distill.head import HeadConfig, TrainableHead
     from specpack.distill.train import CHECKPOINT, TrainConfig, fingerprint, train
     from specpack.distill.vocab import build_vocab
-    from specpack.runtime.weights import load_target
 
     target_dir, out_dir = Path(target_dir), Path(out_dir)
     spec = check_target(target_dir)
@@ -67,25 +67,17 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
     cfg = TrainConfig(steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed, ttt_steps=ttt_steps,
                       checkpoint_every=checkpoint_every, **train_options)
     check_options(spec, draft_vocab, self_generate, data, cfg, dtype, gen_tokens, aux_layer_ids)
-    records = read_jsonl(data) if data is not None else None
-
-    t0 = time.perf_counter()
-    data_spec = DataSpec(target_digest=target_digest(target_dir), source="self-generate" if self_generate else "file",
-                         data_digest=_file_digest(data), self_generate=self_generate,
-                         gen_tokens=gen_tokens if self_generate else 0, capture=HeadConfig.for_target(spec, 1, aux_layer_ids).aux_layer_ids)
-    target = load_target(target_dir)
-    feats = build_features(target_dir, target, _tokenizer(target_dir), records, self_generate, gen_tokens,
-                           Path(cache_dir or default_cache()) / data_spec.key(), data_spec.capture, progress)
-    data_seconds = time.perf_counter() - t0
-
-    vocab = build_vocab(feats.pred, feats.tokens, spec.vocab_size, draft_vocab)
     head_cfg = HeadConfig.for_target(spec, draft_vocab, aux_layer_ids)
-    extra = {"data": data_spec.key(), "head": head_cfg.to_dict(), "steps": steps}
+
+    target, feats, data_info = _data(target_dir, spec, data, self_generate, gen_tokens, head_cfg.aux_layer_ids,
+                                     cache_dir, progress)
+    vocab = build_vocab(feats.pred, feats.tokens, spec.vocab_size, draft_vocab)
+    extra = {"data": data_info["cache_key"], "head": head_cfg.to_dict(), "steps": steps}
     fp = fingerprint(cfg, extra)
-    finished = _finished_record(out_dir / RECORD, fp) if resume else None
-    if finished is not None:
+    done = _finished_record(out_dir, fp) if resume else None
+    if done is not None:
         log.info("%s already holds this head (same settings and data): nothing to do", out_dir)
-        return DistillResult(out_dir, True, finished)
+        return DistillResult(out_dir, True, done)
 
     torch.manual_seed(seed)
     head = TrainableHead(head_cfg, target.embed_tokens.weight)
@@ -96,14 +88,11 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
     record = {
         "specpack_version": _version(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "fingerprint": fp, "command": command,
-        "target": {"path": str(target_dir), "architecture": spec.architecture, "digest": data_spec.target_digest,
+        "target": {"path": str(target_dir), "architecture": spec.architecture, "digest": data_info.pop("target_digest"),
                    "layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size},
         "head": {**head_cfg.to_dict(), "aux_convention": "input_of_layer", "export_layout": "eagle3-sglang",
                  "dtype": dtype},
-        "data": {"source": data_spec.source, "file": str(data) if data else None, "file_sha256": data_spec.data_digest,
-                 "self_generate": self_generate, "gen_tokens": data_spec.gen_tokens, "cache_key": data_spec.key(),
-                 "sequences": len(feats.offsets) - 1, "tokens": feats.num_tokens,
-                 "seconds_this_run": round(data_seconds, 1)},
+        "data": data_info,
         "vocab": {"size": vocab.size, "coverage": round(vocab.coverage, 4), "built_from": "target argmax frequencies"},
         "training": asdict(cfg), "result": result,
         "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
@@ -113,6 +102,27 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
     write_head(out_dir, head_cfg, head.canonical_state(), vocab, record, dtype)
     (out_dir / CHECKPOINT).unlink(missing_ok=True)
     return DistillResult(out_dir, True, record)
+
+
+def _data(target_dir: Path, spec, data, self_generate, gen_tokens, capture, cache_dir, progress):
+    """(target model, features, what the data is) — from the cache when the same data was made before."""
+    from specpack.distill.data import DataSpec, build_features, read_jsonl, target_digest
+    from specpack.runtime.weights import load_target
+
+    records = read_jsonl(data) if data is not None else None
+    t0 = time.perf_counter()
+    source = ("self-generate" if data is not None else "self-generate (built-in seeds)") if self_generate else "file"
+    data_spec = DataSpec(target_digest=target_digest(target_dir), source=source, data_digest=_file_digest(data),
+                         self_generate=self_generate, gen_tokens=gen_tokens if self_generate else 0, capture=capture)
+    target = load_target(target_dir)
+    feats = build_features(target_dir, target, _tokenizer(target_dir), records, self_generate, gen_tokens,
+                           Path(cache_dir or default_cache()) / data_spec.key(), capture, progress)
+    info = {"source": source, "file": str(data) if data is not None else None, "file_sha256": data_spec.data_digest,
+            "self_generate": self_generate, "gen_tokens": data_spec.gen_tokens, "cache_key": data_spec.key(),
+            "sequences": len(feats.starts), "tokens": feats.num_tokens,
+            "generated_tokens": feats.num_tokens - int(feats.starts.sum()) if self_generate else 0,
+            "seconds_this_run": round(time.perf_counter() - t0, 1), "target_digest": data_spec.target_digest}
+    return target, feats, info
 
 
 def check_target(target_dir: Path):
@@ -187,9 +197,13 @@ def _tokenizer(target_dir: Path):
                          hint="the target directory needs its tokenizer files") from None
 
 
-def _finished_record(path: Path, fp: str) -> dict | None:
+def _finished_record(out_dir: Path, fp: str) -> dict | None:
+    from specpack.distill.export import RECORD, WEIGHTS
+
+    if not (out_dir / WEIGHTS).is_file():
+        return None
     try:
-        record = json.loads(path.read_text())
+        record = json.loads((out_dir / RECORD).read_text())
     except (OSError, ValueError):
         return None
     return record if record.get("fingerprint") == fp else None
