@@ -232,3 +232,24 @@ def test_cli_reports_bad_options_at_once(tiny_target, tmp_path, cli):
     assert code == 2 and "Traceback" not in err
     assert "draft vocab 0 must be a positive integer" in err and "no data" in err
     assert not (tmp_path / "head").exists()
+
+
+def test_given_text_and_conversations_train_without_generation(tiny_target, tmp_path):
+    rows = [{"text": t} for t in tiny.CORPUS]
+    rows += [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": tiny.CORPUS[1]}]},
+             {"prompt": "def add(a, b):", "completion": "\n    return a + b\n"}]
+    data = write_jsonl(tmp_path / "text.jsonl", rows)
+    result = distill(tiny_target, tmp_path / "h", data=data, steps=4, cache_dir=tmp_path / "cache", **FAST)
+    record = read_json(tmp_path / "h" / "training.json")
+    assert result.finished and record["data"]["source"] == "file" and record["data"]["sequences"] == len(rows)
+    assert record["data"]["generated_tokens"] == 0 and (tmp_path / "h" / "model.safetensors").is_file()
+
+
+def test_cli_trains_and_reports_bad_input_without_traceback(tiny_target, tmp_path, cli):
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in tiny.CORPUS])
+    code, out, err = cli("distill", tiny_target, "-o", tmp_path / "h", "--data", data, "--draft-vocab", "0")
+    assert code == 2 and "draft vocab 0 must be a positive integer" in err and "Traceback" not in err
+    code, out, err = cli("distill", tiny_target, "-o", tmp_path / "h", "--data", data, "--draft-vocab", "128",
+                         "--steps", "3", "--seq-len", "32", "--json")
+    assert code == 0, err
+    assert json.loads(out)["finished"] and (tmp_path / "h" / "model.safetensors").is_file()

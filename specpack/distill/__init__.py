@@ -38,7 +38,7 @@ def default_cache() -> Path:
 
 
 def distill(target_dir, out_dir, data=None, self_generate: int | None = None, draft_vocab: int | None = None,
-            aux_layer_ids=None, steps: int = 2000, seq_len: int = 256, batch_size: int = 4, lr: float = 1e-3,
+            aux_layer_ids=None, steps: int = 2000, seq_len: int = 256, batch_size: int = 4, lr: float = 2e-3,
             seed: int = 0, ttt_steps: int = 3, gen_tokens: int = 256, resume: bool = True, progress: bool = True,
             dtype: str = "float32", cache_dir=None, checkpoint_every: int = 100, stop_after: int | None = None,
             command: str | None = None, **train_options) -> DistillResult:

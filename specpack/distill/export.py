@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -52,9 +53,17 @@ def write_head(out: Path, c: HeadConfig, state: dict, vocab: DraftVocab, record:
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (WEIGHTS + ".tmp")
     save_file(sglang_tensors(state, vocab, dtype), str(tmp), metadata={"format": "pt"})
+    _readable(tmp)
     tmp.replace(out / WEIGHTS)
     _write_json(out / CONFIG, sglang_config(c, dtype))
     _write_json(out / RECORD, record)
+
+
+def _readable(path: Path) -> None:
+    """An ordinary file (the umask's mode), as a shipped head should be."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
 
 
 def _write_json(path: Path, data: dict) -> None:
