@@ -181,7 +181,7 @@ def bench_decoder(ms: list[int], reps: int, rounds: int, idle: bool, kv_len: int
     ours_layers = [lp + list(c) for lp, c in zip(packed, cache)]
     # name, layers, head, torch threads, kernel threads, spin
     configs = [("torch F.linear", torch_layers, lambda x: F.linear(x, head_w), 2, None, None)]
-    for tt, kt, spin in [(1, 2, kl.SPIN_US), (1, 2, 0), (1, 1, 0), (2, 2, kl.SPIN_US), (2, 2, 0)]:
+    for tt, kt, spin in [(1, 2, kl.SPIN_US), (1, 1, kl.SPIN_US), (2, 2, kl.SPIN_US), (1, 2, 50)]:
         configs.append((f"ours k{kt} spin{spin}us", ours_layers, packed[-1][0], tt, kt, spin))
     lib = kl._library()[0]
     runs = {(c[0], c[3], m): [] for c in configs for m in ms}

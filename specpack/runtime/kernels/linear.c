@@ -12,9 +12,9 @@
  * product of row i.
  *
  * Threads: the caller's thread plus a small persistent pool of workers that claim chunks of panels
- * from an atomic ticket (a late-waking worker just takes fewer chunks, or none). Idle workers spin
- * for at most `spin_us` microseconds after a job, catching the next layer's matmul without a
- * futex wake, then sleep, so they never compete with the host's own threads for long.
+ * from an atomic ticket (a late-waking worker just takes fewer chunks, or none). Idle workers
+ * sleep on a futex (after spinning `spin_us`, 0 by default), so they never take cycles from the
+ * torch ops that run between matmuls.
  */
 #define _GNU_SOURCE
 #include <immintrin.h>
@@ -30,8 +30,12 @@
 #define NR 16          /* output columns per panel: two ymm registers */
 #define MR_MAX 6       /* rows per register tile: 12 accumulators + 2 weights + 1 broadcast */
 #define MAX_THREADS 16
-#define CHUNK_BYTES (256 * 1024)
-#define CALLER_SPIN_NS 200000 /* the caller waits for at most a chunk per worker: ~20 us */
+#define CHUNK_BYTES (128 * 1024) /* of weights: ~10 us of work, the most a caller waits for */
+/* How long a caller spins for its workers' last chunks before sleeping on a futex. Bounded,
+ * because on this machine class the two vCPUs are SMT siblings: a spinning thread costs the other
+ * ~40% of its FMA throughput (113 -> 70 GFLOP/s measured). 10, 50 and 200 us measured the same
+ * in a decode loop; back-to-back calls gain a little from the longer ones. */
+#define CALLER_SPIN_NS 50000
 
 /* ---------------------------------------------------------------- compute */
 
@@ -158,7 +162,7 @@ static struct {
     job_t job;
     long spin_ns;
     uint32_t spawn_gen;          /* gen when the workers were started */
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = 50000};
+} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = 0};
 
 static long futex(_Atomic uint32_t *addr, int op, uint32_t val)
 {

@@ -39,9 +39,12 @@ SOURCE = Path(__file__).with_name("linear.c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
 MIN_PARALLEL_BYTES = 256 * 1024
-# Idle pool threads spin this long after a job (catching the next matmul without a futex wake),
-# then sleep; short enough that they never hold a core through the torch ops between layers.
-SPIN_US = 50
+# Idle pool threads spin this long after a job before sleeping. 0: on 2-vCPU machines the vCPUs
+# are SMT siblings, so a spinning worker slows the torch ops between matmuls by up to 40%, while
+# waking a sleeping one takes ~3 us.
+SPIN_US = 0
+HUGE_PAGE = 2 << 20
+MADV_HUGEPAGE = 14
 
 
 def _cache_root() -> Path:
@@ -138,11 +141,23 @@ def default_threads() -> int:
     return max(1, int(env)) if env else len(os.sched_getaffinity(0))
 
 
+def _advise_huge_pages(t: Tensor) -> None:
+    """Ask for 2 MB pages on the aligned interior of `t` before it is first written (THP in
+    "madvise" mode): streaming the 113 MB head then runs ~8% faster (fewer TLB misses, and the
+    hardware prefetchers stop at page ends). Best effort: nothing happens where unsupported."""
+    start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
+    end = (t.data_ptr() + t.numel() * 4) // HUGE_PAGE * HUGE_PAGE
+    if end > start and sys.platform == "linux":
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
+
+
 def pack_panels(weight: Tensor) -> Tensor:
     """[N, K] -> [ceil(N/16), K, 16]: panel p, row k holds W[16p:16p+16, k], zero-padded past N."""
     N, K = weight.shape
     P = -(-N // NR)
     panels = torch.empty(P, K, NR, dtype=torch.float32)
+    _advise_huge_pages(panels)
     full = N // NR
     panels[:full] = weight[: full * NR].reshape(full, NR, K).transpose(1, 2)
     if full < P:
