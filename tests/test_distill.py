@@ -16,7 +16,8 @@ from eagle_fixtures import one_thread  # noqa: F401
 from specpack.distill import distill
 from specpack.distill.data import FIELDS, Features, builtin_prompts, read_jsonl
 from specpack.distill.head import HeadConfig, TrainableHead
-from specpack.distill.train import CHECKPOINT
+from specpack.distill.data import Sampling, generate
+from specpack.distill.train import CHECKPOINT, split
 from specpack.distill.vocab import build_vocab
 from specpack.errors import InputError, UnsupportedError
 
@@ -175,11 +176,47 @@ def test_builtin_prompts_are_fixed_and_cover_chat_and_code():
 
 def test_features_round_trip(tmp_path):
     f = Features(tokens=torch.arange(5), aux=torch.randn(5, 6).half(), final=torch.randn(5, 2).half(),
-                 pred=torch.arange(5), offsets=torch.tensor([0, 2, 5]), starts=torch.tensor([0, 1]))
+                 pred=torch.arange(5), offsets=torch.tensor([0, 2, 5]), starts=torch.tensor([0, 1]),
+                 groups=torch.tensor([0, 1]))
     f.save(tmp_path / "f.safetensors")
     g = Features.load(tmp_path / "f.safetensors")
     assert all(torch.equal(getattr(f, k), getattr(g, k)) for k in FIELDS)
     assert g.sequence(1) == slice(2, 5)
+
+
+def test_sampled_continuations_add_text_labelled_with_the_target_argmax(tiny_target, tmp_path):
+    """Pass 0 is the greedy continuation, the others are sampled (seeded, so a re-run repeats them);
+    every position's label is the target's argmax, and validation holds out whole seed groups."""
+    from transformers import AutoModelForCausalLM
+
+    prompts = [[5 + i, 9, 11 + i] for i in range(6)]
+    sampling = Sampling(passes=3, temperature=1.0, seed=7)
+    for d in "abc":
+        (tmp_path / d).mkdir()
+    feats = generate(tiny_target, prompts, 16, (), (1, 2), tmp_path / "a", sampling, batch_size=4)
+    again = generate(tiny_target, prompts, 16, (), (1, 2), tmp_path / "b", sampling, batch_size=4)
+    greedy = generate(tiny_target, prompts, 16, (), (1, 2), tmp_path / "c", Sampling(), batch_size=4)
+    seqs = [feats.tokens[feats.sequence(i)].tolist() for i in range(len(feats.starts))]
+    assert len(seqs) == 18 and feats.groups.tolist() == list(range(6)) * 3
+    assert all(torch.equal(getattr(feats, k), getattr(again, k)) for k in FIELDS)
+    assert seqs[:6] == [greedy.tokens[greedy.sequence(i)].tolist() for i in range(6)]
+    assert sum(seqs[i] != seqs[i + 6] for i in range(6)) >= 4  # sampled text differs from greedy
+    model = AutoModelForCausalLM.from_pretrained(tiny_target, dtype=torch.float32)
+    for i in (0, 7, 14):
+        span = feats.sequence(i)
+        logits = model(feats.tokens[span][None]).logits[0]
+        assert torch.equal(feats.pred[span], logits.argmax(-1))
+    train, val = split(feats, 0.34, seed=0)
+    held = set(feats.groups[val].tolist())
+    assert len(held) == 2 and len(val) == 6 and not held & set(feats.groups[train].tolist())
+
+
+def test_sampling_options_are_checked(tiny_target, work, tmp_path):
+    with pytest.raises(InputError) as exc:
+        distill(tiny_target, tmp_path / "h", data=work["prompts"], samples=0, temperature=0.0, steps=1)
+    assert "samples per prompt 0" in str(exc.value) and "temperature 0.0" in str(exc.value)
+    with pytest.raises(InputError, match="needs --self-generate"):
+        distill(tiny_target, tmp_path / "h", data=work["prompts"], samples=2, steps=1)
 
 
 # ---- bad inputs ----

@@ -17,26 +17,33 @@ from specpack.cli._common import JSON, cli
 @click.option("--data", type=click.Path(path_type=Path),
               help='JSONL of {"text"}, {"messages"} or {"prompt"[, "completion"]} lines.')
 @click.option("--self-generate", type=int,
-              help="Train on N greedy continuations by the target itself (of --data prompts or built-in ones).")
+              help="Train on the target's own continuations of N seed prompts (--data prompts or built-in ones).")
+@click.option("--samples-per-prompt", "samples", default=1, show_default=True, type=int,
+              help="Continuations per seed prompt with --self-generate: the greedy one plus sampled ones.")
+@click.option("--temperature", default=0.7, show_default=True, type=float,
+              help="Sampling temperature of the extra continuations.")
+@click.option("--gen-tokens", default=256, show_default=True, type=int, help="New tokens per continuation.")
 @click.option("--draft-vocab", type=int, help="Rows of the head's vocabulary [default: min(8192, target vocab)].")
 @click.option("--steps", default=2000, show_default=True, type=int)
 @click.option("--seq-len", default=256, show_default=True, type=int)
-@click.option("--lr", default=1e-3, show_default=True, type=float)
+@click.option("--lr", default=2e-3, show_default=True, type=float)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Continue from OUT's checkpoint.")
 @JSON
-def distill(target, out, data, self_generate, draft_vocab, steps, seq_len, lr, seed, resume, json_mode):
+def distill(target, out, data, self_generate, samples, temperature, gen_tokens, draft_vocab, steps, seq_len, lr, seed,
+            resume, json_mode):
     """Train an EAGLE-3 head for TARGET against its own outputs (CPU-capable, resumable, seeded).
 
     \b
     Examples:
-      specpack distill smollm2-135m -o smollm2-eagle3 --self-generate 512 --steps 2000
+      specpack distill smollm2-135m -o smollm2-eagle3 --self-generate 512 --samples-per-prompt 4
       specpack distill ./target -o head --data chats.jsonl --draft-vocab 16384
       specpack build smollm2-135m --drafter smollm2-eagle3 -o smollm2-eagle3-artifact
     """
     from specpack.distill import distill as do_distill
 
-    result = do_distill(target, out, data=data, self_generate=self_generate, draft_vocab=draft_vocab,
+    result = do_distill(target, out, data=data, self_generate=self_generate, samples=samples, temperature=temperature,
+                        gen_tokens=gen_tokens, draft_vocab=draft_vocab,
                         steps=steps, seq_len=seq_len, lr=lr, seed=seed, resume=resume,
                         progress=progress_enabled(json_mode))
     data = {"out": str(result.out), "finished": result.finished, "record": result.record}

@@ -39,7 +39,8 @@ def default_cache() -> Path:
 
 def distill(target_dir, out_dir, data=None, self_generate: int | None = None, draft_vocab: int | None = None,
             aux_layer_ids=None, steps: int = 2000, seq_len: int = 256, batch_size: int = 4, lr: float = 2e-3,
-            seed: int = 0, ttt_steps: int = 3, gen_tokens: int = 256, resume: bool = True, progress: bool = True,
+            seed: int = 0, ttt_steps: int = 3, gen_tokens: int = 256, samples: int = 1, temperature: float = 0.7,
+            resume: bool = True, progress: bool = True,
             dtype: str = "float32", cache_dir=None, checkpoint_every: int = 100, stop_after: int | None = None,
             command: str | None = None, **train_options) -> DistillResult:
     """Train an EAGLE-3 head for the target at `target_dir` and write it to `out_dir`.
@@ -47,7 +48,8 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
     Data: `data` (JSONL of {"text"}, {"messages"} or {"prompt"[, "completion"]} lines) used as is, or,
     with `self_generate=N`, the target's greedy continuations of the first N prompts of `data` (or of
     the built-in open-chat and code prompts, chat-formatted for an instruct model), `gen_tokens` new
-    tokens each. Generated text and target features are cached under `cache_dir`. The `draft_vocab`
+    tokens each; `samples` > 1 adds `samples - 1` continuations per prompt sampled at `temperature`
+    (the labels stay the target's argmax). Generated text and target features are cached under `cache_dir`. The `draft_vocab`
     target tokens the target predicts most often (default min(8192, target vocab)) form the head's
     output vocabulary. Training checkpoints to `out_dir` every `checkpoint_every` steps and resumes
     from there unless `resume` is false; `stop_after` ends this call after that many steps (the
@@ -56,6 +58,7 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
     """
     import torch
 
+    from specpack.distill.data import Sampling
     from specpack.distill.export import write_head
     from specpack.distill.head import HeadConfig, TrainableHead
     from specpack.distill.train import CHECKPOINT, TrainConfig, fingerprint, train
@@ -66,11 +69,12 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
     draft_vocab = min(DEFAULT_DRAFT_VOCAB, spec.vocab_size) if draft_vocab is None else draft_vocab
     cfg = TrainConfig(steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed, ttt_steps=ttt_steps,
                       checkpoint_every=checkpoint_every, **train_options)
-    check_options(spec, draft_vocab, self_generate, data, cfg, dtype, gen_tokens, aux_layer_ids)
+    check_options(spec, draft_vocab, self_generate, data, cfg, dtype, gen_tokens, aux_layer_ids, samples, temperature)
     head_cfg = HeadConfig.for_target(spec, draft_vocab, aux_layer_ids)
 
-    target, feats, data_info = _data(target_dir, spec, data, self_generate, gen_tokens, head_cfg.aux_layer_ids,
-                                     cache_dir, progress)
+    sampling = Sampling(samples, temperature, seed) if self_generate and samples > 1 else Sampling()
+    target, feats, data_info = _data(target_dir, spec, data, self_generate, gen_tokens, sampling,
+                                     head_cfg.aux_layer_ids, cache_dir, progress)
     vocab = build_vocab(feats.pred, feats.tokens, spec.vocab_size, draft_vocab)
     extra = {"data": data_info["cache_key"], "head": head_cfg.to_dict(), "steps": steps}
     fp = fingerprint(cfg, extra)
@@ -104,7 +108,7 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
     return DistillResult(out_dir, True, record)
 
 
-def _data(target_dir: Path, spec, data, self_generate, gen_tokens, capture, cache_dir, progress):
+def _data(target_dir: Path, spec, data, self_generate, gen_tokens, sampling, capture, cache_dir, progress):
     """(target model, features, what the data is) — from the cache when the same data was made before."""
     from specpack.distill.data import DataSpec, build_features, read_jsonl, target_digest
     from specpack.runtime.weights import load_target
@@ -113,12 +117,14 @@ def _data(target_dir: Path, spec, data, self_generate, gen_tokens, capture, cach
     t0 = time.perf_counter()
     source = ("self-generate" if data is not None else "self-generate (built-in seeds)") if self_generate else "file"
     data_spec = DataSpec(target_digest=target_digest(target_dir), source=source, data_digest=_file_digest(data),
-                         self_generate=self_generate, gen_tokens=gen_tokens if self_generate else 0, capture=capture)
+                         self_generate=self_generate, gen_tokens=gen_tokens if self_generate else 0, capture=capture,
+                         sampling=sampling)
     target = load_target(target_dir)
     feats = build_features(target_dir, target, _tokenizer(target_dir), records, self_generate, gen_tokens,
-                           Path(cache_dir or default_cache()) / data_spec.key(), capture, progress)
+                           Path(cache_dir or default_cache()) / data_spec.key(), capture, progress, sampling)
     info = {"source": source, "file": str(data) if data is not None else None, "file_sha256": data_spec.data_digest,
             "self_generate": self_generate, "gen_tokens": data_spec.gen_tokens, "cache_key": data_spec.key(),
+            "samples_per_prompt": sampling.passes, "temperature": sampling.temperature if sampling.passes > 1 else None,
             "sequences": len(feats.starts), "tokens": feats.num_tokens,
             "generated_tokens": feats.num_tokens - int(feats.starts.sum()) if self_generate else 0,
             "seconds_this_run": round(time.perf_counter() - t0, 1), "target_digest": data_spec.target_digest}
@@ -145,7 +151,7 @@ def check_target(target_dir: Path):
 
 
 def check_options(spec, draft_vocab, self_generate, data, cfg, dtype: str, gen_tokens: int,
-                  aux_layer_ids=None) -> None:
+                  aux_layer_ids=None, samples: int = 1, temperature: float = 0.7) -> None:
     """Every bad option at once, before any expensive work."""
     from specpack.distill.export import DTYPES
     from specpack.distill.head import default_aux_ids
@@ -171,6 +177,12 @@ def check_options(spec, draft_vocab, self_generate, data, cfg, dtype: str, gen_t
         problems.append(f"learning rate {cfg.lr} must be positive")
     if self_generate and gen_tokens <= 0:
         problems.append(f"gen_tokens {gen_tokens} must be positive")
+    if not isinstance(samples, int) or samples <= 0:
+        problems.append(f"samples per prompt {samples!r} must be a positive integer")
+    elif samples > 1 and not self_generate:
+        problems.append("samples per prompt > 1 needs --self-generate (given text is used as it is)")
+    if not temperature > 0:
+        problems.append(f"temperature {temperature} must be positive")
     if dtype not in DTYPES:
         problems.append(f"dtype {dtype!r} (use one of {', '.join(DTYPES)})")
     if problems:

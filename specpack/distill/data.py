@@ -1,10 +1,11 @@
 """Training data for `distill`: token sequences and the target's teacher-forced features.
 
 Sequences come from a JSONL file (`{"text"}`, `{"messages"}` or `{"prompt", "completion"}` lines) or
-are the target's own greedy continuations of seed prompts (`{"prompt"}` raw, `{"messages"}` chat, or
-the built-in seeds). Generation runs batched through transformers (our decoder is batch-1; batching
-is ~6x faster on a CPU); the features then come from specpack's own decoder, teacher-forced, so the
-head trains on exactly the hidden states it will read at inference. Both are cached on disk.
+are the target's own continuations of seed prompts (`{"prompt"}` raw, `{"messages"}` chat, or the
+built-in seeds): greedy, plus sampled ones for more text per seed. Generation runs batched through
+transformers (our decoder is batch-1; batching is ~6x faster on a CPU) and keeps the features of
+the generating forwards; given text goes through specpack's own decoder, teacher-forced. Both are
+cached on disk.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from torch import Tensor
 from specpack.errors import InputError
 
 log = logging.getLogger(__name__)
-DATA_VERSION = 3
+DATA_VERSION = 4
 FEATURES = "features.safetensors"
 
 
@@ -217,54 +218,82 @@ def builtin_records(chat: bool) -> list[Record]:
 # ---- self-generation: batched greedy through transformers, features captured on the way ----
 
 def generate(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int, ...],
-             capture: tuple[int, ...], cache: Path, batch_size: int = 64, progress: bool = False) -> "Features":
-    """The target's greedy continuations of `prompts` with the features of every position, taken
-    from the generating forwards themselves (no second pass). Batches are cached as they finish,
-    so an interrupted run resumes at the next batch."""
-    batches = [prompts[i : i + batch_size] for i in range(0, len(prompts), batch_size)]
-    files = [cache / f"generated-{i:05d}.safetensors" for i in range(len(batches))]
-    todo = [i for i, f in enumerate(files) if not f.is_file()]
+             capture: tuple[int, ...], cache: Path, sampling: "Sampling", batch_size: int = 64,
+             progress: bool = False) -> "Features":
+    """The target's continuations of `prompts` (pass 0 greedy, passes 1.. sampled, see `Sampling`)
+    with the features of every position, taken from the generating forwards themselves (no second
+    pass). Batches are cached as they finish, so an interrupted run resumes at the next batch."""
+    batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
+    jobs = [(k, i) for k in range(sampling.passes) for i in range(len(batches))]
+    files = {job: cache / f"generated-{job[0]:02d}-{job[1]:05d}.safetensors" for job in jobs}
+    todo = [job for job in jobs if not files[job].is_file()]
     if todo:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-        bar = _bar(len(prompts), "generating", progress, initial=len(prompts) - sum(len(batches[i]) for i in todo))
-        for i in todo:
-            _generate_batch(model, batches[i], max_new_tokens, eos, capture).save(files[i])
+        total = len(prompts) * sampling.passes
+        bar = _bar(total, "generating", progress, initial=total - sum(len(batches[i]) for _, i in todo))
+        for k, i in todo:
+            torch.manual_seed(sampling.seed_of(k, i))
+            _generate_batch(model, prompts, batches[i], max_new_tokens, eos, capture,
+                            sampling.temperature if k else None).save(files[(k, i)])
             bar.update(len(batches[i]))
         bar.close()
-    return Features.concat([Features.load(f) for f in files])
+    return Features.concat([Features.load(files[job]) for job in jobs])
 
 
-def _generate_batch(model, prompts: list[list[int]], max_new: int, eos: tuple[int, ...],
-                    capture: tuple[int, ...]) -> "Features":
+@dataclass(frozen=True)
+class Sampling:
+    """How many continuations each seed prompt gets: the greedy one, then `passes - 1` sampled at
+    `temperature` (more text from the target's own distribution than the seeds alone give; the
+    labels stay the target's argmax at every position). Seeded per (pass, batch)."""
+
+    passes: int = 1
+    temperature: float = 0.7
+    seed: int = 0
+
+    def seed_of(self, k: int, batch: int) -> int:
+        return self.seed * 1_000_003 + k * 10_007 + batch
+
+
+def _generate_batch(model, prompts: list[list[int]], rows: list[int], max_new: int, eos: tuple[int, ...],
+                    capture: tuple[int, ...], temperature: float | None) -> "Features":
     from transformers import GenerationConfig
 
-    width = max(map(len, prompts))
+    batch = [prompts[r] for r in rows]
+    width = max(map(len, batch))
     pad = eos[0] if eos else 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
-    # plain greedy whatever the target's generation_config says (no repetition penalty etc.); one
-    # step more than asked, since the last token of a full-length row gets no features of its own
-    greedy = GenerationConfig(max_new_tokens=max_new + 1, do_sample=False, pad_token_id=pad, eos_token_id=list(eos))
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+    # plain greedy or plain sampling whatever the target's generation_config says (no repetition
+    # penalty, top-k or top-p); one step more than asked, since the last token of a full-length row
+    # gets no features of its own
+    mode = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature,
+                                                            "top_k": 0, "top_p": 1.0}
+    config = GenerationConfig(max_new_tokens=max_new + 1, pad_token_id=pad, eos_token_id=list(eos), **mode)
     with torch.inference_mode(), _Capture(model, capture) as cap:
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=greedy)
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
         aux, final = cap.result()  # [B, width + G - 1, ·]: every position that went through the model
         seqs = []
-        for b, (prompt, row) in enumerate(zip(prompts, out[:, width:].tolist())):
+        for b, (prompt, row) in enumerate(zip(batch, out[:, width:].tolist())):
             cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))  # keep the EOS itself
             keep = min(cut, len(row) - 1)  # generated tokens that have features
             span = slice(width - len(prompt), width + keep)
-            # the target's argmax: the next generated token, computed only where that is unknown
-            # (prompt positions and the last kept one)
             feats = final[b, span]
-            last = model.lm_head(feats[-1:]).argmax(-1) if keep else torch.empty(0, dtype=torch.long)
-            pred = torch.cat([model.lm_head(feats[: len(prompt)]).argmax(-1), torch.tensor(row[1:keep], dtype=torch.long),
-                              last])
             seqs.append(Features(tokens=torch.tensor(prompt + row[:keep]), aux=aux[b, span].half(),
-                                 final=final[b, span].half(), pred=pred, offsets=torch.tensor([0, len(prompt) + keep]),
-                                 starts=torch.tensor([len(prompt)])))
+                                 final=feats.half(), pred=_argmax(model, feats, row, len(prompt), keep, temperature),
+                                 offsets=torch.tensor([0, len(prompt) + keep]), starts=torch.tensor([len(prompt)]),
+                                 groups=torch.tensor([rows[b]])))
     return Features.concat(seqs)
+
+
+def _argmax(model, feats: Tensor, row: list[int], prompt_len: int, keep: int, temperature) -> Tensor:
+    """The target's argmax at every position of a generated sequence. A greedy row holds it already
+    past the prompt (the next generated token); a sampled row needs the lm_head everywhere."""
+    if temperature is not None:
+        return model.lm_head(feats).argmax(-1)
+    last = model.lm_head(feats[-1:]).argmax(-1) if keep else torch.empty(0, dtype=torch.long)
+    return torch.cat([model.lm_head(feats[:prompt_len]).argmax(-1), torch.tensor(row[1:keep], dtype=torch.long), last])
 
 
 class _Capture:
@@ -298,7 +327,7 @@ class _Capture:
 
 # ---- teacher-forced features from specpack's decoder ----
 
-FIELDS = ("tokens", "aux", "final", "pred", "offsets", "starts")
+FIELDS = ("tokens", "aux", "final", "pred", "offsets", "starts", "groups")
 
 
 @dataclass
@@ -306,7 +335,9 @@ class Features:
     """Concatenated sequences: tokens [N]; aux [N, n_aux·H] (fp16) and final [N, H] (fp16, the target's
     normed last hidden state) at each position; pred [N] the target's argmax there (its next token);
     offsets [S+1] sequence boundaries; starts [S] where in each sequence the target's own text
-    begins (after the prompt; 0 for given text): the head only ever drafts from there on."""
+    begins (after the prompt; 0 for given text): the head only ever drafts from there on; groups [S]
+    the seed prompt each sequence continues (sequences of one group share text: the validation
+    split keeps them together)."""
 
     tokens: Tensor
     aux: Tensor
@@ -314,6 +345,7 @@ class Features:
     pred: Tensor
     offsets: Tensor
     starts: Tensor
+    groups: Tensor
 
     @property
     def num_tokens(self) -> int:
@@ -334,7 +366,8 @@ class Features:
         lengths = torch.cat([torch.zeros(1, dtype=torch.long)] + [p.offsets.diff() for p in parts])
         return cls(tokens=torch.cat([p.tokens for p in parts]), aux=torch.cat([p.aux for p in parts]),
                    final=torch.cat([p.final for p in parts]), pred=torch.cat([p.pred for p in parts]),
-                   offsets=lengths.cumsum(0), starts=torch.cat([p.starts for p in parts]))
+                   offsets=lengths.cumsum(0), starts=torch.cat([p.starts for p in parts]),
+                   groups=torch.cat([p.groups for p in parts]))
 
     @classmethod
     def load(cls, path: Path) -> "Features":
@@ -366,7 +399,7 @@ def teacher_force(target, seqs: list[list[int]], starts: list[int], capture: tup
     lengths = torch.tensor([0] + [len(s) for s in seqs])
     return Features(tokens=torch.cat(parts["tokens"]), aux=torch.cat(parts["aux"]), final=torch.cat(final),
                     pred=torch.cat(parts["pred"]), offsets=lengths.cumsum(0),
-                    starts=torch.tensor(starts, dtype=torch.long))
+                    starts=torch.tensor(starts, dtype=torch.long), groups=torch.arange(len(seqs)))
 
 
 # ---- the cached pipeline ----
@@ -381,9 +414,10 @@ class DataSpec:
     self_generate: int | None
     gen_tokens: int
     capture: tuple[int, ...]
+    sampling: Sampling = Sampling()
 
     def key(self) -> str:
-        blob = json.dumps({"v": DATA_VERSION, **self.__dict__}, sort_keys=True)
+        blob = json.dumps({"v": DATA_VERSION, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -399,7 +433,8 @@ def target_digest(target_dir: Path) -> str:
 
 
 def build_features(target_dir: Path, target, tokenizer, records: list[Record] | None, self_generate: int | None,
-                   gen_tokens: int, cache: Path, capture: tuple[int, ...], progress: bool) -> Features:
+                   gen_tokens: int, cache: Path, capture: tuple[int, ...], progress: bool,
+                   sampling: Sampling = Sampling()) -> Features:
     """Sequences (given or generated), then features; both cached under `cache`."""
     feat_file = cache / FEATURES
     if feat_file.is_file():
@@ -408,7 +443,7 @@ def build_features(target_dir: Path, target, tokenizer, records: list[Record] | 
     cache.mkdir(parents=True, exist_ok=True)
     if self_generate:
         feats = generate(target_dir, self_generation_prompts(records, tokenizer, self_generate, gen_tokens, target.spec),
-                         gen_tokens, target.spec.eos_token_ids, capture, cache, progress=progress)
+                         gen_tokens, target.spec.eos_token_ids, capture, cache, sampling, progress=progress)
     else:
         limit = target.spec.context_length
         seqs = [s[:limit] for s in text_sequences(records, tokenizer)]

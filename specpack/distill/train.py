@@ -110,11 +110,13 @@ def windows(feats: Features, seqs: list[int], seq_len: int) -> list[Window]:
 
 
 def split(feats: Features, fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    """(train, validation) sequence indices; at least one for training."""
-    n = len(feats.offsets) - 1
-    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
-    n_val = min(int(n * fraction), n - 1)
-    return sorted(order[n_val:]), sorted(order[:n_val])
+    """(train, validation) sequence indices, holding out whole groups (every continuation of a seed
+    prompt: siblings share their prompt and often their first tokens); at least one group trains."""
+    groups = feats.groups.unique()
+    order = groups[torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed))]
+    n_val = min(int(len(groups) * fraction), len(groups) - 1)
+    held = torch.isin(feats.groups, order[:n_val])
+    return torch.nonzero(~held).flatten().tolist(), torch.nonzero(held).flatten().tolist()
 
 
 class Batches:
