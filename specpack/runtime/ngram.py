@@ -31,6 +31,8 @@ class NgramDrafter(nn.Module):
 
     kind = "ngram"
     capture_layers: tuple[int, ...] = ()
+    # Drafts cost nothing and hit in runs (copying) or not at all: follow what the target accepts.
+    adaptive_draft_len = True
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         super().__init__()

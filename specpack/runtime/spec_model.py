@@ -63,12 +63,16 @@ class SpecModel(nn.Module):
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  eos_ids: Sequence[int] | None = None, stop: Sequence[Sequence[int]] | None = None,
                  speculative: bool = True, on_tokens: Callable[[list[int]], None] | None = None,
-                 adaptive: bool = True) -> GenerationResult:
+                 adaptive: bool | None = None) -> GenerationResult:
         """Generate up to `max_new_tokens` after `prompt_ids`.
 
-        `draft_len` is the longest draft; with `adaptive` (the default) the loop drafts fewer tokens
-        while the target rejects them, and none for a while when even one keeps failing (see
-        speculative.DraftLength); `adaptive=False` always drafts `draft_len`.
+        `draft_len` is the longest draft; with `adaptive` the loop drafts fewer tokens while the
+        target rejects them, and none for a while when even one keeps failing (see
+        speculative.DraftLength); `adaptive=False` always drafts `draft_len`. None (the default)
+        takes the drafter's policy: adaptive for n-gram, whose drafts are free and hit in runs;
+        fixed for model drafters, whose every drafted token costs a forward and whose acceptance
+        is steadier (measured on SmolLM2 with a distilled EAGLE-3 head: adaptive lowered the
+        acceptance length from 1.38 to 1.12 on open chat).
 
         Greedy (temperature 0) output is token-identical with and without speculation; sampling
         keeps the target's distribution. `eos_ids` defaults to the target's; `stop` lists token-id
@@ -78,6 +82,8 @@ class SpecModel(nn.Module):
         sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
         self._check(prompt, max_new_tokens, draft_len, speculative)
         eos = self.target.spec.eos_token_ids if eos_ids is None else tuple(eos_ids)
+        if adaptive is None:
+            adaptive = bool(getattr(self.drafter, "adaptive_draft_len", False))
         with torch.inference_mode():
             prompt_t = torch.tensor(prompt, dtype=torch.long, device=self.target.device)
             return run_loop(self.target, self.drafter, prompt_t, max_new_tokens, draft_len, sampling,
