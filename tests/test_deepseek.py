@@ -101,6 +101,21 @@ def test_the_speculative_loop_runs_unchanged(pair):
     assert model.spec.kv_bytes_per_token(2) == 3 * (16 + 8) * 2  # layers × (latent + rope key) × bytes
 
 
+def test_cpu_kernels_leave_the_absorbed_matrix_readable(pair):
+    """The torch backend packs every fp32 nn.Linear for its CPU kernel; MLA reads kv_b_proj whole
+    (absorbed into queries and output), so packing must leave it alone."""
+    from specpack.runtime.accelerate import use_cpu_kernels
+
+    _, _, path = pair
+    plain, packed = load_target(path), load_target(path)
+    if not use_cpu_kernels(packed):
+        pytest.skip("the CPU kernels are unavailable here")
+    for m in (plain, packed):
+        m.setup_cache(16)
+    tokens = ids(12)
+    assert (packed(tokens).logits - plain(tokens).logits).abs().max() <= TOL
+
+
 def test_bf16_keeps_the_router_in_fp32(pair):
     _, _, path = pair
     model = load_target(path, dtype=torch.bfloat16)

@@ -213,6 +213,15 @@ class LatentCache(KVCache):
         self.length = 0
 
 
+class Weight(nn.Module):
+    """A matrix read whole, never applied as a layer: not an nn.Linear, so `use_cpu_kernels` leaves
+    it unpacked (it packs every fp32 CPU nn.Linear into panels that only its kernel can read)."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+
 class MLA(nn.Module):
     """Multi-head latent attention with transformers' parameter names."""
 
@@ -228,7 +237,7 @@ class MLA(nn.Module):
             self.q_proj = nn.Linear(H, n * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(H, s.kv_lora_rank + s.qk_rope_head_dim, bias=s.attention_bias)
         self.kv_a_layernorm = RMSNorm(s.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(s.kv_lora_rank, n * (s.qk_nope_head_dim + s.v_head_dim), bias=False)
+        self.kv_b_proj = Weight(n * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)  # absorbed, see forward
         self.o_proj = nn.Linear(n * s.v_head_dim, H, bias=s.attention_bias)
         self.scale = softmax_scale(s)
 
@@ -447,14 +456,20 @@ def keep_router_fp32(model: nn.Module) -> nn.Module:
     return model
 
 
+def load_deepseek_spec(model_dir) -> DeepseekSpec:
+    """`deepseek_spec_from_config` for a model directory (config.json + optional generation_config.json)."""
+    model_dir = Path(model_dir)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    gen_path = model_dir / "generation_config.json"
+    return deepseek_spec_from_config(cfg, json.loads(gen_path.read_text()) if gen_path.is_file() else None)
+
+
 def load_deepseek(model_dir, device="cpu", dtype=torch.float32) -> DeepseekTransformer:
     """Build a `DeepseekTransformer` from a transformers model directory (config.json + safetensors)."""
     from specpack.runtime.weights import assign_weights, check_shapes, checkpoint_files, read_tensors, tensor_shapes
 
     model_dir = Path(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    gen_path = model_dir / "generation_config.json"
-    spec = deepseek_spec_from_config(cfg, json.loads(gen_path.read_text()) if gen_path.is_file() else None)
+    spec = load_deepseek_spec(model_dir)
     files = checkpoint_files(model_dir)
     expected = target_tensor_shapes(spec)
     check_shapes(tensor_shapes(files), expected, f"target checkpoint {model_dir}")
