@@ -49,12 +49,13 @@ def deepseek_config(layers: int, **over):
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}), **over})
 
 
-def build_deepseek(layers: int, seed: int = 0):
-    """A tiny DeepseekV3ForCausalLM (fp32, eval) with non-trivial routing (random score-correction biases)."""
+def build_deepseek(layers: int, seed: int = 0, **over):
+    """A tiny DeepseekV3ForCausalLM (fp32, eval) with non-trivial routing (random score-correction biases);
+    `over` changes the config (`deepseek_config`)."""
     from transformers import DeepseekV3ForCausalLM
 
     torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(deepseek_config(layers)).eval()
+    model = DeepseekV3ForCausalLM(deepseek_config(layers, **over)).eval()
     with torch.no_grad():
         for layer in model.model.layers[model.config.first_k_dense_replace:]:
             layer.mlp.gate.e_score_correction_bias.normal_(0, 0.3)

@@ -142,7 +142,7 @@ def test_staging_commit_and_alignment():
     """The engine writes new KV slots to an aligned staging buffer, copied into the cache in one go."""
     assert trtb._padded(5, 2, 3 * 64) * 3 * 64 * 2 % trtb.ALIGN == 0
     assert trtb._padded(256, 4, 2 * 16) == 256
-    cache = SlotCache(2, 2, 16, trtb._padded(50, 4, 32), torch.float32, "cpu")
+    cache = SlotCache(4, (2, 16), trtb._padded(50, 4, 32), torch.float32, "cpu")
     assert cache.store[1].data_ptr() % trtb.ALIGN == cache.store[0].data_ptr() % trtb.ALIGN
     stage = trtb._Staging(cache, 17)
     cache.length = 7
@@ -191,3 +191,34 @@ def test_trt_adapters_decode_as_torch():
         assert have.tokens == want.tokens and have.stats.position_accepted == want.stats.position_accepted
     assert max(engine.calls) <= 5 and max(head_engine.calls) <= 5  # prompts of 8+ tokens went in chunks
     assert target.cache.max_len * 2 * 16 * 4 % trtb.ALIGN == 0  # padded so every layer's slots start aligned
+
+
+def test_trt_adapters_run_mtp_over_latent_caches():
+    """TrtTarget and TrtMtp over graph runners on a DeepSeek-V3 target and its MTP layer: MLA's latent
+    cache staged and chunked as KV pairs are, the target's hidden state handed to the MTP engine."""
+    from test_onnx_deepseek_mtp import ids, mtp_artifact
+
+    from specpack.runtime import backends
+    from specpack.runtime.backends import mtp_files
+    from specpack.runtime.spec_model import SpecModel
+    from specpack.runtime.weights import target_spec
+
+    _, art = mtp_artifact("deepseek-1")
+    index, cpu = read_index(art), torch.device("cpu")
+    graph, layers = index.graph("target_step"), index.graphs_of("mtp_step")
+    engine, layer_engines = OrtAsEngine(art / graph.path), [OrtAsEngine(art / g.path) for g in layers]
+    target = trtb.TrtTarget(engine, graph, target_spec(art), None, cpu, torch.float32, prefill_chunk=5)
+    drafter = trtb.TrtMtp(layer_engines, layers, mtp_files(art), target, cpu, torch.float32, prefill_chunk=5)
+    ref, got = SpecModel(*backends.load("torch", art, verify(art).manifest)), SpecModel(target, drafter)
+    for i in range(3):
+        p = ids(8 + 2 * i, seed=i)
+        for d in (1, 3):
+            want, have = ref.generate(p, 16, draft_len=d, eos_ids=()), got.generate(p, 16, draft_len=d, eos_ids=())
+            assert have.tokens == want.tokens and have.stats.position_accepted == want.stats.position_accepted
+    assert max(engine.calls) <= 5 and max(layer_engines[0].calls) <= 5  # prompts of 8+ tokens went in chunks
+    width = layers[0].inputs[-1].shape[1]
+    decode = trtb.profile_ranges("mtp_step", 17, 8, 64, 512)[0]
+    shapes = trtb.profile_shapes(layers[0].inputs, decode)
+    assert shapes["past_latent"] == [[0, width], [256, width], [511, width]]
+    assert shapes["logits_index"] == [[1], [1], [17]] and shapes["hidden"][2] == [17, target.spec.hidden_size]
+    assert trtb.engine_paths("ART", _key(role="mtp_step", layer=0))[0].name == "mtp_step.0-float16.plan"

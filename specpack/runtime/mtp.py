@@ -190,15 +190,23 @@ class MtpDrafter(nn.Module):
         if not start <= lo <= rows <= start + out.shape[0]:
             raise RuntimeError(f"MTP drafter: target rows {lo}..{rows} are not in the last forward "
                                f"({start}..{start + out.shape[0]}); was reset() skipped?")
-        h = out[lo - start : rows - start]
-        self.outs[0, lo:rows] = self.target.norm(h) if self.spec.target_hidden_state == "final_norm_output" else h
+        self.outs[0, lo:rows] = self._target_state(out[lo - start : rows - start])
 
-    def _step(self, k: int, h: Tensor, tokens: Tensor, start: int, sampler):
-        """Layer k over rows start.. (inputs h [T, H], tokens [T]) -> (chain hidden [T, H], token [1], q)."""
+    def _target_state(self, h: Tensor) -> Tensor:
+        """The state layer 0 reads, from what left the target's last layer."""
+        return self.target.norm(h) if self.spec.target_hidden_state == "final_norm_output" else h
+
+    def _run_layer(self, k: int, h: Tensor, tokens: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """Layer k over rows start.. (inputs h [T, H], tokens [T]) -> (chain hidden [T, H], logits [1, V]
+        of the last row, fp32)."""
         pos = torch.arange(start, start + tokens.shape[0], device=tokens.device)
         cos, sin = self.target.cos[pos, None], self.target.sin[pos, None]
         chain, normed = self.layers[k](self.target.embed_tokens(tokens), h, cos, sin, self.caches[k], start)
-        logits = self.target.lm_head(normed[-1:]).float()  # [1, V]
+        return chain, self.target.lm_head(normed[-1:]).float()
+
+    def _step(self, k: int, h: Tensor, tokens: Tensor, start: int, sampler):
+        """Layer k over rows start.. -> (chain hidden [T, H], token [1], q)."""
+        chain, logits = self._run_layer(k, h, tokens, start)
         if sampler is None:
             return chain, logits.argmax(-1), None
         q = sampler.probs(logits)

@@ -135,6 +135,15 @@ def _architecture(model_dir) -> str | None:
         return None  # load_target_spec reports what is wrong with the config
 
 
+def target_spec(model_dir):
+    """The spec `load_target` builds its model from (`DeepseekSpec` or `TargetSpec`), reading no weights."""
+    if _architecture(model_dir) in DEEPSEEK_ARCHITECTURES:
+        from specpack.runtime.deepseek import load_deepseek_spec
+
+        return load_deepseek_spec(model_dir)
+    return load_target_spec(model_dir)
+
+
 def load_target(model_dir, device="cpu", dtype=torch.float32):
     """Build our decoder from a transformers model directory (config.json + safetensors): a
     `DeepseekTransformer` for DeepSeek-V3-style architectures, else our `Transformer`."""

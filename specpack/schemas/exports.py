@@ -18,12 +18,15 @@ class TensorInfo(_Strict):
 
 
 class OnnxGraph(_Strict):
-    role: Literal["target_step", "eagle3_step", "draft_model_step"] = Field(
-        description="What the graph computes (module docstring); a draft model's graph is a target_step graph.")
+    role: Literal["target_step", "eagle3_step", "draft_model_step", "mtp_step"] = Field(
+        description="What the graph computes (converters/onnx_export); a draft model's graph is a target_step "
+                    "graph; mtp_step: one graph per MTP layer.")
     path: str = Field(description="The .onnx file, relative to the artifact.")
     inputs: list[TensorInfo] = Field(description="Inputs in order.")
     outputs: list[TensorInfo] = Field(description="Outputs in order.")
-    num_layers: int = Field(ge=1, description="Layers with a KV cache (past_key.{i} ... for i below this).")
+    num_layers: int = Field(ge=1, description="Layers with a cache: past_key.{i}/past_value.{i} (or "
+                                              "past_latent.{i} for MLA) for i below this; no .{i} when 1.")
+    layer: Optional[int] = Field(None, ge=0, description="mtp_step: the MTP layer the graph runs; else None.")
 
 
 class OnnxExport(_Strict):
@@ -32,13 +35,17 @@ class OnnxExport(_Strict):
     dtype: Literal["float32"] = Field("float32", description="Weights, activations and KV cache dtype.")
     data_file: str = Field(description="External data file holding every weight of every graph.")
     kv_layout: Literal["slot_major_new_slots"] = Field(
-        "slot_major_new_slots", description="KV per layer is [slots, kv_heads, head_dim]; graphs read the "
-        "P cached slots and return only the T new ones, which the runtime writes at slots P..P+T.")
+        "slot_major_new_slots", description="The cache per layer is [slots, kv_heads, head_dim] for keys and "
+        "values, or [slots, kv_lora_rank + rope_dim] for MLA's latent; graphs read the P cached slots and "
+        "return only the T new ones, which the runtime writes at slots P..P+T.")
     max_verify_tokens: int = Field(description="D+1 for the longest draft the runtime asks for (T's "
                                    "intended range when verifying; prefills may be longer).")
     aux_layer_ids: Optional[list[int]] = Field(
         None, description="Target layers whose input hidden states `aux` concatenates (input-of-layer "
                           "convention); None when the drafter needs none.")
+    target_hidden: Optional[Literal["final_norm_output", "last_layer_output"]] = Field(
+        None, description="What the target graph's `hidden` output holds (the state an MTP drafter's first "
+                          "layer reads); None when it has no such output.")
     drafter_kind: str = Field(description="The manifest's drafter kind the graphs were exported for.")
     exporter: str = Field(description="The exporter and its version.")
     graphs: list[OnnxGraph] = Field(description="The graphs.")
@@ -46,10 +53,16 @@ class OnnxExport(_Strict):
     def graph(self, role: str) -> OnnxGraph | None:
         return next((g for g in self.graphs if g.role == role), None)
 
+    def graphs_of(self, role: str) -> list[OnnxGraph]:
+        """Every graph of `role`, by layer (mtp_step)."""
+        return sorted((g for g in self.graphs if g.role == role), key=lambda g: g.layer or 0)
+
 
 class TensorrtEngine(_Strict):
-    path: str = Field(description="engines/<sm_XX>/<role>-<dtype>.plan, relative to the artifact.")
-    role: Literal["target_step", "eagle3_step", "draft_model_step"] = Field(description="Graph it was built from.")
+    path: str = Field(description="engines/<sm_XX>/<role>[.<layer>]-<dtype>.plan, relative to the artifact.")
+    role: Literal["target_step", "eagle3_step", "draft_model_step", "mtp_step"] = Field(
+        description="Graph it was built from.")
+    layer: Optional[int] = Field(None, ge=0, description="mtp_step: the MTP layer; else None.")
     tensorrt_version: str = Field(description="TensorRT version that built it.")
     gpu_name: str = Field(description="GPU it was built on.")
     gpu_arch: str = Field(description="Compute capability, sm_XY.")

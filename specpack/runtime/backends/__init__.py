@@ -11,9 +11,10 @@ capture=(), last_only=False) -> Output(logits, aux)` over T new tokens, and `.ca
 `.reset(max_len)` and `.propose(context, feats, draft_len, sampler) -> Draft`. So
 `SpecModel(target, drafter)` and its loop run unchanged on every backend.
 
-The graph backends (onnxruntime, tensorrt) share `GraphTarget` / `GraphEagle3` below: the exported
-graphs (converters/onnx_export.py) read the P cached slots of each layer and write the T new ones,
-and these adapters keep the cache, the length pointer and the masks exactly as the torch model does.
+The graph backends (onnxruntime, tensorrt) share `GraphTarget` / `GraphEagle3` / `GraphMtp` below:
+the exported graphs (converters/onnx_export) read the P cached slots of each layer and write the T
+new ones, and these adapters keep the cache, the length pointer and the masks exactly as the torch
+model does. The drafters' own loops (`propose`) are the torch drafters', reused unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from specpack.errors import InputError, UnsupportedError
 from specpack.runtime.eagle3 import Eagle3Drafter
+from specpack.runtime.mtp import MtpDrafter
 
 BACKENDS = {"torch": "torch_backend", "onnxruntime": "onnxruntime_backend", "tensorrt": "tensorrt_backend"}
 
@@ -43,14 +45,19 @@ def load(name: str, artifact, manifest, device: str = "cpu", dtype: str = "float
 
 
 class SlotCache:
-    """Keys and values of every layer in one buffer [2·layers, max_len, kv_heads, head_dim], in the
-    graphs' input order (key.0, value.0, key.1, ...), slot-major: the first `length` slots of each
-    layer are a contiguous prefix a graph reads without a copy, and its new slots go straight after.
+    """A graph's cache in one buffer [entries, max_len, *slot], in the graphs' input order (key.0,
+    value.0, key.1, ... or latent.0, latent.1, ...), slot-major: the first `length` slots of each
+    entry are a contiguous prefix a graph reads without a copy, and its new slots go straight after.
     Roll back by assigning a smaller `length`."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, dtype, device):
-        self.store = torch.zeros(2 * layers, max_len, kv_heads, head_dim, dtype=dtype, device=device)
+    def __init__(self, entries: int, slot: Sequence[int], max_len: int, dtype, device):
+        self.store = torch.zeros(entries, max_len, *slot, dtype=dtype, device=device)
         self.length = 0
+
+    @classmethod
+    def for_graph(cls, graph, max_len: int, dtype, device) -> "SlotCache":
+        """The cache `graph` reads and writes."""
+        return cls(*cache_layout(graph), max_len, dtype, device)
 
     @property
     def max_len(self) -> int:
@@ -65,6 +72,28 @@ class SlotCache:
         return list(self.store[:, self.length : self.length + T].unbind(0))
 
 
+def cache_layout(graph) -> tuple[int, list[int]]:
+    """(entries, slot shape) of a step graph's cache: one entry per `past_*` input [P, *slot]."""
+    past = [t for t in graph.inputs if t.name.startswith("past_")]
+    return len(past), past[0].shape[1:]
+
+
+def new_slot_names(graph) -> list[str]:
+    """The graph's `new_*` outputs, in cache order."""
+    return [o.name for o in graph.outputs if o.name.startswith("new_")]
+
+
+def run_chunks(cache: SlotCache, T: int, size: int | None, call) -> list:
+    """`call(a, b)` for consecutive pieces [a, b) of T new rows (one piece when `size` is None), each
+    with `cache.length` at its first row; the cache ends T rows longer. Returns the results."""
+    start, results = cache.length, []
+    for a, b in chunks(T, size):
+        cache.length = start + a
+        results.append(call(a, b))
+    cache.length = start + T
+    return results
+
+
 def full_mask(start: int, T: int, block: Tensor | None, device) -> Tensor:
     """[T, start+T] bool: every cached slot plus `block` [T, T] among the new tokens (causal when None),
     the same rule as `KVCache.mask` but always materialised (the graphs take a mask input)."""
@@ -77,21 +106,26 @@ class GraphTarget:
     """The target as an exported step graph; subclasses implement `_run` (one graph call).
 
     `max_tokens_per_call` (None: unbounded) splits longer inputs, such as prefills beyond a TensorRT
-    profile, into consecutive calls: the same result, since each call sees the cache the last wrote."""
+    profile, into consecutive calls: the same result, since each call sees the cache the last wrote.
+    When the graph returns `hidden` (for an MTP drafter), `last_hidden` holds (first row, hidden
+    [T, H]) of the latest call, as `MtpDrafter`'s hook records it on the torch target."""
 
     max_tokens_per_call: int | None = None
 
-    def __init__(self, spec, aux_layer_ids: Sequence[int] | None, device: torch.device, dtype: torch.dtype):
-        self.spec = spec
+    def __init__(self, spec, graph, aux_layer_ids: Sequence[int] | None, device: torch.device, dtype: torch.dtype):
+        self.spec, self.graph = spec, graph
         self.aux_layer_ids = tuple(aux_layer_ids or ())
         self.device, self.dtype = device, dtype
+        self.names = [i.name for i in graph.inputs]
+        self.new_names = new_slot_names(graph)
+        self.widths = {o.name: o.shape[1] for o in graph.outputs if o.name in ("aux", "hidden")}
         self.cache: SlotCache | None = None
+        self.last_hidden: tuple[int, Tensor] | None = None
 
     def setup_cache(self, max_len: int) -> None:
         """Make room for `max_len` positions (reallocating only when it grows) and empty the cache."""
         if self.cache is None or self.cache.max_len < max_len:
-            s = self.spec
-            self.cache = SlotCache(s.num_layers, s.num_kv_heads, s.head_dim, max_len, self.dtype, self.device)
+            self.cache = SlotCache.for_graph(self.graph, max_len, self.dtype, self.device)
         self.cache.length = 0
 
     def __call__(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,
@@ -110,20 +144,26 @@ class GraphTarget:
         tokens = tokens.to(dev)
         positions = torch.arange(start, start + T, device=dev) if positions is None else positions.to(dev)
         mask = full_mask(start, T, mask, dev)
-        logits, aux = [], []
-        for a, b in chunks(T, self.max_tokens_per_call):
-            cache.length = start + a
+
+        def call(a, b):
             # all rows' logits, or only the last chunk's last row (each other chunk computes one, dropped)
             rows = torch.arange(0 if not last_only else b - a - 1, b - a, device=dev)
-            lg, ax = self._run(tokens[a:b], positions[a:b], mask[a:b, : start + b], rows)
-            logits.append(lg)
-            aux.append(ax)
-        cache.length = start + T
-        logits = logits[-1] if last_only else torch.cat(logits)
-        return Output(logits, torch.cat(aux) if capture and aux[0] is not None else None)
+            return self._run(tokens[a:b], positions[a:b], mask[a:b, : start + b], rows)
 
-    def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor, rows: Tensor) -> tuple[Tensor, Tensor | None]:
-        """One graph call: reads `cache.past()`, writes `cache.new(T)`, returns (logits [K, V] fp32, aux)."""
+        parts = run_chunks(cache, T, self.max_tokens_per_call, call)
+        if "hidden" in self.widths:
+            self.last_hidden = (start, torch.cat([p["hidden"] for p in parts]))
+        logits = parts[-1]["logits"] if last_only else torch.cat([p["logits"] for p in parts])
+        return Output(logits, torch.cat([p["aux"] for p in parts]) if capture else None)
+
+    def _outputs(self, T: int, K: int) -> dict[str, Tensor]:
+        """Fresh buffers for the graph's outputs but the cache: logits [K, V] fp32, aux / hidden [T, width]."""
+        out = {"logits": torch.empty(K, self.spec.vocab_size, device=self.device)}
+        out.update({name: torch.empty(T, width, device=self.device) for name, width in self.widths.items()})
+        return out
+
+    def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor, rows: Tensor) -> dict[str, Tensor]:
+        """One graph call: reads `cache.past()`, writes `cache.new(T)`, returns `_outputs` filled."""
         raise NotImplementedError
 
 
@@ -158,7 +198,7 @@ class GraphEagle3:
     def reset(self, max_len: int) -> None:
         s = self.spec
         if self.cache is None or self.cache.max_len < max_len:
-            self.cache = SlotCache(1, s.num_kv_heads, s.head_dim, max_len, self.dtype, self.device)
+            self.cache = SlotCache(2, (s.num_kv_heads, s.head_dim), max_len, self.dtype, self.device)
         self.cache.length = 0
 
     def fc(self, feats: Tensor) -> _Features:
@@ -173,18 +213,76 @@ class GraphEagle3:
         feats = h.feats if isinstance(h, _Features) else torch.empty(0, n_feats, device=dev)
         hidden = torch.empty(0, s.hidden_size, device=dev) if isinstance(h, _Features) else h
         R, mask = feats.shape[0], full_mask(start, T, None, dev)
-        outs = []
-        for a, b in chunks(T, self.max_tokens_per_call):
-            cache.length = start + a
-            out, logits = self._run(feats[a:b], hidden[max(a - R, 0) : max(b - R, 0)], tokens[a:b],
-                                    torch.arange(start + a, start + b, device=dev), mask[a:b, : start + b],
-                                    torch.tensor([b - a - 1], device=dev))
-            outs.append(out)
-        cache.length = start + T
-        return torch.cat(outs), logits
+
+        def call(a, b):
+            return self._run(feats[a:b], hidden[max(a - R, 0) : max(b - R, 0)], tokens[a:b],
+                             torch.arange(start + a, start + b, device=dev), mask[a:b, : start + b],
+                             torch.tensor([b - a - 1], device=dev))
+
+        outs = run_chunks(cache, T, self.max_tokens_per_call, call)
+        return torch.cat([o for o, _ in outs]), outs[-1][1]
 
     def _run(self, feats, hidden, tokens, positions, mask, rows) -> tuple[Tensor, Tensor]:
         """One graph call: (hidden_out [T, H], logits [K, Vd] fp32); reads and writes the cache as GraphTarget."""
+        raise NotImplementedError
+
+
+class GraphMtp:
+    """MTP layers as exported step graphs, one per layer, drafting exactly as `MtpDrafter`: its
+    `propose` and `_step` run unchanged over `_run_layer` below; the target graph's `hidden` output
+    stands in for the hook on the torch target's last layer. Subclasses implement `_run`."""
+
+    kind = "mtp"
+    capture_layers: tuple[int, ...] = ()
+    propose = MtpDrafter.propose
+    check_draft_len = MtpDrafter.check_draft_len
+    _absorb_target = MtpDrafter._absorb_target
+    _step = MtpDrafter._step
+    max_tokens_per_call: int | None = None
+
+    def __init__(self, spec, target: GraphTarget, graphs, device: torch.device, dtype: torch.dtype):
+        if "hidden" not in target.widths:
+            raise InputError("the target graph of this ONNX export returns no hidden state for the MTP layers",
+                             hint="re-export with `specpack export ARTIFACT --to onnx --force`")
+        self.spec, self.target, self.graphs = spec, target, graphs
+        self.device, self.dtype = device, dtype
+        self.names = [[i.name for i in g.inputs] for g in graphs]
+        self.new_names = [new_slot_names(g) for g in graphs]
+        self.caches: list[SlotCache] = []
+        self.done: list[int] = []
+
+    @property
+    def _seen(self) -> tuple[int, Tensor] | None:
+        return self.target.last_hidden
+
+    def _target_state(self, h: Tensor) -> Tensor:
+        return h  # the target graph already returns the state layer 0 reads
+
+    def reset(self, max_len: int) -> None:
+        """Room for `max_len` rows per layer; empties the caches (as `MtpDrafter.reset`)."""
+        if not self.caches or self.caches[0].max_len < max_len:
+            self.caches = [SlotCache.for_graph(g, max_len, self.dtype, self.device) for g in self.graphs]
+            self.outs = torch.zeros(self.spec.num_layers + 1, max_len, self.spec.hidden_size, device=self.device)
+        for c in self.caches:
+            c.length = 0
+        self.done = [0] * self.spec.num_layers
+
+    def _run_layer(self, k: int, h: Tensor, tokens: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        """As `MtpDrafter._run_layer`: layer k over rows start.. -> (chain hidden [T, H], logits [1, V])."""
+        cache, T, dev = self.caches[k], tokens.shape[0], self.device
+        cache.length = start
+        mask = full_mask(start, T, None, dev)
+
+        def call(a, b):
+            return self._run(k, h[a:b], tokens[a:b], torch.arange(start + a, start + b, device=dev),
+                             mask[a:b, : start + b], torch.tensor([b - a - 1], device=dev))
+
+        outs = run_chunks(cache, T, self.max_tokens_per_call, call)
+        return torch.cat([o for o, _ in outs]), outs[-1][1]
+
+    def _run(self, k: int, hidden, tokens, positions, mask, rows) -> tuple[Tensor, Tensor]:
+        """One call of layer k's graph: (hidden_out [T, H], logits [K, V] fp32); reads and writes
+        `caches[k]` as GraphTarget does its cache."""
         raise NotImplementedError
 
 
@@ -201,3 +299,13 @@ def eagle3_files(artifact) -> tuple:
     spec = eagle3_spec_from_config(json.loads((d / "config.json").read_text()))
     with safe_open(d / "model.safetensors", framework="pt") as f:
         return spec, f.get_tensor("d2t")
+
+
+def mtp_files(artifact):
+    """The `MtpSpec` of the artifact's canonical MTP drafter, without loading its weights."""
+    import json
+    from pathlib import Path
+
+    from specpack.runtime.mtp import mtp_spec_from_config
+
+    return mtp_spec_from_config(json.loads((Path(artifact) / "drafter" / "config.json").read_text()))

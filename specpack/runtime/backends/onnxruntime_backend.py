@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.backends import GraphEagle3, GraphTarget, eagle3_files
+from specpack.runtime.backends import GraphEagle3, GraphMtp, GraphTarget, eagle3_files, mtp_files
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,8 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", thread
          torch_threads: int | None = 1):
     """(target, drafter) running the exported graphs of the verified `artifact` on ONNX Runtime.
     `torch_threads` (None: leave it) sets torch's process-wide thread count, see the module docstring."""
-    from specpack.runtime.config import load_target_spec
     from specpack.runtime.spec_model import load_drafter
+    from specpack.runtime.weights import target_spec
 
     if device != "cpu" or dtype != "float32":
         raise UnsupportedError(f"the onnxruntime backend runs on cpu in float32, not {device}/{dtype}",
@@ -43,7 +43,7 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", thread
     if torch_threads:
         log.info("onnxruntime backend: %d ONNX Runtime threads, torch set to %d", threads, torch_threads)
         torch.set_num_threads(torch_threads)
-    target = OrtTarget(artifact, index, load_target_spec(artifact), threads)
+    target = OrtTarget(artifact, index, target_spec(artifact), threads)
     kind = manifest.drafter.kind
     if kind == "eagle3":
         spec, d2t = eagle3_files(artifact)
@@ -51,8 +51,10 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", thread
     if kind == "draft_model":
         from specpack.runtime.draft_model import DraftModelDrafter
 
-        draft = OrtTarget(artifact, index, load_target_spec(artifact / "drafter"), threads, "draft_model_step")
+        draft = OrtTarget(artifact, index, target_spec(artifact / "drafter"), threads, "draft_model_step")
         return target, DraftModelDrafter(draft, target.spec.vocab_size)
+    if kind == "mtp":
+        return target, OrtMtp(artifact, index, mtp_files(artifact), target, threads)
     return target, load_drafter(kind, manifest.drafter.model_dump(exclude={"kind"}), None, None)
 
 
@@ -121,22 +123,16 @@ class OrtTarget(GraphTarget):
 
     def __init__(self, artifact: Path, index, spec, threads: int = DEFAULT_THREADS, role: str = "target_step"):
         aux = index.aux_layer_ids if role == "target_step" else None
-        super().__init__(spec, aux, torch.device("cpu"), torch.float32)
         graph = index.graph(role)
+        super().__init__(spec, graph, aux, torch.device("cpu"), torch.float32)
         self.binder = _Binder(session(artifact / graph.path, threads))
-        self.names = [i.name for i in graph.inputs]
-        self.new_names = [o.name for o in graph.outputs if o.name.startswith("new_")]
-        self.aux_width = next((o.shape[1] for o in graph.outputs if o.name == "aux"), None)
 
     def _run(self, tokens, positions, mask, rows):
         T = tokens.shape[0]
-        outputs = {"logits": torch.empty(rows.shape[0], self.spec.vocab_size)}
-        if self.aux_width is not None:
-            outputs["aux"] = torch.empty(T, self.aux_width)
-        outputs.update(zip(self.new_names, self.cache.new(T)))
-        values = [tokens, positions, mask, rows, *self.cache.past()]
-        self.binder.run(dict(zip(self.names, values)), outputs)
-        return outputs["logits"], outputs.get("aux")
+        outputs = self._outputs(T, rows.shape[0])
+        inputs = dict(zip(self.names, [tokens, positions, mask, rows, *self.cache.past()]))
+        self.binder.run(inputs, {**outputs, **dict(zip(self.new_names, self.cache.new(T)))})
+        return outputs
 
 
 class OrtEagle3(GraphEagle3):
@@ -156,3 +152,20 @@ class OrtEagle3(GraphEagle3):
                   "logits_index": rows, "past_key": past_k, "past_value": past_v}
         self.binder.run(inputs, {"hidden_out": out, "logits": logits, "new_key": new_k, "new_value": new_v})
         return out, logits
+
+
+class OrtMtp(GraphMtp):
+    """The MTP step graphs on ONNX Runtime, drafting exactly as `MtpDrafter`."""
+
+    def __init__(self, artifact: Path, index, spec, target: OrtTarget, threads: int = DEFAULT_THREADS):
+        graphs = index.graphs_of("mtp_step")
+        super().__init__(spec, target, graphs, torch.device("cpu"), torch.float32)
+        self.binders = [_Binder(session(artifact / g.path, threads)) for g in graphs]
+
+    def _run(self, k, hidden, tokens, positions, mask, rows):
+        T, cache = tokens.shape[0], self.caches[k]
+        out = {"hidden_out": torch.empty(T, self.spec.hidden_size),
+               "logits": torch.empty(rows.shape[0], self.spec.vocab_size)}
+        inputs = dict(zip(self.names[k], [hidden, tokens, positions, mask, rows, *cache.past()]))
+        self.binders[k].run(inputs, {**out, **dict(zip(self.new_names[k], cache.new(T)))})
+        return out["hidden_out"], out["logits"]

@@ -1,6 +1,7 @@
 """TensorRT backend (NVIDIA GPU): engines built from the artifact's ONNX export, run on CUDA buffers.
 
-    engines/<sm_XX>/<role>-<dtype>.plan   the serialized engine (role: target_step | eagle3_step)
+    engines/<sm_XX>/<role>-<dtype>.plan   the serialized engine (role: target_step | eagle3_step |
+                                          draft_model_step | mtp_step.<layer>)
     engines/<sm_XX>/<role>-<dtype>.json   what it was built for: TensorRT version, GPU, dtype,
                                           optimization profiles, digest of the ONNX graph + weights
 
@@ -33,7 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import Tensor
 
 from specpack.errors import ConversionError, InputError, MissingDependencyError, UnsupportedError
-from specpack.runtime.backends import GraphEagle3, GraphTarget, eagle3_files
+from specpack.runtime.backends import GraphEagle3, GraphMtp, GraphTarget, cache_layout, eagle3_files, mtp_files
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,8 @@ def import_tensorrt():
 class EngineKey(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    role: str = Field(description="Graph role: target_step or eagle3_step.")
+    role: str = Field(description="Graph role: target_step, eagle3_step, draft_model_step or mtp_step.")
+    layer: int | None = Field(None, description="mtp_step: the MTP layer of the graph; else None.")
     tensorrt_version: str = Field(description="TensorRT that built the engine (engines do not move across versions).")
     gpu_name: str = Field(description="GPU model the engine was tuned on.")
     gpu_arch: str = Field(description="Compute capability as sm_XY.")
@@ -81,8 +83,9 @@ def rebuild_reasons(found: EngineKey | None, wanted: EngineKey) -> list[str]:
 
 def engine_paths(root: Path, key: EngineKey) -> tuple[Path, Path]:
     """(plan, sidecar) for `key` under `root` (the artifact, or the user cache)."""
-    stem = Path(root) / ENGINE_DIR / key.gpu_arch / f"{key.role}-{key.dtype}"
-    return stem.with_suffix(".plan"), stem.with_suffix(".json")
+    role = key.role if key.layer is None else f"{key.role}.{key.layer}"
+    stem = Path(root) / ENGINE_DIR / key.gpu_arch / f"{role}-{key.dtype}"
+    return stem.with_name(stem.name + ".plan"), stem.with_name(stem.name + ".json")
 
 
 def onnx_digest(manifest, graph_path: str, data_path: str) -> str:
@@ -101,7 +104,9 @@ def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: i
                    max_context: int) -> list[dict[str, tuple[int, int, int]]]:
     """(min, opt, max) of each symbolic dimension, for the decode and the prefill profile.
 
-    T: new tokens; P: cached slots; K: logits rows; R/U: feature/hidden rows of the head (R+U = T)."""
+    T: new tokens; P: cached slots; K: logits rows; R/U: feature/hidden rows of the head (R+U = T).
+    An MTP layer asks for one row's logits and, after each verification, runs over the few newly
+    committed rows (after the prefill: the whole prompt, in the prefill profile)."""
     def one(t_max, t_opt, k_opt, r_opt, u_opt):
         p_max = max_context - 1
         p_opt = max_context // 2
@@ -111,6 +116,8 @@ def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: i
     opt = min(opt_tokens, max_verify)
     if role == "eagle3_step":  # drafting: one own hidden state a step; prefill: features of the prompt
         return [one(max_verify, 1, 1, 0, 1), one(prefill_chunk, prefill_chunk, 1, prefill_chunk, 0)]
+    if role == "mtp_step":
+        return [one(max_verify, opt, 1, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
     return [one(max_verify, opt, opt, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
 
 
@@ -240,7 +247,11 @@ class _Engine:
         self._dummy = torch.empty(ALIGN, dtype=torch.uint8, device=device)  # address for empty tensors
 
     def run(self, T: int, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        """Queue one call on the current stream. Inputs are made contiguous here (chunked calls pass
+        slices of the mask); a copy freed on return is safe, as the caching allocator hands its memory
+        only to later work on the same stream."""
         ctx = self.contexts[0] if T <= self.t_max[0] else self.contexts[-1]
+        inputs = {name: t.contiguous() for name, t in inputs.items()}
         for name, t in inputs.items():
             ctx.set_input_shape(name, tuple(t.shape))
             ctx.set_tensor_address(name, t.data_ptr() if t.numel() else self._dummy.data_ptr())
@@ -250,14 +261,19 @@ class _Engine:
             raise RuntimeError("TensorRT execution failed")
 
 
+def _padded_len(max_len: int, graph, dtype: torch.dtype) -> int:
+    """`max_len` padded so that every cache entry of `graph` starts its slots ALIGN-aligned."""
+    return _padded(max_len, torch.finfo(dtype).bits // 8, math.prod(cache_layout(graph)[1]))
+
+
 class _Staging:
-    """Where the engine writes the new KV slots: a [2L, T, kv, hd] buffer with aligned rows, copied
-    into the cache in one kernel (slot offsets in the cache itself need not be 256-byte aligned)."""
+    """Where the engine writes the new cache slots: an [entries, T, *slot] buffer with aligned rows,
+    copied into the cache in one kernel (slot offsets in the cache itself need not be 256-byte aligned)."""
 
     def __init__(self, cache, t_max: int):
-        L2, _, kv, hd = cache.store.shape
-        T = _padded(t_max, cache.store.element_size(), kv * hd)
-        self.buf = torch.empty(L2, T, kv, hd, dtype=cache.store.dtype, device=cache.store.device)
+        entries, _, *slot = cache.store.shape
+        T = _padded(t_max, cache.store.element_size(), math.prod(slot))
+        self.buf = torch.empty(entries, T, *slot, dtype=cache.store.dtype, device=cache.store.device)
 
     def outputs(self, T: int) -> list[Tensor]:
         return list(self.buf[:, :T].unbind(0))
@@ -271,28 +287,22 @@ class TrtTarget(GraphTarget):
     """The target step engine, behaving like `Transformer` for the loop (CUDA tensors throughout)."""
 
     def __init__(self, engine: _Engine, graph, spec, aux_layer_ids, device, kv_dtype, prefill_chunk: int):
-        super().__init__(spec, aux_layer_ids, device, kv_dtype)
+        super().__init__(spec, graph, aux_layer_ids, device, kv_dtype)
         self.engine, self.max_tokens_per_call = engine, prefill_chunk
-        self.names = [i.name for i in graph.inputs]
-        self.new_names = [o.name for o in graph.outputs if o.name.startswith("new_")]
-        self.aux_width = next((o.shape[1] for o in graph.outputs if o.name == "aux"), None)
         self.staging: _Staging | None = None
 
     def setup_cache(self, max_len: int) -> None:
-        super().setup_cache(_padded(max_len, torch.finfo(self.dtype).bits // 8,
-                                    self.spec.num_kv_heads * self.spec.head_dim))
+        super().setup_cache(_padded_len(max_len, self.graph, self.dtype))
         self.staging = _Staging(self.cache, self.max_tokens_per_call)
 
     def _run(self, tokens, positions, mask, rows):
         T = tokens.shape[0]
-        outputs = {"logits": torch.empty(rows.shape[0], self.spec.vocab_size, device=self.device)}
-        if self.aux_width is not None:
-            outputs["aux"] = torch.empty(T, self.aux_width, device=self.device)
-        outputs.update(zip(self.new_names, self.staging.outputs(T)))
-        values = [tokens.contiguous(), positions.contiguous(), mask.contiguous(), rows, *self.cache.past()]
-        self.engine.run(T, dict(zip(self.names, values)), outputs)
+        outputs = self._outputs(T, rows.shape[0])
+        values = [tokens, positions, mask, rows, *self.cache.past()]
+        self.engine.run(T, dict(zip(self.names, values)), {**outputs, **dict(zip(self.new_names,
+                                                                                self.staging.outputs(T)))})
         self.staging.commit(self.cache, T)
-        return outputs["logits"], outputs.get("aux")
+        return outputs
 
 
 class TrtEagle3(GraphEagle3):
@@ -313,12 +323,36 @@ class TrtEagle3(GraphEagle3):
         logits = torch.empty(rows.shape[0], self.spec.draft_vocab_size, device=self.device)
         new_k, new_v = self.staging.outputs(T)
         past_k, past_v = self.cache.past()
-        inputs = {"feats": feats.float().contiguous(), "hidden": hidden.float().contiguous(),
-                  "tokens": tokens.contiguous(), "positions": positions, "mask": mask, "logits_index": rows,
+        inputs = {"feats": feats.float(), "hidden": hidden.float(), "tokens": tokens, "positions": positions,
+                  "mask": mask, "logits_index": rows,
                   "past_key": past_k, "past_value": past_v}
         self.engine.run(T, inputs, {"hidden_out": out, "logits": logits, "new_key": new_k, "new_value": new_v})
         self.staging.commit(self.cache, T)
         return out, logits
+
+
+class TrtMtp(GraphMtp):
+    """The MTP step engines, one per layer, drafting exactly as `MtpDrafter`."""
+
+    def __init__(self, engines: list[_Engine], graphs, spec, target: TrtTarget, device, kv_dtype,
+                 prefill_chunk: int):
+        super().__init__(spec, target, graphs, device, kv_dtype)
+        self.engines, self.max_tokens_per_call = engines, prefill_chunk
+        self.stagings: list[_Staging] = []
+
+    def reset(self, max_len: int) -> None:
+        super().reset(max(_padded_len(max_len, g, self.dtype) for g in self.graphs))
+        self.stagings = [_Staging(c, self.max_tokens_per_call) for c in self.caches]
+
+    def _run(self, k, hidden, tokens, positions, mask, rows):
+        T, cache, staging = tokens.shape[0], self.caches[k], self.stagings[k]
+        out = {"hidden_out": torch.empty(T, self.spec.hidden_size, device=self.device),
+               "logits": torch.empty(rows.shape[0], self.spec.vocab_size, device=self.device)}
+        values = [hidden.float(), tokens, positions, mask, rows, *cache.past()]
+        self.engines[k].run(T, dict(zip(self.names[k], values)), {**out, **dict(zip(self.new_names[k],
+                                                                                   staging.outputs(T)))})
+        staging.commit(cache, T)
+        return out["hidden_out"], out["logits"]
 
 
 def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: Path | None = None,
@@ -328,8 +362,8 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
     Engines are built on first use (minutes for a large model) and cached as described above.
     `max_context` bounds the KV length the engines accept (default: the target's context)."""
     from specpack.runtime.backends.onnxruntime_backend import require_export
-    from specpack.runtime.config import load_target_spec
     from specpack.runtime.spec_model import load_drafter
+    from specpack.runtime.weights import target_spec
 
     import_tensorrt()
     dev = torch.device(device)
@@ -340,34 +374,39 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
         raise InputError(f"unknown dtype '{dtype}' for tensorrt", hint="use " + ", ".join(DTYPES))
     artifact = Path(artifact)
     index = require_export(artifact, manifest)
-    spec = load_target_spec(artifact)
+    spec = target_spec(artifact)
     max_context = min(max_context or spec.context_length, spec.context_length)
     kv_dtype = getattr(torch, dtype)
 
-    def engine_for(role: str) -> tuple[_Engine, object]:
-        graph = index.graph(role)
-        ranges = profile_ranges(role, index.max_verify_tokens, opt_tokens, prefill_chunk, max_context)
+    def engine_for(graph) -> _Engine:
+        ranges = profile_ranges(graph.role, index.max_verify_tokens, opt_tokens, prefill_chunk, max_context)
         name, arch = gpu(dev)
         trt = import_tensorrt()
-        wanted = EngineKey(role=role, tensorrt_version=trt.__version__, gpu_name=name, gpu_arch=arch, dtype=dtype,
-                        profiles=[profile_shapes(graph.inputs, r) for r in ranges],
-                        onnx_sha256=onnx_digest(manifest, graph.path, index.data_file))
-        io = {t.name: dtype for t in graph.inputs + graph.outputs if "_key" in t.name or "_value" in t.name}
+        wanted = EngineKey(role=graph.role, layer=graph.layer, tensorrt_version=trt.__version__, gpu_name=name,
+                           gpu_arch=arch, dtype=dtype, profiles=[profile_shapes(graph.inputs, r) for r in ranges],
+                           onnx_sha256=onnx_digest(manifest, graph.path, index.data_file))
+        io = {t.name: dtype for t in graph.inputs + graph.outputs if t.name.startswith(("past_", "new_"))}
         plan = ensure_engine(artifact, wanted, artifact / graph.path, io, sign_key=key)
-        return _Engine(plan, ranges, dev), graph
+        return _Engine(plan, ranges, dev)
 
-    engine, graph = engine_for("target_step")
-    target = TrtTarget(engine, graph, spec, index.aux_layer_ids, dev, kv_dtype, prefill_chunk)
-    if manifest.drafter.kind == "eagle3":
+    graph = index.graph("target_step")
+    target = TrtTarget(engine_for(graph), graph, spec, index.aux_layer_ids, dev, kv_dtype, prefill_chunk)
+    kind = manifest.drafter.kind
+    if kind == "eagle3":
         head_spec, d2t = eagle3_files(artifact)
-        return target, TrtEagle3(engine_for("eagle3_step")[0], head_spec, d2t, dev, kv_dtype, prefill_chunk)
-    if manifest.drafter.kind == "draft_model":
+        return target, TrtEagle3(engine_for(index.graph("eagle3_step")), head_spec, d2t, dev, kv_dtype, prefill_chunk)
+    if kind == "draft_model":
         from specpack.runtime.draft_model import DraftModelDrafter
 
-        engine, graph = engine_for("draft_model_step")
-        draft = TrtTarget(engine, graph, load_target_spec(artifact / "drafter"), None, dev, kv_dtype, prefill_chunk)
+        graph = index.graph("draft_model_step")
+        draft = TrtTarget(engine_for(graph), graph, target_spec(artifact / "drafter"), None, dev, kv_dtype,
+                          prefill_chunk)
         return target, DraftModelDrafter(draft, spec.vocab_size)
-    return target, load_drafter(manifest.drafter.kind, manifest.drafter.model_dump(exclude={"kind"}), None, None)
+    if kind == "mtp":
+        graphs = index.graphs_of("mtp_step")
+        return target, TrtMtp([engine_for(g) for g in graphs], graphs, mtp_files(artifact), target, dev, kv_dtype,
+                              prefill_chunk)
+    return target, load_drafter(kind, manifest.drafter.model_dump(exclude={"kind"}), None, None)
 
 
 def build_engines(artifact, key: Path | None = None, public_key: Path | None = None, device: str = "cuda",

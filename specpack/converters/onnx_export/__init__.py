@@ -1,0 +1,40 @@
+"""Export an artifact's target and drafter as the ONNX graphs the speculative loop runs.
+
+    export_onnx(ART, key=...)  ->  ART/exports/onnx/{target.onnx, eagle3.onnx | draft_model.onnx |
+                                                     mtp.{k}.onnx..., weights.bin, index.json}
+
+Graphs (fp32, opset 17, weights in one external data file shared by all graphs):
+
+- `target_step`: T new tokens (T in [1, D+1] when verifying, any T for a prefill) after P cached
+  ones. Inputs `tokens [T]`, `positions [T]`, `mask [T, P+T]` (bool, True = may attend),
+  `logits_index [K]` (rows whose logits to compute: all T when verifying, the last one after a
+  prefill), then the cache per layer i: `past_key.{i}`, `past_value.{i}` `[P, kv_heads, head_dim]`
+  (Llama / Mistral / Qwen2 / Qwen3), or `past_latent.{i}` `[P, kv_lora_rank + rope_dim]`
+  (DeepSeek-V3's MLA). Outputs `logits [K, V]`, `aux [T, n_aux*H]` (EAGLE-3 only: hidden states
+  entering the aux layers), `hidden [T, H]` (MTP only: the state its first layer reads) and
+  `new_key.{i}`, `new_value.{i}` or `new_latent.{i}` `[T, ...]`: only the T new slots.
+- `eagle3_step`: the head's fc + one layer + norm/lm_head, same cache convention, its own KV.
+  Inputs `feats [R, n_aux*Ht]` (target features; fc is applied to them) and `hidden [U, H]` (the
+  head's own earlier outputs), whose rows are concatenated in that order, and `tokens [R+U]`;
+  outputs `hidden_out [R+U, H]`, `logits [K, draft_vocab]` and the new KV.
+- `draft_model_step`: a draft model's own `target_step` graph (no aux).
+- `mtp_step`, one graph per MTP layer (`layer` in the index): input `hidden [T, H]`, then the step
+  inputs and the layer's own cache (`past_key`/`past_value` or `past_latent`); outputs
+  `hidden_out [T, H]`, `logits [K, V]` and the new slots (module `mtp`).
+
+n-gram needs no drafter graph. One module per graph family: `target`, `eagle3`, `mtp` over the
+layer families `dense` and `deepseek` (`layers` holds what they share), `pipeline` the export.
+
+Why the cache is slot-major `[slots, ...]` per layer with only the new slots out: the runtime keeps
+one preallocated buffer per layer, passes its first P slots as `past` (a contiguous prefix: no copy)
+and binds `new_*` to slots P..P+T of the same buffer, so the graph writes the new keys and values in
+place. Rolling back is lowering P, as in the torch runtime. A graph returning the whole updated
+cache would copy every cached slot on every step instead.
+"""
+
+from specpack.converters.onnx_export.layers import linear_params
+from specpack.converters.onnx_export.pipeline import (DATA_NAME, INDEX_NAME, ONNX_DIR, OPSET, add_files,
+                                                      export_onnx, read_index)
+
+__all__ = ["DATA_NAME", "INDEX_NAME", "ONNX_DIR", "OPSET", "add_files", "export_onnx", "linear_params",
+           "read_index"]

@@ -1,0 +1,162 @@
+"""What every step graph is made of: functional modules over the runtime model's weights (fp32),
+the cache passed in and the new slots returned, and how a graph declares itself (`Graph`).
+
+A family module (dense, deepseek) gives `block(layer, spec, seen)`, `cache(spec)` and `rope(spec)`;
+`family(spec)` picks it. `seen` maps a weight's storage to its parameter, so a tensor used twice
+(tied embeddings) becomes one initializer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+class Graph(NamedTuple):
+    """One graph to export: its file, role, module, signature (`io`) and cached layers."""
+
+    file: str
+    role: str
+    module: nn.Module
+    io: tuple[list[tuple], list[tuple]]  # (inputs, outputs) as (name, dtype, shape) with symbolic dims
+    num_layers: int
+    layer: int | None = None  # mtp_step: which MTP layer
+
+
+@dataclass(frozen=True)
+class CacheSlot:
+    """What one layer caches per token: one tensor per name, each of `shape`."""
+
+    names: tuple[str, ...]  # ("key", "value"), or ("latent",) for MLA
+    shape: tuple[int, ...]
+
+
+def cache_io(prefix: str, layers: int, slot: CacheSlot, dim: str, single: bool = False) -> list[tuple]:
+    """`{prefix}_{name}.{i}` [dim, *slot.shape] per layer and name (no `.{i}` for a one-layer graph)."""
+    suffixes = [""] if single else [f".{i}" for i in range(layers)]
+    return [(f"{prefix}_{name}{s}", "float32", [dim, *slot.shape]) for s in suffixes for name in slot.names]
+
+
+def step_inputs() -> list[tuple]:
+    """The inputs every step graph takes after its own: T new positions after P cached ones."""
+    return [("tokens", "int64", ["T"]), ("positions", "int64", ["T"]), ("mask", "bool", ["T", "P+T"]),
+            ("logits_index", "int64", ["K"])]
+
+
+def family(spec):
+    """The graph module family of a target spec: `deepseek` (MLA + MoE) or `dense` (Llama and kin)."""
+    from specpack.converters.onnx_export import deepseek, dense
+    from specpack.runtime.deepseek import DeepseekSpec
+
+    return deepseek if isinstance(spec, DeepseekSpec) else dense
+
+
+# ---- weights ----
+
+def linear_params(module) -> tuple[Tensor, Tensor | None]:
+    """(weight [out, in], bias) of a linear layer of the runtime model, whatever kernel it runs on:
+    nn.Linear, or a packed layer keeping K-major panels [ceil(out/16), in, 16] (kernels.linear)."""
+    w, b = module.weight, getattr(module, "bias", None)
+    if w.dim() == 3:
+        w = w.transpose(1, 2).reshape(-1, w.shape[1])[: module.out_features]
+    return w.detach(), None if b is None else b.detach()
+
+
+def param(t: Tensor | None, seen: dict) -> nn.Parameter | None:
+    """A parameter sharing `t`'s storage; the same tensor gives the same parameter."""
+    if t is None:
+        return None
+    key = (t.data_ptr(), tuple(t.shape), t.dtype)
+    if key not in seen:
+        seen[key] = nn.Parameter(t.float(), requires_grad=False)
+    return seen[key]
+
+
+def linear(module, seen: dict) -> tuple[nn.Parameter, nn.Parameter | None]:
+    """(weight, bias) parameters of a runtime linear layer."""
+    w, b = linear_params(module)
+    return param(w, seen), param(b, seen)
+
+
+# ---- math ----
+
+def rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, heads, hd]; cos, sin: [T, 1, hd]
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+class Rope(nn.Module):
+    """cos, sin [T, 1, hd] of the positions, as the runtime's tables: from `inv_freq`, times `factor` (YaRN)."""
+
+    def __init__(self, inv_freq: Tensor, factor: float = 1.0):
+        super().__init__()
+        self.factor = factor
+        self.register_buffer("inv_freq", inv_freq)
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        ang = positions.float()[:, None] * self.inv_freq[None]  # [T, hd/2]
+        emb = torch.cat([ang, ang], dim=-1)[:, None]  # [T, 1, hd]
+        if self.factor == 1.0:
+            return emb.cos(), emb.sin()
+        return emb.cos() * self.factor, emb.sin() * self.factor
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor,
+           scale: float | None = None) -> Tensor:
+    """GQA attention of T new queries over P cached and T new keys, without concatenating the cache.
+
+    q: [T, heads, hd]; k: [T, kv, hd]; v: [T, kv, vd]; past_k, past_v: [P, kv, hd | vd];
+    mask: [T, P+T] -> [T, heads*vd]. `scale` defaults to 1/sqrt(hd)."""
+    T, heads, hd = q.shape
+    kv, vd = k.shape[1], v.shape[-1]
+    G = heads // kv
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    # query head h uses key head h // G: group the queries as [kv, G*T, hd]
+    qg = q.reshape(T, kv, G, hd).permute(1, 2, 0, 3).reshape(kv, G * T, hd) * scale
+    scores = torch.cat([qg @ past_k.permute(1, 2, 0), qg @ k.permute(1, 2, 0)], dim=-1)  # [kv, G*T, P+T]
+    S = scores.shape[-1]
+    scores = scores.reshape(kv, G, T, S).masked_fill(~mask, float("-inf"))
+    p = scores.softmax(-1).reshape(kv, G * T, S)
+    P = past_k.shape[0]
+    y = p[..., :P] @ past_v.permute(1, 0, 2) + p[..., P:] @ v.permute(1, 0, 2)  # [kv, G*T, vd]
+    return y.reshape(kv, G, T, vd).permute(2, 0, 1, 3).reshape(T, heads * vd)
+
+
+class MLP(nn.Module):
+    """SwiGLU over the runtime's fused [gate; up] matrix."""
+
+    def __init__(self, mlp, seen: dict):
+        super().__init__()
+        self.gate_up = param(linear_params(mlp.gate_up_proj)[0], seen)
+        self.down = param(linear_params(mlp.down_proj)[0], seen)
+
+    def forward(self, x):
+        gate, up = F.linear(x, self.gate_up).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down)
+
+
+class Block(nn.Module):
+    """A pre-norm decoder layer over a family's attention and MLP: the runtime's `Block` /
+    `DeepseekBlock` with the cache explicit. forward -> (x [T, H], new cache slots)."""
+
+    def __init__(self, block, attn: nn.Module, mlp: nn.Module, eps: float, seen: dict):
+        super().__init__()
+        self.eps, self.attn, self.mlp = eps, attn, mlp
+        self.ln1 = param(block.input_layernorm.weight, seen)
+        self.ln2 = param(block.post_attention_layernorm.weight, seen)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                past: Sequence[Tensor]) -> tuple[Tensor, list[Tensor]]:
+        a, new = self.attn(rms(x, self.ln1, self.eps), cos, sin, mask, past)
+        x = x + a
+        return x + self.mlp(rms(x, self.ln2, self.eps)), new

@@ -1,0 +1,227 @@
+"""The export pipeline: graphs -> one shared external data file -> check -> into the artifact ->
+manifest -> sign. What the graphs are: the package docstring."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from specpack.converters.onnx_export import eagle3, mtp, target
+from specpack.errors import InputError, OutputError
+from specpack.schemas.exports import Exports, OnnxExport, OnnxGraph, TensorInfo
+
+log = logging.getLogger(__name__)
+
+ONNX_DIR = "exports/onnx"
+INDEX_NAME = "index.json"
+DATA_NAME = "weights.bin"
+OPSET = 17
+ALIGN = 1 << 16  # big tensors start on 64 KiB boundaries so ONNX Runtime can map them from the file
+STAGING = ".specpack-onnx-export"
+
+
+# ---- what the graphs are: specpack.schemas.exports (index.json and the manifest's `exports`) ----
+
+def read_index(artifact: Path) -> OnnxExport | None:
+    """The export's index (None when the artifact has no ONNX export)."""
+    path = Path(artifact) / ONNX_DIR / INDEX_NAME
+    if not path.is_file():
+        return None
+    return OnnxExport.model_validate_json(path.read_text())
+
+
+# ---- export: graphs -> one shared external data file -> check -> into the artifact -> manifest -> sign ----
+
+def export_onnx(artifact: Path, key: Path | None = None, public_key: Path | None = None, force: bool = False,
+                drop_signature: bool = False, progress: bool = True) -> list[Path]:
+    """Export `artifact`'s target and drafter as ONNX step graphs under `exports/onnx/`, add the files
+    to the manifest and re-sign with `key`. Returns the written paths.
+
+    The artifact is verified first (signature too when `public_key` is given). A signed artifact
+    needs `key` to stay signed; pass `drop_signature=True` to leave it unsigned (digests still
+    checked). Nothing in the artifact changes when the export or a check fails."""
+    from specpack.packager import verify
+    from specpack.schemas import SIGNATURE_NAME
+
+    artifact = Path(artifact)
+    manifest = verify(artifact, public_key, progress=progress).manifest
+    signed = (artifact / SIGNATURE_NAME).is_file()
+    if signed and key is None and not drop_signature:
+        raise InputError(f"'{artifact}' is signed: adding the export would invalidate its signature",
+                         hint="pass --key KEY.pem to re-sign it (or --drop-signature to leave it unsigned)")
+    dest = artifact / ONNX_DIR
+    if dest.exists() and not force:
+        raise OutputError(f"'{dest}' already exists", hint="pass --force to replace the export")
+    staging = Path(_mkdtemp(artifact))
+    try:
+        index = _export_graphs(artifact, manifest, staging, progress)
+        (staging / INDEX_NAME).write_text(index.model_dump_json(indent=2) + "\n")
+        _move_into(staging, dest, artifact)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    written = sorted(dest.iterdir())
+    exports = (manifest.exports or Exports()).model_copy(update={"onnx": index})
+    add_files(artifact, ONNX_DIR, key, drop_signature=drop_signature and signed, update={"exports": exports})
+    log.info("exported %s: %s", artifact, ", ".join(p.name for p in written))
+    return written
+
+
+def _mkdtemp(artifact: Path) -> str:
+    import tempfile
+
+    # beside the artifact (same file system, so the final rename is atomic), never inside it
+    return tempfile.mkdtemp(prefix=f".{artifact.name}.onnx-", dir=artifact.parent)
+
+
+def _move_into(staging: Path, dest: Path, artifact: Path) -> None:
+    """Rename `staging` to `dest`; an existing `dest` is moved out first and removed after."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    trash = Path(_mkdtemp(artifact))
+    if dest.exists():
+        dest.rename(trash / "old")
+    staging.rename(dest)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+# drafter kind -> its graphs, from the drafter module the runtime loads (n-gram needs none)
+DRAFTER_GRAPHS = {"ngram": lambda drafter: [], "eagle3": eagle3.graphs, "draft_model": target.draft_graphs,
+                  "mtp": mtp.graphs}
+
+
+def _export_graphs(artifact: Path, manifest, out: Path, progress: bool) -> OnnxExport:
+    from specpack.errors import UnsupportedError
+    from specpack.runtime.spec_model import MAX_DRAFT_LEN, load_drafter, load_target
+
+    kind = manifest.drafter.kind
+    if kind not in DRAFTER_GRAPHS:
+        raise UnsupportedError(f"ONNX export does not support drafter kind '{kind}' yet",
+                               hint="supported: " + ", ".join(DRAFTER_GRAPHS))
+    model = load_target(artifact)
+    drafter = None if kind == "ngram" else load_drafter(kind, None, artifact / "drafter", model)
+    aux = tuple(manifest.drafter.aux_hidden_states.layer_ids) if kind == "eagle3" else ()
+    hidden = drafter.spec.target_hidden_state if kind == "mtp" else None
+    protos, entries = {}, []
+    for g in [target.graph(model, aux, hidden), *DRAFTER_GRAPHS[kind](drafter)]:
+        log.info("exporting the %s graph %s (%d layers)", g.role, g.file, g.num_layers)
+        protos[g.file], io = _trace(g.module, g.io, out / f"raw-{g.file}")
+        entries.append(OnnxGraph(role=g.role, path=f"{ONNX_DIR}/{g.file}", num_layers=g.num_layers, layer=g.layer,
+                                 **io))
+    _save_graphs(protos, out, DATA_NAME)
+    for name in protos:
+        _check(out / name)
+    return OnnxExport(opset=OPSET, data_file=f"{ONNX_DIR}/{DATA_NAME}", max_verify_tokens=MAX_DRAFT_LEN + 1,
+                      aux_layer_ids=list(aux) or None, target_hidden=hidden, drafter_kind=kind,
+                      exporter=f"torch.onnx (TorchScript) {torch.__version__}", graphs=entries)
+
+
+# ---- tracing ----
+
+# example sizes for tracing: distinct, so the tracer cannot confuse one symbolic dim with another
+_EXAMPLE = {"T": 5, "P": 3, "K": 4, "R": 2, "U": 3, "P+T": 8}
+_TORCH = {"int64": torch.long, "bool": torch.bool, "float32": torch.float32}
+
+
+def _example(name: str, dtype: str, shape: list) -> Tensor:
+    dims = [_EXAMPLE.get(d, d) for d in shape]
+    if name == "mask":
+        return torch.ones(dims, dtype=torch.bool).tril(_EXAMPLE["P"])
+    if name == "positions":
+        return torch.arange(_EXAMPLE["P"], _EXAMPLE["P"] + dims[0])
+    if name == "logits_index":
+        return torch.arange(dims[0])
+    if dtype == "int64":
+        return torch.randint(0, 3, dims)
+    return torch.randn(dims)
+
+
+def _trace(module: nn.Module, io, raw: Path):
+    """torch.onnx.export (TorchScript: robust for this static-shape-free code) -> (ModelProto, io dict)."""
+    import warnings
+
+    import onnx
+
+    inputs, outputs = io
+    args = tuple(_example(*i) for i in inputs)
+    dynamic = {n: {k: d for k, d in enumerate(shape) if isinstance(d, str)} for n, _, shape in inputs + outputs}
+    raw.mkdir(parents=True)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")  # tracer warnings about shape-dependent Python values
+        torch.onnx.export(module.eval(), args, str(raw / "model.onnx"), dynamo=False, opset_version=OPSET,
+                          input_names=[i[0] for i in inputs], output_names=[o[0] for o in outputs],
+                          dynamic_axes=dynamic, do_constant_folding=False)
+    proto = onnx.load(str(raw / "model.onnx"), load_external_data=True)
+    shutil.rmtree(raw)
+    info = {k: [TensorInfo(name=n, dtype=d, shape=s) for n, d, s in v] for k, v in (("inputs", inputs),
+                                                                                    ("outputs", outputs))}
+    return proto, info
+
+
+def _save_graphs(protos: dict, out: Path, data_name: str) -> None:
+    """Write every initializer of every graph once into `data_name` (identical tensors, such as a
+    drafter's copy of the target's embedding, share their bytes), then each graph without weights."""
+    import onnx
+    from onnx.external_data_helper import set_external_data
+
+    stored: dict[str, tuple[int, int]] = {}  # sha256 -> (offset, length)
+    with open(out / data_name, "wb") as f:
+        for proto in protos.values():
+            for t in proto.graph.initializer:
+                data = t.raw_data
+                if len(data) < 1024:
+                    continue  # small tensors stay in the graph
+                digest = hashlib.sha256(data).hexdigest()
+                if digest not in stored:
+                    if len(data) >= ALIGN:
+                        f.write(b"\0" * (-f.tell() % ALIGN))
+                    stored[digest] = (f.tell(), len(data))
+                    f.write(data)
+                set_external_data(t, data_name, *stored[digest])
+                t.ClearField("raw_data")
+                t.data_location = onnx.TensorProto.EXTERNAL
+    for name, proto in protos.items():
+        onnx.save_model(proto, str(out / name))
+
+
+def _check(path: Path) -> None:
+    import onnx
+
+    try:
+        onnx.checker.check_model(str(path))
+    except onnx.checker.ValidationError as exc:
+        raise RuntimeError(f"the exported graph {path.name} does not pass onnx.checker: {exc}") from exc
+
+
+# ---- adding exported files to the manifest ----
+
+def add_files(artifact: Path, prefix: str, key: Path | None, drop_signature: bool = False,
+              update: dict | None = None) -> None:
+    """Replace the manifest's entries under `prefix/` with the files now there (size, sha256), apply
+    `update` (manifest fields), write the manifest atomically, and re-sign with `key` (or remove a
+    signature that no longer holds)."""
+    import tempfile
+
+    from specpack.packager import sign_artifact
+    from specpack.packager.artifact import read_manifest, write_manifest
+    from specpack.packager.hashing import sha256_file
+    from specpack.schemas import SIGNATURE_NAME, FileEntry
+
+    artifact = Path(artifact)
+    manifest = read_manifest(artifact)
+    root = artifact / prefix
+    new = [p for p in sorted(root.rglob("*")) if p.is_file()] if root.is_dir() else []
+    entries = [f for f in manifest.files if not f.path.startswith(prefix.rstrip("/") + "/")]
+    entries += [FileEntry(path=p.relative_to(artifact).as_posix(), size=p.stat().st_size, sha256=sha256_file(p))
+                for p in new]
+    updated = manifest.model_copy(update={**(update or {}), "files": sorted(entries, key=lambda f: f.path)})
+    with tempfile.TemporaryDirectory(dir=artifact.parent) as tmp:
+        os.replace(write_manifest(Path(tmp), updated), artifact / "specpack.json")
+    if key is not None:
+        sign_artifact(artifact, key)
+    elif drop_signature:
+        (artifact / SIGNATURE_NAME).unlink(missing_ok=True)
