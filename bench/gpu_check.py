@@ -88,7 +88,9 @@ def compare(name: str, got: dict, ref: list[list[int]], exact: bool) -> dict:
 
 
 def make_artifacts(work: Path, real: Path | None) -> dict[str, tuple[Path, list[list[int]]]]:
-    """name -> (n-gram artifact, prompt ids): the tiny Llama, and SmolLM2 when available."""
+    """name -> (artifact, prompt ids): the tiny Llama (n-gram), a tiny DeepSeek-V3 with its MTP layer
+    (MLA latent cache, MoE, an MTP step graph on TensorRT), and SmolLM2 (n-gram) when available."""
+    import mtp_layouts
     import tiny
 
     from specpack.packager import BuildOptions, NgramParams, build
@@ -98,6 +100,9 @@ def make_artifacts(work: Path, real: Path | None) -> dict[str, tuple[Path, list[
     build(BuildOptions(target=target, drafter="ngram", out=work / "tiny", ngram=NgramParams(1, 3, 4)))
     base = [[5, 9, 14, 3, 22, 7], [40, 41, 42, 43, 40, 41, 42], [100, 7, 100, 7, 12]]
     out["tiny llama"] = (work / "tiny", [p * 3 for p in base])
+    ds = mtp_layouts.make_target(work / "tiny-deepseek-target", "mtp-deepseek", 1)
+    build(BuildOptions(target=ds.path, drafter="mtp", out=work / "tiny-deepseek", mtp_allow_reuse=True))
+    out["tiny deepseek-v3"] = (work / "tiny-deepseek", [p * 3 for p in base])
     if real is not None:
         from transformers import AutoTokenizer
 
@@ -133,7 +138,7 @@ def check_one(name: str, artifact: Path, prompts, args, env) -> list[dict]:
     from specpack.runtime.spec_model import SpecModel
 
     manifest = verify(artifact).manifest
-    say(f"\n== {name}: {manifest.target.num_hidden_layers} layers, n-gram drafter, "
+    say(f"\n== {name}: {manifest.target.num_hidden_layers} layers, {manifest.drafter.kind} drafter, "
         f"{args.max_new_tokens} new tokens, draft length {args.draft_len}")
     t0 = time.perf_counter()
     ref = run_model(SpecModel(*backends.load("torch", artifact, manifest)), prompts, args.max_new_tokens,
