@@ -39,10 +39,12 @@ SOURCE = Path(__file__).with_name("linear.c")
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
 MIN_PARALLEL_BYTES = 256 * 1024
-# Idle pool threads spin this long after a job before sleeping. 0: on 2-vCPU machines the vCPUs
-# are SMT siblings, so a spinning worker slows the torch ops between matmuls by up to 40%, while
-# waking a sleeping one takes ~3 us.
-SPIN_US = 0
+# Idle pool threads spin this long after a job before sleeping, so the next layer's matmul finds
+# them awake. Measured on SmolLM2 (idle 2-vCPU machine, decode loop): 0 us -> 34-35 tokens/s plain,
+# 300 us -> 38-40 (T=1 forward 29 -> 26 ms), though a spinning worker costs its SMT sibling some FMA
+# throughput in the torch ops between matmuls. On a machine busy with other work, spinning takes
+# cycles from it: SPECPACK_KERNEL_SPIN_US=0 there.
+SPIN_US = int(os.environ.get("SPECPACK_KERNEL_SPIN_US", 300))
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 
