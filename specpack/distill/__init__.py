@@ -134,16 +134,11 @@ def _data(target_dir: Path, spec, data, self_generate, gen_tokens, sampling, cap
 def check_target(target_dir: Path):
     """The target's spec, or a clear error for what distill cannot train against."""
     from specpack.runtime.config import DEEPSEEK_ARCHITECTURES, load_target_spec
+    from specpack.runtime.weights import architecture
 
     if not Path(target_dir).is_dir():
         raise InputError(f"target '{target_dir}' is not a directory", hint="pass a Hugging Face model directory")
-    cfg_path = Path(target_dir) / "config.json"
-    arch = None
-    if cfg_path.is_file():
-        try:
-            arch = (json.loads(cfg_path.read_text()).get("architectures") or [None])[0]
-        except (ValueError, AttributeError):
-            pass  # load_target_spec reports it
+    arch = architecture(target_dir)
     if arch in DEEPSEEK_ARCHITECTURES:
         raise UnsupportedError(f"distill does not support {arch} targets (MLA + MoE) yet",
                                hint="distill trains heads for Llama, Mistral, Qwen2 and Qwen3 targets")

@@ -128,7 +128,8 @@ def assign_weights(model: torch.nn.Module, state: dict[str, Tensor], device, dty
     return model.requires_grad_(False).eval()
 
 
-def _architecture(model_dir) -> str | None:
+def architecture(model_dir) -> str | None:
+    """config.json's first `architectures` entry, or None when there is none (or no readable config)."""
     try:
         return (json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or [None])[0]
     except (OSError, ValueError, AttributeError):
@@ -137,7 +138,7 @@ def _architecture(model_dir) -> str | None:
 
 def target_spec(model_dir):
     """The spec `load_target` builds its model from (`DeepseekSpec` or `TargetSpec`), reading no weights."""
-    if _architecture(model_dir) in DEEPSEEK_ARCHITECTURES:
+    if architecture(model_dir) in DEEPSEEK_ARCHITECTURES:
         from specpack.runtime.deepseek import load_deepseek_spec
 
         return load_deepseek_spec(model_dir)
@@ -149,7 +150,7 @@ def load_target(model_dir, device="cpu", dtype=torch.float32):
     `DeepseekTransformer` for DeepSeek-V3-style architectures, else our `Transformer`."""
     from specpack.runtime.model import Transformer
 
-    if _architecture(model_dir) in DEEPSEEK_ARCHITECTURES:
+    if architecture(model_dir) in DEEPSEEK_ARCHITECTURES:
         from specpack.runtime.deepseek import load_deepseek
 
         return load_deepseek(model_dir, device, dtype)
