@@ -5,8 +5,8 @@
 drafted tokens costs about what decoding one does. Where the kernel cannot run (no compiler, no
 AVX2, a failed build, or `SPECPACK_KERNELS=0`), `pack` keeps the weight and calls `F.linear`.
 
-Determinism: every output element is one FMA chain over k = 0..K-1 (see linear.c), so results do
-not depend on M, on the thread count or on the machine's core count: row i of an M-row product is
+Determinism: every output element is summed in the same fixed k-blocks, one FMA chain per block
+(see linear.c), so results do not depend on M, on the thread count or on the machine's core count: row i of an M-row product is
 bit-identical to the product of row i alone. Speculative and plain greedy decoding therefore see
 the same logits. The values differ from `F.linear`'s in the last bits (another summation order).
 
