@@ -287,6 +287,11 @@ def test_cli_trains_and_reports_bad_input_without_traceback(tiny_target, tmp_pat
     code, out, err = cli("distill", tiny_target, "-o", tmp_path / "h", "--data", data, "--draft-vocab", "0")
     assert code == 2 and "draft vocab 0 must be a positive integer" in err and "Traceback" not in err
     code, out, err = cli("distill", tiny_target, "-o", tmp_path / "h", "--data", data, "--draft-vocab", "128",
-                         "--steps", "3", "--seq-len", "32", "--json")
+                         "--steps", "3", "--seq-len", "32", "--batch-size", "2", "--keep-lm-head", "--dtype",
+                         "float16", "--json")
     assert code == 0, err
+    record = json.loads(out)["record"]
     assert json.loads(out)["finished"] and (tmp_path / "h" / "model.safetensors").is_file()
+    assert record["training"]["batch_size"] == 2 and record["training"]["train_lm_head"] is False
+    assert record["head"]["dtype"] == "float16"
+    assert {t.dtype for t in load_file(tmp_path / "h" / "model.safetensors").values()} >= {torch.float16}

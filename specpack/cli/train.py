@@ -27,11 +27,16 @@ from specpack.cli._common import JSON, cli
 @click.option("--steps", default=2000, show_default=True, type=int)
 @click.option("--seq-len", default=256, show_default=True, type=int)
 @click.option("--lr", default=2e-3, show_default=True, type=float)
+@click.option("--batch-size", default=4, show_default=True, type=int, help="Windows of --seq-len positions per step.")
+@click.option("--train-lm-head/--keep-lm-head", default=True, show_default=True,
+              help="Train the head's output rows, or keep the target's (fewer weights to fit on little data).")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True,
+              help="Dtype of the exported weights.")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Continue from OUT's checkpoint.")
 @JSON
-def distill(target, out, data, self_generate, samples, temperature, gen_tokens, draft_vocab, steps, seq_len, lr, seed,
-            resume, json_mode):
+def distill(target, out, data, self_generate, samples, temperature, gen_tokens, draft_vocab, steps, seq_len, lr,
+            batch_size, train_lm_head, dtype, seed, resume, json_mode):
     """Train an EAGLE-3 head for TARGET against its own outputs (CPU-capable, resumable, seeded).
 
     \b
@@ -44,7 +49,8 @@ def distill(target, out, data, self_generate, samples, temperature, gen_tokens, 
 
     result = do_distill(target, out, data=data, self_generate=self_generate, samples=samples, temperature=temperature,
                         gen_tokens=gen_tokens, draft_vocab=draft_vocab,
-                        steps=steps, seq_len=seq_len, lr=lr, seed=seed, resume=resume,
+                        steps=steps, seq_len=seq_len, lr=lr, batch_size=batch_size, train_lm_head=train_lm_head,
+                        dtype=dtype, seed=seed, resume=resume,
                         progress=progress_enabled(json_mode))
     data = {"out": str(result.out), "finished": result.finished, "record": result.record}
     emit(data, json_mode, lambda d: f"wrote {d['out']} ({'finished' if d['finished'] else 'partial: resume'})")
