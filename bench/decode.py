@@ -21,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kernels import median_ms  # noqa: E402  (bench/kernels.py)
 from specpack.demo import CODE as CODE2  # noqa: E402  (the demo's copy-heavy class)
 
 CODE = '''def moving_average(values, window):
@@ -65,16 +66,6 @@ def humaneval_prompts(n: int) -> list[str]:
     return [p["prompt"] for p in list(problems.values())[:n]]
 
 
-def median_ms(fn, n=15) -> float:
-    fn()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts) * 1e3
-
-
 class Specpack:
     def __init__(self, artifact, pub):
         import specpack
@@ -97,7 +88,7 @@ class Specpack:
             t.cache.length = 100
             t(torch.arange(n), last_only=False)
 
-        one, nine = median_ms(lambda: fwd(1)), median_ms(lambda: fwd(9))
+        one, nine = median_ms(lambda: fwd(1), 15), median_ms(lambda: fwd(9), 15)
         return one, nine, nine / one
 
 

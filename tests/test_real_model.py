@@ -5,13 +5,22 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def test_smollm2_build_verify_run_lossless(tmp_path, monkeypatch, cli):
+@pytest.fixture(scope="module")
+def demo_artifact(tmp_path_factory):
+    """The demo's own preparation in a fresh cache, once for the module: (artifact, public key)."""
+    from specpack import demo
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SPECPACK_CACHE", str(tmp_path_factory.mktemp("demo-cache")))
+        yield demo.prepare(demo.cache_dir(), lambda s: None)
+
+
+def test_smollm2_build_verify_run_lossless(demo_artifact, cli):
     import json
 
     from specpack import demo
 
-    monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path))
-    artifact, pub = demo.prepare(demo.cache_dir(), lambda s: None)
+    artifact, pub = demo_artifact
     assert cli("verify", artifact, "--key", pub)[0] == 0
     for prompt in demo.PROMPTS.values():
         runs = {}
@@ -24,14 +33,13 @@ def test_smollm2_build_verify_run_lossless(tmp_path, monkeypatch, cli):
         assert len(runs["--no-spec"]["token_ids"]) > 10
 
 
-def test_shipped_eagle3_head_builds_drafts_and_is_lossless(tmp_path, monkeypatch):
+def test_shipped_eagle3_head_builds_drafts_and_is_lossless(demo_artifact):
     """heads/smollm2-135m-eagle3 (bash bench/distill_smollm2.sh) binds to the embedded target and
     drafts far better than chance; speculative greedy equals plain greedy."""
     import specpack
     from specpack import demo
 
-    monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path))
-    _, pub = demo.prepare(demo.cache_dir(), lambda s: None)
+    _, pub = demo_artifact
     model = specpack.load(demo.prepare_eagle3(demo.cache_dir(), lambda s: None), public_key=pub)
     assert model.manifest.drafter.kind == "eagle3" and model.manifest.drafter.draft_vocab_size == 4096
     tok = model.tokenizer
