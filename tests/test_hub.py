@@ -245,3 +245,14 @@ def test_unreachable_hub(signed, keypair, tmp_path):
     assert_nothing_left(tmp_path / "x")
     with pytest.raises(TransferError, match="cannot reach the hub"):
         push(signed, "org/tiny", token=WRITE_TOKEN, endpoint=dead, progress=False)
+
+
+def test_stale_partial_download_is_removed_by_the_next_pull(signed, hub, keypair, tmp_path):
+    from test_transactions import dead_pid
+
+    _push(signed, hub)
+    stale = tmp_path / f".pulled.{dead_pid()}.abcdefgh.partial"
+    (stale / ".cache/huggingface/download").mkdir(parents=True)
+    (stale / ".cache/huggingface/download/model.safetensors.incomplete").write_bytes(b"half")
+    assert _pull(hub, tmp_path / "pulled", public_key=keypair.public).report.signature_checked
+    assert not stale.exists()

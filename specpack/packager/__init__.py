@@ -15,29 +15,22 @@ from specpack.packager.artifact import read_manifest
 from specpack.packager.build import BuildOptions, BuildResult, NgramParams, build
 from specpack.packager.signing import keygen
 from specpack.packager.verify import VerifyReport, verify
-from specpack.schemas import MANIFEST_NAME, SIGNATURE_NAME
+from specpack.schemas import SIGNATURE_NAME
 
 __all__ = ["BuildOptions", "BuildResult", "NgramParams", "VerifyReport", "build", "describe",
            "keygen", "sign_artifact", "verify"]
 
 
 def sign_artifact(artifact: Path, key: Path, progress: bool = False) -> VerifyReport:
-    """Check every digest of `artifact`, then write (or replace) its signature with `key`."""
-    from specpack.packager.hashing import sha256_file
-    from specpack.packager.signing import sign
+    """Check every digest of `artifact`, then write (or replace) its signature with `key`, in one
+    step: a bad key or an interruption leaves the artifact as it was."""
+    from specpack.packager.update import check_update_options, recover, update_artifact
 
+    check_update_options(artifact, key)
+    recover(artifact)
     report = verify(artifact, progress=progress)
-    digests = {f.path: f.sha256 for f in report.manifest.files}
-    digests[MANIFEST_NAME] = sha256_file(Path(artifact) / MANIFEST_NAME)
-    tmp_dir = Path(artifact) / ".specpack-signing"
-    tmp_dir.mkdir(exist_ok=True)
-    try:
-        sign(tmp_dir, digests, key, report.manifest.name)
-        (tmp_dir / SIGNATURE_NAME).replace(Path(artifact) / SIGNATURE_NAME)
-    finally:
-        for p in tmp_dir.iterdir():
-            p.unlink()
-        tmp_dir.rmdir()
+    with update_artifact(artifact, key=key):
+        pass  # nothing but the signature changes
     return report
 
 

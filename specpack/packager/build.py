@@ -16,7 +16,7 @@ from specpack.packager import card
 from specpack.packager.artifact import write_manifest
 from specpack.packager.hashing import parallel_map, place_file, sha256_file
 from specpack.packager.progress import byte_bar
-from specpack.packager.signing import sign
+from specpack.packager.signing import check_signing_key, sign
 from specpack.schemas import MANIFEST_NAME, FileEntry, Manifest, MemoryInfo
 
 log = logging.getLogger(__name__)
@@ -54,6 +54,8 @@ class BuildResult:
 def build(opts: BuildOptions) -> BuildResult:
     """Build one artifact from a target and its drafter; nothing is left behind on failure."""
     start = time.perf_counter()
+    if opts.key:
+        check_signing_key(opts.key)  # before minutes of work
     target = target_hf.load(opts.target)
     drafter = convert_drafter(opts, target)
     with staging_dir(opts.out, opts.force) as tmp:

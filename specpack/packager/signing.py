@@ -45,21 +45,29 @@ def sign(artifact: Path, digests: dict[str, str], key: Path, name: str) -> Path:
     """Sign `digests` (relative path -> sha256 hex, every file but the signature) with `key`."""
     from model_signing import manifest as ms_manifest
     from model_signing._hashing import hashing as ms_hashing
-    from model_signing._signing import sign_ec_key, signing as ms_signing
+    from model_signing._signing import signing as ms_signing
 
     items = [ms_manifest.FileManifestItem(path=PurePosixPath(p),
                                           digest=ms_hashing.Digest("sha256", bytes.fromhex(d)))
              for p, d in sorted(digests.items())]
     serialization = ms_manifest._FileSerialization("sha256", False, ignore_paths=[SIGNATURE_NAME])
     payload = ms_signing.Payload(ms_manifest.Manifest(name, items, serialization))
-    try:
-        signer = sign_ec_key.Signer(Path(key))
-    except (ValueError, TypeError, OSError) as exc:
-        raise InputError(f"cannot use signing key '{key}': {exc}",
-                         hint="pass a PEM elliptic-curve private key, e.g. from `specpack keygen`") from None
     path = Path(artifact) / SIGNATURE_NAME
-    signer.sign(payload).write(path)
+    check_signing_key(key).sign(payload).write(path)
     return path
+
+
+def check_signing_key(key: Path):
+    """The model-signing signer for the private key at `key`, or an InputError saying why it cannot
+    sign (missing, a public key, not elliptic-curve). Commands call it before their first write."""
+    from model_signing._signing import sign_ec_key
+
+    try:
+        return sign_ec_key.Signer(Path(key))
+    except (ValueError, TypeError, OSError) as exc:
+        raise InputError(f"cannot sign with '{key}': {exc}",
+                         hint="pass the PEM elliptic-curve private key (the .pem of `specpack keygen`, "
+                              "not the .pub)") from None
 
 
 def signed_digests(artifact: Path, public_key: Path) -> dict[str, str]:

@@ -300,50 +300,34 @@ def _defaults(manifest, why: str) -> Selection:
 def store_profile(artifact, profile: Profile, key=None) -> Path:
     """Add `profile` to the artifact's manifest, replacing one measured for the same backend, device,
     dtype, hardware and workload; re-sign with `key` when given. specpack.json is not in the files
-    list, so every digest stays valid; a signed artifact needs `key` (its signature covers the manifest)."""
-    from specpack.packager.artifact import read_manifest
+    list, so every digest stays valid; a signed artifact needs `key` (its signature covers the manifest).
+    One transaction: a bad key or an interruption leaves the artifact as it was."""
+    from specpack.packager.update import update_artifact
+    from specpack.schemas import MANIFEST_NAME
 
     artifact = Path(artifact)
-    check_writable(artifact, key)
-    manifest = read_manifest(artifact)
-    kept = [_raw(p) for p in manifest.profiles if _slot(_raw(p)) != _slot(profile.model_dump(mode="json"))]
-    data = manifest.model_dump(mode="json", exclude_none=True)
-    data["profiles"] = kept + [profile.model_dump(mode="json")]
-    path = _write_manifest_atomic(artifact, type(manifest).model_validate(data))
-    if key is not None:
-        from specpack.packager import sign_artifact
+    with update_artifact(artifact, key, what=WRITING_PROFILES) as update:
+        slot = _slot(profile.model_dump(mode="json"))
+        kept = [_raw(p) for p in update.manifest.profiles if _slot(_raw(p)) != slot]
+        update.manifest_update["profiles"] = kept + [profile.model_dump(mode="json")]
+    return artifact / MANIFEST_NAME
 
-        sign_artifact(artifact, key)
-    return path
+
+WRITING_PROFILES = "writing profiles"
 
 
 def check_writable(artifact: Path, key) -> None:
-    """Refuse before any work when writing profiles would leave a stale signature behind."""
-    from specpack.schemas import SIGNATURE_NAME
+    """Refuse before any work when the key cannot sign, or when writing profiles would leave a
+    stale signature behind."""
+    from specpack.packager.update import check_update_options
 
-    if key is None and (Path(artifact) / SIGNATURE_NAME).is_file():
-        raise InputError(f"'{artifact}' is signed: writing profiles changes specpack.json, which the "
-                         "signature covers", hint="pass --key SIGNER.pem to re-sign it (or delete "
-                                                 f"{SIGNATURE_NAME} to keep it unsigned)")
+    check_update_options(Path(artifact), key, what=WRITING_PROFILES)
 
 
 def _slot(data: dict) -> tuple:
     hw = data.get("evidence", {}).get("hardware", {})
     return (data.get("backend"), data.get("device"), data.get("dtype"), hw.get("cpu_model"), hw.get("gpu"),
             data.get("evidence", {}).get("workload", {}).get("sha256"))
-
-
-def _write_manifest_atomic(artifact: Path, manifest) -> Path:
-    from specpack.schemas import MANIFEST_NAME
-
-    path = artifact / MANIFEST_NAME
-    tmp = artifact / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
-    try:
-        tmp.write_text(manifest.model_dump_json(indent=2, exclude_none=True) + "\n")
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return path
 
 
 def kv_and_weight_bytes(manifest, dtype: str, context: int) -> tuple[int, int]:

@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 
 from specpack import __version__
 from specpack.errors import InputError, SpecpackError, UnsupportedError
+from specpack.packager.update import recover
 from specpack.runtime.profiles import (Machine, check_writable, kv_and_weight_bytes, package_version,
                                        store_profile, this_machine)
 from specpack.runtime.speculative import MAX_DRAFT_LEN, GenerationStats
@@ -209,7 +210,8 @@ def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype:
         raise UnsupportedError(f"tune measures the torch backend only, not {backend!r}", hint="use --backend torch")
     _check_options(concurrency, draft_lens, max_new_tokens, repeats)
     wl = read_workload(workload)
-    check_writable(Path(artifact), key)
+    check_writable(Path(artifact), key)  # every option is checked before the first write
+    recover(Path(artifact))
     start = time.perf_counter()
     model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress)
     prompts = encode_workload(model, wl, max_new_tokens)

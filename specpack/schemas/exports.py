@@ -6,6 +6,9 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
+ONNX_DIR = "exports/onnx"  # where `export --to onnx` stores its files, with their index:
+ONNX_INDEX_NAME = "index.json"
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)

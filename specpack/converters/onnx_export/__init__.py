@@ -33,8 +33,8 @@ cache would copy every cached slot on every step instead.
 """
 
 from specpack.converters.onnx_export.layers import linear_params
-from specpack.converters.onnx_export.pipeline import (DATA_NAME, INDEX_NAME, ONNX_DIR, OPSET, add_files,
-                                                      export_onnx, read_index)
+from specpack.converters.onnx_export.pipeline import (DATA_NAME, INDEX_NAME, ONNX_DIR, OPSET, export_onnx,
+                                                      read_index)
 
-__all__ = ["DATA_NAME", "INDEX_NAME", "ONNX_DIR", "OPSET", "add_files", "export_onnx", "linear_params",
+__all__ = ["DATA_NAME", "INDEX_NAME", "ONNX_DIR", "OPSET", "export_onnx", "linear_params",
            "read_index"]

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 from pathlib import Path
 
@@ -13,17 +12,15 @@ import torch
 from torch import Tensor, nn
 
 from specpack.converters.onnx_export import eagle3, mtp, target
-from specpack.errors import InputError, OutputError
-from specpack.schemas.exports import Exports, OnnxExport, OnnxGraph, TensorInfo
+from specpack.errors import OutputError
+from specpack.schemas.exports import ONNX_DIR, Exports, OnnxExport, OnnxGraph, TensorInfo
+from specpack.schemas.exports import ONNX_INDEX_NAME as INDEX_NAME
 
 log = logging.getLogger(__name__)
 
-ONNX_DIR = "exports/onnx"
-INDEX_NAME = "index.json"
 DATA_NAME = "weights.bin"
 OPSET = 17
 ALIGN = 1 << 16  # big tensors start on 64 KiB boundaries so ONNX Runtime can map them from the file
-STAGING = ".specpack-onnx-export"
 
 
 # ---- what the graphs are: specpack.schemas.exports (index.json and the manifest's `exports`) ----
@@ -45,48 +42,28 @@ def export_onnx(artifact: Path, key: Path | None = None, public_key: Path | None
 
     The artifact is verified first (signature too when `public_key` is given). A signed artifact
     needs `key` to stay signed; pass `drop_signature=True` to leave it unsigned (digests still
-    checked). Nothing in the artifact changes when the export or a check fails."""
+    checked). Every option is checked before any work, and the artifact changes in one transaction
+    at the end (`specpack.packager.update`): a failed, interrupted or killed export leaves it as it was."""
     from specpack.packager import verify
-    from specpack.schemas import SIGNATURE_NAME
+    from specpack.packager.update import check_update_options, recover, update_artifact
 
     artifact = Path(artifact)
+    what, hint = "adding the ONNX export", "pass --signing-key KEY.pem to re-sign it (or --drop-signature)"
+    check_update_options(artifact, key, drop_signature, what, hint)
+    recover(artifact)
     manifest = verify(artifact, public_key, progress=progress).manifest
-    signed = (artifact / SIGNATURE_NAME).is_file()
-    if signed and key is None and not drop_signature:
-        raise InputError(f"'{artifact}' is signed: adding the export would invalidate its signature",
-                         hint="pass --key KEY.pem to re-sign it (or --drop-signature to leave it unsigned)")
     dest = artifact / ONNX_DIR
     if dest.exists() and not force:
         raise OutputError(f"'{dest}' already exists", hint="pass --force to replace the export")
-    staging = Path(_mkdtemp(artifact))
-    try:
+    with update_artifact(artifact, key, drop_signature, what, hint=hint) as update:
+        staging = update.stage(ONNX_DIR)
+        staging.mkdir()
         index = _export_graphs(artifact, manifest, staging, progress)
         (staging / INDEX_NAME).write_text(index.model_dump_json(indent=2) + "\n")
-        _move_into(staging, dest, artifact)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        update.manifest_update["exports"] = (manifest.exports or Exports()).model_copy(update={"onnx": index})
     written = sorted(dest.iterdir())
-    exports = (manifest.exports or Exports()).model_copy(update={"onnx": index})
-    add_files(artifact, ONNX_DIR, key, drop_signature=drop_signature and signed, update={"exports": exports})
     log.info("exported %s: %s", artifact, ", ".join(p.name for p in written))
     return written
-
-
-def _mkdtemp(artifact: Path) -> str:
-    import tempfile
-
-    # beside the artifact (same file system, so the final rename is atomic), never inside it
-    return tempfile.mkdtemp(prefix=f".{artifact.name}.onnx-", dir=artifact.parent)
-
-
-def _move_into(staging: Path, dest: Path, artifact: Path) -> None:
-    """Rename `staging` to `dest`; an existing `dest` is moved out first and removed after."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    trash = Path(_mkdtemp(artifact))
-    if dest.exists():
-        dest.rename(trash / "old")
-    staging.rename(dest)
-    shutil.rmtree(trash, ignore_errors=True)
 
 
 # drafter kind -> its graphs, from the drafter module the runtime loads (n-gram needs none)
@@ -195,33 +172,3 @@ def _check(path: Path) -> None:
         onnx.checker.check_model(str(path))
     except onnx.checker.ValidationError as exc:
         raise RuntimeError(f"the exported graph {path.name} does not pass onnx.checker: {exc}") from exc
-
-
-# ---- adding exported files to the manifest ----
-
-def add_files(artifact: Path, prefix: str, key: Path | None, drop_signature: bool = False,
-              update: dict | None = None) -> None:
-    """Replace the manifest's entries under `prefix/` with the files now there (size, sha256), apply
-    `update` (manifest fields), write the manifest atomically, and re-sign with `key` (or remove a
-    signature that no longer holds)."""
-    import tempfile
-
-    from specpack.packager import sign_artifact
-    from specpack.packager.artifact import read_manifest, write_manifest
-    from specpack.packager.hashing import sha256_file
-    from specpack.schemas import SIGNATURE_NAME, FileEntry
-
-    artifact = Path(artifact)
-    manifest = read_manifest(artifact)
-    root = artifact / prefix
-    new = [p for p in sorted(root.rglob("*")) if p.is_file()] if root.is_dir() else []
-    entries = [f for f in manifest.files if not f.path.startswith(prefix.rstrip("/") + "/")]
-    entries += [FileEntry(path=p.relative_to(artifact).as_posix(), size=p.stat().st_size, sha256=sha256_file(p))
-                for p in new]
-    updated = manifest.model_copy(update={**(update or {}), "files": sorted(entries, key=lambda f: f.path)})
-    with tempfile.TemporaryDirectory(dir=artifact.parent) as tmp:
-        os.replace(write_manifest(Path(tmp), updated), artifact / "specpack.json")
-    if key is not None:
-        sign_artifact(artifact, key)
-    elif drop_signature:
-        (artifact / SIGNATURE_NAME).unlink(missing_ok=True)

@@ -173,7 +173,7 @@ def ensure_engine(artifact: Path, key: EngineKey, onnx_path: Path, io_dtypes: di
     """The plan file for `key`: reused when its sidecar matches, else built (with `build`) and stored
     in the artifact (manifest updated, re-signed with `sign_key`), or in the user cache when the
     artifact is signed and no key was given."""
-    from specpack.converters.onnx_export import add_files
+    from specpack.packager.update import check_update_options, update_artifact
     from specpack.schemas import SIGNATURE_NAME
 
     artifact = Path(artifact)
@@ -185,17 +185,22 @@ def ensure_engine(artifact: Path, key: EngineKey, onnx_path: Path, io_dtypes: di
         reasons = rebuild_reasons(found, key)
         if not reasons:
             return plan
+    if root == artifact:
+        check_update_options(artifact, sign_key, what="storing the engine")  # before minutes of building
     log.info("building the TensorRT engine %s (%s)", plan.name, "; ".join(reasons))
     data = build(onnx_path, key, io_dtypes)
+    sidecar_text = key.model_dump_json(indent=2) + "\n"
     plan, sidecar = engine_paths(root, key)
+    if root == artifact:  # plan, sidecar, manifest and signature in one transaction
+        with update_artifact(artifact, sign_key, what="storing the engine") as update:
+            update.stage(plan.relative_to(artifact).as_posix()).write_bytes(data)
+            update.stage(sidecar.relative_to(artifact).as_posix()).write_text(sidecar_text)
+        return plan
     plan.parent.mkdir(parents=True, exist_ok=True)
     _write_atomic(plan, data)
-    _write_atomic(sidecar, (key.model_dump_json(indent=2) + "\n").encode())
-    if root == artifact:
-        add_files(artifact, ENGINE_DIR, sign_key)
-    else:
-        log.warning("'%s' is signed and no key was given: engine kept in %s, not in the artifact "
-                    "(pass a signing key to store it signed)", artifact, plan.parent)
+    _write_atomic(sidecar, sidecar_text.encode())
+    log.warning("'%s' is signed and no key was given: engine kept in %s, not in the artifact "
+                "(pass a signing key to store it signed)", artifact, plan.parent)
     return plan
 
 
@@ -414,9 +419,14 @@ def build_engines(artifact, key: Path | None = None, public_key: Path | None = N
     """`specpack export ARTIFACT --to tensorrt`: build (or reuse) this GPU's engines for the artifact's
     ONNX export, store them under engines/<sm_XX>/, add them to the manifest and re-sign with `key`."""
     from specpack.packager import verify
+    from specpack.packager.signing import check_signing_key
+    from specpack.packager.update import recover
     from specpack.schemas import SIGNATURE_NAME
 
     artifact = Path(artifact)
+    if key is not None:
+        check_signing_key(key)
+    recover(artifact)
     manifest = verify(artifact, public_key).manifest
     if (artifact / SIGNATURE_NAME).is_file() and key is None:
         raise InputError(f"'{artifact}' is signed: storing engines in it needs the signing key",
