@@ -247,6 +247,20 @@ def test_unreachable_hub(signed, keypair, tmp_path):
         push(signed, "org/tiny", token=WRITE_TOKEN, endpoint=dead, progress=False)
 
 
+def test_pull_keeps_only_the_files_the_manifest_lists(signed, hub, keypair, tmp_path):
+    """The hub adds .gitattributes to a repo, and a compromised repo may carry anything: a file the
+    manifest does not list is never downloaded, so never kept (issue 13, item 1)."""
+    _push(signed, hub)
+    files = hub.files("org/tiny")
+    files[".gitattributes"] = (b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n", False)
+    files[".git/config"] = (b'[core]\n\tfsmonitor = "touch pwned"\n', False)
+    result = _pull(hub, tmp_path / "pulled", public_key=keypair.public)
+    assert result.report.signature_checked
+    assert_identical_dirs(signed, tmp_path / "pulled")  # (filecmp ignores .git: checked below)
+    assert not (tmp_path / "pulled/.git").exists() and not (tmp_path / "pulled/.gitattributes").exists()
+    assert not [r for r in hub.requests if ".git" in r and "/resolve/" in r]
+
+
 def test_stale_partial_download_is_removed_by_the_next_pull(signed, hub, keypair, tmp_path):
     from test_transactions import dead_pid
 

@@ -214,3 +214,25 @@ def test_manifest_with_an_escaping_path_writes_nothing(registry, signed, keypair
     assert any("escapes its directory" in p for p in err.value.problems)
     assert not (tmp_path / "escaped").exists()
     assert_nothing_left(tmp_path / "out")
+
+
+def _push_manifest(registry, repo, tag, manifest):
+    url = f"http://{registry[0]}/v2/specpack/{repo}/manifests/{tag}"
+    req = urllib.request.Request(url, data=json.dumps(manifest).encode(), method="PUT",
+                                 headers={"Content-Type": "application/vnd.oci.image.manifest.v1+json"})
+    urllib.request.urlopen(req).close()
+
+
+def test_extra_layer_is_refused_and_nothing_kept(registry, signed, keypair, tmp_path):
+    """A layer the artifact's manifest does not list (here .git/config, whose fsmonitor runs on the
+    next `git status`) fails verification; the download is removed (issue 13, item 1)."""
+    ref = _ref(registry, "extra")
+    pushed = push_oci(signed, ref, plain_http=True, progress=False)
+    manifest = json.loads(_blob(registry, pushed.revision).read_bytes())
+    extra = dict(manifest["layers"][0], annotations={"org.opencontainers.image.title": ".git/config"})
+    manifest["layers"].append(extra)
+    _push_manifest(registry, "extra", "evil", manifest)
+    with pytest.raises(VerificationError) as err:
+        _pull(ref.replace(":v1", ":evil"), tmp_path / "out", public_key=keypair.public)
+    assert ".git/config: extra file, not in the manifest" in err.value.problems
+    assert_nothing_left(tmp_path / "out")

@@ -100,6 +100,7 @@ def test_export_killed_midway_is_rolled_back_by_the_next_run(signed, keypair, cl
     assert (signed / "exports/onnx").is_dir() and leftovers(signed) == [f".art.{proc.pid}.update"]
     code, _, err = cli("verify", signed, "--key", keypair.public)
     assert code == 3 and "exports/onnx/index.json: extra file" in err  # the broken state of the issue
+    assert "was killed midway" in err and "run that command" in err
 
     with caplog.at_level(logging.WARNING, logger=_atomic.__name__):
         code, out, err = cli("sign", signed, "--key", keypair.private)  # any in-place command repairs it

@@ -87,7 +87,7 @@ def _check_reserved(root: Path, files: list[str]) -> None:
 
 def _weight_files(root: Path, files: list[str]) -> list[str]:
     if INDEX_NAME in files:
-        return _indexed_files(root)
+        return _indexed_files(root, files)
     shards = [f for f in files if SHARD_RE.match(f)]
     if shards:
         raise InputError(f"target '{root}' has sharded weights but no {INDEX_NAME}",
@@ -101,13 +101,17 @@ def _weight_files(root: Path, files: list[str]) -> list[str]:
                           "`save_pretrained(dir, safe_serialization=True)` first")
 
 
-def _indexed_files(root: Path) -> list[str]:
+def _indexed_files(root: Path, files: list[str]) -> list[str]:
+    """The shards the index names: each a plain relative path to a file that is carried."""
     index = read_json(root / INDEX_NAME, "weight index")
     weight_map = index.get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise InputError(f"{root / INDEX_NAME}: no 'weight_map'", hint="the index is corrupt")
-    names = sorted({check_relpath(v, str(root / INDEX_NAME)) for v in weight_map.values()})
+    names = sorted({check_relpath(v if isinstance(v, str) else "", str(root / INDEX_NAME))
+                    for v in weight_map.values()})
     problems = [f"{n} is named by the index but missing" for n in names if not (root / n).is_file()]
+    problems += [f"{n} is named by the index but not carried (inside a skipped folder such as .git/ or "
+                 ".cache/, or not safetensors)" for n in names if (root / n).is_file() and n not in files]
     problems += _missing_shard_numbers(names)
     if problems:
         raise InputError(f"target '{root}': weight shards are missing", problems=problems,

@@ -13,7 +13,8 @@ from specpack._atomic import staging_dir
 from specpack.converters import DRAFTER_FAMILIES, detect_drafter, mtp, ngram, target_hf
 from specpack.converters.base import AuxOverride, ConvertedDrafter
 from specpack.packager import card
-from specpack.packager.artifact import write_manifest
+from specpack.errors import ConversionError
+from specpack.packager.artifact import read_path_problems, write_manifest
 from specpack.packager.hashing import parallel_map, place_file, sha256_file
 from specpack.packager.progress import byte_bar
 from specpack.packager.signing import check_signing_key, sign
@@ -65,6 +66,7 @@ def build(opts: BuildOptions) -> BuildResult:
         digests["README.md"] = _write_text(tmp / "README.md", card.render(manifest))
         manifest = manifest.model_copy(update={"files": _file_entries(tmp, digests)})
         write_manifest(tmp, manifest)
+        _check_read_paths(tmp, digests)
         if opts.key:
             sign(tmp, {**digests, MANIFEST_NAME: sha256_file(tmp / MANIFEST_NAME)}, opts.key,
                  manifest.name)
@@ -130,6 +132,14 @@ def _manifest(name: str, target, drafter: ConvertedDrafter) -> Manifest:
     return Manifest(specpack_version=__version__, name=name,
                     created=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
                     target=target.info, drafter=drafter.entry, memory=memory, files=[])
+
+
+def _check_read_paths(tmp: Path, digests: dict[str, str]) -> None:
+    """Never sign an artifact whose files name files outside it (a safetensors index, say)."""
+    problems = read_path_problems(tmp, set(digests))
+    if problems:
+        raise ConversionError("the artifact would read files it does not hold", problems=problems,
+                              hint="every file an index names must be inside the target (or drafter) folder")
 
 
 def _file_entries(tmp: Path, digests: dict[str, str]) -> list[FileEntry]:

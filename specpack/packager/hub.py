@@ -2,8 +2,9 @@
 
     push(ART, "org/name")       verify → create the repo → one commit with every file
     pull("org/name", OUT, public_key=PUB)
-                                download into a hidden dir beside OUT → verify signature and
-                                digests → rename to OUT; on any failure nothing is left
+                                download the files the manifest lists (nothing else) into a
+                                hidden dir beside OUT → verify signature and digests → rename to
+                                OUT; on any failure nothing is left
 
 An artifact directory is already a valid model repo (README.md is its model card with the hub
 YAML header), so files are uploaded as they are. Tokens come from `token=`, else HF_TOKEN or the
@@ -13,14 +14,18 @@ token saved by `hf auth login`; the endpoint from `endpoint=`, else HF_ENDPOINT.
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import shutil
 from pathlib import Path
 
-from specpack.errors import InputError
 from specpack._atomic import staging_dir
+from specpack._paths import check_relpath
+from specpack.errors import InputError, VerificationError
+from specpack.packager.artifact import read_manifest
 from specpack.packager.transfer import (PullResult, PushResult, TransferError, check_download,
                                         files_to_upload, require_trust_choice)
+from specpack.schemas import MANIFEST_NAME, SIGNATURE_NAME
 
 log = logging.getLogger(__name__)
 
@@ -86,16 +91,43 @@ def pull(repo_id: str, out: Path, revision: str | None = None, public_key: Path 
 
 
 def _download(repo_id: str, revision: str | None, tmp: Path, token, endpoint) -> str:
-    """Resolve `revision` to a commit, download that commit's files as real files into `tmp`
-    (a private cache inside it, removed after), and return the commit sha."""
-    from huggingface_hub import HfApi, snapshot_download
+    """Resolve `revision` to a commit; download that commit's specpack.json and model.sig, then
+    exactly the files the manifest lists, as real files into `tmp` (a private cache inside it,
+    removed after); return the commit sha. Other files of the repo (the .gitattributes the hub
+    adds, anything else) are never downloaded: nothing unlisted reaches the artifact."""
+    from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 
-    commit = HfApi(endpoint=endpoint, token=token).repo_info(repo_id, revision=revision).sha
+    info = HfApi(endpoint=endpoint, token=token).repo_info(repo_id, revision=revision)
+    commit, in_repo = info.sha, {s.rfilename for s in info.siblings or []}
     cache = tmp / ".cache"
-    snapshot_download(repo_id, revision=commit, local_dir=tmp, cache_dir=cache / "hub",
-                      endpoint=endpoint, token=token, ignore_patterns=[".gitattributes"])
+    where = dict(repo_id=repo_id, revision=commit, local_dir=tmp, cache_dir=cache / "hub", endpoint=endpoint,
+                 token=token)
+    for name in (MANIFEST_NAME, SIGNATURE_NAME):
+        if name in in_repo:
+            hf_hub_download(filename=name, **where)
+    listed = _listed_files(tmp, f"hf://{repo_id}@{commit[:12]}")
+    skipped = sorted(in_repo - set(listed) - {MANIFEST_NAME, SIGNATURE_NAME})
+    if set(skipped) - {".gitattributes"}:
+        log.warning("%s: not downloading %d files the manifest does not list: %s", repo_id, len(skipped),
+                    ", ".join(skipped[:10]))
+    snapshot_download(allow_patterns=[glob.escape(p) for p in listed], **where)
     shutil.rmtree(cache, ignore_errors=True)
     return commit
+
+
+def _listed_files(tmp: Path, source: str) -> list[str]:
+    """The plain relative paths the downloaded manifest lists (verify reports any other)."""
+    try:
+        manifest = read_manifest(tmp)
+    except VerificationError as exc:
+        raise VerificationError(f"{source} holds no valid {MANIFEST_NAME}: not a specpack artifact",
+                                problems=exc.problems, hint="check the repo id and revision") from None
+    listed = []
+    for entry in manifest.files:
+        with contextlib.suppress(InputError):
+            if check_relpath(entry.path, MANIFEST_NAME) == entry.path:
+                listed.append(entry.path)
+    return listed
 
 
 def _require_token(token: str | None) -> str:

@@ -6,8 +6,10 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-from specpack.errors import VerificationError
-from specpack.packager.artifact import list_files, read_manifest
+from specpack._atomic import interrupted_updates
+from specpack._paths import check_relpath
+from specpack.errors import InputError, VerificationError
+from specpack.packager.artifact import list_files, read_manifest, read_path_problems
 from specpack.packager.hashing import parallel_map, sha256_file
 from specpack.packager.progress import byte_bar
 from specpack.packager.signing import signed_digests
@@ -44,9 +46,29 @@ def verify(artifact: Path, public_key: Path | None = None, require_signature: bo
     problems += _file_problems(artifact, manifest, progress)
     if problems:
         raise VerificationError(f"artifact '{artifact}' failed verification", problems=problems,
-                                hint="never load it: rebuild it or pull it again from its source")
+                                hint=_failure_hint(artifact))
     return VerifyReport(artifact, manifest, signed, public_key is not None, len(manifest.files),
                         sum(f.size for f in manifest.files))
+
+
+def _failure_hint(artifact: Path) -> str:
+    killed = interrupted_updates(artifact)
+    if killed:
+        return (f"a command changing it was killed midway ({killed[0]} is beside it): run that command "
+                "(export, tune or sign) again, it first rolls the half-done change back")
+    return "never load it: rebuild it or pull it again from its source"
+
+
+def check_paths(artifact: Path, manifest: Manifest) -> None:
+    """What loading needs even when the digests are not checked (`load(verify=False)`): no links or
+    other non-files, and every path the runtime reads through the artifact's files a listed file."""
+    artifact = Path(artifact)
+    _, odd = list_files(artifact)
+    problems = [f"{p}: {what}" for p, what in sorted(odd.items())]
+    problems += read_path_problems(artifact, {f.path for f in manifest.files if _plain(f.path)})
+    if problems:
+        raise VerificationError(f"artifact '{artifact}' cannot be loaded safely", problems=problems,
+                                hint="never load it: rebuild it or pull it again from its source")
 
 
 def _signature_problems(artifact, manifest, public_key, require_signature, signed) -> list[str]:
@@ -71,14 +93,21 @@ def _signature_problems(artifact, manifest, public_key, require_signature, signe
 def _file_problems(artifact: Path, manifest: Manifest, progress: bool) -> list[str]:
     present, odd = list_files(artifact)
     expected = {f.path: f for f in manifest.files}
-    problems = [f"{p}: is a link or not a regular file" for p in odd]
-    problems += [f"{p}: missing" for p in sorted(set(expected) - set(present))]
+    problems = [f"{p}: {what}" for p, what in sorted(odd.items())]
+    problems += [f"{p}: not a plain relative path inside the artifact" for p in sorted(expected)
+                 if not _plain(p)]
+    problems += [f"{p}: missing" for p in sorted(set(expected) - set(present)) if _plain(p)]
     problems += [f"{p}: extra file, not in the manifest" for p in sorted(set(present) - set(expected))]
     common = sorted(set(expected) & set(present))
     with byte_bar(sum(expected[p].size for p in common), "verifying", progress) as bar:
         digests = parallel_map(lambda p: sha256_file(artifact / p, bar.update), common)
     problems += [f"{p}: changed (sha256 {d[:12]}…, expected {expected[p].sha256[:12]}…)"
                  for p, d in zip(common, digests) if d != expected[p].sha256]
-    return problems
+    return problems + read_path_problems(artifact, {p for p in expected if _plain(p)})
 
 
+def _plain(path: str) -> bool:
+    try:
+        return check_relpath(path, "manifest") == path
+    except InputError:
+        return False

@@ -25,6 +25,7 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
     """
     from specpack.packager import verify as verify_artifact
     from specpack.packager.artifact import read_manifest
+    from specpack.packager.verify import check_paths
     from specpack.runtime import backends
     from specpack.runtime.spec_model import SpecModel
 
@@ -33,6 +34,8 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
         require_signature = os.environ.get("SPECPACK_REQUIRE_SIGNATURE", "") not in ("", "0")
     report = verify_artifact(path, public_key, require_signature, progress) if verify else None
     manifest = report.manifest if report else read_manifest(path)
+    if not verify:
+        check_paths(path, manifest)  # no links, and no file read from outside the artifact
     _device(device), _dtype(dtype)  # check both before any work
     target, drafter = backends.load(backend, path, manifest, device, dtype, **backend_options)
     model = SpecModel(target, drafter).eval()

@@ -28,7 +28,7 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     model_dir = Path(model_dir)
     if (model_dir / INDEX).is_file():
         weight_map = json.loads((model_dir / INDEX).read_text()).get("weight_map", {})
-        files = {name: model_dir / f for name, f in weight_map.items()}
+        files = _shard_paths(model_dir, weight_map)
         missing = sorted({str(p.name) for p in files.values() if not p.is_file()})
         if missing:
             raise InputError(f"{model_dir / INDEX} names shard files that are missing", problems=missing,
@@ -40,6 +40,27 @@ def checkpoint_files(model_dir: Path) -> dict[str, Path]:
     hint = ("convert pytorch_model.bin to safetensors first" if (model_dir / "pytorch_model.bin").exists()
             else "expected model.safetensors or model.safetensors.index.json")
     raise InputError(f"no safetensors checkpoint in {model_dir}", hint=hint)
+
+
+def _shard_paths(model_dir: Path, weight_map: dict) -> dict[str, Path]:
+    """tensor name -> shard path; every shard inside `model_dir` (no `..`, absolute path or link
+    out of it), or one InputError naming each that is not."""
+    from specpack._paths import check_relpath
+
+    inside, files, problems = model_dir.resolve(), {}, set()
+    for name, rel in weight_map.items():
+        try:
+            path = model_dir / check_relpath(rel if isinstance(rel, str) else "", f"{model_dir / INDEX}")
+        except InputError:
+            problems.add(f"{rel!r} is not a path inside {model_dir}")
+            continue
+        if not path.resolve().is_relative_to(inside):
+            problems.add(f"'{rel}' leads outside {model_dir} (through a link)")
+        files[name] = path
+    if problems:
+        raise InputError(f"{model_dir / INDEX} names weight files outside the model", problems=sorted(problems),
+                         hint="never load it: a checkpoint must only name files inside its own folder")
+    return files
 
 
 def tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
