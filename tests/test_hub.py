@@ -261,6 +261,15 @@ def test_pull_keeps_only_the_files_the_manifest_lists(signed, hub, keypair, tmp_
     assert not [r for r in hub.requests if ".git" in r and "/resolve/" in r]
 
 
+def test_a_key_requires_a_signature_even_with_allow_unsigned(unsigned, hub, keypair, tmp_path):
+    """--allow-unsigned stands in for a missing key; it never lowers one that was given (item 14)."""
+    _push(unsigned, hub)
+    with pytest.raises(VerificationError, match="not signed") as err:
+        _pull(hub, tmp_path / "a", public_key=keypair.public, allow_unsigned=True)
+    assert "without --key" in err.value.hint
+    assert_nothing_left(tmp_path / "a")
+
+
 def test_stale_partial_download_is_removed_by_the_next_pull(signed, hub, keypair, tmp_path):
     from test_transactions import dead_pid
 

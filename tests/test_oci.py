@@ -236,3 +236,14 @@ def test_extra_layer_is_refused_and_nothing_kept(registry, signed, keypair, tmp_
         _pull(ref.replace(":v1", ":evil"), tmp_path / "out", public_key=keypair.public)
     assert ".git/config: extra file, not in the manifest" in err.value.problems
     assert_nothing_left(tmp_path / "out")
+
+
+def test_a_key_requires_a_signature_even_with_allow_unsigned(registry, tiny_target, keypair, tmp_path):
+    from specpack.packager import BuildOptions, build
+
+    unsigned = build(BuildOptions(target=tiny_target, drafter="ngram", out=tmp_path / "unsigned")).out
+    ref = _ref(registry, "unsigned")
+    push_oci(unsigned, ref, plain_http=True, progress=False)
+    with pytest.raises(VerificationError, match="not signed"):
+        _pull(ref, tmp_path / "out", public_key=keypair.public, allow_unsigned=True)
+    assert_nothing_left(tmp_path / "out")

@@ -67,8 +67,9 @@ def push(artifact, destination, revision, private, endpoint, plain_http, public_
 def pull(source, out, revision, public_key, allow_unsigned, force, endpoint, plain_http, json_mode):
     """Download SOURCE (ORG/NAME or oci://HOST/REPO:TAG), verify it, then move it to OUT.
 
-    The signature is checked with --key; an unsigned download is refused unless --allow-unsigned.
-    Every digest is always checked. On any failure nothing is left behind (exit code 3 when the
+    The signature is checked with --key, and then an unsigned download is always refused; without
+    --key, only --allow-unsigned accepts it. Every digest is always checked, and only the files
+    the manifest lists are kept. On any failure nothing is left behind (exit code 3 when the
     download does not verify).
 
     \b

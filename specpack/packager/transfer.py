@@ -82,17 +82,19 @@ def require_trust_choice(public_key: Path | None, allow_unsigned: bool, source: 
 
 def check_download(tmp: Path, public_key: Path | None, allow_unsigned: bool, source: str,
                    progress: bool = False) -> VerifyReport:
-    """Verify a finished download in its staging dir: the signature with `public_key` (an
-    unsigned artifact only with `allow_unsigned`), and always every digest."""
+    """Verify a finished download in its staging dir: the signature with `public_key` (given a key,
+    a missing signature fails: `allow_unsigned` only stands in for a key, it never lowers one), and
+    always every digest."""
     signed = (Path(tmp) / SIGNATURE_NAME).is_file()
-    if public_key is not None and not signed and not allow_unsigned:
-        raise VerificationError(f"{source} is not signed ({SIGNATURE_NAME} missing)",
-                                hint="ask its publisher for a signed artifact, or pass "
-                                     "--allow-unsigned to accept digests only")
-    if public_key is None or not signed:
+    if public_key is not None and not signed:
+        raise VerificationError(f"{source} is not signed ({SIGNATURE_NAME} missing), but a key was given "
+                                "to check its signature",
+                                hint="ask its publisher for a signed artifact; to accept digests only, "
+                                     "pull without --key and with --allow-unsigned")
+    if public_key is None:
         log.warning("%s: digests only, the signature is not checked", source)
     try:
-        return verify(tmp, public_key=public_key if signed else None, progress=progress)
+        return verify(tmp, public_key=public_key, progress=progress)
     except VerificationError as exc:
         raise VerificationError(f"{source} failed verification; the download was removed",
                                 problems=exc.problems or [exc.message],
