@@ -151,3 +151,27 @@ def test_manifest_validates_against_checked_in_schema(tmp_path, tiny_target, cli
     out = tmp_path / "art"
     assert cli("build", tiny_target, "--drafter", "ngram", "-o", out)[0] == 0
     jsonschema.validate(read_json(out / "specpack.json"), json.loads(SCHEMA_PATH.read_text()))
+
+
+def test_manifest_keeps_folder_names_not_local_paths(tmp_path, tiny_target, tiny_cfg, keypair, cli, monkeypatch):
+    """`push` publishes specpack.json: it names the input folders, never where they were (issue 13,
+    item 15); an artifact from before, with absolute paths, still verifies and loads."""
+    import specpack
+    from specpack.packager import sign_artifact
+
+    _, head = _write_head("eagle3-official", tmp_path, tiny_cfg, tiny_target)
+    monkeypatch.chdir(head)
+    out = tmp_path / "art"
+    assert cli("build", tiny_target, "--drafter", ".", "-o", out)[0] == 0
+    text = (out / "specpack.json").read_text()
+    manifest = json.loads(text)
+    assert manifest["target"]["source"] == {"kind": "path", "path": tiny_target.name}
+    assert manifest["drafter"]["source"] == {"kind": "path", "path": head.name}
+    assert str(tmp_path) not in text and str(tiny_target.parent) not in text
+
+    manifest["target"]["source"]["path"] = str(tiny_target)  # as older specpack wrote it
+    manifest["drafter"]["source"]["path"] = str(head)
+    (out / "specpack.json").write_text(json.dumps(manifest, indent=2))
+    sign_artifact(out, keypair.private)
+    assert specpack.load(out, public_key=keypair.public, require_signature=True).manifest.target.source.path == \
+        str(tiny_target)

@@ -79,7 +79,7 @@ def convert(path: Path, target: Target, aux: AuxOverride | None = None,
     if layout is None:
         raise InputError(f"'{path}' is not an EAGLE-3 head in a known layout",
                          hint="known layouts: " + ", ".join(LAYOUTS))
-    return convert_tensors(layout, config, raw, target, aux, source or Source(kind="path", path=str(path)), path)
+    return convert_tensors(layout, config, raw, target, aux, source or Source.local(path), path)
 
 
 def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: AuxOverride | None,

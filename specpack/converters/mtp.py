@@ -125,7 +125,7 @@ def convert(path: Path, target: Target, allow_reuse: bool = False, source: Sourc
         meta.update({n: m for n, m in read_header(file).items() if files.get(n) == file})
     has_config = (path / "config.json").is_file()
     config = _text_config(read_json(path / "config.json", "MTP head config")) if has_config else {}
-    src = _Source(meta, files, config, source or Source(kind="path", path=str(path)), "drafter")
+    src = _Source(meta, files, config, source or Source.local(path), "drafter")
     return _convert(LAYOUTS[layout], src, target, allow_reuse, f"MTP head '{path}'")
 
 

@@ -45,7 +45,7 @@ def convert(path: Path, target: Target, aux: AuxOverride | None = None,
     config = read_json(path / "config.json", "drafter config")
     problems = _unsupported(config) + verifier_problems(config, target)  # reported with the tensor checks
     return eagle3.convert_tensors(LAYOUT, flat_config(config), eagle3.load_tensors(path), target, aux,
-                                  source or Source(kind="path", path=str(path)), path, problems)
+                                  source or Source.local(path), path, problems)
 
 
 def flat_config(config: dict) -> dict:

@@ -62,7 +62,7 @@ def load(path: Path, source: Source | None = None) -> Target:
     weight_files = _weight_files(root, files)
     tensors = _read_tensors(root, weight_files)
     info = _target_info(root, config, files, weight_files, tensors,
-                        source or Source(kind="path", path=str(path)))
+                        source or Source.local(path))
     return Target(root=root, files=files, info=info, tensors=tensors)
 
 

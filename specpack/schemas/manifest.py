@@ -6,6 +6,8 @@ and checked in; a test fails when the two drift.
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -30,9 +32,16 @@ class FileEntry(_Strict):
 
 class Source(_Strict):
     kind: Literal["path", "hub"] = Field(description="Where the input came from.")
-    path: Optional[str] = Field(None, description="Local path the input was read from, as given.")
+    path: Optional[str] = Field(
+        None, description="Name of the local folder the input was read from, without its location (older "
+                          "artifacts may hold the path as given).")
     repo_id: Optional[str] = Field(None, description="Hugging Face repo id, when pulled from the hub.")
     revision: Optional[str] = Field(None, description="Hub revision (commit) of the input.")
+
+    @classmethod
+    def local(cls, path) -> "Source":
+        """A local folder, by its name only (`./models/llama/` -> `llama`)."""
+        return cls(kind="path", path=Path(os.path.abspath(path)).name)
 
 
 class TargetInfo(_Strict):
