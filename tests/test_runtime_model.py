@@ -116,7 +116,7 @@ def test_spec_errors():
     del cfg["hidden_size"], cfg["vocab_size"]
     with pytest.raises(InputError) as e:
         target_spec_from_config(cfg)
-    assert e.value.problems == ["hidden_size", "vocab_size"]
+    assert e.value.problems == ["hidden_size: missing", "vocab_size: missing"]
 
 
 def test_checkpoint_errors(tmp_path):

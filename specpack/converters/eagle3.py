@@ -112,23 +112,37 @@ def _tensor_names(path: Path) -> set[str]:
 
 def load_tensors(path: Path) -> dict:
     """The head's tensors: model.safetensors, else a weights-only `pytorch_model.bin`."""
-    import torch
-
     stray = [p.name for p in path.iterdir() if p.suffix in (".pt", ".pth", ".ckpt", ".pkl", ".gguf")]
     if (path / "model.safetensors").is_file():
         from safetensors.torch import load_file
 
         return load_file(path / "model.safetensors")
     if (path / "pytorch_model.bin").is_file():
-        try:
-            return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-            raise InputError(f"{path / 'pytorch_model.bin'} is not a plain tensor checkpoint: "
-                             f"{str(exc).splitlines()[0]}",
-                             hint="only weights-only pickles are read; re-save as safetensors") from None
+        return _load_pickle(path / "pytorch_model.bin")
     raise InputError(f"'{path}' has no model.safetensors or pytorch_model.bin",
                      problems=[f"found {s}" for s in stray],
                      hint="EAGLE-3 heads are read from safetensors or the official pickle layout")
+
+
+def _load_pickle(file: Path) -> dict:
+    """A weights-only pickle that must hold a dict of tensors (a state dict) and nothing else."""
+    import torch
+
+    hint = "only weights-only pickles of a state dict are read; re-save as safetensors"
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        raise InputError(f"{file} is not a plain tensor checkpoint: {str(exc).splitlines()[0]}",
+                         hint=hint) from None
+    if not isinstance(state, dict):
+        raise InputError(f"{file} is not a plain tensor checkpoint: it holds a Python {type(state).__name__}, "
+                         "not a dict of tensors", hint=hint)
+    bad = [f"{k!r}: {type(v).__name__}" for k, v in state.items()
+           if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise InputError(f"{file} is not a plain tensor checkpoint: entries that are not named tensors",
+                         problems=bad, hint=hint)
+    return state
 
 
 def _layout(config: dict, names: set[str]) -> str | None:
