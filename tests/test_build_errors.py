@@ -317,3 +317,13 @@ def test_drafter_pickle_of_plain_values(tmp_path, tiny_target, tiny_cfg, head, c
     src = _official(tmp_path, tiny_cfg, head)
     torch.save(content, src / "pytorch_model.bin")
     _fails(cli, tmp_path, tiny_target, "--drafter", src, text=["is not a plain tensor checkpoint", text])
+
+
+@pytest.mark.parametrize("updates, text", [
+    ({"num_attention_heads": 0}, "num_attention_heads = 0: not a positive integer"),
+    ({"hidden_size": -64}, "hidden_size = -64: not a positive integer"),
+    ({"head_dim": 0}, "head_dim = 0: not a positive integer"),
+])
+def test_drafter_config_values_that_are_not_sizes(tmp_path, tiny_target, tiny_cfg, head, cli, updates, text):
+    _fails(cli, tmp_path, tiny_target, "--drafter", _official(tmp_path, tiny_cfg, head, **updates),
+           text=["config sizes that are not positive integers", text])

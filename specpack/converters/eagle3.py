@@ -16,10 +16,13 @@ from pathlib import Path
 from specpack.converters.base import AuxOverride, ConvertedDrafter
 from specpack.converters.target_hf import Target, read_json
 from specpack.errors import ConversionError, InputError
+from specpack.runtime.config import size_problems
 from specpack.schemas import AuxLayers, Eagle3Drafter, Source
 
 log = logging.getLogger(__name__)
 
+SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+               "draft_vocab_size", "vocab_size", "target_hidden_size")
 _LAYER = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + \
     [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")] + \
     [f"{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
@@ -86,6 +89,10 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
                     source: Source, path: Path, problems: list[str] | None = None) -> ConvertedDrafter:
     """Check a head's tensors `raw` (named as in `layout`) and its flat Llama-style `config` against
     `target`, and map them to the canonical head; `problems` found by the caller are reported along."""
+    bad = size_problems(config, optional=SIZE_FIELDS)
+    if bad:
+        raise InputError(f"EAGLE-3 head '{path}': config sizes that are not positive integers", problems=bad,
+                         hint="is this the head's own config.json?")
     tensors, name_problems = _map_names(layout, raw)
     geo, geo_problems = _geometry(config, target, tensors)
     problems = list(problems or []) + name_problems + geo_problems
