@@ -327,3 +327,13 @@ def test_drafter_pickle_of_plain_values(tmp_path, tiny_target, tiny_cfg, head, c
 def test_drafter_config_values_that_are_not_sizes(tmp_path, tiny_target, tiny_cfg, head, cli, updates, text):
     _fails(cli, tmp_path, tiny_target, "--drafter", _official(tmp_path, tiny_cfg, head, **updates),
            text=["config sizes that are not positive integers", text])
+
+
+def test_quantized_targets_get_the_plain_bounds_only(tmp_path, tiny_target, cli):
+    """A packed layout (GPTQ, AWQ) names its tensors otherwise: it builds (for engines), absurd sizes do not."""
+    out = tmp_path / "out" / "art"
+    t = _with_config(tiny_target, tmp_path, intermediate_size=100, quantization_config={"quant_method": "gptq"})
+    assert cli("build", t, "--drafter", "ngram", "-o", out)[0] == 0
+    shutil.rmtree(tmp_path / "t")
+    t = _with_config(tiny_target, tmp_path, num_hidden_layers=10**6, quantization_config={"quant_method": "gptq"})
+    _fails(cli, tmp_path, t, "--drafter", "ngram", text=["num_hidden_layers 1,000,000 > the 75 tensors"])

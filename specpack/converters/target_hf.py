@@ -226,6 +226,8 @@ def _check_sizes_against_weights(root: Path, config: dict, info: TargetInfo, ten
 
 def _runtime_spec(config: dict, arch: str):
     """(spec, tensor shapes of a spec) for a target the runtime runs, else (None, None)."""
+    if config.get("quantization_config"):  # packed layouts (GPTQ, AWQ, ...) name and shape tensors otherwise
+        return None, None
     try:
         if arch in SUPPORTED_ARCHITECTURES:
             return target_spec_from_config(config), target_tensor_shapes
