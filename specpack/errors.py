@@ -6,9 +6,15 @@ exception is a bug and keeps its traceback.
 
 from __future__ import annotations
 
+MAX_PROBLEMS = 50  # shown; the rest are counted, so no error prints megabytes whatever the input
+MAX_PROBLEM_CHARS = 500
+
 
 class SpecpackError(Exception):
-    """Base of every error a user can cause: `message` says what and where, `hint` what to do."""
+    """Base of every error a user can cause: `message` says what and where, `hint` what to do.
+
+    `problems` keeps every problem; what is printed (`str`, `to_dict`) is the first `MAX_PROBLEMS`,
+    each cut to `MAX_PROBLEM_CHARS`, then "... and N more"."""
 
     exit_code = 2
 
@@ -20,14 +26,25 @@ class SpecpackError(Exception):
 
     def __str__(self) -> str:
         lines = [self.message]
-        lines += [f"  - {p}" for p in self.problems]
+        lines += [f"  - {p}" for p in self.shown_problems()]
         if self.hint:
             lines.append(f"hint: {self.hint}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict:
         return {"error": type(self).__name__, "message": self.message,
-                "problems": self.problems, "hint": self.hint}
+                "problems": self.shown_problems(), "hint": self.hint}
+
+    def shown_problems(self) -> list[str]:
+        """The problems as printed: the first MAX_PROBLEMS (each cut short), then how many more."""
+        shown = [_cut(str(p)) for p in self.problems[:MAX_PROBLEMS]]
+        if len(self.problems) > MAX_PROBLEMS:
+            shown.append(f"... and {len(self.problems) - MAX_PROBLEMS} more")
+        return shown
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= MAX_PROBLEM_CHARS else text[:MAX_PROBLEM_CHARS] + f"... ({len(text)} chars)"
 
 
 class InputError(SpecpackError):

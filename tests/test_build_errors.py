@@ -238,3 +238,102 @@ def test_json_error_output(tmp_path, tiny_target, cli):
     rc, out, _ = cli("build", tiny_target, "--drafter", "nope", "-o", tmp_path / "x", "--json")
     assert rc == 2
     assert json.loads(out)["error"] == "InputError"
+
+
+# ---- configs and headers that lie: clear errors, bounded in time and memory ----
+
+def _with_config(tiny_target, tmp_path, drop=(), **updates):
+    t = _target_copy(tiny_target, tmp_path)
+    cfg = json.loads((t / "config.json").read_text())
+    cfg.update(updates)
+    for key in drop:
+        del cfg[key]
+    (t / "config.json").write_text(json.dumps(cfg))
+    return t
+
+
+def test_absurd_config_sizes_are_refused_against_the_headers(tmp_path, tiny_target, cli):
+    t = _with_config(tiny_target, tmp_path, num_hidden_layers=10**6, hidden_size=10**9, vocab_size=10**12)
+    err = _fails(cli, tmp_path, t, "--drafter", "ngram",
+                 text=["config.json claims sizes its weights cannot hold",
+                       "num_hidden_layers 1,000,000 > the 75 tensors in its weights",
+                       "hidden_size 1,000,000,000 > the", "vocab_size 1,000,000,000,000 > the"])
+    assert len(err) < 2000
+
+
+@pytest.mark.parametrize("updates, text", [
+    ({"num_hidden_layers": 9}, "the config claims 9 decoder layers, but the weights hold 8"),
+    ({"intermediate_size": 100},
+     "tensor model.layers.0.mlp.gate_proj.weight has shape [128, 64], expected [100, 64]"),
+])
+def test_config_checked_against_every_tensor_of_the_headers(tmp_path, tiny_target, cli, updates, text):
+    _fails(cli, tmp_path, _with_config(tiny_target, tmp_path, **updates), "--drafter", "ngram",
+           text=["does not match its config", text])
+
+
+@pytest.mark.parametrize("updates, drop, text", [
+    ({"num_attention_heads": 0}, (), "num_attention_heads = 0: not a positive integer"),
+    ({"num_attention_heads": 0}, ("head_dim",), "num_attention_heads = 0: not a positive integer"),
+    ({"hidden_size": -64}, (), "hidden_size = -64: not a positive integer"),
+    ({"vocab_size": "384"}, (), "vocab_size = '384': not a positive integer"),
+    ({"rope_theta": "fast"}, (), "rope_theta: Input should be a valid number"),
+])
+def test_config_values_that_are_not_sizes(tmp_path, tiny_target, cli, updates, drop, text):
+    _fails(cli, tmp_path, _with_config(tiny_target, tmp_path, drop, **updates), "--drafter", "ngram",
+           text=[text])
+
+
+def _header_file(path, header: bytes, data: bytes = b""):
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+@pytest.mark.parametrize("offsets", [["0", "4"], "ab", [0, 4.0], [True, 4], [0]])
+def test_safetensors_header_with_offsets_that_are_not_integers(tmp_path, tiny_target, cli, offsets):
+    t = _target_copy(tiny_target, tmp_path)
+    header = {"model.norm.weight": {"dtype": "F32", "shape": [1], "data_offsets": offsets}}
+    _header_file(t / "model.safetensors", json.dumps(header).encode(), b"\0" * 4)
+    _fails(cli, tmp_path, t, "--drafter", "ngram",
+           text=["safetensors header does not match the file", "model.norm.weight: malformed entry"])
+
+
+def test_safetensors_header_nested_200k_deep(tmp_path, tiny_target, cli):
+    t = _target_copy(tiny_target, tmp_path)
+    _header_file(t / "model.safetensors", b"[" * 200_000 + b"]" * 200_000)
+    _fails(cli, tmp_path, t, "--drafter", "ngram", text=["header is nested too deeply"])
+
+
+def test_config_nested_200k_deep(tmp_path, tiny_target, cli):
+    t = _target_copy(tiny_target, tmp_path)
+    (t / "config.json").write_text("[" * 200_000 + "]" * 200_000)
+    _fails(cli, tmp_path, t, "--drafter", "ngram", text=["is nested too deeply to be a config"])
+
+
+@pytest.mark.parametrize("content, text", [
+    (5, "it holds a Python int, not a dict of tensors"),
+    ([1, 2], "it holds a Python list, not a dict of tensors"),
+    ({"fc.weight": 3}, "'fc.weight': int"),
+])
+def test_drafter_pickle_of_plain_values(tmp_path, tiny_target, tiny_cfg, head, cli, content, text):
+    src = _official(tmp_path, tiny_cfg, head)
+    torch.save(content, src / "pytorch_model.bin")
+    _fails(cli, tmp_path, tiny_target, "--drafter", src, text=["is not a plain tensor checkpoint", text])
+
+
+@pytest.mark.parametrize("updates, text", [
+    ({"num_attention_heads": 0}, "num_attention_heads = 0: not a positive integer"),
+    ({"hidden_size": -64}, "hidden_size = -64: not a positive integer"),
+    ({"head_dim": 0}, "head_dim = 0: not a positive integer"),
+])
+def test_drafter_config_values_that_are_not_sizes(tmp_path, tiny_target, tiny_cfg, head, cli, updates, text):
+    _fails(cli, tmp_path, tiny_target, "--drafter", _official(tmp_path, tiny_cfg, head, **updates),
+           text=["config sizes that are not positive integers", text])
+
+
+def test_quantized_targets_get_the_plain_bounds_only(tmp_path, tiny_target, cli):
+    """A packed layout (GPTQ, AWQ) names its tensors otherwise: it builds (for engines), absurd sizes do not."""
+    out = tmp_path / "out" / "art"
+    t = _with_config(tiny_target, tmp_path, intermediate_size=100, quantization_config={"quant_method": "gptq"})
+    assert cli("build", t, "--drafter", "ngram", "-o", out)[0] == 0
+    shutil.rmtree(tmp_path / "t")
+    t = _with_config(tiny_target, tmp_path, num_hidden_layers=10**6, quantization_config={"quant_method": "gptq"})
+    _fails(cli, tmp_path, t, "--drafter", "ngram", text=["num_hidden_layers 1,000,000 > the 75 tensors"])

@@ -139,6 +139,10 @@ def test_unsupported_features_are_listed(pair):
     del cfg["kv_lora_rank"]
     with pytest.raises(InputError, match="lacks required fields"):
         deepseek_spec_from_config(cfg)
+    with pytest.raises(InputError) as e:
+        deepseek_spec_from_config({**cfg, "kv_lora_rank": 8, "num_attention_heads": 0, "hidden_size": -64})
+    assert e.value.problems == ["hidden_size = -64: not a positive integer",
+                                "num_attention_heads = 0: not a positive integer"]
 
 
 def test_legacy_rope_scaling_config_reads_the_same(pair):

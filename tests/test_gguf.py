@@ -271,6 +271,10 @@ def test_every_tensor_problem_is_reported_at_once(tmp_path, tok_dir):
     ({"head_count": 0}, "attention.head_count = 0"),
     ({"block_count": 4}, "blk.4.attn_norm.weight: not a tensor"),
     ({"feed_forward_length": 100}, "blk.0.ffn_up.weight: shape [128, 64], expected [100, 64]"),
+    # checked against the tensor table before any shape is built (10^6 blocks once took > 2.6 GB)
+    ({"block_count": 10**6}, "block_count 1,000,000 > the 6 blocks in its tensor table"),
+    ({"embedding_length": 10**9}, "embedding_length 1,000,000,000 > the"),
+    ({"feed_forward_length": 4 * 10**9}, "feed_forward_length 4,000,000,000 > the"),
 ])
 def test_metadata_that_lies_about_sizes(tmp_path, tok_dir, metadata, problem):
     path = gguf_file(tmp_path, build_model("llama"), tok_dir, metadata=metadata)

@@ -80,3 +80,35 @@ def test_tampered_artifact_is_never_loaded(ngram_artifact, cli, tmp_path):
     (art / "config.json").write_text(json.dumps(cfg))
     code, _, err = cli("run", art, "--prompt", "x")
     assert code == 3 and "config.json: changed" in err
+
+
+def _hand_edited(ngram_artifact, tmp_path, **config_updates):
+    """A copy whose config.json is edited and re-digested: an artifact built before build checked configs."""
+    import shutil
+
+    from specpack.packager.hashing import sha256_file
+
+    art = tmp_path / "art"
+    shutil.copytree(ngram_artifact, art)  # copies: never write through the build's hard links
+    path = art / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config_updates}))
+    manifest = json.loads((art / "specpack.json").read_text())
+    for f in manifest["files"]:
+        if f["path"] == "config.json":
+            f.update(size=path.stat().st_size, sha256=sha256_file(path))
+    (art / "specpack.json").write_text(json.dumps(manifest))
+    return art
+
+
+@pytest.mark.parametrize("updates, text", [
+    ({"num_hidden_layers": 10**6, "hidden_size": 10**9, "vocab_size": 10**12},
+     "the config claims 1000000 decoder layers, but the weights hold 8"),
+    ({"num_hidden_layers": 2000}, "the config claims 2000 decoder layers, but the weights hold 8"),
+    ({"hidden_size": 10**9}, "tensor model.embed_tokens.weight has shape [384, 64], expected [384, 1000000000]"),
+    ({"num_attention_heads": 0}, "num_attention_heads = 0: not a positive integer"),
+    ({"hidden_size": -64}, "hidden_size = -64: not a positive integer"),
+])
+def test_run_refuses_a_config_its_weights_cannot_hold(ngram_artifact, cli, tmp_path, updates, text):
+    code, out, err = cli("run", _hand_edited(ngram_artifact, tmp_path, **updates), "--prompt", "x")
+    assert code == 2 and err.startswith("error: ") and "Traceback" not in err, out + err
+    assert text in err and len(err) < 10_000

@@ -116,7 +116,11 @@ def test_spec_errors():
     del cfg["hidden_size"], cfg["vocab_size"]
     with pytest.raises(InputError) as e:
         target_spec_from_config(cfg)
-    assert e.value.problems == ["hidden_size", "vocab_size"]
+    assert e.value.problems == ["hidden_size: missing", "vocab_size: missing"]
+    with pytest.raises(InputError) as e:
+        target_spec_from_config(base_config(num_attention_heads=0, head_dim=None, hidden_size=-64))
+    assert e.value.problems == ["hidden_size = -64: not a positive integer",
+                                "num_attention_heads = 0: not a positive integer"]
 
 
 def test_checkpoint_errors(tmp_path):

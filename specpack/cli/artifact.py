@@ -29,9 +29,12 @@ from specpack.cli._common import JSON, PUBKEY, cli
 @click.option("--mtp-allow-reuse", is_flag=True,
               help="MTP: allow more draft tokens than MTP layers (step k reuses layer k mod n).")
 @click.option("--copy", "copy_files", is_flag=True, help="Copy target files even where hard links work.")
+@click.option("--allow-remote-code", is_flag=True,
+              help="Accept a target that needs its own code (auto_map, .py files): it is carried and recorded "
+                   "in the manifest; specpack itself never runs it.")
 @JSON
 def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, ngram_min, ngram_max,
-          draft_len, mtp_allow_reuse, copy_files, json_mode):
+          draft_len, mtp_allow_reuse, copy_files, allow_remote_code, json_mode):
     """Convert TARGET and its drafter into one (signed) artifact at OUT.
 
     \b
@@ -46,7 +49,7 @@ def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, ngram
     opts = BuildOptions(target=target, drafter=drafter, out=out, key=key, force=force,
                         aux=AuxOverride.parse(aux_layer_ids, aux_convention),
                         ngram=NgramParams(ngram_min, ngram_max, draft_len), link=not copy_files,
-                        mtp_allow_reuse=mtp_allow_reuse,
+                        mtp_allow_reuse=mtp_allow_reuse, allow_remote_code=allow_remote_code,
                         progress=progress_enabled(json_mode))
     result = do_build(opts)
     data = {"artifact": str(result.out), "signed": result.signed, "seconds": round(result.seconds, 3),
@@ -140,6 +143,8 @@ def _inspect_text(d: dict) -> str:
                        f"{t['num_attention_heads']}/{t['num_key_value_heads']}, vocab {t['vocab_size']}, "
                        f"{t['dtype']}, {t['parameters']:,} params"),
             ("drafter", dr["kind"] + (f" from {dr['source_layout']}" if "source_layout" in dr else ""))]
+    if "remote_code" in t:
+        rows.insert(2, ("  remote code", _remote_code_text(t["remote_code"])))
     if dr["kind"] == "eagle3":
         aux = dr["aux_hidden_states"]
         rows += [("  aux layers", f"{aux['layer_ids']} ({aux['convention']}; source "
@@ -181,6 +186,12 @@ def import_gguf(gguf_file, out, dtype, force, json_mode):
     emit(report.to_dict(), json_mode,
          lambda d: f"imported {gguf_file} -> {out} ({report.architecture}, {report.n_tensors} tensors, "
                    f"{report.bytes_written / 2**20:,.1f} MiB {dtype})")
+
+
+def _remote_code_text(rc: dict) -> str:
+    files = ", ".join(rc["files"]) or "no code files"
+    return (f"{'allowed' if rc['allowed'] else 'refused'} at build ({files}; {len(rc['reasons'])} reasons); "
+            "specpack never runs it")
 
 
 def _drafter_rows(dr: dict) -> list[tuple[str, str]]:

@@ -77,7 +77,7 @@ def _load_tokenizer(root: Path, what: str):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(root)
+        return AutoTokenizer.from_pretrained(root, trust_remote_code=False)
     except (OSError, ValueError, TypeError) as exc:
         raise InputError(f"cannot load the {what} tokenizer from '{root}': {str(exc).splitlines()[0]}",
                          hint="the draft model directory needs its tokenizer files to prove it shares the "

@@ -16,10 +16,13 @@ from pathlib import Path
 from specpack.converters.base import AuxOverride, ConvertedDrafter
 from specpack.converters.target_hf import Target, read_json
 from specpack.errors import ConversionError, InputError
+from specpack.runtime.config import size_problems
 from specpack.schemas import AuxLayers, Eagle3Drafter, Source
 
 log = logging.getLogger(__name__)
 
+SIZE_FIELDS = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+               "draft_vocab_size", "vocab_size", "target_hidden_size")
 _LAYER = [f"self_attn.{p}_proj.weight" for p in "qkvo"] + \
     [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")] + \
     [f"{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm")]
@@ -86,6 +89,10 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
                     source: Source, path: Path, problems: list[str] | None = None) -> ConvertedDrafter:
     """Check a head's tensors `raw` (named as in `layout`) and its flat Llama-style `config` against
     `target`, and map them to the canonical head; `problems` found by the caller are reported along."""
+    bad = size_problems(config, optional=SIZE_FIELDS)
+    if bad:
+        raise InputError(f"EAGLE-3 head '{path}': config sizes that are not positive integers", problems=bad,
+                         hint="is this the head's own config.json?")
     tensors, name_problems = _map_names(layout, raw)
     geo, geo_problems = _geometry(config, target, tensors)
     problems = list(problems or []) + name_problems + geo_problems
@@ -112,23 +119,37 @@ def _tensor_names(path: Path) -> set[str]:
 
 def load_tensors(path: Path) -> dict:
     """The head's tensors: model.safetensors, else a weights-only `pytorch_model.bin`."""
-    import torch
-
     stray = [p.name for p in path.iterdir() if p.suffix in (".pt", ".pth", ".ckpt", ".pkl", ".gguf")]
     if (path / "model.safetensors").is_file():
         from safetensors.torch import load_file
 
         return load_file(path / "model.safetensors")
     if (path / "pytorch_model.bin").is_file():
-        try:
-            return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
-            raise InputError(f"{path / 'pytorch_model.bin'} is not a plain tensor checkpoint: "
-                             f"{str(exc).splitlines()[0]}",
-                             hint="only weights-only pickles are read; re-save as safetensors") from None
+        return _load_pickle(path / "pytorch_model.bin")
     raise InputError(f"'{path}' has no model.safetensors or pytorch_model.bin",
                      problems=[f"found {s}" for s in stray],
                      hint="EAGLE-3 heads are read from safetensors or the official pickle layout")
+
+
+def _load_pickle(file: Path) -> dict:
+    """A weights-only pickle that must hold a dict of tensors (a state dict) and nothing else."""
+    import torch
+
+    hint = "only weights-only pickles of a state dict are read; re-save as safetensors"
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, EOFError) as exc:
+        raise InputError(f"{file} is not a plain tensor checkpoint: {str(exc).splitlines()[0]}",
+                         hint=hint) from None
+    if not isinstance(state, dict):
+        raise InputError(f"{file} is not a plain tensor checkpoint: it holds a Python {type(state).__name__}, "
+                         "not a dict of tensors", hint=hint)
+    bad = [f"{k!r}: {type(v).__name__}" for k, v in state.items()
+           if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+    if bad:
+        raise InputError(f"{file} is not a plain tensor checkpoint: entries that are not named tensors",
+                         problems=bad, hint=hint)
+    return state
 
 
 def _layout(config: dict, names: set[str]) -> str | None:

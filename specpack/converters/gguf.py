@@ -156,11 +156,13 @@ def _llama_config(reader, path: Path, dtype: str):
     sizes = {key: get(key) for key in ("block_count", "embedding_length", "feed_forward_length",
                                        "attention.head_count", "context_length")}
     sizes["attention.head_count_kv"] = get("attention.head_count_kv", sizes["attention.head_count"])
+    sizes["vocab_size"] = get("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data))
     _check_sizes(sizes, path)
+    _check_against_tensors(reader, sizes, path)
     heads = sizes["attention.head_count"]
     names = {t.name for t in reader.tensors}
     return LlamaConfig(
-        vocab_size=get("vocab_size", len(reader.fields["tokenizer.ggml.tokens"].data)),
+        vocab_size=sizes["vocab_size"],
         hidden_size=sizes["embedding_length"],
         intermediate_size=sizes["feed_forward_length"],
         num_hidden_layers=sizes["block_count"],
@@ -191,6 +193,20 @@ def _check_sizes(sizes: dict, path: Path):
         problems.append(f"attention.head_count {heads} is not a multiple of attention.head_count_kv {kv_heads}")
     if problems:
         raise InputError(f"{path}: the model sizes in its metadata are not usable", problems=problems)
+
+
+def _check_against_tensors(reader, sizes: dict, path: Path):
+    """Sizes against the tensor table, before any shape is built from them: a 500 KB file claiming
+    10^6 blocks is refused here, not after 10^6 blocks of expected shapes are made."""
+    blocks = {m[1] for t in reader.tensors if (m := re.match(r"blk\.(\d+)\.", t.name))}
+    weights = sum(int(t.n_elements) for t in reader.tensors)
+    problems = [f"{key} {sizes[key]:,} > the {weights:,} weights in its tensor table"
+                for key in ("embedding_length", "feed_forward_length", "vocab_size") if sizes[key] > weights]
+    if sizes["block_count"] > len(blocks):
+        problems.append(f"block_count {sizes['block_count']:,} > the {len(blocks)} blocks in its tensor table")
+    if problems:
+        raise ConversionError(f"{path}: tensors do not match the model its metadata describes",
+                              problems=problems, hint="the metadata and the tensors must describe one model")
 
 
 def _check_rope(reader, arch: str, path: Path):

@@ -45,6 +45,8 @@ def read_header(path: Path) -> dict[str, TensorMeta]:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise _bad(path, [f"header is not valid JSON ({exc})"]) from None
+        except RecursionError:  # the parser's own depth limit: a header is 3 levels deep
+            raise _bad(path, ["header is nested too deeply to be a safetensors header"]) from None
     if not isinstance(header, dict):
         raise _bad(path, ["header is not a JSON object"])
     header.pop("__metadata__", None)
@@ -59,9 +61,11 @@ def _parse_entries(header: dict) -> tuple[dict[str, TensorMeta], list[str]]:
     tensors, problems = {}, []
     for name, entry in header.items():
         try:
-            dtype, shape, (start, end) = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
-            if dtype not in DTYPE_BYTES or not all(isinstance(d, int) and d >= 0 for d in shape):
+            dtype, shape, offsets = entry["dtype"], tuple(entry["shape"]), entry["data_offsets"]
+            if dtype not in DTYPE_BYTES or not isinstance(offsets, list) or len(offsets) != 2 \
+                    or not all(_natural(d) for d in (*shape, *offsets)):
                 raise ValueError
+            start, end = offsets
         except (KeyError, TypeError, ValueError):
             problems.append(f"{name}: malformed entry {json.dumps(entry)[:120]}")
             continue
@@ -71,6 +75,10 @@ def _parse_entries(header: dict) -> tuple[dict[str, TensorMeta], list[str]]:
                             f"bytes but its offsets span {end - start}")
         tensors[name] = meta
     return tensors, problems
+
+
+def _natural(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _check_layout(tensors: dict[str, TensorMeta], data_len: int) -> list[str]:

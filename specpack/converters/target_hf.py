@@ -7,13 +7,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from specpack._paths import check_relpath, walk_files
 from specpack.converters.safetensors_header import DTYPE_BYTES, TORCH_NAMES, TensorMeta, read_header
-from specpack.errors import InputError
+from specpack.errors import InputError, UnsupportedError
+from specpack.runtime.config import (DEEPSEEK_ARCHITECTURES, SIZE_FIELDS, SUPPORTED_ARCHITECTURES,
+                                     checked_tensor_shapes, size_problems, target_spec_from_config,
+                                     target_tensor_shapes)
 from specpack.schemas import Source, TargetInfo
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -24,6 +30,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 RESERVED = ("specpack.json", "model.sig", "drafter/", "exports/", "engines/")
 SHARD_RE = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,7 @@ def load(path: Path, source: Source | None = None) -> Target:
     tensors = _read_tensors(root, weight_files)
     info = _target_info(root, config, files, weight_files, tensors,
                         source or Source.local(path))
+    _check_sizes_against_weights(root, config, info, tensors)
     return Target(root=root, files=files, info=info, tensors=tensors)
 
 
@@ -73,6 +81,8 @@ def read_json(path: Path, what: str) -> dict:
         data = json.loads(path.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise InputError(f"{what} {path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise InputError(f"{what} {path} is nested too deeply to be a config") from None
     if not isinstance(data, dict):
         raise InputError(f"{what} {path} is not a JSON object")
     return data
@@ -146,33 +156,92 @@ def _read_tensors(root: Path, weight_files: list[str]) -> dict[str, tuple[str, T
 
 
 def _target_info(root, config, files, weight_files, tensors, source) -> TargetInfo:
-    text = config.get("text_config") or config
+    text = _text_config(root, config)
+    hidden, heads = text["hidden_size"], text["num_attention_heads"]
+    mla = "kv_lora_rank" in text  # DeepSeek-V3-style multi-head latent attention
+    fields = dict(
+        hidden_size=hidden, num_hidden_layers=text["num_hidden_layers"], num_attention_heads=heads,
+        num_key_value_heads=text.get("num_key_value_heads") or heads,
+        head_dim=text["qk_nope_head_dim"] + text["qk_rope_head_dim"] if mla else text.get("head_dim") or hidden // heads,
+        mla_latent_dim=text["kv_lora_rank"] + text["qk_rope_head_dim"] if mla else None,
+        intermediate_size=text["intermediate_size"], vocab_size=text["vocab_size"],
+        max_position_embeddings=text.get("max_position_embeddings") or 2048)
     try:
-        hidden, heads = int(text["hidden_size"]), int(text["num_attention_heads"])
-        mla = "kv_lora_rank" in text  # DeepSeek-V3-style multi-head latent attention
-        fields = dict(
-            hidden_size=hidden, num_hidden_layers=int(text["num_hidden_layers"]),
-            num_attention_heads=heads,
-            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
-            head_dim=int(text["qk_nope_head_dim"] + text["qk_rope_head_dim"] if mla
-                         else text.get("head_dim") or hidden // heads),
-            mla_latent_dim=int(text["kv_lora_rank"] + text["qk_rope_head_dim"]) if mla else None,
-            intermediate_size=int(text["intermediate_size"]), vocab_size=int(text["vocab_size"]))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise InputError(f"{root / 'config.json'}: missing or invalid field {exc}",
+        return TargetInfo(
+            architecture=architecture(config),
+            model_type=str(config.get("model_type", "unknown")), **fields,
+            dtype=_dominant_dtype(tensors),
+            rope_theta=text.get("rope_theta") or _rope_parameters(text).get("rope_theta", 10000.0),
+            rope_scaling=text.get("rope_scaling"),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            weight_files=weight_files, parameters=sum(m.numel for _, m in tensors.values()),
+            config_sha256=_sha256(root / "config.json"),
+            tokenizer_sha256=_tokenizer_digest(root, files), source=source)
+    except ValidationError as exc:
+        problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
+        raise InputError(f"{root / 'config.json'}: fields of unusable type or value", problems=problems,
                          hint="the target config must state its decoder geometry") from None
-    return TargetInfo(
-        architecture=(config.get("architectures") or ["unknown"])[0],
-        model_type=str(config.get("model_type", "unknown")), **fields,
-        max_position_embeddings=int(text.get("max_position_embeddings") or 2048),
-        dtype=_dominant_dtype(tensors),
-        rope_theta=float(text.get("rope_theta") or (text.get("rope_parameters") or {}).get(
-            "rope_theta", 10000.0)),
-        rope_scaling=text.get("rope_scaling"),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        weight_files=weight_files, parameters=sum(m.numel for _, m in tensors.values()),
-        config_sha256=_sha256(root / "config.json"),
-        tokenizer_sha256=_tokenizer_digest(root, files), source=source)
+
+
+def architecture(config: dict) -> str:
+    """config.json's `architectures[0]`, or 'unknown'."""
+    archs = config.get("architectures")
+    return str(archs[0]) if isinstance(archs, list) and archs else "unknown"
+
+
+def _rope_parameters(text: dict) -> dict:
+    params = text.get("rope_parameters")
+    return params if isinstance(params, dict) else {}
+
+
+def _text_config(root: Path, config: dict) -> dict:
+    """The decoder's config (a multimodal model's `text_config`), its sizes checked positive integers."""
+    text = config.get("text_config") or config
+    if not isinstance(text, dict):
+        raise InputError(f"{root / 'config.json'}: text_config is not a JSON object")
+    mla = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim") if "kv_lora_rank" in text else ()
+    problems = size_problems(text, ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                    "intermediate_size", "vocab_size", *mla), SIZE_FIELDS)
+    if problems:
+        raise InputError(f"{root / 'config.json'}: missing or invalid decoder sizes", problems=problems,
+                         hint="the target config must state its decoder geometry")
+    return text
+
+
+def _check_sizes_against_weights(root: Path, config: dict, info: TargetInfo, tensors) -> None:
+    """The config against the safetensors headers, in time and memory bounded by the headers whatever
+    the config claims: plain bounds for every model, then every tensor's shape for the families the
+    runtime runs (the layer count is compared before any per-layer expectation is built)."""
+    n, weights = len(tensors), info.parameters
+    problems = [f"{k} {v:,} > the {weights:,} weights in its safetensors files" for k, v in (
+        ("hidden_size", info.hidden_size), ("intermediate_size", info.intermediate_size),
+        ("vocab_size", info.vocab_size), ("num_attention_heads", info.num_attention_heads)) if v > weights]
+    if info.num_hidden_layers > n:
+        problems.append(f"num_hidden_layers {info.num_hidden_layers:,} > the {n:,} tensors in its weights")
+    if problems:
+        raise InputError(f"target '{root}': config.json claims sizes its weights cannot hold",
+                         problems=problems, hint="the config and the safetensors files must come from "
+                                                 "the same model")
+    spec, shapes_of = _runtime_spec(config, info.architecture)
+    if spec is not None:
+        checked_tensor_shapes(spec, {name: m.shape for name, (_, m) in tensors.items()}, shapes_of,
+                              f"target '{root}'")
+
+
+def _runtime_spec(config: dict, arch: str):
+    """(spec, tensor shapes of a spec) for a target the runtime runs, else (None, None)."""
+    if config.get("quantization_config"):  # packed layouts (GPTQ, AWQ, ...) name and shape tensors otherwise
+        return None, None
+    try:
+        if arch in SUPPORTED_ARCHITECTURES:
+            return target_spec_from_config(config), target_tensor_shapes
+        if arch in DEEPSEEK_ARCHITECTURES:
+            from specpack.runtime import deepseek
+
+            return deepseek.deepseek_spec_from_config(config), deepseek.target_tensor_shapes
+    except UnsupportedError as exc:  # a feature the runtime lacks: the plain bounds still hold
+        log.info("not checking every tensor shape of %s: %s", arch, exc.message)
+    return None, None
 
 
 def _dominant_dtype(tensors) -> str:

@@ -198,7 +198,7 @@ def _tokenizer(target_dir: Path):
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(target_dir)
+        return AutoTokenizer.from_pretrained(target_dir, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         raise InputError(f"cannot load the tokenizer of '{target_dir}': {str(exc).splitlines()[0]}",
                          hint="the target directory needs its tokenizer files") from None

@@ -230,7 +230,8 @@ def generate(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, eo
     if todo:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32,
+                                                     trust_remote_code=False).eval()
         total = len(prompts) * sampling.passes
         bar = _bar(total, "generating", progress, initial=total - sum(len(batches[i]) for _, i in todo))
         for k, i in todo:

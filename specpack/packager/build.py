@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specpack import __version__
 from specpack._atomic import staging_dir
-from specpack.converters import DRAFTER_FAMILIES, detect_drafter, mtp, ngram, target_hf
+from specpack.converters import DRAFTER_FAMILIES, detect_drafter, mtp, ngram, remote_code, target_hf
 from specpack.converters.base import AuxOverride, ConvertedDrafter
 from specpack.packager import card
 from specpack.errors import ConversionError
@@ -40,6 +40,7 @@ class BuildOptions:
     aux: AuxOverride | None = None
     ngram: NgramParams = field(default_factory=NgramParams)
     mtp_allow_reuse: bool = False  # MTP: allow more draft tokens than layers (step k uses layer k mod n)
+    allow_remote_code: bool = False  # carry a target that needs its own code (never run by specpack)
     link: bool = True
     progress: bool = False
 
@@ -57,7 +58,7 @@ def build(opts: BuildOptions) -> BuildResult:
     start = time.perf_counter()
     if opts.key:
         check_signing_key(opts.key)  # before minutes of work
-    target = target_hf.load(opts.target)
+    target = remote_code.check(target_hf.load(opts.target), opts.allow_remote_code)
     drafter = convert_drafter(opts, target)
     with staging_dir(opts.out, opts.force) as tmp:
         digests = _place_target(target, tmp, opts)

@@ -45,9 +45,17 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
 
 
 def load_tokenizer(path: Path):
+    """The artifact's tokenizer. Code a model ships is never run, nor asked about (trust_remote_code=False)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
+    except (OSError, ValueError) as exc:
+        if "custom code" in str(exc):
+            raise InputError(f"the tokenizer of '{path}' needs code of its own, which specpack never runs",
+                             hint="use a target whose tokenizer transformers loads without custom code") from None
+        raise InputError(f"cannot load the tokenizer of '{path}': {str(exc).splitlines()[0]}",
+                         hint="the artifact's tokenizer files are missing or broken") from None
 
 
 def _device(name: str):

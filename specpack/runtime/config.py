@@ -5,7 +5,9 @@ Pure Python (no torch) so the packager can call `target_spec_from_config` to fil
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
 
 from specpack.errors import InputError, UnsupportedError
 
@@ -20,6 +22,11 @@ SUPPORTED_ARCHITECTURES = {
 # loaded by runtime/deepseek.py (MLA + MoE), not by `target_spec_from_config`
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+# config.json sizes that must be positive integers wherever a config sets them
+SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "intermediate_size", "vocab_size", "max_position_embeddings")
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,17 @@ def _ids(value) -> list[int]:
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
 
 
+def size_problems(cfg: dict, required: Iterable[str] = (), optional: Iterable[str] = ()) -> list[str]:
+    """Every `required` size that is missing and every size set to anything but a positive integer."""
+    problems = [f"{k}: missing" for k in required if cfg.get(k) is None]
+    return problems + [f"{k} = {cfg[k]!r}: not a positive integer" for k in dict.fromkeys((*required, *optional))
+                       if cfg.get(k) is not None and not _positive_int(cfg[k])]
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
 def rope_from_config(cfg: dict) -> tuple[float, RopeScaling | None, list[str]]:
     """(theta, scaling, problems) from either the transformers v5 `rope_parameters` or the older
     top-level `rope_theta` + `rope_scaling`. Problems name what we cannot run exactly."""
@@ -117,10 +135,10 @@ def target_spec_from_config(cfg: dict, generation_config: dict | None = None) ->
                  + " (SmolLM/SmolLM2 are Llama)")
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                 "vocab_size")
-    missing = [k for k in required if cfg.get(k) is None]
-    if missing:
-        raise InputError("target config.json lacks required fields", problems=missing,
-                         hint="is this a Hugging Face model config.json?")
+    bad = size_problems(cfg, required, SIZE_FIELDS)
+    if bad:
+        raise InputError("target config.json lacks required fields or has sizes that are not positive "
+                         "integers", problems=bad, hint="is this a Hugging Face model config.json?")
     theta, scaling, problems = rope_from_config(cfg)
     if cfg.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act '{cfg['hidden_act']}' (only silu)")
@@ -161,8 +179,66 @@ def target_spec_from_config(cfg: dict, generation_config: dict | None = None) ->
     )
 
 
-def load_target_spec(model_dir) -> TargetSpec:
-    """`target_spec_from_config` for a model directory (config.json + optional generation_config.json)."""
+def target_tensor_shapes(s: TargetSpec) -> dict[str, tuple[int, ...]]:
+    """Every tensor a transformers checkpoint of this target must hold, with its shape."""
+    H, hd, q, kv = s.hidden_size, s.head_dim, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    shapes = {"model.embed_tokens.weight": (s.vocab_size, H), "model.norm.weight": (H,)}
+    if not s.tie_word_embeddings:
+        shapes["lm_head.weight"] = (s.vocab_size, H)
+    for i in range(s.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
+                       p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
+                       p + "mlp.gate_proj.weight": (s.intermediate_size, H),
+                       p + "mlp.up_proj.weight": (s.intermediate_size, H),
+                       p + "mlp.down_proj.weight": (H, s.intermediate_size),
+                       p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
+        if s.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+        if s.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (H,)
+        if s.qk_norm:
+            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+    return shapes
+
+
+def shape_problems(found: dict[str, tuple], expected: dict[str, tuple]) -> list[str]:
+    """Every expected tensor that is missing from `found` or has another shape there."""
+    problems = [f"missing tensor {name} (expected shape {list(shape)})"
+                for name, shape in expected.items() if name not in found]
+    return problems + [f"tensor {name} has shape {list(found[name])}, expected {list(shape)}"
+                       for name, shape in expected.items()
+                       if name in found and tuple(found[name]) != tuple(shape)]
+
+
+def count_problems(names: Iterable[str], num_layers: int, num_experts: int = 0) -> list[str]:
+    """Decoder layers and experts a config claims but the checkpoint does not hold (fewer distinct
+    `layers.{i}.` / `experts.{e}.` indices in its tensor names)."""
+    names = list(names)
+    problems = []
+    for what, pattern, claimed in (("decoder layers", _LAYER, num_layers), ("experts", _EXPERT, num_experts)):
+        held = len({m[1] for n in names if (m := pattern.search(n))})
+        if claimed > held:
+            problems.append(f"the config claims {claimed} {what}, but the weights hold {held}")
+    return problems
+
+
+def checked_tensor_shapes(spec, found: dict[str, tuple], shapes_of: Callable, what: str) -> dict[str, tuple]:
+    """`shapes_of(spec)` (every tensor `spec` needs), once `found` (a checkpoint's header shapes) is
+    seen to hold them all. The layer and expert counts are compared first, so a config that claims
+    10^6 layers costs no more than the checkpoint's own tensor list. Raises one InputError."""
+    problems = count_problems(found, spec.num_layers, getattr(spec, "n_routed_experts", 0))
+    expected = {} if problems else shapes_of(spec)
+    problems = problems or shape_problems(found, expected)
+    if problems:
+        raise InputError(f"{what} does not match its config ({len(problems)} problems)", problems=problems,
+                         hint="the checkpoint and config.json must come from the same model")
+    return expected
+
+
+def read_config(model_dir) -> tuple[dict, dict | None]:
+    """(config.json, generation_config.json or None) of a model directory, as dicts."""
     import json
     from pathlib import Path
 
@@ -170,10 +246,17 @@ def load_target_spec(model_dir) -> TargetSpec:
     path = model_dir / "config.json"
     if not path.is_file():
         raise InputError(f"no config.json in {model_dir}", hint="point at a Hugging Face model directory")
+    gen_path = model_dir / "generation_config.json"
     try:
         cfg = json.loads(path.read_text())
-        gen_path = model_dir / "generation_config.json"
         gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    except json.JSONDecodeError as e:
-        raise InputError(f"cannot parse JSON in {model_dir}: {e}") from e
-    return target_spec_from_config(cfg, gen)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise InputError(f"cannot parse JSON in {model_dir}: {str(e)[:200]}") from None
+    if not isinstance(cfg, dict) or not isinstance(gen, (dict, type(None))):
+        raise InputError(f"config.json or generation_config.json in {model_dir} is not a JSON object")
+    return cfg, gen
+
+
+def load_target_spec(model_dir) -> TargetSpec:
+    """`target_spec_from_config` for a model directory (config.json + optional generation_config.json)."""
+    return target_spec_from_config(*read_config(model_dir))

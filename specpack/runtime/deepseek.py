@@ -11,7 +11,6 @@ directly by absorbing kv_b_proj's key half into the queries and its value half i
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpack.errors import InputError, UnsupportedError
+from specpack.runtime.config import checked_tensor_shapes, read_config, size_problems
 from specpack.runtime.model import MLP, KVCache, Output, RMSNorm, apply_rope
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: fixed eps in DeepSeek's code and transformers'
@@ -111,9 +111,10 @@ def deepseek_spec_from_config(cfg: dict, generation_config: dict | None = None) 
     arch = (cfg.get("architectures") or [None])[0]
     required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "kv_lora_rank",
                 "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size")
-    missing = [k for k in required if cfg.get(k) is None]
-    if missing:
-        raise InputError("DeepSeek-V3 config.json lacks required fields", problems=missing)
+    bad = size_problems(cfg, required, ("max_position_embeddings", "q_lora_rank"))
+    if bad:
+        raise InputError("DeepSeek-V3 config.json lacks required fields or has sizes that are not positive "
+                         "integers", problems=bad)
     theta, yarn, problems = _rope(cfg)
     checks = [(cfg.get("hidden_act", "silu") != "silu", f"hidden_act {cfg.get('hidden_act')!r} (only silu)"),
               (cfg.get("topk_method", "noaux_tc") != "noaux_tc", f"topk_method {cfg.get('topk_method')!r} "
@@ -458,21 +459,18 @@ def keep_router_fp32(model: nn.Module) -> nn.Module:
 
 def load_deepseek_spec(model_dir) -> DeepseekSpec:
     """`deepseek_spec_from_config` for a model directory (config.json + optional generation_config.json)."""
-    model_dir = Path(model_dir)
-    cfg = json.loads((model_dir / "config.json").read_text())
-    gen_path = model_dir / "generation_config.json"
-    return deepseek_spec_from_config(cfg, json.loads(gen_path.read_text()) if gen_path.is_file() else None)
+    return deepseek_spec_from_config(*read_config(model_dir))
 
 
 def load_deepseek(model_dir, device="cpu", dtype=torch.float32) -> DeepseekTransformer:
     """Build a `DeepseekTransformer` from a transformers model directory (config.json + safetensors)."""
-    from specpack.runtime.weights import assign_weights, check_shapes, checkpoint_files, read_tensors, tensor_shapes
+    from specpack.runtime.weights import assign_weights, checkpoint_files, read_tensors, tensor_shapes
 
     model_dir = Path(model_dir)
     spec = load_deepseek_spec(model_dir)
     files = checkpoint_files(model_dir)
-    expected = target_tensor_shapes(spec)
-    check_shapes(tensor_shapes(files), expected, f"target checkpoint {model_dir}")
+    expected = checked_tensor_shapes(spec, tensor_shapes(files), target_tensor_shapes,
+                                     f"target checkpoint {model_dir}")
     t = read_tensors(files, expected)
     state = {"embed_tokens.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"],
              "lm_head.weight": t["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]}

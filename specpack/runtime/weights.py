@@ -14,7 +14,8 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError
-from specpack.runtime.config import DEEPSEEK_ARCHITECTURES, TargetSpec, load_target_spec
+from specpack.runtime.config import (DEEPSEEK_ARCHITECTURES, checked_tensor_shapes, load_target_spec,
+                                     shape_problems, target_tensor_shapes)
 
 log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"
@@ -76,10 +77,7 @@ def tensor_shapes(files: dict[str, Path]) -> dict[str, tuple[int, ...]]:
 
 def check_shapes(found: dict[str, tuple], expected: dict[str, tuple], what: str) -> None:
     """Raise one InputError naming every missing tensor and every shape mismatch."""
-    problems = [f"missing tensor {name} (expected shape {list(shape)})"
-                for name, shape in expected.items() if name not in found]
-    problems += [f"tensor {name} has shape {list(found[name])}, expected {list(shape)}"
-                 for name, shape in expected.items() if name in found and tuple(found[name]) != tuple(shape)]
+    problems = shape_problems(found, expected)
     if problems:
         raise InputError(f"{what} does not match its config ({len(problems)} problems)", problems=problems,
                          hint="the checkpoint and config.json must come from the same model")
@@ -96,30 +94,6 @@ def read_tensors(files: dict[str, Path], names) -> dict[str, Tensor]:
         with safe_open(path, framework="pt") as f:
             out.update({name: f.get_tensor(name) for name in group})
     return out
-
-
-def target_tensor_shapes(s: TargetSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor a transformers checkpoint of this target must hold, with its shape."""
-    H, hd, q, kv = s.hidden_size, s.head_dim, s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
-    shapes = {"model.embed_tokens.weight": (s.vocab_size, H), "model.norm.weight": (H,)}
-    if not s.tie_word_embeddings:
-        shapes["lm_head.weight"] = (s.vocab_size, H)
-    for i in range(s.num_layers):
-        p = f"model.layers.{i}."
-        shapes.update({p + "self_attn.q_proj.weight": (q, H), p + "self_attn.k_proj.weight": (kv, H),
-                       p + "self_attn.v_proj.weight": (kv, H), p + "self_attn.o_proj.weight": (H, q),
-                       p + "mlp.gate_proj.weight": (s.intermediate_size, H),
-                       p + "mlp.up_proj.weight": (s.intermediate_size, H),
-                       p + "mlp.down_proj.weight": (H, s.intermediate_size),
-                       p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,)})
-        if s.attention_bias:
-            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                           p + "self_attn.v_proj.bias": (kv,)})
-        if s.o_proj_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (H,)
-        if s.qk_norm:
-            shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
-    return shapes
 
 
 def fuse_layer(t: dict[str, Tensor], src: str, dst: str) -> dict[str, Tensor]:
@@ -177,8 +151,8 @@ def load_target(model_dir, device="cpu", dtype=torch.float32):
         return load_deepseek(model_dir, device, dtype)
     spec = load_target_spec(model_dir)
     files = checkpoint_files(Path(model_dir))
-    expected = target_tensor_shapes(spec)
-    check_shapes(tensor_shapes(files), expected, f"target checkpoint {model_dir}")
+    expected = checked_tensor_shapes(spec, tensor_shapes(files), target_tensor_shapes,
+                                     f"target checkpoint {model_dir}")
     unused = sorted(set(files) - set(expected) - {"lm_head.weight"})
     if unused:
         log.info("ignoring %d tensors not used by %s: %s", len(unused), spec.architecture, unused[:5])

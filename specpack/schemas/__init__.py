@@ -7,12 +7,13 @@ from pathlib import Path
 
 from specpack.schemas.manifest import (MANIFEST_NAME, SIGNATURE_NAME, AuxLayers, DraftModelDrafter,
                                        Eagle3Drafter, FileEntry, Manifest, MemoryInfo, MtpDrafter,
-                                       NgramDrafter, Source, TargetInfo, TokenizerEvidence)
+                                       NgramDrafter, RemoteCode, Source, TargetInfo, TokenizerEvidence)
 
 SCHEMA_PATH = Path(__file__).with_name("manifest.v1.json")
 
 __all__ = ["MANIFEST_NAME", "SIGNATURE_NAME", "AuxLayers", "DraftModelDrafter", "Eagle3Drafter", "FileEntry",
-           "Manifest", "MemoryInfo", "MtpDrafter", "NgramDrafter", "Source", "TargetInfo", "TokenizerEvidence",
+           "Manifest", "MemoryInfo", "MtpDrafter", "NgramDrafter", "RemoteCode", "Source", "TargetInfo",
+           "TokenizerEvidence",
            "SCHEMA_PATH", "manifest_schema"]
 
 

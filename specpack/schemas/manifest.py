@@ -44,6 +44,15 @@ class Source(_Strict):
         return cls(kind="path", path=Path(os.path.abspath(path)).name)
 
 
+class RemoteCode(_Strict):
+    allowed: bool = Field(description="The build was told to carry the target's own code "
+                                      "(`--allow-remote-code`); without it such a target is refused.")
+    files: list[str] = Field(description="The target's code files (`.py`), carried and digested like any "
+                                         "other file. specpack never runs them; engines may.")
+    reasons: list[str] = Field(description="What names or ships code: `auto_map` entries, `.py` files, "
+                                           "tokenizer classes transformers does not have.")
+
+
 class TargetInfo(_Strict):
     architecture: str = Field(description="config.json `architectures[0]`, e.g. LlamaForCausalLM.")
     model_type: str = Field(description="config.json `model_type`.")
@@ -68,6 +77,9 @@ class TargetInfo(_Strict):
     tokenizer_sha256: Optional[str] = Field(
         None, description="SHA-256 over the tokenizer files (sorted name + digest), None if none shipped.")
     source: Source = Field(description="Where the target was read from.")
+    remote_code: Optional[RemoteCode] = Field(
+        None, description="Set when the target needs code of its own (transformers' trust_remote_code) "
+                          "and the build allowed it; absent for targets that need none.")
 
 
 class AuxLayers(_Strict):
