@@ -19,10 +19,12 @@ def emit(data: Any, json_mode: bool, human: Callable[[Any], str] | None = None) 
 
 def error(err, json_mode: bool) -> None:
     """Print a user error: one JSON object on stdout with --json, else text on stderr."""
+    from specpack._redact import redact
+
     if json_mode:
-        click.echo(json.dumps(err.to_dict(), indent=2))
+        click.echo(redact(json.dumps(err.to_dict(), indent=2)))
     else:
-        click.echo(click.style("error: ", fg="red", bold=True) + str(err), err=True)
+        click.echo(click.style("error: ", fg="red", bold=True) + redact(str(err)), err=True)
 
 
 def progress_enabled(json_mode: bool) -> bool:

@@ -1,6 +1,7 @@
 """A small Hugging Face hub on 127.0.0.1 for tests: just the endpoints the real `huggingface_hub`
 client (2.x) calls for create_repo / create_branch / create_commit (preupload, LFS batch + basic
-PUT, NDJSON commit) and for repo_info / list_repo_tree / resolve downloads.
+PUT, NDJSON commit), for repo_info / list_repo_tree / resolve downloads, and the OIDC token
+exchange (`/oauth/token`, answered with the read token).
 
 Read from the client's source (huggingface_hub 2.4): hf_api.py (create_repo, create_commit,
 model_info, list_repo_tree), _commit_api.py (_fetch_upload_modes, _send_commit), lfs.py
@@ -143,6 +144,7 @@ ROUTES = [
     ("PUT", r"/lfs-upload/(?P<oid>[0-9a-f]{64})", "lfs_put"),
     ("GET", r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
     ("HEAD", r"/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
+    ("POST", r"/oauth/token", "oauth_token"),
 ]
 # the LFS upload href is a pre-signed URL: it carries no token, only an oid a batch announced
 WRITES = {"create_repo", "preupload", "commit", "create_branch", "lfs_batch"}
@@ -278,6 +280,12 @@ def _handler(hub: FakeHub):
             lines = [json.loads(line) for line in body.splitlines() if line.strip()]
             sha = hub.commit(repo, rev, lines)
             return {"commitUrl": f"{hub.url}/{repo}/commit/{sha}", "commitOid": sha}
+
+        def oauth_token(self, body, query):
+            """OIDC token exchange (Trusted Publishers): any id token gets the read token."""
+            if not json.loads(body).get("subject_token"):
+                raise HubError(400, "subject_token is missing")
+            return {"access_token": READ_TOKEN, "token_type": "bearer", "expires_in": 3600}
 
         def repo_info(self, body, query, repo, rev="main"):
             sha, files = hub.resolve(repo, rev)

@@ -279,3 +279,99 @@ def test_stale_partial_download_is_removed_by_the_next_pull(signed, hub, keypair
     (stale / ".cache/huggingface/download/model.safetensors.incomplete").write_bytes(b"half")
     assert _pull(hub, tmp_path / "pulled", public_key=keypair.public).report.signature_checked
     assert not stale.exists()
+
+
+@pytest.mark.parametrize("name", ["../evil", "a/../../b", "/etc/evil", "a\\..\\b"])
+def test_pull_refuses_unsafe_names_before_downloading(name, unsigned, hub, tmp_path):
+    """A listed name that would land outside OUT is a clear error (not the client's ValueError)."""
+    _push(unsigned, hub)
+    hub.files("org/tiny")[name] = (b"evil", False)
+    before = len(hub.requests)
+    with pytest.raises(VerificationError, match="unsafe names") as err:
+        _pull(hub, tmp_path / "out" / "pulled", allow_unsigned=True)
+    assert err.value.problems == [f"{name!r} escapes the download directory"]
+    assert not any("/resolve/" in r for r in hub.requests[before:])  # nothing was downloaded
+    assert_nothing_left(tmp_path / "out" / "pulled")
+    assert [p.name for p in tmp_path.rglob("*")] == ["out"]
+
+
+def test_unsafe_name_the_first_listing_hid_is_still_refused(unsigned, hub, tmp_path, monkeypatch):
+    """A server whose file tree lists more than its repo info: the client's own check is mapped."""
+    import specpack.packager.hub as hub_module
+
+    monkeypatch.setattr(hub_module, "_check_names", lambda names, source: None)
+    _push(unsigned, hub)
+    hub.files("org/tiny")["../evil"] = (b"evil", False)
+    with pytest.raises(VerificationError, match="unsafe name"):
+        _pull(hub, tmp_path / "pulled", allow_unsigned=True)
+    assert_nothing_left(tmp_path / "pulled")
+    assert not (tmp_path / "evil").exists()
+
+
+@pytest.fixture
+def only_loopback(monkeypatch, tmp_path):
+    """Every host name resolved during the test; any but 127.0.0.1 fails. The client's agent
+    registry (fetched from huggingface.co at most once a day) starts uncached and telemetry on."""
+    import socket
+
+    import huggingface_hub.constants as constants
+    import huggingface_hub.utils._detect_agent as detect_agent
+
+    monkeypatch.setattr(detect_agent, "_registry", None)
+    monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(tmp_path / "agents.json"))
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_TELEMETRY", False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    hosts, resolve = [], socket.getaddrinfo
+
+    def guarded(host, *args, **kwargs):
+        hosts.append(host)
+        if host != "127.0.0.1":
+            raise OSError(f"test: no connection to {host}")
+        return resolve(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", guarded)
+    return hosts
+
+
+def test_only_the_given_endpoint_is_contacted(signed, hub, keypair, tmp_path, only_loopback):
+    _push(signed, hub)
+    assert _pull(hub, tmp_path / "pulled", public_key=keypair.public).report.signature_checked
+    assert set(only_loopback) == {"127.0.0.1"}
+
+
+def test_oidc_token_exchange_goes_to_the_given_endpoint(signed, hub, keypair, tmp_path, only_loopback,
+                                                        monkeypatch):
+    import huggingface_hub.utils._auth as auth
+
+    _push(signed, hub, private=True)
+    monkeypatch.setattr(auth, "_OIDC_TOKEN_CACHE", None)
+    monkeypatch.setenv("HF_OIDC_RESOURCE", "org/tiny")
+    monkeypatch.setenv("HF_OIDC_ID_TOKEN", "id-token-from-ci")
+    assert _pull(hub, tmp_path / "pulled", public_key=keypair.public).report.signature_checked
+    assert "POST /oauth/token" in hub.requests and set(only_loopback) == {"127.0.0.1"}
+
+
+def test_endpoint_credentials_never_printed_or_logged(signed, unsigned, hub, tmp_path, cli, caplog,
+                                                      monkeypatch):
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    monkeypatch.setenv("HF_TOKEN", WRITE_TOKEN)
+    _push(unsigned, hub)
+    endpoint = hub.url.replace("http://", "http://someone:s3cret-pw@")
+    code, out, err = cli("-v", "pull", "org/tiny", "-o", tmp_path / "pulled", "--allow-unsigned",
+                         "--endpoint", endpoint)
+    assert code == 0, err
+    code, out2, err2 = cli("-v", "push", signed, "org/other", "--endpoint", endpoint)
+    assert code == 2 and "error:" in err2  # the URL's credentials replace the token: the fake refuses
+    assert "someone:s3cret-pw" not in out + err + out2 + err2 + caplog.text
+    assert "http://***@127.0.0.1" in caplog.text  # the requests are logged, their credentials are not
+
+
+def test_redact():
+    from specpack._redact import redact
+
+    assert redact("GET http://u:p@ss@h:1/x?a=b@c and https://tok@hf.co/") == "GET http://***@h:1/x?a=b@c and " \
+                                                                         "https://***@hf.co/"
+    assert redact("no credentials: http://host/a@b, oci://host/repo:v1") == \
+        "no credentials: http://host/a@b, oci://host/repo:v1"

@@ -247,3 +247,74 @@ def test_a_key_requires_a_signature_even_with_allow_unsigned(registry, tiny_targ
     with pytest.raises(VerificationError, match="not signed"):
         _pull(ref, tmp_path / "out", public_key=keypair.public, allow_unsigned=True)
     assert_nothing_left(tmp_path / "out")
+
+
+class _Stream:
+    """A streamed `requests` response that yields `head`, then `extra` more chunks of `filler`,
+    counting what the reader took."""
+
+    def __init__(self, head: bytes, filler: bytes, extra: int):
+        self.head, self.filler, self.extra = head, filler, extra
+        self.status_code, self.headers, self.reason, self.taken = 200, {}, "OK", 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def iter_content(self, chunk_size=None):
+        for chunk in [self.head] + [self.filler] * self.extra:
+            self.taken += 1
+            yield chunk
+
+
+def test_blob_longer_than_declared_stops_at_its_size(registry, signed, keypair, tmp_path, monkeypatch):
+    """A registry that streams on past a blob's declared size is cut off there, not read to the end."""
+    import oras.provider
+
+    ref = _ref(registry, "endless")
+    push_oci(signed, ref, plain_http=True, progress=False)
+    weights = (signed / "drafter/model.safetensors").read_bytes()
+    digest = "sha256:" + hashlib.sha256(weights).hexdigest()
+    real, streams = oras.provider.Registry.get_blob, []
+
+    def get_blob(self, container, blob_digest, stream=False, head=False):
+        if blob_digest != digest:
+            return real(self, container, blob_digest, stream=stream, head=head)
+        streams.append(_Stream(weights, b"\0" * 2**16, extra=200))
+        return streams[-1]
+
+    monkeypatch.setattr(oras.provider.Registry, "get_blob", get_blob)
+    with pytest.raises(VerificationError, match="do not match its manifest") as err:
+        _pull(ref, tmp_path / "pulled", public_key=keypair.public)
+    assert any(p.startswith("drafter/model.safetensors: the registry sent more than") for p in err.value.problems)
+    assert streams and streams[0].taken <= 2  # the blob, then one chunk too many: no further
+    assert_nothing_left(tmp_path / "pulled")
+
+
+def test_endless_manifest_is_refused(tmp_path, keypair, monkeypatch):
+    import oras.provider
+
+    streams = []
+
+    def do_request(self, url, method="GET", data=None, headers=None, json=None, stream=False):
+        streams.append(_Stream(b'{"schemaVersion": 2, "layers": [', b" " * 2**20, extra=64))
+        return streams[-1]
+
+    monkeypatch.setattr(oras.provider.Registry.do_request, "__wrapped__", do_request)
+    with pytest.raises(VerificationError, match="manifest .* is larger than"):
+        _pull(f"oci://127.0.0.1:{_free_port()}/specpack/endless:v1", tmp_path / "x", public_key=keypair.public)
+    assert len(streams) == 1 and streams[0].taken <= 6  # 4 MiB and one chunk more
+    assert_nothing_left(tmp_path / "x")
+
+
+@pytest.mark.parametrize("size", [-1, "12", True, None, 1.5])
+def test_layer_without_a_byte_count_is_refused(size):
+    from specpack.packager.oci import _layer_paths
+
+    layer = {"digest": "sha256:" + "a" * 64, "size": size,
+             "annotations": {"org.opencontainers.image.title": "config.json"}}
+    with pytest.raises(VerificationError, match="malformed manifest") as err:
+        _layer_paths({"layers": [layer]}, parse_reference("oci://host/repo:v1"))
+    assert err.value.problems == [f"config.json: size {size!r} is not a byte count"]

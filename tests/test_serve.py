@@ -144,6 +144,18 @@ BAD = [
     (json.dumps({"model": "tiny-ngram", "prompt": ""}).encode(), 400, "prompt", None),
     (json.dumps({"model": "tiny-ngram"}).encode(), 400, "prompt", "missing_required_parameter"),
     (json.dumps({"model": "tiny-ngram", "prompt": "x", "n": 3}).encode(), 400, "n", "invalid_value"),
+    # bounded and valid input (issue 13): seeds in int64, real Unicode text, few and short stop strings
+    (json.dumps({"model": "tiny-ngram", "prompt": "x", "seed": 2**64}).encode(), 400, "seed", "invalid_value"),
+    (json.dumps({"model": "tiny-ngram", "prompt": "x", "seed": -2**63 - 1}).encode(), 400, "seed", "invalid_value"),
+    (json.dumps({"model": "tiny-ngram", "prompt": "a\ud800b"}).encode(), 400, "prompt", "invalid_value"),
+    (json.dumps({"model": "tiny-ngram", "prompt": ["\udfff"]}).encode(), 400, "prompt", "invalid_value"),
+    (json.dumps({"model": "tiny-ngram", "prompt": "x", "stop": ["ok", "\ud800"]}).encode(), 400, "stop",
+     "invalid_value"),
+    (json.dumps({"model": "\ud800", "prompt": "x"}).encode(), 400, "model", "invalid_value"),
+    (json.dumps({"model": "tiny-ngram", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}).encode(), 400, "stop",
+     "invalid_value"),
+    (json.dumps({"model": "tiny-ngram", "prompt": "x", "stop": "s" * 1025}).encode(), 400, "stop", "invalid_value"),
+    (b'{"model": "tiny-ngram", "prompt": "x", "user": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None, None),
 ]
 
 
@@ -161,6 +173,8 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cli
 def test_bad_chat_requests(server, client):
     long = [{"role": "user", "content": "word " * 600}]
     for body, status, param in [({"model": "tiny-ngram", "messages": []}, 400, "messages"),
+                                ({"model": "tiny-ngram", "messages": [{"role": "user", "content": "a\ud800"}]},
+                                 400, "messages.0.content"),
                                 ({"model": "tiny-ngram", "messages": [{"role": "alien", "content": "x"}]}, 400,
                                  "messages.0.role"),
                                 ({"model": "tiny-ngram", "messages": long}, 400, "messages")]:
@@ -305,3 +319,171 @@ def test_client_that_disconnects_frees_its_slot(slow_model, stream):
         status, data = _post(srv.url + "/v1/completions", json.dumps({"model": "slow", "prompt": "x",
                                                                       "max_tokens": 3}).encode())
         assert status == 200 and data["usage"]["completion_tokens"] == 3
+
+
+def test_seed_at_the_ends_of_its_range_is_served(client):
+    for seed in (-2**63, 2**63 - 1):
+        r = client.completions.create(model="tiny-ngram", prompt="x", max_tokens=2, temperature=0.7, seed=seed)
+        assert r.usage.completion_tokens >= 1
+
+
+@pytest.fixture
+def small_body_server(slow_model):
+    slow_model.gate.set()
+    with ServerThread(create_app(slow_model, Worker(slow_model, draft_len=3), "slow", max_body_bytes=4096)) as srv:
+        yield srv
+
+
+def _raw_post(port: int, headers: dict, chunks: list[bytes]) -> tuple[int, dict]:
+    """POST `chunks` without finishing the body (no final chunk, fewer bytes than declared), then
+    read the answer: only a server that stops reading early answers at all."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.putrequest("POST", "/v1/completions")
+    for name, value in {"Content-Type": "application/json", **headers}.items():
+        conn.putheader(name, value)
+    conn.endheaders()
+    for chunk in chunks:
+        conn.send(chunk)
+    resp = conn.getresponse()
+    try:
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("headers, chunks", [
+    ({"Content-Length": str(50 * 2**20)}, [b'{"model": "slow", "prompt": "']),  # refused on its header
+    ({"Transfer-Encoding": "chunked"}, [b"400\r\n" + b"x" * 1024 + b"\r\n"] * 5),  # counted as it streams
+])
+def test_body_over_the_limit_is_refused_before_it_is_read(small_body_server, headers, chunks):
+    status, data = _raw_post(small_body_server.port, headers, chunks)
+    assert status == 413 and data["error"]["code"] == "request_too_large"
+    assert data["error"]["type"] == "invalid_request_error" and "4,096 bytes" in data["error"]["message"]
+    ok, body = _post(small_body_server.url + "/v1/completions",
+                     json.dumps({"model": "slow", "prompt": "x", "user": "u" * 3900, "max_tokens": 2}).encode())
+    assert ok == 200 and body["usage"]["completion_tokens"] == 2
+
+
+class _ThreadSpy:
+    """A tokenizer that records the threads it encodes and decodes on."""
+
+    def __init__(self, tokenizer):
+        self._tokenizer, self.threads = tokenizer, set()
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def __call__(self, *args, **kwargs):
+        self.threads.add(threading.current_thread().name)
+        return self._tokenizer(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        self.threads.add(threading.current_thread().name)
+        return self._tokenizer.decode(*args, **kwargs)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_text_work_stays_off_the_worker(slow_model, stream):
+    """Decoding and stop-string matching run in the thread pool: a long stop string cannot stall
+    the one worker (and with it every other request)."""
+    slow_model.gate.set()
+    slow_model.tokenizer = spy = _ThreadSpy(slow_model.tokenizer)
+    worker = Worker(slow_model, draft_len=3)
+    with ServerThread(create_app(slow_model, worker, "slow")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=30, max_retries=0)
+        stop = ["b" * 1024, "ab" * 512]
+        r = client.completions.create(model="slow", prompt="hi", max_tokens=12, stop=stop, stream=stream)
+        text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
+    assert text == "a" * 12 and spy.threads and "specpack-worker" not in spy.threads
+
+
+def test_stop_strings_are_held_back_and_cut_like_before():
+    """TextStream's linear partial-match scan sends exactly what the old quadratic one did."""
+    import random
+
+    from specpack.runtime.text import TextStream
+
+    class Chars:  # one token per character
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    rng = random.Random(13)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 30)))
+        sent = []
+        stream = TextStream(Chars(), sent.append, stops=stops)
+        for ch in text:
+            stream([ord(ch)])
+            whole = "".join(sent)
+            full = stream.text()
+            assert full.startswith(whole)
+            held = max((k for s in stops for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+            assert len(whole) == max(len(full) - held, len(whole))  # the old rule, on the same text
+        cuts = [text.find(s) for s in stops if s in text]
+        assert stream.flush() == (text[: min(cuts)] if cuts else text)
+
+
+@pytest.fixture
+def keyed_server(slow_model):
+    slow_model.gate.set()
+    with ServerThread(create_app(slow_model, Worker(slow_model, draft_len=3), "slow", api_key="sk-local-1")) as srv:
+        yield srv
+
+
+def _status(url: str, headers: dict) -> tuple[int, dict]:
+    req = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, json.loads(r.read()) if "json" in r.headers.get("content-type", "") else {}
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_api_key_is_required_on_every_route_but_health(keyed_server):
+    url = keyed_server.url
+    assert _status(url + "/health", {})[0] == 200
+    for path in ("/v1/models", "/metrics", "/v1/models/slow", "/no/such/route"):
+        for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "Basic sk-local-1"},
+                        {"Authorization": "Bearer sk-local-1x"}):
+            status, data = _status(url + path, headers)
+            assert status == 401 and data["error"]["code"] == "invalid_api_key", (path, headers)
+            assert data["error"]["type"] == "invalid_request_error" and "sk-local-1" not in json.dumps(data)
+    assert _status(url + "/v1/models", {"Authorization": "Bearer sk-local-1"})[0] == 200
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
+    client = openai.OpenAI(base_url=url + "/v1", api_key="sk-local-1", timeout=30, max_retries=0)
+    assert client.completions.create(model="slow", prompt="x", max_tokens=2).usage.completion_tokens == 2
+    assert "".join(c.choices[0].text for c in client.completions.create(model="slow", prompt="x", max_tokens=2,
+                                                                       stream=True)) == "aa"
+
+
+@pytest.mark.parametrize("key", ["", "has space", "tab\tkey", "ключ"])
+def test_unusable_api_key_is_refused_before_loading(artifact, key):
+    from specpack.errors import InputError
+
+    with pytest.raises(InputError, match="invalid serve options") as err:
+        prepare(artifact, api_key=key)
+    assert any("--api-key" in p for p in err.value.problems)
+
+
+def test_cli_takes_the_key_from_the_environment(artifact, cli, monkeypatch):
+    import specpack.runtime.serve as serve_module
+
+    plans = []
+    monkeypatch.setattr(serve_module, "run", lambda plan, host, port: plans.append(plan))
+    monkeypatch.setenv("SPECPACK_API_KEY", "sk-env")
+    assert cli("serve", artifact)[0] == 0 and plans[-1].needs_key
+    monkeypatch.delenv("SPECPACK_API_KEY")
+    assert cli("serve", artifact)[0] == 0 and not plans[-1].needs_key
+
+
+@pytest.mark.parametrize("host, key, warned", [("0.0.0.0", None, True), ("0.0.0.0", "k", False),
+                                               ("127.0.0.1", None, False), ("::1", None, False),
+                                               ("localhost", None, False), ("my-host", None, True)])
+def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, caplog, host, key, warned):
+    import specpack.runtime.serve as serve_module
+
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: None)
+    serve_module.run(serve_module.ServerPlan(None, "m", None, needs_key=key is not None), host=host)
+    assert ("no API key" in caplog.text) == warned

@@ -30,8 +30,13 @@ def cli(verbose: int) -> None:
 
     Set SPECPACK_TRACEBACK=1 to see tracebacks of errors.
     """
+    from specpack._redact import RedactingFilter
+
     level = [logging.WARNING, logging.INFO, logging.DEBUG][min(verbose, 2)]
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:  # every logger's records pass these: none shows a password
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
 
 
 DTYPE = click.option("--dtype", default="float32", show_default=True,

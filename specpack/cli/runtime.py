@@ -150,15 +150,22 @@ def profiles(artifact, json_mode):
 @click.option("--max-concurrency", type=int,
               help="Requests in flight up to which speculation stays on [default: the profile's; none: no limit].")
 @click.option("--draft-len", type=int, help="Draft tokens per step [default: the profile's].")
+@click.option("--api-key", envvar="SPECPACK_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on every route but /health [env: SPECPACK_API_KEY].")
+@click.option("--max-body-bytes", type=int, default=2**20, show_default=True,
+              help="Largest request body accepted; a larger one gets 413 before it is read.")
 @DEVICE
 @DTYPE
 @PUBKEY
-def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, device, dtype, public_key):
+def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, api_key, max_body_bytes, device,
+          dtype, public_key):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     /v1/models, /v1/completions and /v1/chat/completions (streaming or not), /health, and /metrics
     (Prometheus). Requests queue for one model; speculation turns off while more requests are in
-    flight than the profile's concurrency limit. Needs `pip install 'specpack[serve]'`.
+    flight than the profile's concurrency limit. With --api-key (or SPECPACK_API_KEY) every route
+    but /health needs the key; without one, listening beyond loopback logs a warning. Needs
+    `pip install 'specpack[serve]'`.
 
     \b
     Examples:
@@ -170,7 +177,7 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
 
     plan = prepare(artifact, profile=profile, device=device, dtype=dtype, public_key=public_key,
                    model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
-                   progress=progress_enabled(False))
+                   progress=progress_enabled(False), api_key=api_key, max_body_bytes=max_body_bytes)
     click.echo(plan.selection.message, err=True)
     click.echo(f"serving '{plan.model_name}' at http://{host}:{port}/v1 (OpenAI-compatible; also /health, "
                "/metrics)", err=True)

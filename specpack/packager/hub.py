@@ -8,7 +8,8 @@
 
 An artifact directory is already a valid model repo (README.md is its model card with the hub
 YAML header), so files are uploaded as they are. Tokens come from `token=`, else HF_TOKEN or the
-token saved by `hf auth login`; the endpoint from `endpoint=`, else HF_ENDPOINT.
+token saved by `hf auth login`; the endpoint from `endpoint=`, else HF_ENDPOINT. With `endpoint=`,
+no other host is contacted (see `_client_settings`), and no message shows its credentials.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from specpack._atomic import staging_dir
 from specpack._paths import check_relpath
+from specpack._redact import redact
 from specpack.errors import InputError, VerificationError
 from specpack.packager.artifact import read_manifest
 from specpack.packager.transfer import (PullResult, PushResult, TransferError, check_download,
@@ -60,10 +62,10 @@ def push(artifact: Path, repo_id: str, revision: str | None = None, private: boo
     validate_repo_id(repo_id)
     artifact = Path(artifact)
     report, files = files_to_upload(artifact, public_key, progress)
-    api = HfApi(endpoint=endpoint, token=_require_token(token))
     ops = [CommitOperationAdd(path_in_repo=f.path, path_or_fileobj=str(artifact / f.path))
            for f in files]
-    with _hub_errors(repo_id, revision), _progress_bars(progress):
+    with _client_settings(endpoint), _hub_errors(repo_id, revision), _progress_bars(progress):
+        api = HfApi(endpoint=endpoint, token=_require_token(token))
         api.create_repo(repo_id, private=private, exist_ok=True)
         if revision and revision != "main":
             api.create_branch(repo_id, branch=revision, exist_ok=True)
@@ -72,7 +74,7 @@ def push(artifact: Path, repo_id: str, revision: str | None = None, private: boo
                                  commit_description=_commit_description(report))
     log.info("pushed %s to %s@%s (%s)", artifact, repo_id, revision or "main", info.oid)
     return PushResult(f"hf://{repo_id}@{revision or 'main'}", info.oid, len(files),
-                      sum(f.size for f in files), url=info.commit_url)
+                      sum(f.size for f in files), url=redact(info.commit_url))
 
 
 def pull(repo_id: str, out: Path, revision: str | None = None, public_key: Path | None = None,
@@ -83,7 +85,7 @@ def pull(repo_id: str, out: Path, revision: str | None = None, public_key: Path 
     source = f"hf://{repo_id}@{revision or 'main'}"
     require_trust_choice(public_key, allow_unsigned, source)
     with staging_dir(Path(out), force) as tmp:
-        with _hub_errors(repo_id, revision), _progress_bars(progress):
+        with _client_settings(endpoint), _hub_errors(repo_id, revision), _progress_bars(progress):
             commit = _download(repo_id, revision, tmp, token, endpoint)
         report = check_download(tmp, public_key, allow_unsigned, f"{source} ({commit[:12]})",
                                 progress)
@@ -98,6 +100,7 @@ def _download(repo_id: str, revision: str | None, tmp: Path, token, endpoint) ->
     from huggingface_hub import HfApi, hf_hub_download, snapshot_download
 
     info = HfApi(endpoint=endpoint, token=token).repo_info(repo_id, revision=revision)
+    _check_names([s.rfilename for s in info.siblings or []], f"hf://{repo_id}@{info.sha}")
     commit, in_repo = info.sha, {s.rfilename for s in info.siblings or []}
     cache = tmp / ".cache"
     where = dict(repo_id=repo_id, revision=commit, local_dir=tmp, cache_dir=cache / "hub", endpoint=endpoint,
@@ -128,6 +131,44 @@ def _listed_files(tmp: Path, source: str) -> list[str]:
             if check_relpath(entry.path, MANIFEST_NAME) == entry.path:
                 listed.append(entry.path)
     return listed
+
+
+def _check_names(names: list[str], source: str) -> None:
+    """Refuse, before any download, a repo listing a file name that would land outside OUT."""
+    problems = []
+    for name in names:
+        try:
+            check_relpath(name, source)
+        except InputError:
+            problems.append(f"{name!r} escapes the download directory")
+    if problems:
+        raise VerificationError(f"{source} lists files with unsafe names; nothing was downloaded",
+                                problems=problems, hint="the repo was not written by specpack, or was "
+                                                        "altered: do not use it")
+
+
+@contextlib.contextmanager
+def _client_settings(endpoint: str | None):
+    """Make huggingface_hub talk to `endpoint` only, while a transfer runs.
+
+    The client reads some settings from import-time constants, not from `endpoint=`: the agent
+    registry behind its user agent (telemetry) is fetched from huggingface.co, and the token
+    exchange of HF_OIDC_RESOURCE goes to `constants.ENDPOINT`. Telemetry is switched off, and the
+    constants point at `endpoint` as if HF_ENDPOINT had been set at start (restored after; not
+    thread-safe, like the rest of huggingface_hub's global settings)."""
+    from huggingface_hub import constants
+
+    names = ("HF_HUB_DISABLE_TELEMETRY", "ENDPOINT", "HUGGINGFACE_CO_URL_TEMPLATE")
+    saved = {name: getattr(constants, name) for name in names}
+    constants.HF_HUB_DISABLE_TELEMETRY = True
+    if endpoint:
+        constants.ENDPOINT = endpoint.rstrip("/")
+        constants.HUGGINGFACE_CO_URL_TEMPLATE = constants.ENDPOINT + "/{repo_id}/resolve/{revision}/{filename}"
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(constants, name, value)
 
 
 def _require_token(token: str | None) -> str:
@@ -168,6 +209,7 @@ def _hub_errors(repo_id: str, revision: str | None):
     import httpx2
     from huggingface_hub import errors
 
+    oidc_error = getattr(errors, "OIDCError", ())  # newer clients only
     try:
         yield
     except errors.RevisionNotFoundError:
@@ -179,28 +221,37 @@ def _hub_errors(repo_id: str, revision: str | None):
                             hint="check the repo id; for a private repo " + LOGIN_HINT) from None
     except errors.HfHubHTTPError as exc:
         raise _http_error(exc, repo_id) from None
+    except oidc_error as exc:
+        raise TransferError(f"no token from HF_OIDC_RESOURCE: {redact(exc)}",
+                            hint="unset HF_OIDC_RESOURCE, or set HF_OIDC_ID_TOKEN") from None
     except (httpx2.ConnectError, httpx2.TimeoutException) as exc:
-        raise TransferError(f"cannot reach the hub ({repo_id}): {exc}",
+        raise TransferError(f"cannot reach the hub ({repo_id}): {redact(exc)}",
                             hint="check the network, HF_ENDPOINT or --endpoint") from None
     except httpx2.RemoteProtocolError as exc:
-        raise TransferError(f"the connection to the hub was lost ({repo_id}): {exc}",
+        raise TransferError(f"the connection to the hub was lost ({repo_id}): {redact(exc)}",
                             hint="try again; a pull leaves nothing behind and a push commits "
                                  "all files or none") from None
     except RuntimeError as exc:  # the client wraps failed LFS uploads in a RuntimeError
         if "Error while uploading" not in str(exc):
             raise
-        raise TransferError(f"upload to {repo_id} failed: {exc}: {exc.__cause__}",
+        raise TransferError(redact(f"upload to {repo_id} failed: {exc}: {exc.__cause__}"),
                             hint="push again; the hub keeps no partial commit") from None
     except OSError as exc:
         if "Consistency check failed" not in str(exc):
             raise  # local disk problems are reported by staging_dir
-        raise TransferError(f"download from {repo_id} was incomplete: {str(exc).splitlines()[0]}",
+        raise TransferError(f"download from {repo_id} was incomplete: {redact(str(exc).splitlines()[0])}",
                             hint="pull again; nothing was written") from None
+    except ValueError as exc:  # the listing changed under us: the client's own name check caught it
+        if "Invalid filename" not in str(exc):
+            raise
+        raise VerificationError(f"hf://{repo_id} lists a file with an unsafe name: {redact(exc)}",
+                                hint="the repo was not written by specpack, or was altered: do "
+                                     "not use it") from None
 
 
 def _http_error(exc, repo_id: str) -> TransferError:
     status = exc.response.status_code if exc.response is not None else None
-    server = (exc.server_message or str(exc)).strip().splitlines()[0]
+    server = redact((exc.server_message or str(exc)).strip().splitlines()[0])
     if status in (401, 403):
         return TransferError(f"the hub refused the request for {repo_id} (HTTP {status}): {server}",
                              hint=LOGIN_HINT)

@@ -36,6 +36,7 @@ CONFIG_TYPE = "application/vnd.specpack.artifact.config.v1+json"
 FILE_TYPE = "application/vnd.specpack.file.v1"
 TITLE = "org.opencontainers.image.title"
 CHUNK = 16 * 2**20
+MAX_MANIFEST_BYTES = 4 * 2**20  # what the distribution registry itself accepts
 
 _REF = re.compile(r"oci://(?P<registry>[^/@]+)/(?P<repo>[a-z0-9]+(?:[._-]+[a-z0-9]+)*"
                   r"(?:/[a-z0-9]+(?:[._-]+[a-z0-9]+)*)*)"
@@ -166,17 +167,21 @@ def _upload_config(reg, container, manifest) -> dict:
 
 def _fetch_manifest(reg, container, oref: OciRef) -> tuple[dict, str]:
     url = f"{reg.prefix}://{container.manifest_url(oref.reference)}"
-    resp = reg.do_request(url, "GET", headers={"Accept": MANIFEST_TYPE})
-    if resp.status_code == 404:
-        raise TransferError(f"{oref} does not exist", hint="check the repository and tag")
-    _check(resp, "manifest request")
-    digest = "sha256:" + hashlib.sha256(resp.content).hexdigest()
+    with reg.do_request(url, "GET", headers={"Accept": MANIFEST_TYPE}, stream=True) as resp:
+        if resp.status_code == 404:
+            raise TransferError(f"{oref} does not exist", hint="check the repository and tag")
+        _check(resp, "manifest request")
+        content = _read_at_most(resp, MAX_MANIFEST_BYTES)
+    if content is None:
+        raise VerificationError(f"manifest of {oref} is larger than {MAX_MANIFEST_BYTES:,} bytes",
+                                hint="the registry sent more than any manifest holds: do not use it")
+    digest = "sha256:" + hashlib.sha256(content).hexdigest()
     expected = oref.digest or resp.headers.get("Docker-Content-Digest")
     if expected and expected != digest:
         raise VerificationError(f"manifest of {oref} does not match its digest",
                                 problems=[f"expected {expected}, got {digest}"],
                                 hint="the registry returned other bytes than it stored: do not use it")
-    manifest = json.loads(resp.content)
+    manifest = json.loads(content)
     if manifest.get("config", {}).get("mediaType") != CONFIG_TYPE:
         raise InputError(f"{oref} is not a specpack artifact (config media type "
                          f"{manifest.get('config', {}).get('mediaType')!r})",
@@ -195,6 +200,9 @@ def _layer_paths(manifest: dict, oref: OciRef) -> list[tuple[str, dict]]:
             problems.append(exc.message)
         if not re.fullmatch(r"sha256:[0-9a-f]{64}", str(layer.get("digest"))):
             problems.append(f"{path}: unsupported digest {layer.get('digest')!r}")
+        size = layer.get("size")
+        if type(size) is not int or size < 0:  # noqa: E721 - bool is an int too
+            problems.append(f"{path}: size {size!r} is not a byte count")
     paths = [p for p, _ in out]
     if len(set(paths)) != len(paths):
         problems.append("two layers claim the same path")
@@ -220,22 +228,35 @@ def _download_layers(reg, container, layers, tmp: Path, oref: OciRef, progress: 
 
 
 def _download_blob(reg, container, layer: dict, dest: Path, bar) -> str | None:
-    """Stream one blob to `dest`, hashing it; return a problem, or None when it matches."""
+    """Stream one blob to `dest`, hashing it, and never read past the size the manifest declares;
+    return a problem, or None when it matches."""
     dest.parent.mkdir(parents=True, exist_ok=True)
-    digest, size = hashlib.sha256(), 0
+    digest, size, declared = hashlib.sha256(), 0, layer["size"]
     with reg.get_blob(container, layer["digest"], stream=True) as resp, open(dest, "wb") as f:
         _check(resp, f"download of {dest.name}")
         for chunk in resp.iter_content(chunk_size=2**20):
+            if size + len(chunk) > declared:
+                return f"the registry sent more than the {declared:,} bytes the manifest declares"
             digest.update(chunk)
             f.write(chunk)
             size += len(chunk)
             bar.update(len(chunk))
+    if size != declared:
+        return f"{size:,} bytes, the manifest says {declared:,}"
     got = "sha256:" + digest.hexdigest()
     if got != layer["digest"]:
         return f"blob bytes hash to {got[:19]}…, the manifest says {layer['digest'][:19]}…"
-    if size != layer.get("size"):
-        return f"{size} bytes, the manifest says {layer.get('size')}"
     return None
+
+
+def _read_at_most(resp, limit: int) -> bytes | None:
+    """The whole body of a streamed response, or None as soon as it passes `limit` bytes."""
+    data = bytearray()
+    for chunk in resp.iter_content(chunk_size=2**16):
+        data += chunk
+        if len(data) > limit:
+            return None
+    return bytes(data)
 
 
 @contextlib.contextmanager

@@ -8,10 +8,12 @@ with the upstream CLI too: `model_signing verify key ARTIFACT --signature ARTIFA
 
 from __future__ import annotations
 
+import os
+import secrets
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
-from specpack.errors import InputError, VerificationError
+from specpack.errors import InputError, OutputError, VerificationError
 from specpack.schemas import SIGNATURE_NAME
 
 
@@ -22,12 +24,17 @@ class KeyPair:
 
 
 def keygen(out_prefix: Path, force: bool = False) -> KeyPair:
-    """Write an ECDSA P-256 key pair: `PREFIX.pem` (private, mode 600) and `PREFIX.pub`."""
+    """Write an ECDSA P-256 key pair: `PREFIX.pem` (private, mode 600) and `PREFIX.pub`.
+
+    Each file is created with its mode already set (O_CREAT|O_EXCL), never written through a
+    symlink: without `force` anything already at either name (a dangling link included) is
+    refused; with `force` a new file replaces the old name atomically (a link itself is replaced,
+    its target is left as it was)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
     pair = KeyPair(Path(f"{out_prefix}.pem"), Path(f"{out_prefix}.pub"))
-    clashes = [str(p) for p in (pair.private, pair.public) if p.exists()]
+    clashes = [str(p) for p in (pair.private, pair.public) if os.path.lexists(p)]
     if clashes and not force:
         raise InputError("key files already exist", problems=clashes, hint="pass --force to replace them")
     key = ec.generate_private_key(ec.SECP256R1())
@@ -35,10 +42,44 @@ def keygen(out_prefix: Path, force: bool = False) -> KeyPair:
                                 serialization.NoEncryption())
     public = key.public_key().public_bytes(serialization.Encoding.PEM,
                                            serialization.PublicFormat.SubjectPublicKeyInfo)
-    pair.private.touch(mode=0o600, exist_ok=True)
-    pair.private.write_bytes(private)
-    pair.public.write_bytes(public)
+    _write_key_file(pair.private, private, 0o600, force)
+    try:
+        _write_key_file(pair.public, public, 0o644, force)
+    except BaseException:
+        if not force:  # the private key is ours alone: a half-written pair is no pair
+            pair.private.unlink(missing_ok=True)
+        raise
     return pair
+
+
+_NEW_FILE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+
+
+def _write_key_file(path: Path, data: bytes, mode: int, replace: bool) -> None:
+    """Create `path` with `mode` from the first byte (O_EXCL: never an existing file or link);
+    with `replace`, write a temporary sibling and rename it over `path` instead."""
+    target = path.with_name(f".{path.name}.{secrets.token_hex(4)}.partial") if replace else path
+    try:
+        fd = os.open(target, _NEW_FILE, mode)
+    except FileExistsError:
+        raise InputError("key files already exist", problems=[str(path)],
+                         hint="pass --force to replace them") from None
+    except OSError as exc:
+        raise OutputError(f"cannot write key file '{path}': {exc.strerror}",
+                          hint="choose a writable location") from None
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(target, path)  # renames over the name: a symlink there is replaced, not followed
+    except BaseException as exc:
+        target.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise OutputError(f"cannot write key file '{path}': {exc.strerror}",
+                              hint="choose a writable location (not a directory's name)") from None
+        raise
 
 
 def sign(artifact: Path, digests: dict[str, str], key: Path, name: str) -> Path:

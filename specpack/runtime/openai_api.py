@@ -9,6 +9,22 @@ from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+MAX_STOPS = 4  # OpenAI's limit
+MAX_STOP_CHARS = 1024  # a stop string is matched against every new token's text: keep that bounded
+SEED_RANGE = (-(2**63), 2**63)  # a 64-bit signed integer, as OpenAI and vLLM take it
+
+
+def valid_unicode(value):
+    """`value` (a string or a list of them) unchanged; a ValueError when a string holds a lone
+    surrogate, which JSON's \\uD800-style escapes can carry and no tokenizer (nor UTF-8) takes."""
+    for text in [value] if isinstance(value, str) else value:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"contains a lone surrogate (U+{ord(text[exc.start]):04X}) at character "
+                             f"{exc.start}; send valid Unicode text") from None
+    return value
+
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -16,12 +32,19 @@ class TextPart(BaseModel):
     type: Literal["text"] = Field(description="Only text parts are supported.")
     text: str = Field(description="The text of this part.")
 
+    _text = field_validator("text")(valid_unicode)
+
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"] = Field(description="Who speaks.")
     content: Union[str, list[TextPart]] = Field(description="Text, or a list of text parts.")
+
+    @field_validator("content")
+    @classmethod
+    def _content(cls, v):
+        return valid_unicode(v) if isinstance(v, str) else v
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -42,17 +65,22 @@ class _Request(BaseModel):
     temperature: float = Field(1.0, ge=0.0, le=2.0, description="0 = greedy.")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     n: int = Field(1, ge=1, le=1, description="Only one choice per request.")
-    stop: Union[str, list[str], None] = Field(None, description="Up to 4 stop strings.")
+    stop: Union[str, list[str], None] = Field(None, description=f"Up to {MAX_STOPS} stop strings of up to "
+                                                                  f"{MAX_STOP_CHARS} characters each.")
     stream: bool = Field(False, description="Send server-sent events.")
     stream_options: Optional[StreamOptions] = None
-    seed: Optional[int] = Field(None, description="Seed for sampling.")
+    seed: Optional[int] = Field(None, ge=SEED_RANGE[0], lt=SEED_RANGE[1], description="Seed for sampling.")
+
+    _model = field_validator("model")(valid_unicode)
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v):
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4:
-            raise ValueError("at most 4 stop strings")
+        stops = valid_unicode([v] if isinstance(v, str) else list(v or []))
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string is longer than {MAX_STOP_CHARS} characters")
         return stops
 
     def stop_list(self) -> list[str]:
@@ -69,8 +97,8 @@ class CompletionRequest(_Request):
         if isinstance(v, list):
             if len(v) != 1:
                 raise ValueError("exactly one prompt per request is supported")
-            return v[0]
-        return v
+            return valid_unicode(v[0])
+        return valid_unicode(v)
 
 
 class ChatRequest(_Request):
@@ -122,4 +150,11 @@ def chat_chunk(rid: str, model: str, delta: dict, finish: Optional[str] = None,
 
 def error_body(message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
                code: Optional[str] = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    """OpenAI's error body. Text from the request (a name, a key) may hold lone surrogates: they
+    become '?', so the body always encodes."""
+    return {"error": {"message": _encodable(message), "type": type_,
+                      "param": None if param is None else _encodable(param), "code": code}}
+
+
+def _encodable(text: str) -> str:
+    return text.encode("utf-8", "replace").decode("utf-8")

@@ -7,13 +7,20 @@ Requests queue for the worker (the model runs one generation at a time). Specula
 chosen profile: on while the requests in flight are within its concurrency limit, off above it. A
 client that disconnects cancels its generation between decoding steps. Every bad request gets
 OpenAI's error body with a 4xx status, and the server keeps serving.
+
+Bounds: a request body over `max_body_bytes` is refused (413) before it is read whole; stop strings,
+seeds and text are validated (openai_api); the prompt must leave room in the context. With an API
+key, every route but /health needs `Authorization: Bearer KEY` (401 otherwise). Tokenizing,
+decoding and stop-string matching run in a thread pool, not on the worker.
 """
 
 # No `from __future__ import annotations`: FastAPI reads the endpoints' annotations at runtime,
 # and `Request` is imported inside create_app so that FastAPI stays an optional dependency.
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import re
 import socket
 import threading
 import time
@@ -22,10 +29,12 @@ from typing import Optional
 
 from specpack.errors import InputError
 from specpack.runtime import openai_api as oa
+from specpack.runtime.serve_guards import LimitBody, RequireKey
 from specpack.runtime.worker import Cancelled, Job, Metrics, Worker
 
 log = logging.getLogger(__name__)
 _DONE, _GONE = object(), object()  # stream sentinels: generation finished / client left
+MAX_BODY_BYTES = 2**20
 
 
 class ApiError(Exception):
@@ -44,28 +53,33 @@ class ServerPlan:
     app: object
     model_name: str
     selection: object  # profiles.Selection
+    needs_key: bool = False
 
 
 def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype: str = "float32",
             public_key=None, model_name: Optional[str] = None, max_concurrency: Optional[int] = None,
-            draft_len: Optional[int] = None, progress: bool = False) -> ServerPlan:
+            draft_len: Optional[int] = None, progress: bool = False, api_key: Optional[str] = None,
+            max_body_bytes: int = MAX_BODY_BYTES) -> ServerPlan:
     """Verify and load `artifact`, pick its best runnable profile (or `profile`), build the app.
-    `max_concurrency` / `draft_len` override what the profile says."""
+    `max_concurrency` / `draft_len` override what the profile says; `api_key` is required from
+    clients on every route but /health."""
     from specpack.runtime.api import load, require
     from specpack.runtime.profiles import select_profile
 
     require("fastapi", "serve")
-    _check_overrides(max_concurrency, draft_len)
+    _check_options(max_concurrency, draft_len, api_key, max_body_bytes)
     model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress)
     selection = select_profile(model.manifest, device, dtype, wanted=profile)
     worker = Worker(model, draft_len or selection.draft_len, speculative=selection.speculative,
                     max_concurrency=max_concurrency if max_concurrency is not None else selection.max_concurrency)
     name = model_name or model.manifest.name
     log.info("%s", selection.message)
-    return ServerPlan(create_app(model, worker, name), name, selection)
+    app = create_app(model, worker, name, api_key=api_key, max_body_bytes=max_body_bytes)
+    return ServerPlan(app, name, selection, needs_key=api_key is not None)
 
 
-def _check_overrides(max_concurrency: Optional[int], draft_len: Optional[int]) -> None:
+def _check_options(max_concurrency: Optional[int], draft_len: Optional[int], api_key: Optional[str],
+                   max_body_bytes: int) -> None:
     from specpack.runtime.speculative import MAX_DRAFT_LEN
 
     problems = []
@@ -73,6 +87,10 @@ def _check_overrides(max_concurrency: Optional[int], draft_len: Optional[int]) -
         problems.append(f"--max-concurrency {max_concurrency} is negative")
     if draft_len is not None and not 1 <= draft_len <= MAX_DRAFT_LEN:
         problems.append(f"--draft-len {draft_len} is outside 1..{MAX_DRAFT_LEN}")
+    if api_key is not None and not re.fullmatch(r"[\x21-\x7e]+", api_key):
+        problems.append("--api-key must be printable ASCII with no spaces (and not empty)")
+    if max_body_bytes < 1:
+        problems.append(f"--max-body-bytes {max_body_bytes} is not a positive byte count")
     if problems:
         raise InputError("invalid serve options", problems=problems)
 
@@ -81,11 +99,25 @@ def run(plan: ServerPlan, host: str = "127.0.0.1", port: int = 8000, log_level: 
     """Serve `plan` until interrupted."""
     import uvicorn
 
+    if not plan.needs_key and not _is_loopback(host):
+        log.warning("serving on %s with no API key: anyone who can reach it can use the model; set "
+                    "--api-key or SPECPACK_API_KEY", host)
     uvicorn.run(plan.app, host=host, port=port, log_level=log_level)
 
 
-def create_app(model, worker: Worker, model_name: str):
-    """The FastAPI application serving `model` through `worker` (started and stopped with the app)."""
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def create_app(model, worker: Worker, model_name: str, api_key: Optional[str] = None,
+               max_body_bytes: int = MAX_BODY_BYTES):
+    """The FastAPI application serving `model` through `worker` (started and stopped with the app).
+    With `api_key`, every route but /health needs `Authorization: Bearer <api_key>`."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse
@@ -98,6 +130,10 @@ def create_app(model, worker: Worker, model_name: str):
         worker.stop()
 
     app = FastAPI(title="specpack", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # the last added runs first: count every answer, then check the key, then bound the body
+    app.add_middleware(LimitBody, max_bytes=max_body_bytes)
+    if api_key is not None:
+        app.add_middleware(RequireKey, key=api_key)
     app.add_middleware(_CountRequests, metrics=worker.metrics)
     state = _State(model, worker, model_name)
 
@@ -198,30 +234,33 @@ class _State:
         from starlette.concurrency import run_in_threadpool
 
         self.check_model(body.model)
-        ids = await run_in_threadpool(self._encode, body, chat)
+        ids, stop_ids = await run_in_threadpool(self._encode, body, chat)
         limit = body.token_limit() if chat else body.max_tokens
-        job, stream = self._job(ids, self._budget(ids, limit, "messages" if chat else "prompt"), body)
+        job = Job(ids, self._budget(ids, limit, "messages" if chat else "prompt"), temperature=body.temperature,
+                  top_p=body.top_p, seed=body.seed, stop=stop_ids)
+        stream = self._text_stream(body)
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             return self._stream(request, job, stream, rid, chat, body)
-        job.on_tokens = None  # decode once at the end
         self.worker.submit(job)
         result = await _wait(request, job)
         stream.tokens.extend(result.tokens)
-        text, finish = self._finish(stream, result, body)
+        text, finish = await run_in_threadpool(self._finish, stream, result, body)
         use = oa.usage(len(ids), len(result.tokens))
         return oa.chat_completion(rid, self.name, text, finish, use) if chat else \
             oa.completion(rid, self.name, text, finish, use)
 
-    def _encode(self, body, chat: bool) -> list[int]:
-        from specpack.runtime.text import encode_prompt
+    def _encode(self, body, chat: bool) -> tuple[list[int], list[list[int]]]:
+        """Token ids of the prompt and of the stop strings (in the thread pool: bounded, but not free)."""
+        from specpack.runtime.text import encode_prompt, stop_sequences
         from specpack.runtime.workload import encode_messages
 
         try:
-            return encode_messages(self.tokenizer, body.messages) if chat else \
+            ids = encode_messages(self.tokenizer, body.messages) if chat else \
                 encode_prompt(self.tokenizer, body.prompt, chat=False)
         except InputError as exc:
             raise ApiError(400, exc.message, param="messages" if chat else "prompt") from None
+        return ids, stop_sequences(self.tokenizer, body.stop_list())
 
     def _budget(self, ids: list[int], limit: Optional[int], param: str) -> int:
         room = self.context - len(ids)
@@ -233,14 +272,10 @@ class _State:
                            param=param if room < 1 else "max_tokens", code="context_length_exceeded")
         return limit if limit is not None else room
 
-    def _job(self, ids: list[int], max_new: int, body):
-        from specpack.runtime.text import TextStream, stop_sequences
+    def _text_stream(self, body):
+        from specpack.runtime.text import TextStream
 
-        stops = body.stop_list()
-        stream = TextStream(self.tokenizer, lambda s: None, stops=stops)
-        job = Job(ids, max_new, temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                  stop=stop_sequences(self.tokenizer, stops), on_tokens=stream)
-        return job, stream
+        return TextStream(self.tokenizer, lambda s: None, stops=body.stop_list())
 
     def _finish(self, stream, result, body) -> tuple[str, str]:
         """All text not yet sent, and OpenAI's finish reason (a stop string cut the text: stop)."""
@@ -253,9 +288,14 @@ class _State:
         return text, finish
 
     def _stream(self, request, job: Job, stream, rid: str, chat: bool, body):
-        loop, deltas = asyncio.get_running_loop(), asyncio.Queue()
-        stream.write = lambda s: loop.call_soon_threadsafe(deltas.put_nowait, s)
+        """Server-sent events. The worker only hands each step's token ids over; decoding them and
+        matching stop strings happen here, in the thread pool, off the worker's path."""
+        from starlette.concurrency import run_in_threadpool
+
+        loop, deltas, pending = asyncio.get_running_loop(), asyncio.Queue(), []
+        job.on_tokens = lambda tokens: loop.call_soon_threadsafe(deltas.put_nowait, list(tokens))
         job.future.add_done_callback(lambda f: loop.call_soon_threadsafe(deltas.put_nowait, _DONE))
+        stream.write = pending.append
         self.worker.submit(job)
         usage = body.stream_options is not None and body.stream_options.include_usage
 
@@ -270,13 +310,20 @@ class _State:
                     data["choices"] = []
             return _event(data)
 
+        def take() -> str:
+            text = "".join(pending)
+            pending.clear()
+            return text
+
         async def events():
             if chat:
                 yield chunk("")
             while (item := await _next(request, deltas, job)) is not _DONE:
                 if item is _GONE:
                     return
-                yield chunk(item)
+                await run_in_threadpool(stream, item)
+                if pending:
+                    yield chunk(take())
             try:
                 result = job.future.result()
             except Cancelled:
@@ -286,7 +333,7 @@ class _State:
                 yield _event(oa.error_body("generation failed", type_="server_error"))
                 return
             stream.write = lambda s: None
-            text, finish = self._finish(stream, result, body)
+            text, finish = await run_in_threadpool(self._finish, stream, result, body)
             if text:
                 yield chunk(text)
             yield chunk(None, finish)

@@ -120,7 +120,7 @@ class _Output:
             self.new.append(t)
             if t in self.eos:
                 self.finish = "eos"
-            elif any(self.new[-len(s):] == s for s in self.stop):
+            elif any(s[-1] == t and self.new[-len(s):] == s for s in self.stop):  # last token first: cheap
                 self.finish = "stop"
             if self.finish:
                 break

@@ -38,6 +38,9 @@ class TextStream:
     tokens: list[int] = field(default_factory=list)
     sent: int = 0
 
+    def __post_init__(self):
+        self._tables = [(s, _border_table(s)) for s in self.stops if s]
+
     def __call__(self, new_tokens: list[int]) -> None:
         self.tokens.extend(new_tokens)
         text = self.text()
@@ -57,9 +60,38 @@ class TextStream:
         return text[: min(cuts)] if cuts else text
 
     def _held_back(self, text: str) -> int:
-        return max((k for s in self.stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        """How much of the unsent tail may be the start of a stop string. Every such start lies
+        after `sent` (it was held back before), so only the unsent text, at most one stop long, is
+        scanned: linear in the stop's length per call."""
+        return max((_partial_match(text[max(self.sent, len(text) - len(s) + 1):], s, table)
+                    for s, table in self._tables), default=0)
 
     def _send(self, text: str) -> None:
         if len(text) > self.sent:
             self.write(text[self.sent:])
             self.sent = len(text)
+
+
+def _border_table(s: str) -> list[int]:
+    """Knuth-Morris-Pratt: table[i] = length of the longest proper prefix of s[:i+1] that is also its suffix."""
+    table, k = [0] * len(s), 0
+    for i in range(1, len(s)):
+        while k and s[i] != s[k]:
+            k = table[k - 1]
+        if s[i] == s[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
+def _partial_match(text: str, stop: str, table: list[int]) -> int:
+    """The longest k < len(stop) such that `text` ends with stop[:k] (one pass over `text`)."""
+    k = 0
+    for ch in text:
+        while k and stop[k] != ch:
+            k = table[k - 1]
+        if stop[k] == ch:
+            k += 1
+        if k == len(stop):  # a whole stop string: `text()` cut before it; keep to proper prefixes
+            k = table[k - 1]
+    return k
