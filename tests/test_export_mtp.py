@@ -22,8 +22,8 @@ L = ml.L  # target layers of the fixtures: DeepSeek's MTP layer k is model.layer
 
 @pytest.fixture(scope="module")
 def arts(tmp_path_factory):
-    """layout name -> artifact: in-target MTP of each family, one with layer reuse, one with two
-    MTP layers, and one whose MTP layer was stored apart (target stripped)."""
+    """layout name -> artifact: in-target MTP of each family, one with layer reuse, MiMo and Qwen3-Next
+    with two MTP layers, and one whose MTP layer was stored apart (target stripped)."""
     tmp = tmp_path_factory.mktemp("mtp-export")
     ds = ml.make_target(tmp / "ds", "mtp-deepseek", 1)
     mimo2 = ml.make_target(tmp / "mimo2", "mtp-mimo", 2)
