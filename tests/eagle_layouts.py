@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -80,6 +81,23 @@ def write_sglang(out: Path, t: dict, cfg, embed: torch.Tensor | None = None,
         tensors["embed_tokens.weight"] = embed.clone()
     save_file({k: v.contiguous() for k, v in tensors.items()}, out / "model.safetensors")
     return out
+
+
+def write_narrow(out: Path, cfg, hidden: int, embed: bool = False, seed: int = 0) -> Path:
+    """An SGLang-layout head of width `hidden` for a wider target `cfg` (same attention heads and head
+    dim, `fc` over three target-width states), with an embedding of its own [V, hidden] when `embed`."""
+    narrow = copy.deepcopy(cfg)
+    narrow.hidden_size = hidden
+    narrow.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    t = random_head(narrow, 256, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    t["fc.weight"] = torch.randn(hidden, 3 * cfg.hidden_size, generator=g) * 0.05
+    own = torch.randn(cfg.vocab_size, hidden, generator=g) * 0.05 if embed else None
+    path = write_sglang(out, t, narrow, embed=own)
+    config = json.loads((path / "config.json").read_text())
+    config.update(target_hidden_size=cfg.hidden_size, head_dim=narrow.head_dim)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
 
 
 def modelopt_names(t: dict) -> dict:

@@ -112,6 +112,20 @@ def test_vocab_and_hidden_mismatch_with_target(tmp_path, tiny_target, tiny_cfg, 
                  "drafter hidden_size 96 != target hidden size 64"])
 
 
+def test_narrow_head_without_its_own_embedding(tmp_path, tiny_target, tiny_cfg, cli):
+    """Hidden 32 vs the target's 64 and no embed_tokens: nothing could feed its layer (SGLang would keep
+    an unloaded embedding, TensorRT-LLM create one), so the build refuses and says why."""
+    src = eagle_layouts.write_narrow(tmp_path / "h", tiny_cfg, hidden=32)
+    _fails(cli, tmp_path, tiny_target, "--drafter", src,
+           text=["the head's hidden size is 32 but the target's is 64, and the head has no embed_tokens",
+                 "export the head with its embed_tokens.weight [384, 32]"])
+    rc, out, err = cli("build", tiny_target, "--drafter", eagle_layouts.write_narrow(tmp_path / "e", tiny_cfg, 32,
+                                                                                      embed=True),
+                       "-o", tmp_path / "ok", "--json")
+    assert rc == 0, err
+    assert json.loads((tmp_path / "ok/specpack.json").read_text())["drafter"]["embedding_source"] == "drafter"
+
+
 def test_head_geometry_mismatch(tmp_path, tiny_target, tiny_cfg, head, cli):
     src = _official(tmp_path, tiny_cfg, head, num_attention_heads=8, num_key_value_heads=4)
     _fails(cli, tmp_path, tiny_target, "--drafter", src,

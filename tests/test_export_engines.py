@@ -115,7 +115,7 @@ def test_sglang_and_trtllm_layouts_round_trip_through_the_importer(engine, head_
 
 def test_sglang_command(artifact, tmp_path):
     r = export_engine(artifact, "sglang", tmp_path / "sg", tensor_parallel=4, draft_len=5)
-    for flag in ("--tp 4", "--speculative-algorithm EAGLE3", "--speculative-num-steps 5",
+    for flag in ("--tp-size 4", "--speculative-algorithm EAGLE3", "--speculative-num-steps 5",
                  "--speculative-eagle-topk 1", "--speculative-num-draft-tokens 6",
                  f"--speculative-draft-model-path {tmp_path / 'sg'}", f"--model-path {artifact}"):
         assert flag in r.command
@@ -140,8 +140,13 @@ def test_ngram_exports(tmp_path, tiny_target):
         "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     assert '"method":"ngram"' in v.command
     s = export_engine(art, "sglang", tmp_path / "s", tensor_parallel=2)
-    assert "--speculative-algorithm NGRAM" in s.command and "--speculative-ngram-min-match-window-size 2" \
-        in s.command and "--speculative-ngram-max-match-window-size 5" in s.command
+    # SGLang 0.5.10+ (server_args.py): the trie depth bounds match + proposal; the window flags are gone
+    assert read_json(tmp_path / "s/launch_flags.json") == {
+        "--speculative-algorithm": "NGRAM", "--speculative-num-draft-tokens": "7",
+        "--speculative-ngram-max-trie-depth": "11"}
+    assert "--tp-size 2" in s.command and "match-window" not in s.command and "branch-length" not in s.command
+    readme = (tmp_path / "s/README.md").read_text()
+    assert "Needs SGLang 0.5.10 or later" in readme and "minimum n (2)" in readme
     export_engine(art, "trtllm", tmp_path / "t")
     spec = yaml.safe_load((tmp_path / "t/extra-llm-api-config.yml").read_text())["speculative_config"]
     assert spec == {"decoding_type": "NGram", "max_draft_len": 6, "max_matching_ngram_size": 5}
@@ -151,8 +156,10 @@ def test_ngram_exports(tmp_path, tiny_target):
 @pytest.mark.parametrize("case, refusing, can", [
     ("norm_before_residual", {"sglang", "trtllm"}, "vllm"),
     ("own_embedding", {"sglang", "trtllm"}, "vllm"),
-    ("embedding_layer", {"trtllm"}, "vllm, sglang"),
+    # input of layer 0 is SGLang's id -1: captured before layer 0 as hidden + residual, residual None
+    ("embedding_layer", {"sglang", "trtllm"}, "vllm"),
     ("unsorted", set(ENGINES), "none of the export engines"),
+    ("narrow_own_embedding", set(), ""),  # SGLang keeps a narrower head's own embedding (set_embed)
 ])
 def test_unrepresentable_heads_are_refused_naming_who_can(case, refusing, can, tmp_path, tiny_target,
                                                           tiny_cfg):
@@ -163,9 +170,11 @@ def test_unrepresentable_heads_are_refused_naming_who_can(case, refusing, can, t
         embed = torch.randn(tiny_cfg.vocab_size, tiny_cfg.hidden_size)
     elif case == "embedding_layer":
         aux = [0, 3, 6]
-    else:
+    elif case == "unsorted":
         aux = [6, 1, 3]
-    art = _build(tmp_path, tiny_target, _head(tmp_path, tiny_cfg, tiny_target, embed, **over), aux)
+    head = (eagle_layouts.write_narrow(tmp_path / "head", tiny_cfg, 32, embed=True) if case.startswith("narrow")
+            else _head(tmp_path, tiny_cfg, tiny_target, embed, **over))
+    art = _build(tmp_path, tiny_target, head, aux)
     for engine in ENGINES:
         out = tmp_path / f"out-{engine}"
         if engine not in refusing:
@@ -175,6 +184,21 @@ def test_unrepresentable_heads_are_refused_naming_who_can(case, refusing, can, t
             export_engine(art, engine, out)
         assert f"engines that can: {can}" in err.value.hint and err.value.problems
         assert not out.exists()
+
+
+def test_a_narrow_head_without_its_own_embedding_is_never_exported(tmp_path, tiny_target, tiny_cfg,
+                                                                    monkeypatch):
+    """Builds refuse such a head (test_build_errors); an artifact that holds one anyway (built before
+    they did) is refused by every engine: nothing can feed its 32-wide layer token embeddings."""
+    monkeypatch.setattr(eagle3, "_embedding_problems", lambda *a: [])
+    art = _build(tmp_path, tiny_target, eagle_layouts.write_narrow(tmp_path / "head", tiny_cfg, 32))
+    assert read_json(art / "specpack.json")["drafter"]["embedding_source"] == "target"
+    for engine in ENGINES:
+        with pytest.raises(UnsupportedError) as err:
+            export_engine(art, engine, tmp_path / engine)
+        assert err.value.hint == "engines that can: none of the export engines; serve it with specpack"
+        assert any("the head (hidden 32) has no embedding of its own" in p for p in err.value.problems)
+        assert not (tmp_path / engine).exists()
 
 
 def test_bad_inputs(artifact, tmp_path):

@@ -22,13 +22,14 @@ L = ml.L  # target layers of the fixtures: DeepSeek's MTP layer k is model.layer
 
 @pytest.fixture(scope="module")
 def arts(tmp_path_factory):
-    """layout name -> artifact: in-target MTP of each family, one with layer reuse, one with two
-    MTP layers, and one whose MTP layer was stored apart (target stripped)."""
+    """layout name -> artifact: in-target MTP of each family, one with layer reuse, MiMo and Qwen3-Next
+    with two MTP layers, and one whose MTP layer was stored apart (target stripped)."""
     tmp = tmp_path_factory.mktemp("mtp-export")
     ds = ml.make_target(tmp / "ds", "mtp-deepseek", 1)
     mimo2 = ml.make_target(tmp / "mimo2", "mtp-mimo", 2)
     targets = {"deepseek": ds.path, "mimo": ml.make_target(tmp / "mimo", "mtp-mimo", 1).path,
-               "mimo-2": mimo2.path, "qwen3-next": ml.make_qwen3_next(tmp / "q3n")}
+               "mimo-2": mimo2.path, "qwen3-next": ml.make_qwen3_next(tmp / "q3n"),
+               "qwen3-next-2": ml.make_qwen3_next(tmp / "q3n2", n=2)}
     out = {name: build(BuildOptions(target=t, drafter="mtp", out=tmp / f"art-{name}")).out
            for name, t in targets.items()}
     out["deepseek-reuse"] = build(BuildOptions(target=ds.path, drafter="mtp", out=tmp / "art-reuse",
@@ -90,7 +91,7 @@ def test_sglang_nextn_checkpoint_is_the_canonical_layer_byte_for_byte(name, arts
     assert set(header) == set(published.values())
     for c, s in published.items():
         assert (header[s].dtype, header[s].shape, _raw(out / "model.safetensors", header[s])) == canonical[c], c
-    for flag in ("--tp 4", "--speculative-algorithm EAGLE", f"--speculative-draft-model-path {out}",
+    for flag in ("--tp-size 4", "--speculative-algorithm EAGLE", f"--speculative-draft-model-path {out}",
                  "--speculative-num-steps 1", "--speculative-eagle-topk 1", "--speculative-num-draft-tokens 2",
                  f"--model-path {art}"):
         assert flag in r.command
@@ -153,14 +154,29 @@ def test_sglang_qwen3_next_and_trtllm_deepseek_read_the_target(arts, tmp_path):
 
     art = arts["deepseek"]
     r = export_engine(art, "trtllm", tmp_path / "trt", tensor_parallel=8)
+    # llm_args.py MTPDecodingConfig: max_draft_len; num_nextn_predict_layers is deprecated (PR #12341)
     assert yaml.safe_load((tmp_path / "trt/extra-llm-api-config.yml").read_text()) == {
-        "speculative_config": {"decoding_type": "MTP", "num_nextn_predict_layers": 1}}
+        "speculative_config": {"decoding_type": "MTP", "max_draft_len": 1}}
     assert "--tp_size 8" in r.command and "--backend pytorch" in r.command
     # TensorRT-LLM builds the MTP module from model.layers.{L}.* and shares embedding and head
     d = read_json(art / "specpack.json")["drafter"]
     mtp_layer = _under(_shards(art), f"model.layers.{L}.")
     assert mtp_layer - set(d["duplicates_checked"]) == set(_mapping(art).values())
     assert read_json(art / "config.json")["num_nextn_predict_layers"] == d["num_layers"]
+
+
+def test_trtllm_qwen3_next_reads_the_mtp_layer_from_the_target(arts, tmp_path):
+    """modeling_qwen3_next.py Qwen3NextMTP binds as the canonical Qwen3-Next MTP (embedding first,
+    final-norm output in, zero-centred norms, normed output chained); its weight mapper reads mtp.*."""
+    art = arts["qwen3-next"]
+    r = export_engine(art, "trtllm", tmp_path / "trt", tensor_parallel=2)
+    assert r.config == {"speculative_config": {"decoding_type": "MTP", "max_draft_len": 1}}
+    assert sorted(p.name for p in (tmp_path / "trt").iterdir()) == ["README.md", "extra-llm-api-config.yml"]
+    assert _under(_shards(art), "mtp.") == set(_mapping(art).values())
+    readme = (tmp_path / "trt/README.md").read_text()
+    for text in ("embedding first", "the target's final-norm output", "`mtp.*`", 'marks MTP "No"',
+                 "num_nextn_predict_layers"):
+        assert text in readme, text
 
 
 def test_remote_code_targets_get_the_trust_flag(arts, tmp_path):
@@ -199,7 +215,7 @@ def test_more_tokens_than_layers_needs_the_artifacts_reuse(arts, tmp_path):
 
 @pytest.mark.parametrize("name, draft_len, refusing, hint, says", [
     ("mimo", 1, {"sglang", "trtllm"}, "vllm", ["the target's final-norm output", "has no MiMo model"]),
-    ("qwen3-next", 1, {"trtllm"}, "vllm, sglang", ["lists no MTP for Qwen3NextForCausalLM"]),
+    ("qwen3-next-2", 1, {"sglang", "trtllm"}, "vllm", ["TensorRT-LLM's loader takes 1 MTP layer(s)"]),
     ("mimo-2", 1, {"sglang", "trtllm"}, "vllm", ["loader takes 1 MTP layer(s); this drafter has 2"]),
     ("mimo-2", 2, set(ENGINES), "vllm with --draft-len 1", ["runs MTP layer 0 at every draft step"]),
     ("deepseek-apart", 1, {"vllm", "trtllm"}, "sglang", ["lacks them (they are in drafter/model.safetensors)"]),

@@ -112,3 +112,55 @@ def test_run_refuses_a_config_its_weights_cannot_hold(ngram_artifact, cli, tmp_p
     code, out, err = cli("run", _hand_edited(ngram_artifact, tmp_path, **updates), "--prompt", "x")
     assert code == 2 and err.startswith("error: ") and "Traceback" not in err, out + err
     assert text in err and len(err) < 10_000
+
+
+# ---- defaults: every drafter kind runs with no options at all ----
+
+@pytest.fixture(scope="module")
+def every_kind(tmp_path_factory, tiny_target, tiny_cfg):
+    """kind -> (artifact, the draft length it must default to). MTP with one layer is what
+    DeepSeek-V3, GLM and MiMo publish: its default is 1, not the generic 4."""
+    from safetensors import safe_open
+
+    import eagle_layouts
+    import mtp_layouts as ml
+    from specpack.packager import BuildOptions, NgramParams, build
+    from test_draft_model import make_draft
+
+    tmp = tmp_path_factory.mktemp("kinds")
+    with safe_open(tiny_target / "model.safetensors", "pt") as f:
+        embed = f.get_tensor("model.embed_tokens.weight")
+    head = eagle_layouts.write_sglang(tmp / "head", eagle_layouts.random_head(tiny_cfg, 256), tiny_cfg, embed=embed)
+    drafters = {"ngram": (tiny_target, "ngram", 3), "eagle3": (tiny_target, str(head), 4),
+                "draft_model": (tiny_target, str(make_draft(tmp / "draft", tiny_target, layers=2)), 4),
+                "mtp-1": (ml.make_target(tmp / "mtp1", "mtp-deepseek", 1).path, "mtp", 1),
+                "mtp-2": (ml.make_target(tmp / "mtp2", "mtp-mimo", 2).path, "mtp", 2)}
+    return {name: (build(BuildOptions(target=t, drafter=d, out=tmp / f"art-{name}",
+                                      ngram=NgramParams(1, 3, 3))).out, want)
+            for name, (t, d, want) in drafters.items()}
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3", "draft_model", "mtp-1", "mtp-2"])
+def test_every_drafter_kind_runs_with_no_options(every_kind, cli, kind):
+    art, want = every_kind[kind]
+    code, out, err = cli("run", art, "--prompt", "def add(a, b):")
+    assert code == 0, err
+    assert f"speculative, draft length {want}" in err and "Traceback" not in err
+    spec = _run_json(cli, art, "--prompt", "def add(a, b):", "--max-new-tokens", "12")
+    plain = _run_json(cli, art, "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--no-spec")
+    assert spec["draft_len"] == want and spec["token_ids"] == plain["token_ids"]
+
+
+def test_serve_and_tune_start_from_a_draft_length_the_drafter_runs(every_kind):
+    from specpack.errors import InputError
+    from specpack.packager.artifact import read_manifest
+    from specpack.runtime.tune import heuristic_draft_len
+
+    art, _ = every_kind["mtp-1"]
+    assert heuristic_draft_len(read_manifest(art), "cpu") == 1
+    pytest.importorskip("fastapi")
+    from specpack.runtime.serve import prepare
+
+    assert prepare(art).selection.draft_len == 1
+    with pytest.raises(InputError, match="4 draft tokens asked for, but the MTP drafter has 1 layer"):
+        prepare(art, draft_len=4)  # an explicit override it cannot run is refused at start, not per request

@@ -97,7 +97,7 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
     geo, geo_problems = _geometry(config, target, tensors)
     problems = list(problems or []) + name_problems + geo_problems
     aux_layers, aux_problems = _aux_layers(layout, config, geo, tensors, aux)
-    problems += aux_problems + _check_shapes(tensors, geo, aux_layers)
+    problems += aux_problems + _check_shapes(tensors, geo, aux_layers) + _embedding_problems(tensors, geo, target)
     t2d_source, map_problems = _check_vocab_map(tensors, geo)
     problems += map_problems
     if problems:
@@ -312,6 +312,18 @@ def _check_vocab_map(tensors: dict, geo: _Geometry) -> tuple[str, list[str]]:
     if t2d.dtype != torch.bool or not torch.equal(t2d, derived):
         return "checkpoint", ["t2d disagrees with d2t: it must mark exactly the target ids d2t maps to"]
     return "checkpoint", []
+
+
+def _embedding_problems(tensors: dict, geo: _Geometry, target: Target) -> list[str]:
+    """A head of another width than the target cannot take the target's token embeddings: without
+    its own it cannot run (engines would run it with an embedding it was never trained with)."""
+    width = target.info.hidden_size
+    if "embed_tokens.weight" in tensors or geo.hidden == width:
+        return []
+    return [f"the head's hidden size is {geo.hidden} but the target's is {width}, and the head has no "
+            f"embed_tokens of its own: its layer needs token embeddings of width {geo.hidden}, which the "
+            f"target's [{geo.target_vocab}, {width}] embedding cannot give; export the head with its "
+            f"embed_tokens.weight [{geo.target_vocab}, {geo.hidden}]"]
 
 
 def _embedding_source(tensors: dict, target: Target) -> str:

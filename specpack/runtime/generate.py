@@ -24,8 +24,14 @@ class GenerateRequest:
 
 
 def default_draft_len(manifest) -> int:
+    """The draft length used when neither a validated profile nor the caller sets one: the drafter's
+    own (n-gram), else 4, capped at what the drafter can run (MTP without layer reuse: one draft
+    token per layer, so DeepSeek-V3, GLM and MiMo as published get 1)."""
     drafter = manifest.drafter
-    return getattr(drafter, "draft_len", None) or DEFAULT_DRAFT_LEN.get(drafter.kind, 4)
+    length = getattr(drafter, "draft_len", None) or DEFAULT_DRAFT_LEN.get(drafter.kind, 4)
+    if drafter.kind == "mtp" and not drafter.allow_layer_reuse:
+        length = min(length, drafter.num_layers)
+    return length
 
 
 def generate_text(artifact, req: GenerateRequest, public_key=None, device: str = "cpu",

@@ -70,7 +70,10 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     _check_options(max_concurrency, draft_len, api_key, max_body_bytes)
     model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress)
     selection = select_profile(model.manifest, device, dtype, wanted=profile)
-    worker = Worker(model, draft_len or selection.draft_len, speculative=selection.speculative,
+    draft_len = draft_len or selection.draft_len
+    if selection.speculative and hasattr(model.drafter, "check_draft_len"):  # MTP: refuse at start, not per request
+        model.drafter.check_draft_len(draft_len)
+    worker = Worker(model, draft_len, speculative=selection.speculative,
                     max_concurrency=max_concurrency if max_concurrency is not None else selection.max_concurrency)
     name = model_name or model.manifest.name
     log.info("%s", selection.message)

@@ -62,6 +62,16 @@ def aux_problems(manifest: Manifest, n_aux_fixed: bool = True) -> list[str]:
     return problems
 
 
+def embedding_problems(manifest: Manifest) -> list[str]:
+    """A head of another width than the target with no embedding of its own cannot be fed token
+    embeddings by any engine (builds refuse it; this guards artifacts built before they did)."""
+    d, width = manifest.drafter, manifest.target.hidden_size
+    if d.embedding_source == "drafter" or d.hidden_size == width:
+        return []
+    return [f"the head (hidden {d.hidden_size}) has no embedding of its own and cannot use the target's "
+            f"(hidden {width}): rebuild it from a head export that carries its embed_tokens.weight"]
+
+
 def hf_draft_config(ctx: ExportContext, head: dict, architectures: list[str],
                     aux_output_ids: list[int]) -> dict:
     """A flat Llama config in the EAGLE-3 HF layout (official / SGLang / TRT-LLM readers)."""

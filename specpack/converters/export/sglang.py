@@ -2,19 +2,37 @@
 NGRAM`; MTP as `--speculative-algorithm EAGLE` (what `NEXTN` becomes), DeepSeek/GLM with a NextN
 draft checkpoint written here, Qwen3-Next reading its `mtp.*` layers from the target.
 
+Versions: every flag written here was checked against the released sglang 0.5.9 and 0.5.10 wheels
+(sglang/srt/server_args.py) and sgl-project/sglang main (python/sglang/srt/server_args.py at
+001067fffe33427bee0ed2f007fb7551a1d76b44, arg_groups/fields/spec.py at 015c872628e3); the n-gram flags
+need v0.5.10 or later (NGRAM_SINCE below).
+
 Sources followed:
 - python/sglang/srt/models/llama_eagle3.py: `midlayer.*`, `fc` sized `target_hidden_size * 3`,
   `d2t` read as hot-token offsets, `t2d` skipped, `tie_word_embeddings` makes lm_head the embedding
   (so it is written false), and the decoder layer keeps the un-normed residual (no
-  `norm_before_residual`).
-- EAGLE worker `set_embed(target embed)`: SGLang always gives the head the target's embedding, so a
-  head with its own, different embedding cannot be served faithfully.
+  `norm_before_residual`); `load_weights` loads the head's own `embed_tokens` when it has one.
+- models/llama.py `set_embed`: the EAGLE worker hands the head the target's embedding, which replaces
+  the head's own unless `target_hidden_size != hidden_size` (then `set_embed` returns early and the
+  head keeps its own). So an own embedding of the target's width cannot be served faithfully, and a
+  narrower head without one would run with an unloaded embedding.
 - models/llama.py `set_eagle3_layers_to_capture`: ids from
   `eagle_config.eagle_aux_hidden_state_layer_ids` are shifted `+1` ("for the ith layer, it takes
-  the output of the (i-1)th layer"), i.e. SGLang's ids count *output of layer i*.
+  the output of the (i-1)th layer"), i.e. SGLang's ids count *output of layer i*; `LlamaModel.forward`
+  captures `hidden_states + residual` before layer i runs, and before layer 0 the residual is None,
+  so id -1 (our aux layer 0, the embeddings) fails in the first forward.
 - server_args.py: `--speculative-algorithm EAGLE3|NGRAM`, `--speculative-draft-model-path`,
   `--speculative-num-steps`, `--speculative-eagle-topk`, `--speculative-num-draft-tokens`,
-  `--speculative-ngram-{min,max}-match-window-size`, `--tp`.
+  `--tp-size` (alias `--tensor-parallel-size`), `--trust-remote-code`.
+- N-gram, v0.5.10 and main: `--speculative-ngram-max-trie-depth` (PR #21181 renamed it from
+  `--speculative-ngram-branch-length`), `--speculative-ngram-{min,max}-bfs-breadth`,
+  `--speculative-ngram-match-type`, `--speculative-ngram-capacity`; PR #21225 removed
+  `--speculative-ngram-{min,max}-match-window-size` (SGLang's own server-args test asserts they are
+  gone). cpp_ngram/trie.cpp (main at 0d1d60f59add; jit_kernel/csrc/ngram_corpus in 0.5.10): the trie
+  stores every path of up to `max_trie_depth` tokens and matches every context suffix up to that depth,
+  so a match of n tokens can continue `max_trie_depth - n` tokens. arg_groups/speculative_hook.py
+  `_handle_ngram` (main at 004c82e07d87): `--speculative-num-draft-tokens` counts the root (the last
+  context token), and `--speculative-eagle-topk` is overwritten with the maximum BFS breadth.
 - MTP. server_args.py: `NEXTN` is rewritten to `EAGLE`; for DeepseekV3ForCausalLM / Glm4MoeForCausalLM
   a missing draft path defaults to the target's. configs/model_config.py `_config_draft_model`: as a
   draft, DeepseekV3ForCausalLM -> DeepseekV3ForCausalLMNextN, Glm4MoeForCausalLM ->
@@ -43,10 +61,12 @@ import shutil
 
 from specpack.converters.export import _mtp
 from specpack.converters.export._common import (EngineExport, ExportContext, aux_problems,
-                                                hf_draft_config, midlayer_names, output_of_layer,
-                                                quote, save_tensors, write_json)
+                                                embedding_problems, hf_draft_config, midlayer_names,
+                                                output_of_layer, quote, save_tensors, write_json)
 
 NAME = "sglang"
+CHECKED = "the sglang 0.5.9 and 0.5.10 wheels and main at 001067fffe33"
+NGRAM_SINCE = "0.5.10"  # first release with --speculative-ngram-max-trie-depth and no match-window flags
 MTP = {"mtp-deepseek": _mtp.EngineMtp("embedding_first", "final_norm_output", "post_norm", "first",
                                       max_layers=1, separate_weights=True),
        "mtp-mimo": _mtp.EngineMtp("hidden_first", "final_norm_output", "post_norm", "first", max_layers=1),
@@ -68,11 +88,16 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         return problems
     if d.kind != "eagle3":
         return [f"SGLang export of {d.kind} drafters is not implemented"]
-    problems = aux_problems(manifest)
+    problems = aux_problems(manifest) + embedding_problems(manifest)
+    if 0 in d.aux_hidden_states.layer_ids:
+        problems.append("aux layer 0 (the token embeddings) would be id -1 in SGLang's output-of-layer "
+                        "ids; SGLang captures it as `hidden_states + residual` before layer 0, where the "
+                        "residual is still None, so its first forward fails")
     if d.norm_before_residual:
         problems.append("the head uses norm_before_residual, which SGLang's EAGLE-3 layer lacks")
-    if d.embedding_source == "drafter":
-        problems.append("the head has its own embedding, but SGLang always uses the target's")
+    if d.embedding_source == "drafter" and d.hidden_size == manifest.target.hidden_size:
+        problems.append("the head has its own embedding, but SGLang replaces it with the target's when "
+                        "their widths are equal")
     return problems
 
 
@@ -86,18 +111,29 @@ def write_eagle3(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
              "--speculative-num-draft-tokens": ctx.draft_len + 1}
     notes = ["A chain of `--speculative-num-steps` tokens (top-k 1): SGLang counts the verified root "
              "token in `--speculative-num-draft-tokens`. Raise top-k and draft tokens for tree "
-             "drafting."]
+             "drafting.", f"Flags checked against {CHECKED}."]
+    if ctx.manifest.drafter.embedding_source == "drafter":
+        notes.append("The head carries its own `embed_tokens` of its own width; SGLang keeps it because "
+                     "`target_hidden_size` differs from `hidden_size`.")
     return EngineExport(_serve(ctx, flags), {"flags": _flat(flags)}, notes, ids, "output_of_layer")
 
 
 def write_ngram(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
-    d = ctx.manifest.drafter
-    flags = {"--speculative-algorithm": "NGRAM", "--speculative-num-draft-tokens": ctx.draft_len + 1,
-             "--speculative-ngram-min-match-window-size": d.min_n,
-             "--speculative-ngram-max-match-window-size": d.max_n}
+    d, D = ctx.manifest.drafter, ctx.draft_len
+    # the trie holds paths of max_trie_depth tokens: a match of max_n tokens must still leave D to propose
+    flags = {"--speculative-algorithm": "NGRAM", "--speculative-num-draft-tokens": D + 1,
+             "--speculative-ngram-max-trie-depth": d.max_n + D}
     write_json(ctx.out / "launch_flags.json", _flat(flags))
-    notes = ["SGLang's n-gram drafter keeps a trie of earlier matches and may propose a tree; "
-             "outputs stay lossless, only speed can differ from specpack's prompt lookup."]
+    notes = [f"Needs SGLang {NGRAM_SINCE} or later; flags checked against {CHECKED}. For 0.5.9 and older "
+             "replace the trie-depth flag by `--speculative-ngram-min-match-window-size "
+             f"{d.min_n} --speculative-ngram-max-match-window-size {d.max_n} "
+             f"--speculative-ngram-branch-length {d.max_n + D}` (0.5.10 renamed the last one and removed the "
+             "window flags).",
+             f"SGLang matches every suffix of the context up to the trie depth ({d.max_n + D} = the "
+             f"artifact's longest n-gram {d.max_n} + {D} draft tokens); the artifact's minimum n "
+             f"({d.min_n}) has no SGLang setting. Its trie also keeps earlier requests' tokens and may "
+             "propose a tree (`--speculative-ngram-max-bfs-breadth 1` keeps it to chains); outputs stay "
+             "lossless, only the proposals, and so the speed, can differ from specpack's prompt lookup."]
     return EngineExport(_serve(ctx, flags), {"flags": _flat(flags)}, notes)
 
 
@@ -120,6 +156,7 @@ def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
         flags["--trust-remote-code"] = None
     write_json(ctx.out / "launch_flags.json", _flat(flags))
     notes.append("A chain of `--speculative-num-steps` tokens (top-k 1); `NEXTN` is an alias of `EAGLE`.")
+    notes.append(f"Flags checked against {CHECKED}.")
     return EngineExport(_serve(ctx, flags), {"flags": _flat(flags)}, notes,
                         bindings=_mtp.bindings(ctx, "SGLang", MTP[d.source_layout], reads))
 
@@ -144,7 +181,7 @@ def _flat(flags: dict) -> dict:
 def _serve(ctx: ExportContext, flags: dict) -> str:
     args = " \\\n  ".join(k if v is None else f"{k} {quote(v)}" for k, v in flags.items())
     return (f"python -m sglang.launch_server --model-path {quote(ctx.artifact)} "
-            f"--tp {ctx.tensor_parallel} \\\n  {args}")
+            f"--tp-size {ctx.tensor_parallel} \\\n  {args}")
 
 
 KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp}

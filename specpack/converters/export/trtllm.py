@@ -1,44 +1,60 @@
 """TensorRT-LLM (PyTorch backend): an EAGLE-3 draft directory plus `extra-llm-api-config.yml`
 with its `speculative_config`; n-gram as `decoding_type: NGram`; MTP inside a DeepSeek-V3 / GLM-4.5
-target as `decoding_type: MTP` (config only).
+or Qwen3-Next target as `decoding_type: MTP` (config only).
 
-Sources followed:
-- tensorrt_llm/llmapi/llm_args.py: `DecodingBaseConfig.speculative_model` (alias
-  `speculative_model_dir`, written here because both old and new releases accept it),
-  `max_draft_len`; `EagleDecodingConfig` / `Eagle3DecodingConfig` (`decoding_type: Eagle3`,
+Sources followed (NVIDIA/TensorRT-LLM main; the commit each file was read at is given):
+- tensorrt_llm/llmapi/llm_args.py (0004396720054fd8e205cbf616f21f0b57c6b412):
+  `DecodingBaseConfig.speculative_model` (alias `speculative_model_dir`, written here because both
+  old and new releases accept it), `max_draft_len`; `Eagle3DecodingConfig` (`decoding_type: Eagle3`,
   `eagle3_one_model`, `eagle3_layers_to_capture`: "Defaults to {1, num_layers//2-1,
   num_layers-4}", i.e. *output of layer i*; a set, so states are taken in layer order; -1 means
   the final post-norm state); `NGramDecodingConfig` (`max_matching_ngram_size`).
 - tensorrt_llm/_torch/models/modeling_speculative.py: `Eagle3DraftModel` reads the HF layout
   (`midlayer.*`, or `layers.0.*` remapped), sizes `fc` as target hidden × number of captured
-  layers, shares the target's embedding when the head's width equals the target's, keeps the
-  un-normed residual (no `norm_before_residual`), and loads `d2t` when the vocabularies differ.
-- trtllm-serve: `--backend pytorch`, `--tp_size`, `--extra_llm_api_options`, `--trust_remote_code`.
-- MTP. llm_args.py `MTPDecodingConfig`: `decoding_type: MTP`, `num_nextn_predict_layers` (= the
-  draft length, `max_draft_len`), `use_mtp_vanilla`; one checkpoint layer and no vanilla: MTP Eagle
-  (the layer repeated), else vanilla (step k runs checkpoint layer k mod n).
-  docs/source/models/supported-models.md: MTP "Yes" for DeepseekV3ForCausalLM and Glm4MoeForCausalLM,
-  "No" for Qwen3NextForCausalLM; no MiMo model.
+  layers, shares the target's embedding when the head's width equals the target's (else creates its
+  own and loads it from the head), keeps the un-normed residual (no `norm_before_residual`), and
+  loads `d2t` when the vocabularies differ.
+- trtllm-serve (tensorrt_llm/commands/serve.py): `--backend pytorch`, `--tp_size`,
+  `--extra_llm_api_options` (alias of `--config`), `--trust_remote_code`.
+- MTP. llm_args.py `MTPDecodingConfig`: `decoding_type: MTP`, `max_draft_len` = draft tokens per
+  step; `num_nextn_predict_layers` is now an internal field read from the checkpoint, and a user
+  value is remapped to `max_draft_len` with a deprecation warning (PR #12341, "decouple MTP
+  num_nextn_predict_layers from max_draft_len"); `spec_dec_mode`: one checkpoint layer and no
+  `use_mtp_vanilla` is MTP-Eagle (the layer repeated), else vanilla (step k runs checkpoint layer k).
+  modeling_speculative.py `MTPForCausalLM` (00679c66c3e38f6d2651ad0a5bef0f94d862e36c): the MTP layer
+  class per model type (`deepseek_v3` DeepseekV3MTP, `glm4_moe` Glm4MTP, `qwen3_next` Qwen3NextMTP);
+  no MiMo.
 - _torch/models/modeling_deepseekv3.py `DeepseekV3MTP.forward`: `eh_proj(cat(enorm(emb), hnorm(h)))`
   and returns `shared_head.norm(hidden, residual)` (post-norm, what the next step receives); the
   target model's last layer fuses the final norm, so layer 0 gets the final-norm output; MTP layers
   are read from the target checkpoint (`model.layers.{L+k}.*`), embedding and head shared.
+- _torch/models/modeling_qwen3_next.py (00022b040996780da248347927318fecb55ae7e9) `Qwen3NextMTP`:
+  `fc(cat(pre_fc_norm_embedding(emb), pre_fc_norm_hidden(h)))`, embedding first, every norm
+  zero-centred (`use_gemma`, weight + 1), output `shared_head.norm(hidden, residual)` (post-norm,
+  chained); `setup_aliases` makes the target's last layer apply `model.norm`, so layer 0 is fed the
+  final-norm output; `Qwen3NextForCausalLM` forces one MTP layer (MTP-Eagle: that layer at every
+  step). checkpoints/hf/qwen3_next_weight_mapper.py (32e0e21a97db39e71cae476e68bf37ef606907d7) reads
+  `mtp.fc`, `mtp.norm`, `mtp.pre_fc_norm_{embedding,hidden}` and `mtp.layers.{i}.*` from the target.
+  These bind as the artifact's canonical Qwen3-Next MTP does; docs/source/models/supported-models.md
+  (00b6d5a25c30) still marks MTP "No" for Qwen3NextForCausalLM (the README says so).
 """
 
 from __future__ import annotations
 
 from specpack.converters.export import _mtp
 from specpack.converters.export._common import (EngineExport, ExportContext, aux_problems,
-                                                hf_draft_config, midlayer_names, output_of_layer,
-                                                quote, save_tensors, write_json)
+                                                embedding_problems, hf_draft_config, midlayer_names,
+                                                output_of_layer, quote, save_tensors, write_json)
 
 NAME = "trtllm"
 CONFIG = "extra-llm-api-config.yml"
 DRAFT_DIR = "draft"
 MTP = {"mtp-deepseek": _mtp.EngineMtp("embedding_first", "final_norm_output", "post_norm", "mod"),
-       "mtp-qwen3-next": "TensorRT-LLM's support matrix lists no MTP for Qwen3NextForCausalLM",
-       "mtp-mimo": "TensorRT-LLM has no MiMo model"}
-MTP_ARCHS = ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
+       "mtp-qwen3-next": _mtp.EngineMtp("embedding_first", "final_norm_output", "post_norm", "first",
+                                        max_layers=1),
+       "mtp-mimo": "TensorRT-LLM has no MiMo model (modeling_speculative.py MTPForCausalLM)"}
+MTP_ARCHS = {"mtp-deepseek": ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"),  # MTPForCausalLM's model types
+             "mtp-qwen3-next": ("Qwen3NextForCausalLM",)}
 
 
 def limits(manifest, draft_len: int = 1) -> list[str]:
@@ -47,12 +63,13 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         return []
     if d.kind == "mtp":
         problems = _mtp.problems("TensorRT-LLM", MTP, manifest, draft_len)
-        if d.source_layout == "mtp-deepseek" and manifest.target.architecture not in MTP_ARCHS:
-            problems.append(f"TensorRT-LLM runs MTP for {', '.join(MTP_ARCHS)} only")
+        archs = MTP_ARCHS.get(d.source_layout, ())
+        if archs and manifest.target.architecture not in archs:
+            problems.append(f"TensorRT-LLM runs {d.source_layout} MTP layers for {', '.join(archs)} only")
         return problems
     if d.kind != "eagle3":
         return [f"TensorRT-LLM export of {d.kind} drafters is not implemented"]
-    problems = aux_problems(manifest, n_aux_fixed=False)
+    problems = aux_problems(manifest, n_aux_fixed=False) + embedding_problems(manifest)
     if 0 in d.aux_hidden_states.layer_ids:
         problems.append("aux layer 0 (the embeddings) would be id -1, which TensorRT-LLM reads "
                         "as the final hidden state")
@@ -90,11 +107,18 @@ def write_ngram(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
 
 
 def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
-    spec = {"decoding_type": "MTP", "num_nextn_predict_layers": ctx.draft_len}
+    spec = {"decoding_type": "MTP", "max_draft_len": ctx.draft_len}
     _write_yaml(ctx, spec)
     reads = _mtp.check_reads(ctx, "TensorRT-LLM")
     notes = ["No weights are written: TensorRT-LLM builds the MTP module from the target checkpoint "
-             "(one-model MTP); `num_nextn_predict_layers` is the number of draft tokens per step."]
+             "(one-model MTP); `max_draft_len` is the number of draft tokens per step.",
+             "Releases before NVIDIA/TensorRT-LLM PR #12341 read the draft length from "
+             "`num_nextn_predict_layers` (same value); current ones remap that key to `max_draft_len` "
+             "with a deprecation warning and read the checkpoint's MTP layer count themselves."]
+    if ctx.manifest.drafter.source_layout == "mtp-qwen3-next":
+        notes.append("TensorRT-LLM's support matrix (docs/source/models/supported-models.md) still marks "
+                     "MTP \"No\" for Qwen3NextForCausalLM, although its code runs `Qwen3NextMTP` with the "
+                     "bindings stated above: validate acceptance on your workload before relying on it.")
     how = MTP[ctx.manifest.drafter.source_layout]
     return EngineExport(_serve(ctx, _mtp.remote_code(ctx)), {"speculative_config": spec}, notes,
                         bindings=_mtp.bindings(ctx, "TensorRT-LLM", how, reads))

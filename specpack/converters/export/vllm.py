@@ -37,7 +37,7 @@ import json
 
 from specpack.converters.export import _mtp
 from specpack.converters.export._common import (EngineExport, ExportContext, aux_problems,
-                                                quote, write_json)
+                                                embedding_problems, quote, write_json)
 from specpack.packager.hashing import place_file
 
 NAME = "vllm"
@@ -52,7 +52,7 @@ MTP_ALIASES = {"DeepseekV3ForCausalLM": "deepseek_mtp", "Glm4MoeForCausalLM": "g
 def limits(manifest, draft_len: int = 1) -> list[str]:
     d = manifest.drafter
     if d.kind == "eagle3":
-        return aux_problems(manifest)
+        return aux_problems(manifest) + embedding_problems(manifest)
     if d.kind == "mtp":
         return _mtp.problems("vLLM", MTP, manifest, draft_len) + _deepseek_copies(manifest)[1]
     return [] if d.kind in KINDS else [f"vLLM export of {d.kind} drafters is not implemented"]
