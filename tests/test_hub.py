@@ -295,17 +295,17 @@ def test_pull_refuses_unsafe_names_before_downloading(name, unsigned, hub, tmp_p
     assert [p.name for p in tmp_path.rglob("*")] == ["out"]
 
 
-def test_unsafe_name_the_first_listing_hid_is_still_refused(unsigned, hub, tmp_path, monkeypatch):
-    """A server whose file tree lists more than its repo info: the client's own check is mapped."""
+def test_unsafe_name_the_first_listing_hid_is_never_fetched(unsigned, hub, tmp_path, monkeypatch):
+    """A server whose file tree lists more than its repo info: only the files the manifest lists are
+    downloaded, so the unsafe name is never requested and nothing lands outside OUT."""
     import specpack.packager.hub as hub_module
 
     monkeypatch.setattr(hub_module, "_check_names", lambda names, source: None)
     _push(unsigned, hub)
     hub.files("org/tiny")["../evil"] = (b"evil", False)
-    with pytest.raises(VerificationError, match="unsafe name"):
-        _pull(hub, tmp_path / "pulled", allow_unsigned=True)
-    assert_nothing_left(tmp_path / "pulled")
-    assert not (tmp_path / "evil").exists()
+    _pull(hub, tmp_path / "pulled", allow_unsigned=True)
+    assert not (tmp_path / "evil").exists() and not list(tmp_path.rglob("evil"))
+    assert not [r for r in hub.requests if "evil" in r and "/resolve/" in r]
 
 
 @pytest.fixture
