@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +21,8 @@ from torch import Tensor, nn
 
 from specpack.errors import InputError, UnsupportedError
 from specpack.runtime.config import checked_tensor_shapes, read_config, size_problems
-from specpack.runtime.model import MLP, KVCache, Output, RMSNorm, apply_rope
+from specpack.runtime.model import MLP, Decoder, KVCache, RMSNorm, apply_rope
+from specpack.runtime.rows import Rows, attend
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: fixed eps in DeepSeek's code and transformers'
 
@@ -201,15 +201,14 @@ def _deinterleave(x: Tensor) -> Tensor:
 # ---- modules ----
 
 class LatentCache(KVCache):
-    """MLA's cache: per layer and token the normed latent c_kv [kv_lora_rank] and the roped k_pe
-    [rope_dim], stored together as `k`: [layers, 1, 1, max_len, r + rope]. No separate values (`v`
-    is None): the values are the latent itself."""
+    """MLA's cache: per layer, slot and token the normed latent c_kv [kv_lora_rank] and the roped
+    k_pe [rope_dim], stored together as `k`: [layers, slots, 1, max_len, r + rope]. No separate
+    values (`v` is None): the values are the latent itself."""
 
-    def __init__(self, layers: int, width: int, max_len: int, dtype, device):
+    def __init__(self, layers: int, width: int, max_len: int, dtype, device, slots: int = 1):
         nn.Module.__init__(self)
-        self.register_buffer("k", torch.zeros(layers, 1, 1, max_len, width, dtype=dtype, device=device),
+        self.register_buffer("k", torch.zeros(layers, slots, 1, max_len, width, dtype=dtype, device=device),
                              persistent=False)
-        self.register_buffer("slots", torch.arange(max_len, device=device), persistent=False)
         self.v = None
         self.length = 0
 
@@ -242,26 +241,24 @@ class MLA(nn.Module):
         self.o_proj = nn.Linear(n * s.v_head_dim, H, bias=s.attention_bias)
         self.scale = softmax_scale(s)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, start: int, mask: Tensor | None) -> Tensor:
-        # x: [T, H]; cos, sin: [T, 1, rope]; cache: [1, 1, max_len, r + rope] (this layer's slice)
-        s, T, n = self.s, x.shape[0], self.s.num_heads
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, rows: Rows) -> Tensor:
+        # x: [R, H]; cos, sin: [R, 1, rope]; cache: [slots, 1, max_len, r + rope] (this layer's slice)
+        s, R, n = self.s, x.shape[0], self.s.num_heads
         nope, rope, r, v = s.qk_nope_head_dim, s.qk_rope_head_dim, s.kv_lora_rank, s.v_head_dim
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if s.q_lora_rank else self.q_proj(x)
-        q_nope, q_pe = q.view(T, n, nope + rope).split([nope, rope], -1)  # [T, n, nope], [T, n, rope]
-        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([r, rope], -1)  # [T, r], [T, rope]
+        q_nope, q_pe = q.view(R, n, nope + rope).split([nope, rope], -1)  # [R, n, nope], [R, n, rope]
+        c_kv, k_pe = self.kv_a_proj_with_mqa(x).split([r, rope], -1)  # [R, r], [R, rope]
         if s.rope_interleave:
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe[:, None], cos, sin)[:, 0]
-        end = start + T
-        cache[0, 0, start:end] = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
+        cache[rows.slot, 0, rows.write] = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
         w = self.kv_b_proj.weight.view(n, nope + v, r)
-        q_latent = torch.einsum("tnd,ndr->ntr", q_nope, w[:, :nope])  # [n, T, r]: q_nope · W_UK
-        query = torch.cat([q_latent, q_pe.transpose(0, 1)], -1)[None]  # [1, n, T, r + rope]
-        kv = cache[:, :, :end]  # [1, 1, end, r + rope]: one latent "head" shared by all query heads
-        y = F.scaled_dot_product_attention(query, kv, kv[..., :r], attn_mask=mask, scale=self.scale,
-                                           enable_gqa=True)  # [1, n, T, r]
-        out = torch.einsum("ntr,nvr->tnv", y[0], w[:, nope:])  # [T, n, v]: latent · W_UV
-        return self.o_proj(out.reshape(T, n * v))
+        q_latent = torch.einsum("tnd,ndr->tnr", q_nope, w[:, :nope])  # [R, n, r]: q_nope · W_UK
+        query = torch.cat([q_latent, q_pe], -1)  # [R, n, r + rope]
+        # one latent "head" shared by all query heads: keys are the whole entry, values its latent part
+        y = attend(query, cache, cache, rows, scale=self.scale, dv=r)  # [R, n, r]
+        out = torch.einsum("tnr,nvr->tnv", y, w[:, nope:])  # [R, n, v]: latent · W_UV
+        return self.o_proj(out.reshape(R, n * v))
 
 
 class Router(nn.Module):
@@ -316,75 +313,30 @@ class DeepseekBlock(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = MoE(s) if moe else MLP(s.hidden_size, s.intermediate_size)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, start, mask)
+    def forward(self, x, cos, sin, k_cache, v_cache, rows: Rows):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class DeepseekTransformer(nn.Module):
+class DeepseekTransformer(Decoder):
     """The DeepSeek-V3-style target. Call `setup_cache(max_len)` before `forward`."""
 
     def __init__(self, spec: DeepseekSpec):
-        super().__init__()
-        self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        super().__init__(spec)
         self.layers = nn.ModuleList(DeepseekBlock(spec, spec.is_moe(i)) for i in range(spec.num_layers))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.cache: LatentCache | None = None
-        self.register_buffer("cos", None, persistent=False)  # [max_len, rope] (YaRN-scaled), with the cache
-        self.register_buffer("sin", None, persistent=False)
 
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    def new_cache(self, layers: int, max_len: int) -> LatentCache:
+    def new_cache(self, layers: int, max_len: int, slots: int = 1) -> LatentCache:
         s = self.spec
-        return LatentCache(layers, s.kv_lora_rank + s.qk_rope_head_dim, max_len, self.dtype, self.device)
+        return LatentCache(layers, s.kv_lora_rank + s.qk_rope_head_dim, max_len, self.dtype, self.device, slots)
 
-    @torch.inference_mode()
-    def setup_cache(self, max_len: int) -> None:
-        """Make room for `max_len` positions (reallocating only when it grows) and empty the cache."""
-        if self.cache is None or self.cache.max_len < max_len:
-            self.cache = self.new_cache(self.spec.num_layers, max_len)
-            inv_freq, factor = rope_parameters(self.spec)
-            freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
-            emb = torch.cat([freqs, freqs], -1)  # [S, rope]
-            self.cos = (emb.cos() * factor).to(self.device, self.dtype)
-            self.sin = (emb.sin() * factor).to(self.device, self.dtype)
-        self.cache.length = 0
+    def _rope_tables(self, max_len: int) -> tuple[Tensor, Tensor]:
+        inv_freq, factor = rope_parameters(self.spec)
+        freqs = torch.outer(torch.arange(max_len, dtype=torch.float32), inv_freq)
+        emb = torch.cat([freqs, freqs], -1)  # [S, rope]
+        return (emb.cos() * factor).to(self.device, self.dtype), (emb.sin() * factor).to(self.device, self.dtype)
 
-    @torch.inference_mode()
-    def forward(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,
-                capture: Sequence[int] = (), last_only: bool = False) -> Output:
-        """As `model.Transformer.forward`: T new tokens after the cached ones, mask [T, T] among them,
-        `capture` the hidden states entering the listed layers."""
-        cache, T = self.cache, tokens.shape[0]
-        start = cache.length
-        if start + T > cache.max_len:
-            raise InputError(f"{start + T} positions do not fit the KV cache of {cache.max_len}",
-                             hint="call setup_cache with a larger max_len")
-        if positions is None:
-            positions = cache.slots[start : start + T]
-        cos, sin = self.cos[positions, None], self.sin[positions, None]  # [T, 1, rope]
-        attn_mask = cache.mask(T, mask)
-        x = self.embed_tokens(tokens)  # [T, H]
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            if i in capture:
-                captured[i] = x
-            x = layer(x, cos, sin, cache.k[i], None, start, attn_mask)
-        cache.length = start + T
-        if last_only:
-            x = x[-1:]
-        logits = self.lm_head(self.norm(x)).float()
-        aux = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
-        return Output(logits, aux)
+    def _layer(self, i: int, layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows) -> Tensor:
+        return layer(x, cos, sin, self.cache.k[i], None, rows)
 
 
 # ---- loading ----

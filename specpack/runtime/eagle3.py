@@ -17,6 +17,7 @@ from torch import Tensor, nn
 from specpack.errors import InputError
 from specpack.runtime.config import RopeScaling, rope_from_config
 from specpack.runtime.model import MLP, Attention, KVCache, RMSNorm, rope_inv_freq, rope_tables
+from specpack.runtime.rows import Rows, Segment
 from specpack.runtime.speculative import Draft
 
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
@@ -100,11 +101,11 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(H, s.rms_norm_eps)
         self.mlp = MLP(H, s.intermediate_size)
 
-    def forward(self, emb, h, cos, sin, k_cache, v_cache, start, mask):
+    def forward(self, emb, h, cos, sin, k_cache, v_cache, rows: Rows):
         # emb, h: [T, H] -> [T, H]
         normed = self.hidden_norm(h)
         x = torch.cat([self.input_layernorm(emb), normed], dim=-1)  # [T, 2H]
-        h = (normed if self.norm_before_residual else h) + self.self_attn(x, cos, sin, k_cache, v_cache, start, mask)
+        h = (normed if self.norm_before_residual else h) + self.self_attn(x, cos, sin, k_cache, v_cache, rows)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -150,9 +151,9 @@ class Eagle3Drafter(nn.Module):
         the draft-vocab logits of the last position [1, Vd]."""
         cache, T = self.cache, tokens.shape[0]
         start = cache.length
-        pos = cache.slots[start : start + T]
-        out = self.layers[0](self.embed_tokens(tokens), h, self.cos[pos, None], self.sin[pos, None],
-                             cache.k[0], cache.v[0], start, cache.mask(T, None))
+        rows = Rows.of([Segment(0, start, T)], tokens.device)
+        out = self.layers[0](self.embed_tokens(tokens), h, self.cos[rows.pos, None], self.sin[rows.pos, None],
+                             cache.k[0], cache.v[0], rows)
         cache.length = start + T
         return out, self.lm_head(self.norm(out[-1:])).float()
 

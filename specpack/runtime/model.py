@@ -1,8 +1,10 @@
 """Our compact decoder for Llama / Mistral / Qwen2 / Qwen3 (SmolLM is Llama), gpt-fast style.
 
-One forward runs T new tokens against a static KV cache with an explicit mask, so a chain of drafts
-or a tree of them is verified in one pass. Rolling back after a rejection only lowers the cache's
-length pointer: slots past it are never attended and get overwritten by the next forward.
+One forward runs the new tokens of one or many sequences (`rows.Rows`) against a static KV cache
+with one slot per sequence; each row attends its own sequence's committed positions plus a chain or
+a tree among its new rows, so drafts of every sequence in a batch are verified in one pass.
+Rolling back after a rejection only lowers a sequence's length: positions past it are never
+attended and get overwritten by the next forward.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from torch import Tensor, nn
 
 from specpack.errors import InputError
 from specpack.runtime.config import RopeScaling, TargetSpec
+from specpack.runtime.rows import Rows, Segment, attend
 
 
 class RMSNorm(nn.Module):
@@ -60,31 +63,26 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class KVCache(nn.Module):
-    """Keys and values of `layers` layers: [layers, 1, kv_heads, max_len, head_dim], preallocated.
+    """Keys and values of `layers` layers for `slots` sequences, preallocated:
+    [layers, slots, kv_heads, max_len, head_dim].
 
-    `length` = slots holding committed tokens. Roll back by assigning a smaller `length`."""
+    `length` is slot 0's committed positions, for the single-sequence `forward`; the batched engine
+    keeps one length per slot itself. Roll back by assigning a smaller length."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, dtype, device):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, max_len: int, dtype, device, slots: int = 1):
         super().__init__()
-        shape = (layers, 1, kv_heads, max_len, head_dim)
+        shape = (layers, slots, kv_heads, max_len, head_dim)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("slots", torch.arange(max_len, device=device), persistent=False)
         self.length = 0
 
     @property
     def max_len(self) -> int:
         return self.k.shape[3]
 
-    def mask(self, T: int, block: Tensor | None) -> Tensor | None:
-        """Which cache slots each of T new tokens (about to fill slots length..length+T) may attend:
-        every committed slot, plus `block` [T, T] among the new ones (causal when None)."""
-        start = self.length
-        if block is None:
-            if T == 1:
-                return None  # one token sees everything: no mask needed
-            return self.slots[None, : start + T] <= self.slots[start : start + T, None]  # [T, S]
-        return torch.cat([block.new_ones(T, start), block], dim=1)  # [T, S]
+    @property
+    def slots(self) -> int:
+        return self.k.shape[1]
 
 
 class Attention(nn.Module):
@@ -99,22 +97,18 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps else None
         self.k_norm = RMSNorm(head_dim, qk_norm_eps) if qk_norm_eps else None
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor,
-                start: int, mask: Tensor | None) -> Tensor:
-        # x: [T, dim_in]; k_cache, v_cache: [1, kv_heads, max_len, hd] (this layer's slice)
-        T, hd = x.shape[0], self.head_dim
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Rows) -> Tensor:
+        # x: [R, dim_in]; cos, sin: [R, 1, hd]; k_cache, v_cache: [slots, kv_heads, max_len, hd] (this layer)
+        R, hd = x.shape[0], self.head_dim
         q, k, v = self.qkv_proj(x).split([self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], -1)
-        q, k, v = q.view(T, self.heads, hd), k.view(T, self.kv_heads, hd), v.view(T, self.kv_heads, hd)
+        q, k, v = q.view(R, self.heads, hd), k.view(R, self.kv_heads, hd), v.view(R, self.kv_heads, hd)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        end = start + T
-        k_cache[0, :, start:end] = k.transpose(0, 1)  # [kv_heads, T, hd]
-        v_cache[0, :, start:end] = v.transpose(0, 1)
-        # q: [1, heads, T, hd] against keys/values [1, kv_heads, end, hd]
-        y = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k_cache[:, :, :end], v_cache[:, :, :end],
-                                           attn_mask=mask, enable_gqa=self.heads != self.kv_heads)
-        return self.o_proj(y[0].transpose(0, 1).reshape(T, self.heads * hd))
+        k_cache[rows.slot, :, rows.write] = k  # each row into its own sequence's slot: [R, kv_heads, hd]
+        v_cache[rows.slot, :, rows.write] = v
+        y = attend(q, k_cache, v_cache, rows)  # [R, heads, hd]
+        return self.o_proj(y.reshape(R, self.heads * hd))
 
 
 class MLP(nn.Module):
@@ -139,28 +133,29 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.mlp = MLP(s.hidden_size, s.intermediate_size)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, start, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, start, mask)
+    def forward(self, x, cos, sin, k_cache, v_cache, rows: Rows):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, rows)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Output(NamedTuple):
-    logits: Tensor  # [T, V] fp32 (or [1, V] with last_only)
+    logits: Tensor  # [K, V] fp32: the rows asked for (all T, or the last one with last_only)
     aux: Tensor | None  # [T, len(capture)·H]: hidden states entering the captured layers, concatenated
 
 
-class Transformer(nn.Module):
-    """The target decoder. Call `setup_cache(max_len)` before `forward`."""
+class Decoder(nn.Module):
+    """What our decoders share: embeddings, a stack of layers over a slotted cache, final norm and
+    head; the forward over `Rows`. Subclasses build `layers` and implement `new_cache` and
+    `_rope_tables`. Call `setup_cache` before a forward."""
 
-    def __init__(self, spec: TargetSpec):
+    def __init__(self, spec):
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self.cache: KVCache | None = None
-        self.register_buffer("cos", None, persistent=False)  # [max_len, hd] RoPE tables, with the cache
+        self.cache = None
+        self.register_buffer("cos", None, persistent=False)  # [max_len, rope dims] RoPE tables, with the cache
         self.register_buffer("sin", None, persistent=False)
 
     @property
@@ -172,41 +167,79 @@ class Transformer(nn.Module):
         return self.embed_tokens.weight.dtype
 
     @torch.inference_mode()
-    def setup_cache(self, max_len: int) -> None:
-        """Make room for `max_len` positions (reallocating only when it grows) and empty the cache."""
-        s = self.spec
-        if self.cache is None or self.cache.max_len < max_len:
-            self.cache = KVCache(s.num_layers, s.num_kv_heads, s.head_dim, max_len, self.dtype, self.device)
-            inv_freq = rope_inv_freq(s.head_dim, s.rope_theta, s.rope_scaling)
-            self.cos, self.sin = rope_tables(inv_freq, max_len, self.dtype, self.device)
+    def setup_cache(self, max_len: int, slots: int = 1) -> None:
+        """Make room for `slots` sequences of `max_len` positions (reallocating only when either
+        grows) and empty the cache."""
+        c = self.cache
+        if c is None or c.max_len < max_len or c.slots < slots:
+            self.cache = None  # free the old one first
+            self.cache = self.new_cache(len(self.layers), max_len, slots)
+            self.cos, self.sin = self._rope_tables(max_len)
         self.cache.length = 0
 
     @torch.inference_mode()
     def forward(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,
                 capture: Sequence[int] = (), last_only: bool = False) -> Output:
-        """Run T new tokens after the cached ones; they fill cache slots length..length+T.
+        """One sequence (cache slot 0): T new tokens after the cached ones, filling positions
+        length..length+T-1. positions: [T] RoPE positions (default: those); mask: [T, T] bool among
+        the new tokens (default causal; a tree passes its ancestor mask); capture: layer ids whose
+        *input* hidden state to return (transformers' `hidden_states[i]`; 0 = embeddings, the
+        number of layers = the last layer's output before the final norm)."""
+        start, T = self.cache.length, tokens.shape[0]
+        rows = Rows.of([Segment(0, start, T, mask, positions)], self.device)
+        out = self.forward_rows(tokens, rows, capture, [T - 1] if last_only else None)
+        self.cache.length = start + T
+        return out
 
-        tokens: [T] ids; positions: [T] (default: their slots); mask: [T, T] bool among the new
-        tokens (default causal; a tree passes its ancestor mask); capture: layer ids whose *input*
-        hidden state to return (transformers' `hidden_states[i]`; 0 = embeddings)."""
-        cache, T = self.cache, tokens.shape[0]
-        start = cache.length
-        if start + T > cache.max_len:
-            raise InputError(f"{start + T} positions do not fit the KV cache of {cache.max_len}",
-                             hint="call setup_cache with a larger max_len")
-        if positions is None:
-            positions = cache.slots[start : start + T]
-        cos, sin = self.cos[positions, None], self.sin[positions, None]  # [T, 1, hd]
-        attn_mask = cache.mask(T, mask)
-        x = self.embed_tokens(tokens)  # [T, H]
+    @torch.inference_mode()
+    def forward_rows(self, tokens: Tensor, rows: Rows, capture: Sequence[int] = (),
+                     logits_rows: Sequence[int] | None = None) -> Output:
+        """The new tokens [R] of every segment of `rows` in one pass; logits of `logits_rows` (all
+        when None). Each segment must fit its slot: start + T <= max_len."""
+        self._check_fits(rows)
+        cos, sin = self.cos[rows.pos, None], self.sin[rows.pos, None]  # [R, 1, rope dims]
+        x = self.embed_tokens(tokens)  # [R, H]
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
                 captured[i] = x
-            x = layer(x, cos, sin, cache.k[i], cache.v[i], start, attn_mask)
-        cache.length = start + T
-        if last_only:
-            x = x[-1:]
+            x = self._layer(i, layer, x, cos, sin, rows)
+        captured[len(self.layers)] = x
+        if logits_rows is not None:
+            x = x[torch.as_tensor(logits_rows, dtype=torch.long, device=x.device)]
         logits = self.lm_head(self.norm(x)).float()
         aux = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return Output(logits, aux)
+
+    def _check_fits(self, rows: Rows) -> None:
+        c = self.cache
+        bad = [f"slot {s.slot}: {s.start + s.T} positions" for s, _ in rows.segments
+               if s.start + s.T > c.max_len or not 0 <= s.slot < c.slots]
+        if bad:
+            raise InputError(f"rows do not fit the KV cache of {c.slots} slot(s) x {c.max_len} positions",
+                             problems=bad, hint="call setup_cache with a larger max_len or more slots")
+
+    def _layer(self, i: int, layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows) -> Tensor:
+        return layer(x, cos, sin, self.cache.k[i], self.cache.v[i], rows)
+
+    def new_cache(self, layers: int, max_len: int, slots: int = 1):
+        raise NotImplementedError
+
+    def _rope_tables(self, max_len: int) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+
+class Transformer(Decoder):
+    """The Llama-family target (and draft models). Call `setup_cache(max_len)` before `forward`."""
+
+    def __init__(self, spec: TargetSpec):
+        super().__init__(spec)
+        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
+
+    def new_cache(self, layers: int, max_len: int, slots: int = 1) -> KVCache:
+        s = self.spec
+        return KVCache(layers, s.num_kv_heads, s.head_dim, max_len, self.dtype, self.device, slots)
+
+    def _rope_tables(self, max_len: int) -> tuple[Tensor, Tensor]:
+        s = self.spec
+        return rope_tables(rope_inv_freq(s.head_dim, s.rope_theta, s.rope_scaling), max_len, self.dtype, self.device)

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from specpack.errors import InputError
 from specpack.runtime.model import Block, KVCache, RMSNorm
+from specpack.runtime.rows import Rows, Segment
 from specpack.runtime.speculative import Draft
 
 FUSION = ("embed_norm.weight", "hidden_norm.weight", "proj.weight", "final_norm.weight")
@@ -141,7 +142,8 @@ class MtpLayer(nn.Module):
         x = self.proj(torch.cat([e, hn] if self.embedding_first else [hn, e], dim=-1))
         cache.length = start
         T = x.shape[0]
-        y = self.block(x, cos, sin, cache.k[0], None if cache.v is None else cache.v[0], start, cache.mask(T, None))
+        rows = Rows.of([Segment(0, start, T)], x.device)
+        y = self.block(x, cos, sin, cache.k[0], None if cache.v is None else cache.v[0], rows)
         cache.length = start + T
         normed = self.final_norm(y)
         return (y if self.chain_pre_norm else normed), normed

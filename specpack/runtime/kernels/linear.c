@@ -12,31 +12,17 @@
  * thread computes the panel or on how many threads run, so row i of an M-row product is
  * bit-identical to the 1-row product of row i.
  *
- * Threads: the caller's thread plus a small persistent pool of workers that claim chunks of panels
- * from an atomic ticket (a late-waking worker just takes fewer chunks, or none). Idle workers
- * spin for `spin_us` after a job (set from Python: 300 us, so the next layer's matmul finds them
- * awake), then sleep on a futex.
+ * Threads: chunks of panels go to the pool (pool.c); a panel is computed the same way on any thread.
  */
-#define _GNU_SOURCE
 #include <immintrin.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdint.h>
 #include <string.h>
-#include <time.h>
-#include <unistd.h>
-#include <linux/futex.h>
-#include <sys/syscall.h>
+
+#include "kernels.h"
 
 #define NR 16          /* output columns per panel: two ymm registers */
 #define MR_MAX 6       /* rows per register tile: 12 accumulators + 2 weights + 1 broadcast */
-#define MAX_THREADS 16
 #define CHUNK_BYTES (128 * 1024) /* of weights: ~10 us of work, the most a caller waits for */
-/* How long a caller spins for its workers' last chunks before sleeping on a futex. Bounded,
- * because on this machine class the two vCPUs are SMT siblings: a spinning thread costs the other
- * ~40% of its FMA throughput (113 -> 70 GFLOP/s measured). 10, 50 and 200 us measured the same
- * in a decode loop; back-to-back calls gain a little from the longer ones. */
-#define CALLER_SPIN_NS 50000
 
 /* ---------------------------------------------------------------- compute */
 
@@ -112,8 +98,9 @@ typedef struct {
 /* All M rows times one panel. Rows go in ceil(M/6) balanced tiles (8 rows: 4 + 4, so each tile
  * keeps >= 8 FMA chains in flight), over k-blocks of KB: every tile reuses the block from L1, so
  * the panel is read from memory once. */
-static void panel(const job_t *j, int64_t p, float *scratch)
+static void panel(const void *job, int64_t p, float *scratch)
 {
+    const job_t *j = job;
     const int64_t K = j->K, n0 = p * NR, cols = j->N - n0 < NR ? j->N - n0 : NR;
     const float *w = j->w + p * K * NR;
     const int full = cols == NR;
@@ -146,110 +133,9 @@ static void panel(const job_t *j, int64_t p, float *scratch)
     }
 }
 
-/* ---------------------------------------------------------------- pool */
-
-/* Work is handed out as chunks of panels through one atomic word, `ticket` = (job id << 32) |
- * chunks left unclaimed. A thread claims a chunk by decrementing it, only while the id is the
- * current job's, so the job's description cannot change under a claimed chunk (the caller posts
- * the next job only after every chunk of this one is done). Nobody waits for a worker that
- * has not shown up: the caller takes what is left, then waits only for chunks already claimed. */
-static struct {
-    pthread_mutex_t lock;        /* one pooled job at a time; other callers run alone */
-    int nworkers, active;        /* started; taking part (by id) */
-    _Atomic uint32_t gen;        /* job id, bumped once per job; workers sleep on it */
-    _Atomic uint64_t ticket;
-    _Atomic uint32_t completed;  /* chunks of the current job done; the caller sleeps on it */
-    _Atomic int caller_sleeps;
-    _Atomic int sleepers;
-    int64_t nchunks, chunk;
-    job_t job;
-    long spin_ns;
-    uint32_t spawn_gen;          /* gen when the workers were started */
-} pool = {.lock = PTHREAD_MUTEX_INITIALIZER, .spin_ns = 0};
-
-static long futex(_Atomic uint32_t *addr, int op, uint32_t val)
-{
-    return syscall(SYS_futex, addr, op, val, NULL, NULL, 0);
-}
-
-static long now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return ts.tv_sec * 1000000000L + ts.tv_nsec;
-}
-
-/* Claim and run chunks of job `id` until none is left. */
-static void run_chunks(uint32_t id)
-{
-    float scratch[16 * NR];
-    for (;;) {
-        uint64_t t = atomic_load(&pool.ticket);
-        do {
-            if ((uint32_t)(t >> 32) != id || (uint32_t)t == 0) return;
-        } while (!atomic_compare_exchange_weak(&pool.ticket, &t, t - 1));
-        const int64_t c = pool.nchunks - (uint32_t)t, P = (pool.job.N + NR - 1) / NR;
-        const int64_t p1 = (c + 1) * pool.chunk < P ? (c + 1) * pool.chunk : P;
-        for (int64_t p = c * pool.chunk; p < p1; p++) panel(&pool.job, p, scratch);
-        if (atomic_fetch_add(&pool.completed, 1) + 1 == pool.nchunks && atomic_load(&pool.caller_sleeps))
-            futex(&pool.completed, FUTEX_WAKE_PRIVATE, 1);
-    }
-}
-
-/* Spin until *addr != old for at most spin_ns, then sleep on the futex (counted in *sleeping). */
-static void wait_change(_Atomic uint32_t *addr, uint32_t old, long spin_ns, _Atomic int *sleeping)
-{
-    const long t0 = now_ns();
-    for (int i = 0; atomic_load_explicit(addr, memory_order_acquire) == old; i++) {
-        if ((i & 255) == 0 && now_ns() - t0 > spin_ns) {
-            atomic_fetch_add(sleeping, 1);
-            while (atomic_load(addr) == old) futex(addr, FUTEX_WAIT_PRIVATE, old);
-            atomic_fetch_sub(sleeping, 1);
-            return;
-        }
-        _mm_pause();
-    }
-}
-
-static void *worker(void *arg)
-{
-    const int id = (int)(intptr_t)arg;
-    uint32_t seen = pool.spawn_gen; /* the first job may be posted before this thread runs */
-    for (;;) {
-        wait_change(&pool.gen, seen, pool.spin_ns, &pool.sleepers);
-        seen = atomic_load(&pool.gen);
-        if (id <= pool.active) run_chunks(seen);
-    }
-    return NULL;
-}
-
-static void grow_pool(int n)
-{
-    pool.spawn_gen = atomic_load(&pool.gen);
-    while (pool.nworkers < n && pool.nworkers < MAX_THREADS - 1) {
-        pthread_t th;
-        if (pthread_create(&th, NULL, worker, (void *)(intptr_t)(pool.nworkers + 1)) != 0) return;
-        pthread_detach(th);
-        pool.nworkers++;
-    }
-}
-
-static void after_fork_child(void)
-{
-    /* the workers did not survive fork(): start over with an empty pool */
-    pthread_mutex_init(&pool.lock, NULL);
-    pool.nworkers = 0;
-    atomic_store(&pool.sleepers, 0);
-}
-
-static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
-static void install_fork_handler(void) { pthread_atfork(NULL, NULL, after_fork_child); }
-
 /* ---------------------------------------------------------------- API */
 
-int sp_abi_version(void) { return 1; }
-
-void sp_set_spin_us(long us) { pool.spin_ns = us * 1000; }
+int sp_abi_version(void) { return 2; }
 
 void sp_set_prefetch(int lines) { prefetch_dist = lines; }
 
@@ -259,29 +145,6 @@ void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w
 {
     if (M <= 0 || N <= 0) return;
     const job_t job = {x, w, bias, y, M, N, K, ldx, ldy};
-    const int64_t P = (N + NR - 1) / NR;
-    int64_t chunk = CHUNK_BYTES / ((K > 0 ? K : 1) * NR * 4);
-    chunk = chunk < 1 ? 1 : chunk;
-    if (nthreads > P) nthreads = (int)P;
-    pthread_once(&fork_once, install_fork_handler);
-    if (nthreads <= 1 || pthread_mutex_trylock(&pool.lock) != 0) {
-        float scratch[16 * NR];
-        for (int64_t p = 0; p < P; p++) panel(&job, p, scratch);
-        return;
-    }
-    grow_pool(nthreads - 1);
-    const uint32_t id = atomic_load(&pool.gen) + 1;
-    pool.job = job;
-    pool.chunk = chunk;
-    pool.nchunks = (P + chunk - 1) / chunk;
-    pool.active = nthreads - 1;
-    atomic_store(&pool.completed, 0);
-    atomic_store(&pool.ticket, (uint64_t)id << 32 | (uint64_t)pool.nchunks);
-    atomic_store(&pool.gen, id);
-    if (atomic_load(&pool.sleepers) > 0) futex(&pool.gen, FUTEX_WAKE_PRIVATE, MAX_THREADS);
-    run_chunks(id);
-    const uint32_t n = (uint32_t)pool.nchunks;
-    for (uint32_t done; (done = atomic_load(&pool.completed)) != n;) /* chunks still running */
-        wait_change(&pool.completed, done, CALLER_SPIN_NS, &pool.caller_sleeps);
-    pthread_mutex_unlock(&pool.lock);
+    const int64_t chunk = CHUNK_BYTES / ((K > 0 ? K : 1) * NR * 4);
+    sp_parallel(panel, &job, (N + NR - 1) / NR, chunk, nthreads);
 }
