@@ -183,7 +183,7 @@ def test_eagle3_head_graph_drafts_as_torch(family):
     first = [d.propose(ctx, feats[:-3], 5).tokens.tolist() for d in (td, od)]
     more = [d.propose(ctx, feats[-3:], 5).tokens.tolist() for d in (td, od)]
     assert first[0] == first[1] and more[0] == more[1]
-    assert td.cache.length == od.cache.length == len(ctx)
+    assert td.lengths[0] == od.lengths[0] == len(ctx)
 
 
 def test_draft_model_graph(tmp_path, tiny_target):

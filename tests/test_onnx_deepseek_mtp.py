@@ -15,7 +15,9 @@ from eagle_fixtures import one_thread  # noqa: F401
 from specpack.converters.onnx_export import ONNX_DIR, export_onnx, read_index
 from specpack.packager import BuildOptions, NgramParams, build
 from specpack.packager.artifact import read_manifest
+from specpack.runtime.rows import Rows, Segment
 from specpack.runtime.spec_model import SpecModel
+from specpack.runtime.speculative import DraftJob
 from test_onnx import TOL, both, steps_match
 
 onnx = pytest.importorskip("onnx")
@@ -128,17 +130,17 @@ def test_mtp_layer_logits_match_torch(name):
     for target, drafter in ((tt, td), (ot, od)):
         target.setup_cache(32)
         drafter.reset(32)
-        target(ctx[:P])
-        drafter._absorb_target(P)
-    assert (od.outs[0, :P] - td.outs[0, :P]).abs().max() <= TOL
-    h = torch.cat([td.outs[0, :P], torch.randn(4, tt.spec.hidden_size, generator=torch.Generator().manual_seed(0))])
+        feats = target(ctx[:P], capture=drafter.capture_layers).aux
+        drafter._absorb(DraftJob(0, ctx[: P + 1], feats, 1, None))
+    assert (od.outs[0, 0, :P] - td.outs[0, 0, :P]).abs().max() <= TOL
+    h = torch.cat([td.outs[0, 0, :P], torch.randn(4, tt.spec.hidden_size, generator=torch.Generator().manual_seed(0))])
     for k in range(t.n):
         for start, end in ((0, P), (P, P + 3), (P + 3, P + 4)):
             tokens = ctx[start + k + 1 : end + k + 1]  # one step ahead per layer
-            (want, want_logits), (got, got_logits) = (d._run_layer(k, h[start:end], tokens, start) for d in (td, od))
+            rows = Rows.of([Segment(0, start, end - start)])
+            (want, want_logits), (got, got_logits) = (d._run_layer(k, h[start:end], tokens, rows) for d in (td, od))
             assert (got_logits - want_logits).abs().max() <= TOL, (k, start)
             assert (got - want).abs().max() <= TOL, (k, start)
-            assert od.caches[k].length == td.caches[k].length == end
 
 
 @pytest.mark.parametrize("name", list(MTP))

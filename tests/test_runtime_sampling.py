@@ -1,4 +1,5 @@
-"""Speculative sampling keeps the target's distribution; a wrong accept rule is caught by the same test."""
+"""Speculative sampling keeps the target's distribution; a wrong accept rule is caught by the same test;
+seeded sampling gives the same tokens with and without speculation."""
 
 import math
 
@@ -6,7 +7,7 @@ import pytest
 import torch
 
 from eagle_fixtures import one_thread  # noqa: F401
-from specpack.runtime import speculative
+from specpack.runtime import engine
 from specpack.runtime.config import target_spec_from_config
 from specpack.runtime.eagle3 import Eagle3Drafter, eagle3_spec_from_config
 from specpack.runtime.model import Transformer
@@ -74,10 +75,9 @@ def chi_square(model, params, exact, speculative_on=True):
     return stat, critical
 
 
-def always_accept(draft, q, p, generator):
-    """A deliberately wrong rule: keep every draft, then sample the bonus."""
-    k = draft.shape[0]
-    return k, draft.tolist() + torch.multinomial(p[k], 1, generator=generator).tolist()
+def always_accept(drafts, target):
+    """A deliberately wrong rule: keep every draft, then the target's token after them."""
+    return len(drafts), drafts + target[len(drafts) : len(drafts) + 1]
 
 
 PARAMS = {"t1": SamplingParams(temperature=1.0), "t0.7-k3-p0.9": SamplingParams(temperature=0.7, top_k=3, top_p=0.9)}
@@ -100,7 +100,7 @@ def test_speculative_sampling_keeps_the_distribution(target, drafter, name):
 
 
 def test_the_bound_rejects_a_wrong_accept_rule(target, drafter, monkeypatch):
-    monkeypatch.setattr(speculative, "accept_sampled", always_accept)
+    monkeypatch.setattr(engine, "accept", always_accept)
     stat, critical = chi_square(SpecModel(target, drafter), PARAMS["t1"], exact_distribution(target, PARAMS["t1"]))
     assert stat > 5 * critical
 

@@ -1,9 +1,9 @@
 """Draft-model drafter: a small causal LM (our decoder) with its own KV cache, sharing the target's tokenizer.
 
-Each call feeds the context tokens the draft has not seen, then its own drafts one at a time. Rows of
-drafts the target accepted stay in its cache; rejected ones are dropped by lowering the cache length.
-Greedy proposals are its argmax; sampled ones come with its distribution q (over the target vocab) for
-the speculative-sampling accept rule.
+Each call feeds every sequence's context tokens the draft has not seen (one forward for the batch),
+then their drafts one step at a time. Rows of drafts the target accepted stay in its cache; rejected
+ones are overwritten. Greedy proposals are its argmax; sampled ones race its own distribution with
+the target's noise (sampling.Sampler).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from specpack.runtime.speculative import Draft
+from specpack.runtime.rows import Rows, Segment
+from specpack.runtime.speculative import Draft, DraftJob
 
 
 class DraftModelDrafter(nn.Module):
@@ -23,48 +24,59 @@ class DraftModelDrafter(nn.Module):
         self.model = model
         self.target_vocab = target_vocab
         self.vocab = min(model.spec.vocab_size, target_vocab)  # rows past the tokenizer are padding
-        self.seen: Tensor | None = None  # tokens whose rows are in the draft's cache
+        self.seen: list[Tensor | None] = []  # per slot: the tokens whose rows are in the draft's cache
 
     @torch.inference_mode()
-    def reset(self, max_len: int) -> None:
-        self.model.setup_cache(max_len)
-        self.seen = None
+    def reserve(self, slots: int, max_len: int) -> None:
+        self.model.setup_cache(max_len, slots)
+        self.seen = [None] * slots
 
-    def _valid_rows(self, context: Tensor) -> int:
+    def start(self, slot: int) -> None:
+        self.seen[slot] = None
+
+    def _valid_rows(self, slot: int, context: Tensor) -> int:
         """Cache rows still valid for `context`: the common prefix of what it saw and the context."""
-        if self.seen is None:
+        seen = self.seen[slot]
+        if seen is None:
             return 0
-        n = min(self.seen.shape[0], context.shape[0] - 1)  # always feed at least the last token
-        differ = (self.seen[:n] != context[:n]).nonzero()
+        n = min(seen.shape[0], context.shape[0] - 1)  # always feed at least the last token
+        differ = (seen[:n] != context[:n]).nonzero()
         return int(differ[0]) if len(differ) else n
 
-    def _choose(self, logits: Tensor, sampler) -> tuple[Tensor, Tensor | None]:
-        logits = logits[:, : self.vocab]  # [1, V]
-        if sampler is None:
-            return logits.argmax(-1), None
-        q = sampler.probs(logits)
-        q_target = q.new_zeros(1, self.target_vocab)
-        q_target[:, : self.vocab] = q
-        return sampler.sample(q), q_target
+    def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> list[int]:
+        logits = logits[:, : self.vocab]  # [J, V]
+        return [int(logits[i].argmax()) if j.sampler is None
+                else j.sampler.race(j.sampler.probs(logits[i : i + 1])[0], len(j.context) + step)
+                for i, j in enumerate(jobs)]
 
     @torch.inference_mode()
+    def draft(self, jobs: list[DraftJob]) -> list[Draft]:
+        """Feed each context's rows the draft has not seen (one forward for all jobs), then one
+        draft token per job per forward."""
+        dev = self.model.device
+        keep = [self._valid_rows(j.slot, j.context) for j in jobs]
+        rows = Rows.of([Segment(j.slot, k, len(j.context) - k) for j, k in zip(jobs, keep)], dev)
+        tokens = torch.cat([j.context[k:] for j, k in zip(jobs, keep)])
+        logits = self.model.forward_rows(tokens, rows, logits_rows=rows.last_rows()).logits
+        drafts = [[t] for t in self._choose(logits, jobs, 0)]
+        for step in range(1, max(j.k for j in jobs)):
+            live = [i for i, j in enumerate(jobs) if j.k > step]
+            rows = Rows.of([Segment(jobs[i].slot, len(jobs[i].context) + step - 1, 1) for i in live], dev)
+            last = torch.tensor([drafts[i][-1] for i in live], device=dev)
+            logits = self.model.forward_rows(last, rows).logits
+            for i, t in zip(live, self._choose(logits, [jobs[i] for i in live], step)):
+                drafts[i].append(t)
+        for j, d in zip(jobs, drafts):  # the last draft was never fed
+            self.seen[j.slot] = torch.cat([j.context, torch.tensor(d[:-1], dtype=torch.long, device=dev)])
+        return [Draft(torch.tensor(d[: j.k], dtype=torch.long)) for j, d in zip(jobs, drafts)]
+
+    def reset(self, max_len: int) -> None:
+        """One sequence (slot 0), for `propose`."""
+        self.reserve(1, max_len)
+
     def propose(self, context: Tensor, feats, draft_len: int, sampler=None) -> Draft:
-        """context: [n] all tokens so far. Returns up to `draft_len` target ids (and q when sampling)."""
-        if draft_len < 1:
-            return Draft(context[:0], None)
-        keep = self._valid_rows(context)
-        self.model.cache.length = keep
-        logits = self.model(context[keep:], last_only=True).logits
-        tokens, probs = [], []
-        for i in range(draft_len):
-            if i:
-                logits = self.model(tokens[-1], last_only=True).logits
-            tok, q = self._choose(logits, sampler)
-            tokens.append(tok)
-            probs.append(q)
-        drafts = torch.cat(tokens)
-        self.seen = torch.cat([context, drafts[:-1]])  # the last draft was never fed
-        return Draft(drafts, torch.cat(probs) if sampler is not None else None)
+        """One sequence's draft (slot 0): context [n] every token so far."""
+        return self.draft([DraftJob(0, context, None, draft_len, sampler)])[0]
 
 
 def load_draft_model(params: dict | None, drafter_dir, target) -> DraftModelDrafter:

@@ -18,7 +18,7 @@ from specpack.errors import InputError
 from specpack.runtime.config import RopeScaling, rope_from_config
 from specpack.runtime.model import MLP, Attention, KVCache, RMSNorm, rope_inv_freq, rope_tables
 from specpack.runtime.rows import Rows, Segment
-from specpack.runtime.speculative import Draft
+from specpack.runtime.speculative import Draft, DraftJob
 
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
             "target_hidden_size", "aux_layer_ids", "draft_vocab_size", "target_vocab_size")
@@ -110,7 +110,8 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Drafter(nn.Module):
-    """Proposes D tokens per call from the target features of the positions accepted since the last one."""
+    """Drafts for many sequences at once, each from the target features of its positions committed
+    since its last draft, with the head's own KV cache slot per sequence (`reserve`, `start`)."""
 
     kind = "eagle3"
 
@@ -130,61 +131,78 @@ class Eagle3Drafter(nn.Module):
             # the target's table, held outside the module tree so it is not a second copy in state_dict
             object.__setattr__(self, "embed_tokens", target_embed)
         self.cache: KVCache | None = None
+        self.lengths: list[int] = []  # committed positions per slot
         self.register_buffer("cos", None, persistent=False)  # [max_len, hd] RoPE tables, with the cache
         self.register_buffer("sin", None, persistent=False)
         self.register_buffer("draft_to_target", None, persistent=False)  # [Vd] target id of each draft id
 
     @torch.inference_mode()
-    def reset(self, max_len: int) -> None:
-        """Room for `max_len` positions; empties the cache."""
+    def reserve(self, slots: int, max_len: int) -> None:
+        """Room for `slots` sequences of `max_len` positions; empties every slot."""
         s, w = self.spec, self.lm_head.weight
-        if self.cache is None or self.cache.max_len < max_len:
-            self.cache = KVCache(1, s.num_kv_heads, s.head_dim, max_len, w.dtype, w.device)
+        if self.cache is None or self.cache.max_len < max_len or self.cache.slots < slots:
+            self.cache = None
+            self.cache = KVCache(1, s.num_kv_heads, s.head_dim, max_len, w.dtype, w.device, slots)
             self.cos, self.sin = rope_tables(rope_inv_freq(s.head_dim, s.rope_theta, s.rope_scaling),
                                              max_len, w.dtype, w.device)
             self.draft_to_target = torch.arange(s.draft_vocab_size, device=w.device) + self.d2t
-        self.cache.length = 0
+        self.lengths = [0] * self.cache.slots
 
-    def step(self, h: Tensor, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """h: [T, H] features (or own hidden states), tokens: [T] target ids of the next positions.
-        Appends T positions to the cache. Returns the output hidden states [T, H] (pre-norm) and
-        the draft-vocab logits of the last position [1, Vd]."""
-        cache, T = self.cache, tokens.shape[0]
-        start = cache.length
-        rows = Rows.of([Segment(0, start, T)], tokens.device)
+    def start(self, slot: int) -> None:
+        """A new sequence takes `slot`."""
+        self.lengths[slot] = 0
+
+    def _forward(self, h, tokens: Tensor, rows: Rows, logit_rows: list[int]) -> tuple[Tensor, Tensor]:
+        """The head over `rows`: h [R, H] (`fc` output or its own hidden states), tokens [R] the
+        target ids of the next positions -> (hidden states [R, H] before the final norm, draft-vocab
+        logits [len(logit_rows), Vd])."""
         out = self.layers[0](self.embed_tokens(tokens), h, self.cos[rows.pos, None], self.sin[rows.pos, None],
-                             cache.k[0], cache.v[0], rows)
-        cache.length = start + T
-        return out, self.lm_head(self.norm(out[-1:])).float()
+                             self.cache.k[0], self.cache.v[0], rows)
+        return out, self.lm_head(self.norm(out[logit_rows])).float()
 
-    def choose(self, logits: Tensor, sampler) -> tuple[Tensor, Tensor | None]:
-        """Draft-vocab logits [1, Vd] -> (target id [1], distribution over the target vocab [1, Vt] or None)."""
-        if sampler is None:
-            return self.draft_to_target[logits.argmax(-1)], None
-        q = sampler.probs(logits)  # [1, Vd]
-        d = sampler.sample(q)
-        q_target = q.new_zeros(1, self.spec.target_vocab_size).index_copy_(1, self.draft_to_target, q)
-        return self.draft_to_target[d], q_target
+    def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> list[int]:
+        """Draft-vocab logits [J, Vd] -> each job's target id for its draft position `step`."""
+        if all(j.sampler is None for j in jobs):
+            return self.draft_to_target[logits.argmax(-1)].tolist()
+        return [int(self.draft_to_target[int(logits[i].argmax())]) if j.sampler is None
+                else j.sampler.race(j.sampler.probs(logits[i : i + 1])[0], len(j.context) + step,
+                                    self.draft_to_target)
+                for i, j in enumerate(jobs)]
 
     @torch.inference_mode()
+    def draft(self, jobs: list[DraftJob]) -> list[Draft]:
+        """Step 0 reads each job's new features (fc) with the tokens after them, appending those
+        positions to its slot for good; steps 1.. feed the head's own output state and draft,
+        their positions dropped afterwards."""
+        dev = self.draft_to_target.device
+        missing = [j.slot for j in jobs if j.feats is None or not len(j.feats)]
+        if missing:
+            raise RuntimeError(f"EAGLE-3 drafter: no new target features for slots {missing}")
+        rows = Rows.of([Segment(j.slot, self.lengths[j.slot], len(j.feats)) for j in jobs], dev)
+        tokens = torch.cat([j.context[-len(j.feats):] for j in jobs])
+        out, logits = self._forward(self.fc(torch.cat([j.feats for j in jobs])), tokens, rows, rows.last_rows())
+        for j in jobs:
+            self.lengths[j.slot] += len(j.feats)
+        h = out[rows.last_rows()]  # [J, H]: each job's latest state
+        drafts = [[t] for t in self._choose(logits, jobs, 0)]
+        for step in range(1, max(j.k for j in jobs)):
+            live = [i for i, j in enumerate(jobs) if j.k > step]
+            rows = Rows.of([Segment(jobs[i].slot, self.lengths[jobs[i].slot] + step - 1, 1) for i in live], dev)
+            last = torch.tensor([drafts[i][-1] for i in live], device=dev)
+            out, logits = self._forward(h[live], last, rows, list(range(len(live))))
+            h[live] = out
+            for i, t in zip(live, self._choose(logits, [jobs[i] for i in live], step)):
+                drafts[i].append(t)
+        return [Draft(torch.tensor(d, dtype=torch.long)) for d in drafts]
+
+    def reset(self, max_len: int) -> None:
+        """One sequence (slot 0), for `propose`."""
+        self.reserve(1, max_len)
+
     def propose(self, context: Tensor, feats: Tensor, draft_len: int, sampler=None) -> Draft:
-        """context: [n] all tokens so far; feats: [r, n_aux·Ht] target features of the r positions
-        committed since the last call (their next tokens are the last r of context).
-        Greedy when sampler is None. The draft steps' cache slots are dropped before returning."""
-        r = feats.shape[0]
-        h, logits = self.step(self.fc(feats), context[-r:])
-        committed = self.cache.length
-        tokens, probs = [], []
-        for i in range(draft_len):
-            if i:
-                h, logits = self.step(h[-1:], tokens[-1])
-            tok, q = self.choose(logits, sampler)
-            tokens.append(tok)
-            probs.append(q)
-        self.cache.length = committed
-        if not tokens:
-            return Draft(context[:0], None)
-        return Draft(torch.cat(tokens), torch.cat(probs) if sampler is not None else None)
+        """One sequence's draft (slot 0; see `draft`): context [n] every token so far, feats [r, F]
+        the features of the r positions committed since the last call."""
+        return self.draft([DraftJob(0, context, feats, draft_len, sampler)])[0]
 
 
 def _vocab_map_problems(d2t: Tensor, t2d: Tensor | None, s: Eagle3Spec) -> list[str]:

@@ -7,8 +7,8 @@ ones (their tokens are known) plus k rows whose tokens are the drafts d_1..d_k. 
 before `propose` returns. With `allow_layer_reuse`, steps past the last layer reuse layer k mod n,
 each appending one row fed by the previous step's output (how vLLM and SGLang chain a single MTP layer).
 
-The target hidden state is read with a forward hook on the target's last decoder layer: our decoders
-return logits and captured layer inputs, and the state leaving the last layer is neither.
+The target hidden state is the state leaving the target's last decoder layer, which the engine
+captures with the verification forward (capture id = the number of target layers).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from specpack.errors import InputError
 from specpack.runtime.model import Block, KVCache, RMSNorm
 from specpack.runtime.rows import Rows, Segment
-from specpack.runtime.speculative import Draft
+from specpack.runtime.speculative import Draft, DraftJob
 
 FUSION = ("embed_norm.weight", "hidden_norm.weight", "proj.weight", "final_norm.weight")
 
@@ -90,9 +90,9 @@ class _DenseKit:
 
         return fuse_layer(t, prefix, prefix)
 
-    def cache(self, max_len: int) -> KVCache:
+    def cache(self, max_len: int, slots: int = 1) -> KVCache:
         s, w = self.spec, self.target.embed_tokens.weight
-        return KVCache(1, s.num_kv_heads, s.head_dim, max_len, w.dtype, w.device)
+        return KVCache(1, s.num_kv_heads, s.head_dim, max_len, w.dtype, w.device, slots)
 
 
 class _DeepseekKit(_DenseKit):
@@ -113,8 +113,8 @@ class _DeepseekKit(_DenseKit):
 
         return layer_state(t, prefix, prefix)
 
-    def cache(self, max_len: int):
-        return self.target.new_cache(1, max_len)
+    def cache(self, max_len: int, slots: int = 1):
+        return self.target.new_cache(1, max_len, slots)
 
 
 def _kit(target) -> _DenseKit:
@@ -136,24 +136,23 @@ class MtpLayer(nn.Module):
         self.block = block
         self.final_norm = RMSNorm(H, s.rms_norm_eps)
 
-    def forward(self, emb: Tensor, h: Tensor, cos: Tensor, sin: Tensor, cache, start: int) -> tuple[Tensor, Tensor]:
-        # emb, h: [T, H] -> (hidden handed to the next step [T, H], normed output for the lm_head [T, H])
+    def forward(self, emb: Tensor, h: Tensor, cos: Tensor, sin: Tensor, cache, rows: Rows) -> tuple[Tensor, Tensor]:
+        # emb, h: [R, H] -> (hidden handed to the next step [R, H], normed output for the lm_head [R, H])
         e, hn = self.embed_norm(emb), self.hidden_norm(h)
         x = self.proj(torch.cat([e, hn] if self.embedding_first else [hn, e], dim=-1))
-        cache.length = start
-        T = x.shape[0]
-        rows = Rows.of([Segment(0, start, T)], x.device)
         y = self.block(x, cos, sin, cache.k[0], None if cache.v is None else cache.v[0], rows)
-        cache.length = start + T
         normed = self.final_norm(y)
         return (y if self.chain_pre_norm else normed), normed
 
 
 class MtpDrafter(nn.Module):
-    """Proposes D tokens per call; greedy, or sampled from its distribution over the target vocab."""
+    """Drafts for many sequences at once; greedy, or sampled from its distribution over the target vocab.
+
+    Per slot it keeps, for every layer, the rows computed with committed tokens (`done`) and the
+    hidden states each layer hands the next (`outs`, [slots, layers + 1, max_len, H]; `outs[:, 0]`
+    is the target's state, from the features the engine captures: the last layer's output)."""
 
     kind = "mtp"
-    capture_layers: tuple[int, ...] = ()
 
     def __init__(self, spec: MtpSpec, target, kit: _DenseKit):
         super().__init__()
@@ -161,83 +160,109 @@ class MtpDrafter(nn.Module):
         self.layers = nn.ModuleList(MtpLayer(spec, kit.block(k)) for k in range(spec.num_layers))
         object.__setattr__(self, "target", target)  # shared, not a submodule: no second copy in state_dict
         object.__setattr__(self, "kit", kit)
+        self.capture_layers = (target.spec.num_layers,)  # the state leaving the target's last layer
         self.caches: list = []
-        self.done: list[int] = []  # rows of each layer computed with committed tokens
-        self._seen: tuple[int, Tensor] | None = None  # (first row, last-layer output) of the latest target forward
-        self._hook = target.layers[-1].register_forward_hook(self._record)
-
-    def _record(self, module, args, output) -> None:
-        self._seen = (self.target.cache.length, output)  # the target sets its length after its layers ran
+        self.done: list[list[int]] = []  # per slot, per layer: rows computed with committed tokens
+        self.absorbed: list[int] = []  # per slot: target rows copied into outs[slot, 0]
 
     def check_draft_len(self, draft_len: int) -> None:
         self.spec.check_draft_len(draft_len)
 
     @torch.inference_mode()
-    def reset(self, max_len: int) -> None:
-        """Room for `max_len` rows per layer; empties the caches."""
+    def reserve(self, slots: int, max_len: int) -> None:
+        """Room for `slots` sequences of `max_len` rows per layer; empties every slot."""
         w = self.layers[0].proj.weight
-        if not self.caches or self.caches[0].max_len < max_len:
-            self.caches = [self.kit.cache(max_len) for _ in self.layers]
-            self.outs = w.new_zeros(self.spec.num_layers + 1, max_len, self.spec.hidden_size)  # [0]: the target's
-        for c in self.caches:
-            c.length = 0
-        self.done = [0] * self.spec.num_layers
+        if not self.caches or self.caches[0].max_len < max_len or self.caches[0].slots < slots:
+            self.caches = []
+            self.caches = [self.kit.cache(max_len, slots) for _ in self.layers]
+            self.outs = w.new_zeros(slots, self.spec.num_layers + 1, max_len, self.spec.hidden_size)
+        self.done = [[0] * self.spec.num_layers for _ in range(self.caches[0].slots)]
+        self.absorbed = [0] * self.caches[0].slots
 
-    def _absorb_target(self, rows: int) -> None:
-        """Copy the target hidden states of the newly committed rows done[0]..rows-1 into outs[0]."""
-        if self._seen is None:
-            raise RuntimeError("MTP drafter: propose() before any target forward (the target's prefill feeds it)")
-        start, out = self._seen
-        lo = self.done[0]
-        if not start <= lo <= rows <= start + out.shape[0]:
-            raise RuntimeError(f"MTP drafter: target rows {lo}..{rows} are not in the last forward "
-                               f"({start}..{start + out.shape[0]}); was reset() skipped?")
-        self.outs[0, lo:rows] = self._target_state(out[lo - start : rows - start])
+    def start(self, slot: int) -> None:
+        self.done[slot] = [0] * self.spec.num_layers
+        self.absorbed[slot] = 0
 
     def _target_state(self, h: Tensor) -> Tensor:
         """The state layer 0 reads, from what left the target's last layer."""
         return self.target.norm(h) if self.spec.target_hidden_state == "final_norm_output" else h
 
-    def _run_layer(self, k: int, h: Tensor, tokens: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        """Layer k over rows start.. (inputs h [T, H], tokens [T]) -> (chain hidden [T, H], logits [1, V]
-        of the last row, fp32)."""
-        pos = torch.arange(start, start + tokens.shape[0], device=tokens.device)
-        cos, sin = self.target.cos[pos, None], self.target.sin[pos, None]
-        chain, normed = self.layers[k](self.target.embed_tokens(tokens), h, cos, sin, self.caches[k], start)
-        return chain, self.target.lm_head(normed[-1:]).float()
+    def _run_layer(self, k: int, h: Tensor, tokens: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:
+        """Layer k over `rows` (inputs h [R, H], tokens [R]) -> (chain hidden [R, H], logits [J, V]
+        of each segment's last row, fp32)."""
+        cos, sin = self.target.cos[rows.pos, None], self.target.sin[rows.pos, None]
+        chain, normed = self.layers[k](self.target.embed_tokens(tokens), h, cos, sin, self.caches[k], rows)
+        return chain, self.target.lm_head(normed[rows.last_rows()]).float()
 
-    def _step(self, k: int, h: Tensor, tokens: Tensor, start: int, sampler):
-        """Layer k over rows start.. -> (chain hidden [T, H], token [1], q)."""
-        chain, logits = self._run_layer(k, h, tokens, start)
-        if sampler is None:
-            return chain, logits.argmax(-1), None
-        q = sampler.probs(logits)
-        return chain, sampler.sample(q), q
+    def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> list[int]:
+        return [int(logits[i].argmax()) if j.sampler is None
+                else j.sampler.race(j.sampler.probs(logits[i : i + 1])[0], len(j.context) + step)
+                for i, j in enumerate(jobs)]
 
     @torch.inference_mode()
-    def propose(self, context: Tensor, feats, draft_len: int, sampler=None) -> Draft:
-        """context: [n] all tokens so far (the target has committed rows 0..n-2; their hidden states
-        come from the hook, so `feats` is unused). Every layer runs on every call, so all stay in step
-        whatever the draft length."""
-        self.check_draft_len(draft_len)
-        n_layers, P = self.spec.num_layers, context.shape[0] - 1
-        self._absorb_target(P)
-        seq, probs = context, []
-        for k in range(n_layers):  # step k: layer k over its new committed rows + k draft rows
-            s = self.done[k]
-            chain, tok, q = self._step(k, self.outs[k, s:P], seq[s + k + 1 : P + k + 1], s, sampler)
-            self.outs[k + 1, s:P] = chain
-            seq, probs = torch.cat([seq, tok]), probs + [q]
-        h = self.outs[n_layers, P - 1 : P]
-        for j in range(n_layers, draft_len):  # reuse: layer j mod n appends one row, fed by the last step
-            k = j % n_layers
-            h, tok, q = self._step(k, h, seq[-1:], self.caches[k].length, sampler)
-            seq, probs = torch.cat([seq, tok]), probs + [q]
-        self.done = [max(P - k, 0) for k in range(n_layers)]
-        for cache, done in zip(self.caches, self.done):
-            cache.length = done  # drop the draft rows
-        drafts = seq[P + 1 : P + 1 + draft_len]
-        return Draft(drafts, torch.cat(probs[: len(drafts)]) if sampler is not None and len(drafts) else None)
+    def draft(self, jobs: list[DraftJob]) -> list[Draft]:
+        """Every layer runs on every call, so all stay in step whatever the draft length: step k
+        runs layer k over each job's rows it has not computed with committed tokens (the tokens
+        of its last k rows are the drafts d_1..d_k). Steps past the last layer (reuse) append one
+        row per job to layer k mod n, fed by the previous step."""
+        for j in jobs:
+            self.check_draft_len(j.k)
+            self._absorb(j)
+        dev, n_layers = self.outs.device, self.spec.num_layers
+        P = [len(j.context) - 1 for j in jobs]  # committed rows per job
+        seqs = [j.context for j in jobs]
+        drafts: list[list[int]] = [[] for _ in jobs]
+        for k in range(n_layers):
+            starts = [self.done[j.slot][k] for j in jobs]
+            rows = Rows.of([Segment(j.slot, s, p - s) for j, s, p in zip(jobs, starts, P)], dev)
+            h = torch.cat([self.outs[j.slot, k, s:p] for j, s, p in zip(jobs, starts, P)])
+            tokens = torch.cat([q[s + k + 1 : p + k + 1] for q, s, p in zip(seqs, starts, P)])
+            chain, logits = self._run_layer(k, h, tokens, rows)
+            for (seg, a), j in zip(rows.segments, jobs):
+                self.outs[j.slot, k + 1, seg.start : seg.start + seg.T] = chain[a : a + seg.T]
+            for i, t in enumerate(self._choose(logits, jobs, k)):
+                drafts[i].append(t)
+                seqs[i] = torch.cat([seqs[i], torch.tensor([t], device=seqs[i].device)])
+        self._reuse(jobs, P, drafts)
+        for j, p in zip(jobs, P):
+            self.done[j.slot] = [max(p - k, 0) for k in range(n_layers)]  # draft rows are recomputed
+        return [Draft(torch.tensor(d[: j.k], dtype=torch.long)) for j, d in zip(jobs, drafts)]
+
+    def _absorb(self, j: DraftJob) -> None:
+        """Copy the target states of the job's newly committed rows into outs[slot, 0]."""
+        if j.feats is None:
+            return
+        lo = self.absorbed[j.slot]
+        self.outs[j.slot, 0, lo : lo + len(j.feats)] = self._target_state(j.feats)
+        self.absorbed[j.slot] = lo + len(j.feats)
+        if self.absorbed[j.slot] != len(j.context) - 1:
+            raise RuntimeError(f"MTP drafter: slot {j.slot} has target states for {self.absorbed[j.slot]} "
+                               f"rows, its context commits {len(j.context) - 1}")
+
+    def _reuse(self, jobs: list[DraftJob], P: list[int], drafts: list[list[int]]) -> None:
+        """Draft steps past the last layer: layer j mod n appends one row per job still drafting."""
+        n_layers, dev = self.spec.num_layers, self.outs.device
+        h = torch.stack([self.outs[j.slot, n_layers, p - 1] for j, p in zip(jobs, P)])  # [J, H]
+        ends = [[p] * n_layers for p in P]  # rows per layer so far (layer k ran up to P)
+        for step in range(n_layers, max(j.k for j in jobs)):
+            k = step % n_layers
+            live = [i for i, j in enumerate(jobs) if j.k > step]
+            rows = Rows.of([Segment(jobs[i].slot, ends[i][k], 1) for i in live], dev)
+            tokens = torch.tensor([drafts[i][-1] for i in live], device=dev)
+            chain, logits = self._run_layer(k, h[live], tokens, rows)
+            h[live] = chain
+            for i, t in zip(live, self._choose(logits, [jobs[i] for i in live], step)):
+                drafts[i].append(t)
+                ends[i][k] += 1
+
+    def reset(self, max_len: int) -> None:
+        """One sequence (slot 0), for `propose`."""
+        self.reserve(1, max_len)
+
+    def propose(self, context: Tensor, feats: Tensor | None, draft_len: int, sampler=None) -> Draft:
+        """One sequence's draft (slot 0): context [n] every token so far, feats [r, H] the target's
+        last-layer output at the r positions committed since the last call."""
+        return self.draft([DraftJob(0, context, feats, draft_len, sampler)])[0]
 
 
 def mtp_tensor_names(spec: MtpSpec, kit: _DenseKit) -> dict[str, tuple]:

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from specpack.errors import InputError
-from specpack.runtime.speculative import Draft
+from specpack.runtime.speculative import Draft, DraftJob
 
 
 def lookup(context: Tensor, min_n: int, max_n: int, k: int) -> Tensor:
@@ -41,11 +41,20 @@ class NgramDrafter(nn.Module):
                              hint="use integers with 1 <= min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n
 
-    def reset(self, max_len: int) -> None:
+    def reserve(self, slots: int, max_len: int) -> None:
         """Nothing to allocate: the context is all the state."""
 
+    def start(self, slot: int) -> None:
+        """Nothing to reset."""
+
+    def draft(self, jobs: list[DraftJob]) -> list[Draft]:
+        return [Draft(lookup(j.context, self.min_n, self.max_n, j.k)) for j in jobs]
+
+    def reset(self, max_len: int) -> None:
+        """Nothing to allocate (the single-sequence form of `reserve`)."""
+
     def propose(self, context: Tensor, feats: Tensor | None, draft_len: int, sampler=None) -> Draft:
-        return Draft(lookup(context, self.min_n, self.max_n, draft_len), None)
+        return Draft(lookup(context, self.min_n, self.max_n, draft_len))
 
 
 def load_ngram(params: dict | None, drafter_dir=None, target=None) -> NgramDrafter:

@@ -1,8 +1,22 @@
-"""Token choice: greedy, or temperature / top-k / top-p sampling; and the two accept rules.
+"""Token choice: greedy, or temperature / top-k / top-p sampling, and the accept rule.
 
-Speculative sampling (Leviathan et al. 2023; Chen et al. 2023) keeps the target's distribution
-exactly, whatever the drafter proposes: q is the drafter's distribution for each proposed token, or a
-point mass for deterministic proposals (n-gram).
+Sampling draws the token at sequence position i as the target's own sample with noise keyed by
+(seed, i): `argmax_v p(v) / E_i(v)` with E_i(v) ~ Exp(1) drawn from a generator seeded by the pair
+(the exponential race, equivalent to Gumbel-max: v wins with probability p(v)). A draft token is
+accepted when it equals that sample, so
+
+  - the output is exactly the target's distribution, whatever the drafter proposes (lossless);
+  - a position's token does not depend on whether it was drafted, on the draft length, or on
+    which sequences share the step: seeded sampling gives the same tokens with or without
+    speculation, alone or in any batch (the batched engine's invariance contract, with the
+    row-exact kernels);
+  - drafters that sample draw with the same noise on their own distribution q, which couples
+    their proposal to the target's sample (they agree more often than independent draws would;
+    an n-gram's point mass is accepted with probability p(draft), as in classic speculative
+    sampling).
+
+z-lab's DFlash reference verifies the same way (a draft is kept when it equals the target's own
+sample at its position).
 """
 
 from __future__ import annotations
@@ -13,6 +27,8 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError
+
+_MASK = (1 << 64) - 1
 
 
 @dataclass(frozen=True)
@@ -53,55 +69,62 @@ def process_logits(logits: Tensor, p: SamplingParams) -> Tensor:
     return x.softmax(-1)
 
 
-class Sampler:
-    """Sampling settings plus a seeded generator on the model's device."""
+def _mix(x: int) -> int:
+    """splitmix64's finaliser: well-spread 64-bit keys from (seed, position)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
 
-    def __init__(self, params: SamplingParams, device, seed: int | None = None):
-        self.params = params
-        self.generator = torch.Generator(device=device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+
+class Sampler:
+    """One sequence's token choice: its settings, seed and the target's vocabulary size. Greedy
+    ignores the seed."""
+
+    CACHED = 40  # noise vectors kept: the positions one step drafts and verifies
+
+    def __init__(self, params: SamplingParams, seed: int | None = None, vocab: int = 0):
+        self.params, self.vocab = params, vocab
+        self.seed = int(torch.randint(0, 2**63 - 1, ()).item()) if seed is None else int(seed)
+        self._noise: dict[int, Tensor] = {}
+
+    @property
+    def greedy(self) -> bool:
+        return self.params.greedy
 
     def probs(self, logits: Tensor) -> Tensor:
         return process_logits(logits, self.params)
 
-    def sample(self, probs: Tensor) -> Tensor:
-        """probs [T, V] -> token ids [T]."""
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+    def noise(self, position: int) -> Tensor:
+        """E(v) ~ Exp(1) over the target vocabulary, keyed by (seed, position): the same numbers
+        every time, on the CPU."""
+        if position not in self._noise:
+            if len(self._noise) >= self.CACHED:
+                self._noise.pop(min(self._noise))
+            g = torch.Generator().manual_seed(_mix(self.seed ^ _mix(position)) >> 1)
+            self._noise[position] = torch.empty(self.vocab).exponential_(generator=g)
+        return self._noise[position]
 
-    def pick(self, logits: Tensor) -> Tensor:
-        """logits [T, V] -> token ids [T]: argmax when greedy, else a sample."""
-        return logits.argmax(-1) if self.params.greedy else self.sample(self.probs(logits))
+    def pick(self, logits: Tensor, first_position: int) -> list[int]:
+        """The target's token for each row of logits [T, V], row t at position first_position + t."""
+        if self.greedy:
+            return logits.argmax(-1).tolist()
+        p = self.probs(logits)
+        return [self.race(p[t], first_position + t) for t in range(p.shape[0])]
+
+    def race(self, p: Tensor, position: int, ids: Tensor | None = None) -> int:
+        """The sample at `position` from probabilities p [K] over the token ids `ids` [K] (None:
+        ids 0..K-1), drawn with the target's noise on those ids: a drafter over a sub-vocabulary
+        or a smaller vocabulary races its own tokens with the target's numbers."""
+        e = self.noise(position)
+        e = e[ids.cpu()] if ids is not None else e[: p.shape[0]]
+        k = int((p.float().cpu() / e).argmax())
+        return k if ids is None else int(ids[k])
 
 
-def accept_greedy(draft: Tensor, logits: Tensor) -> tuple[int, list[int]]:
-    """Keep the longest prefix of `draft` [k] equal to the target's argmax; logits [k+1, V].
-    Returns (accepted, emitted): the emitted tokens are that prefix plus the target's next token."""
-    k = draft.shape[0]
-    both = torch.cat([logits.argmax(-1), draft]).tolist()  # one device sync
-    pred, proposed = both[: k + 1], both[k + 1 :]
-    a = next((i for i in range(k) if proposed[i] != pred[i]), k)
-    return a, pred[: a + 1]
-
-
-def accept_sampled(draft: Tensor, q: Tensor | None, p: Tensor, generator: torch.Generator) -> tuple[int, list[int]]:
-    """Speculative sampling. draft [k]; q [k, V] the drafter's distributions (None: point masses);
-    p [k+1, V] the target's processed distributions. Returns (accepted, emitted tokens)."""
-    k = draft.shape[0]
-    rows = torch.arange(k, device=p.device)
-    px = p[rows, draft]
-    qx = q[rows, draft] if q is not None else torch.ones_like(px)
-    # accept draft i with probability min(1, p(x)/q(x)), stopping at the first rejection;
-    # on rejection sample from norm(max(0, p - q)); if all k are accepted, sample a bonus from p.
-    ok = torch.rand(k, device=p.device, generator=generator) * qx < px
-    a = int(ok.cumprod(0).sum()) if k else 0
-    if a < k:
-        qa = q[a] if q is not None else torch.nn.functional.one_hot(draft[a], p.shape[-1]).to(p.dtype)
-        residual = (p[a] - qa).clamp_min(0)
-        dist = residual if residual.sum() > 0 else p[a]  # p == q up to rounding: nothing to correct
-    else:
-        dist = p[k]
-    nxt = torch.multinomial(dist, 1, generator=generator)
-    return a, draft[:a].tolist() + nxt.tolist()
+def accept(drafts: list[int], target: list[int]) -> tuple[int, list[int]]:
+    """Keep the longest prefix of `drafts` equal to the target's own tokens (`target` has one more
+    entry: the token after the last draft). Returns (drafts kept, tokens emitted): the kept drafts
+    and the target's token after them."""
+    a = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), len(drafts))
+    return a, target[: a + 1]

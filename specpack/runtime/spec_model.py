@@ -13,8 +13,9 @@ from specpack.runtime.eagle3 import load_eagle3
 from specpack.runtime.model import Transformer
 from specpack.runtime.mtp import load_mtp
 from specpack.runtime.ngram import load_ngram
+from specpack.runtime.engine import Engine, Request
 from specpack.runtime.sampling import SamplingParams
-from specpack.runtime.speculative import MAX_DRAFT_LEN, GenerationResult, generate as run_loop
+from specpack.runtime.speculative import MAX_DRAFT_LEN, GenerationResult
 from specpack.runtime.weights import load_target
 
 # kind -> loader(params: dict | None, drafter_dir: path | None, target: Transformer) -> drafter module
@@ -40,31 +41,12 @@ class SpecModel(nn.Module):
         self.drafter = drafter
         self.context_length = min(context_length or target.spec.context_length, target.spec.context_length)
 
-    def _check(self, prompt: list[int], max_new_tokens: int, draft_len: int, speculative: bool) -> None:
-        vocab = self.target.spec.vocab_size
-        if not prompt:
-            raise InputError("the prompt is empty", hint="give at least one token (e.g. BOS)")
-        bad = [t for t in prompt if not 0 <= t < vocab]
-        if bad:
-            raise InputError(f"prompt token ids outside the vocabulary of {vocab}: {bad[:10]}")
-        if len(prompt) >= self.context_length:
-            raise InputError(f"the prompt has {len(prompt)} tokens but the context holds {self.context_length}",
-                             hint="shorten the prompt: at least one new token needs room")
-        if not (isinstance(draft_len, int) and 1 <= draft_len <= MAX_DRAFT_LEN):
-            raise InputError(f"draft length {draft_len!r} is out of range", hint=f"use 1..{MAX_DRAFT_LEN}")
-        if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
-            raise InputError(f"max_new_tokens {max_new_tokens!r} must be a positive integer")
-        if speculative and self.drafter is None:
-            raise InputError("speculative decoding needs a drafter", hint="pass speculative=False or load one")
-        if speculative and hasattr(self.drafter, "check_draft_len"):  # e.g. MTP: no more steps than layers
-            self.drafter.check_draft_len(draft_len)
-
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 128, draft_len: int = 4,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  eos_ids: Sequence[int] | None = None, stop: Sequence[Sequence[int]] | None = None,
                  speculative: bool = True, on_tokens: Callable[[list[int]], None] | None = None,
                  adaptive: bool | None = None) -> GenerationResult:
-        """Generate up to `max_new_tokens` after `prompt_ids`.
+        """Generate up to `max_new_tokens` after `prompt_ids`: the batched engine with one sequence.
 
         `draft_len` is the longest draft; with `adaptive` the loop drafts fewer tokens while the
         target rejects them, and none for a while when even one keeps failing (see
@@ -75,16 +57,20 @@ class SpecModel(nn.Module):
         acceptance length from 1.38 to 1.12 on open chat).
 
         Greedy (temperature 0) output is token-identical with and without speculation; sampling
-        keeps the target's distribution. `eos_ids` defaults to the target's; `stop` lists token-id
-        sequences that end generation; `on_tokens` receives each step's new tokens. The result's
-        tokens include a final EOS / stop sequence; see GenerationStats for the counters."""
+        keeps the target's distribution, and a seed gives the same tokens either way. `eos_ids`
+        defaults to the target's; `stop` lists token-id sequences that end generation; `on_tokens`
+        receives each step's new tokens. The result's tokens include a final EOS / stop sequence;
+        see GenerationStats for the counters."""
         prompt = prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else [int(t) for t in prompt_ids]
-        sampling = SamplingParams(float(temperature), int(top_k), float(top_p))
-        self._check(prompt, max_new_tokens, draft_len, speculative)
-        eos = self.target.spec.eos_token_ids if eos_ids is None else tuple(eos_ids)
         if adaptive is None:
             adaptive = bool(getattr(self.drafter, "adaptive_draft_len", False))
+        req = Request(prompt, max_new_tokens, SamplingParams(float(temperature), int(top_k), float(top_p)), seed,
+                      self.target.spec.eos_token_ids if eos_ids is None else tuple(eos_ids),
+                      tuple(tuple(s) for s in stop or () if s), speculative, draft_len, adaptive, on_tokens)
+        if speculative and self.drafter is None:
+            raise InputError("speculative decoding needs a drafter", hint="pass speculative=False or load one")
+        size = min(self.context_length, len(prompt) + (max_new_tokens if isinstance(max_new_tokens, int) else 1))
+        engine = Engine(self.target, self.drafter if speculative else None, 1, max(size, 1), None)
         with torch.inference_mode():
-            prompt_t = torch.tensor(prompt, dtype=torch.long, device=self.target.device)
-            return run_loop(self.target, self.drafter, prompt_t, max_new_tokens, draft_len, sampling,
-                            seed, eos, stop, speculative, on_tokens, self.context_length, adaptive)
+            result = engine.run([req])[0]
+        return result

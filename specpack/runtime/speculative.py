@@ -1,27 +1,30 @@
-"""The decoding loop: prefill, then {draft D -> verify D+1 in one target forward -> accept -> roll back}.
-
-Invariant between steps: the sequence holds n tokens, the target's KV cache the first n-1 (the last
-token is the first input of the next verification), and the drafter has seen target features for
-those n-1 positions except the ones handed to it in `feats`.
-"""
+"""What the decoding loop (engine.py) and the drafters share: drafts and draft jobs, the draft
+length policy, and the counters of a generation."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple
 
-import torch
 from torch import Tensor
-
-from specpack.runtime.sampling import Sampler, SamplingParams, accept_greedy, accept_sampled
 
 MAX_DRAFT_LEN = 16
 
 
 class Draft(NamedTuple):
     tokens: Tensor  # [k] target ids, k <= the draft length asked for
-    probs: Tensor | None  # [k, V] the drafter's distribution over the target vocab; None = point masses
+
+
+class DraftJob(NamedTuple):
+    """What a drafter needs to draft for one sequence."""
+
+    slot: int  # the sequence's cache slot (the drafter keeps its own state per slot)
+    context: Tensor  # [n] every token so far
+    feats: Tensor | None  # [r, F] the drafter's target features (capture_layers) of the r positions
+    #                       committed since its last job for this slot: the tokens after them are
+    #                       the last r of `context`
+    k: int  # tokens to draft
+    sampler: object | None  # sampling.Sampler of the sequence, None when greedy
 
 
 @dataclass
@@ -84,54 +87,6 @@ class GenerationResult:
     stats: GenerationStats
 
 
-class _Timer:
-    """Wall-clock spans; waits for the GPU so each span holds its own work."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-
-class _Output:
-    """The tokens so far (a preallocated buffer), plus the stop conditions."""
-
-    def __init__(self, prompt: Tensor, size: int, max_new: int, context: int, eos, stop, on_tokens):
-        self.buf = torch.empty(size, dtype=torch.long, device=prompt.device)
-        self.buf[: len(prompt)] = prompt
-        self.n, self.max_new, self.context = len(prompt), max_new, context
-        self.eos, self.stop, self.on_tokens = set(eos), [list(s) for s in stop or () if s], on_tokens
-        self.new: list[int] = []
-        self.finish: str | None = None
-
-    @property
-    def budget(self) -> int:
-        """How many more tokens may be emitted."""
-        return min(self.max_new - len(self.new), self.context - self.n)
-
-    def emit(self, tokens: list[int]) -> None:
-        """Append tokens, cutting at the first EOS, stop sequence, token limit or context end."""
-        taken = []
-        for t in tokens[: self.budget]:
-            taken.append(t)
-            self.new.append(t)
-            if t in self.eos:
-                self.finish = "eos"
-            elif any(s[-1] == t and self.new[-len(s):] == s for s in self.stop):  # last token first: cheap
-                self.finish = "stop"
-            if self.finish:
-                break
-        self.buf[self.n : self.n + len(taken)] = torch.tensor(taken, dtype=torch.long)
-        self.n += len(taken)
-        if not self.finish and self.budget <= 0:
-            self.finish = "length" if len(self.new) >= self.max_new else "context"
-        if self.on_tokens is not None and taken:
-            self.on_tokens(taken)
-
-
 class DraftLength:
     """How many tokens to draft next: up to `max_len`, adapted to what the target has been accepting.
 
@@ -165,48 +120,3 @@ class DraftLength:
             self.misses = 0
 
 
-def generate(target, drafter, prompt: Tensor, max_new_tokens: int, draft_len: int, sampling: SamplingParams,
-             seed: int | None, eos_ids: Sequence[int], stop: Sequence[Sequence[int]] | None,
-             speculative: bool, on_tokens: Callable[[list[int]], None] | None, context: int,
-             adaptive: bool = True) -> GenerationResult:
-    """Generate after `prompt` [m] (inputs already validated by SpecModel.generate)."""
-    clock, stats = _Timer(target.device), GenerationStats(prompt_tokens=len(prompt))
-    t_start = clock()
-    size = min(context, len(prompt) + max_new_tokens)
-    target.setup_cache(size)
-    capture = drafter.capture_layers if speculative else ()
-    if speculative:
-        drafter.reset(size)
-    sampler = Sampler(sampling, target.device, seed)
-    out = _Output(prompt, size + 1, max_new_tokens, context, eos_ids, stop, on_tokens)
-
-    res = target(prompt, capture=capture, last_only=True)  # prefill
-    feats = res.aux
-    out.emit(sampler.pick(res.logits[-1:]).tolist())
-    stats.prefill_s = clock() - t_start
-
-    no_draft, length = Draft(out.buf[:0], None), DraftLength(draft_len, adaptive)
-    while not out.finish:
-        n, t0 = out.n, clock()
-        k = min(length.next(), out.budget - 1)  # never draft past what may still be emitted
-        draft = drafter.propose(out.buf[:n], feats, k, None if sampling.greedy else sampler) if speculative \
-            else no_draft
-        t1 = clock()
-        start = target.cache.length  # n - 1: all but the last token
-        res = target(torch.cat([out.buf[n - 1 : n], draft.tokens]), capture=capture)  # verify 1 + k positions
-        if sampling.greedy:
-            a, new = accept_greedy(draft.tokens, res.logits)
-        else:
-            a, new = accept_sampled(draft.tokens, draft.probs, sampler.probs(res.logits), sampler.generator)
-        target.cache.length = start + a + 1  # roll back: the rejected drafts' slots are dropped
-        feats = None if res.aux is None else res.aux[: a + 1]  # features of the newly committed positions
-        out.emit(new)
-        t2 = clock()
-        length.update(len(draft.tokens), a)
-        stats.count(len(draft.tokens), a)
-        stats.draft_s += t1 - t0
-        stats.verify_s += t2 - t1
-
-    stats.new_tokens = len(out.new)
-    stats.total_s = clock() - t_start
-    return GenerationResult(out.new, out.finish, stats)

@@ -4,17 +4,19 @@ Every backend module exposes `NAME` and
 
     load(artifact, manifest, device, dtype, **options) -> (target, drafter)
 
-`target` quacks like `runtime.model.Transformer` as far as the speculative loop needs:
-`.spec`, `.device`, `.dtype`, `.setup_cache(max_len)`, `target(tokens, positions=None, mask=None,
-capture=(), last_only=False) -> Output(logits, aux)` over T new tokens, and `.cache.length`
-(read it; assign a smaller value to roll back). `drafter` has `.kind`, `.capture_layers`,
-`.reset(max_len)` and `.propose(context, feats, draft_len, sampler) -> Draft`. So
-`SpecModel(target, drafter)` and its loop run unchanged on every backend.
+`target` quacks like `runtime.model.Decoder` as far as the engine needs: `.spec`, `.device`,
+`.dtype`, `.setup_cache(max_len, slots)`, `.forward_rows(tokens, rows, capture, logits_rows) ->
+Output(logits, aux)` over the new rows of many sequences (runtime.rows), and the single-sequence
+`target(tokens, positions=None, mask=None, capture=(), last_only=False)` with `.cache.length`.
+`drafter` has `.kind`, `.capture_layers`, `.reserve(slots, max_len)`, `.start(slot)` and
+`.draft(jobs) -> [Draft]`. So `SpecModel(target, drafter)` and the engine run unchanged on every
+backend.
 
 The graph backends (onnxruntime, tensorrt) share `GraphTarget` / `GraphEagle3` / `GraphMtp` below:
 the exported graphs (converters/onnx_export) read the P cached slots of each layer and write the T
-new ones, and these adapters keep the cache, the length pointer and the masks exactly as the torch
-model does. The drafters' own loops (`propose`) are the torch drafters', reused unchanged.
+new ones, one sequence per call, and these adapters keep one cache per sequence slot, the length
+pointers and the masks exactly as the torch model does. The drafters' own loops (`draft`) are the
+torch drafters', reused unchanged.
 """
 
 from __future__ import annotations
@@ -94,6 +96,28 @@ def run_chunks(cache: SlotCache, T: int, size: int | None, call) -> list:
     return results
 
 
+def segment_calls(cache: SlotCache, seg, wanted: Sequence[int], size: int | None, call) -> list:
+    """One sequence's segment (rows.Segment) on its slot's `cache`, in graph calls of at most `size`
+    rows: `call(a, b, positions [b-a], mask [b-a, start+b], want [K])` for consecutive pieces [a, b),
+    `want` the piece's rows among `wanted` (segment-local), or its last row when none is (a graph
+    computes at least one row's logits). Returns [(how many of `want` were wanted, result)]."""
+    dev = cache.store.device
+    positions = torch.arange(seg.start, seg.start + seg.T, device=dev) if seg.positions is None \
+        else seg.positions.to(dev)
+    mask = full_mask(seg.start, seg.T, seg.block, dev)
+    if seg.start + seg.T > cache.max_len:
+        raise InputError(f"{seg.start + seg.T} positions do not fit the KV cache of {cache.max_len}",
+                         hint="call setup_cache with a larger max_len")
+    cache.length = seg.start
+
+    def piece(a, b):
+        mine = [r - a for r in wanted if a <= r < b]
+        return len(mine), call(a, b, positions[a:b], mask[a:b, : seg.start + b],
+                               torch.tensor(mine or [b - a - 1], device=dev))
+
+    return run_chunks(cache, seg.T, size, piece)
+
+
 def full_mask(start: int, T: int, block: Tensor | None, device) -> Tensor:
     """[T, start+T] bool: every cached slot plus `block` [T, T] among the new tokens (causal when None),
     the same rule as `KVCache.mask` but always materialised (the graphs take a mask input)."""
@@ -105,10 +129,12 @@ def full_mask(start: int, T: int, block: Tensor | None, device) -> Tensor:
 class GraphTarget:
     """The target as an exported step graph; subclasses implement `_run` (one graph call).
 
-    `max_tokens_per_call` (None: unbounded) splits longer inputs, such as prefills beyond a TensorRT
-    profile, into consecutive calls: the same result, since each call sees the cache the last wrote.
-    When the graph returns `hidden` (for an MTP drafter), `last_hidden` holds (first row, hidden
-    [T, H]) of the latest call, as `MtpDrafter`'s hook records it on the torch target."""
+    Each sequence slot has its own `SlotCache`; a graph call reads and writes `self.cache`, which
+    `forward_rows` points at the slot of the segment it runs (one call per segment: the graphs
+    take one sequence). `max_tokens_per_call` (None: unbounded) splits longer inputs, such as
+    prefills beyond a TensorRT profile, into consecutive calls: the same result, since each call
+    sees the cache the last wrote. Capturing the number of target layers returns the graph's
+    `hidden` output (the state an MTP drafter reads)."""
 
     max_tokens_per_call: int | None = None
 
@@ -119,42 +145,65 @@ class GraphTarget:
         self.names = [i.name for i in graph.inputs]
         self.new_names = new_slot_names(graph)
         self.widths = {o.name: o.shape[1] for o in graph.outputs if o.name in ("aux", "hidden")}
+        self.caches: list[SlotCache] = []
         self.cache: SlotCache | None = None
-        self.last_hidden: tuple[int, Tensor] | None = None
 
-    def setup_cache(self, max_len: int) -> None:
-        """Make room for `max_len` positions (reallocating only when it grows) and empty the cache."""
-        if self.cache is None or self.cache.max_len < max_len:
-            self.cache = SlotCache.for_graph(self.graph, max_len, self.dtype, self.device)
-        self.cache.length = 0
+    def setup_cache(self, max_len: int, slots: int = 1) -> None:
+        """Make room for `slots` sequences of `max_len` positions (reallocating only when either
+        grows) and empty the caches."""
+        if not self.caches or self.caches[0].max_len < max_len or len(self.caches) < slots:
+            self.caches = []
+            self.caches = [SlotCache.for_graph(self.graph, max_len, self.dtype, self.device) for _ in range(slots)]
+        for c in self.caches:
+            c.length = 0
+        self.cache = self.caches[0]
+
+    def _output_of(self, capture: Sequence[int]) -> str | None:
+        if not capture:
+            return None
+        if tuple(capture) == self.aux_layer_ids:
+            return "aux"
+        if tuple(capture) == (self.spec.num_layers,) and "hidden" in self.widths:
+            return "hidden"
+        raise UnsupportedError(f"the exported graph returns the hidden states of layers {self.aux_layer_ids}, "
+                               f"not {tuple(capture)}", hint="re-export for this drafter")
 
     def __call__(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,
                  capture: Sequence[int] = (), last_only: bool = False):
-        """Run T new tokens after the cached ones (the contract of `Transformer.forward`)."""
+        """One sequence in slot 0 (the contract of `Transformer.forward`)."""
+        from specpack.runtime.rows import Rows, Segment
+
+        start, T = self.caches[0].length, tokens.shape[0]
+        rows = Rows.of([Segment(0, start, T, mask, positions)], self.device)
+        out = self.forward_rows(tokens, rows, capture, [T - 1] if last_only else None)
+        self.caches[0].length = start + T
+        return out
+
+    def forward_rows(self, tokens: Tensor, rows, capture: Sequence[int] = (), logits_rows=None):
+        """The contract of `Decoder.forward_rows`: one graph call (or chunked calls) per segment,
+        each on its slot's cache."""
         from specpack.runtime.model import Output
 
-        cache, T, dev = self.cache, tokens.shape[0], self.device
-        start = cache.length
-        if start + T > cache.max_len:
-            raise InputError(f"{start + T} positions do not fit the KV cache of {cache.max_len}",
-                             hint="call setup_cache with a larger max_len")
-        if capture and tuple(capture) != self.aux_layer_ids:
-            raise UnsupportedError(f"the exported graph returns the hidden states of layers {self.aux_layer_ids}, "
-                                   f"not {tuple(capture)}", hint="re-export for this drafter")
-        tokens = tokens.to(dev)
-        positions = torch.arange(start, start + T, device=dev) if positions is None else positions.to(dev)
-        mask = full_mask(start, T, mask, dev)
+        name, dev = self._output_of(capture), self.device
+        wanted = range(tokens.shape[0]) if logits_rows is None else logits_rows
+        logits, states = {}, []
+        for seg, a in rows.segments:
+            mine = [r - a for r in wanted if a <= r < a + seg.T]
+            part = self._segment(tokens[a : a + seg.T].to(dev), seg, mine)
+            logits.update({a + r: row for r, row in zip(mine, part["logits"])})
+            if name:
+                states.append(part[name])
+        out = torch.stack([logits[r] for r in wanted]) if len(wanted) else torch.empty(0, self.spec.vocab_size)
+        return Output(out, torch.cat(states) if name else None)
 
-        def call(a, b):
-            # all rows' logits, or only the last chunk's last row (each other chunk computes one, dropped)
-            rows = torch.arange(0 if not last_only else b - a - 1, b - a, device=dev)
-            return self._run(tokens[a:b], positions[a:b], mask[a:b, : start + b], rows)
-
-        parts = run_chunks(cache, T, self.max_tokens_per_call, call)
-        if "hidden" in self.widths:
-            self.last_hidden = (start, torch.cat([p["hidden"] for p in parts]))
-        logits = parts[-1]["logits"] if last_only else torch.cat([p["logits"] for p in parts])
-        return Output(logits, torch.cat([p["aux"] for p in parts]) if capture else None)
+    def _segment(self, tokens: Tensor, seg, rows: list[int]) -> dict[str, Tensor]:
+        """One segment on its slot's cache: logits of its `rows`, aux / hidden of all its rows."""
+        self.cache = self.caches[seg.slot]
+        parts = segment_calls(self.cache, seg, rows, self.max_tokens_per_call,
+                              lambda a, b, pos, mask, want: self._run(tokens[a:b], pos, mask, want))
+        out = {"logits": torch.cat([p["logits"][:n] for n, p in parts])}
+        out.update({n: torch.cat([p[n] for _, p in parts]) for n in self.widths})
+        return out
 
     def _outputs(self, T: int, K: int) -> dict[str, Tensor]:
         """Fresh buffers for the graph's outputs but the cache: logits [K, V] fp32, aux / hidden [T, width]."""
@@ -174,70 +223,77 @@ def chunks(T: int, size: int | None) -> list[tuple[int, int]]:
 
 
 class _Features:
-    """Target features handed to `step`: the graph applies fc itself (see GraphEagle3.fc)."""
+    """Target features handed to `_forward`: the graph applies fc itself (see GraphEagle3.fc)."""
 
     def __init__(self, feats: Tensor):
         self.feats = feats
 
 
 class GraphEagle3:
-    """The EAGLE-3 head as an exported step graph. Drafting reuses `Eagle3Drafter.propose` and
-    `choose` unchanged: only `fc` and `step` differ (the graph runs fc, the layer and the head)."""
+    """The EAGLE-3 head as an exported step graph. Drafting reuses `Eagle3Drafter.draft` unchanged:
+    only `fc` and `_forward` differ (the graph runs fc, the layer and the head), one call per
+    sequence (chunked as GraphTarget's), on that sequence's slot cache."""
 
     kind = "eagle3"
-    propose = Eagle3Drafter.propose
-    choose = Eagle3Drafter.choose
+    draft, _choose, start = Eagle3Drafter.draft, Eagle3Drafter._choose, Eagle3Drafter.start
+    reset, propose = Eagle3Drafter.reset, Eagle3Drafter.propose
     max_tokens_per_call: int | None = None
 
     def __init__(self, spec, d2t: Tensor, device: torch.device, dtype: torch.dtype):
         self.spec, self.device, self.dtype = spec, device, dtype
         self.capture_layers = spec.aux_layer_ids
         self.draft_to_target = (torch.arange(spec.draft_vocab_size) + d2t).to(device)
-        self.cache: SlotCache | None = None
+        self.caches: list[SlotCache] = []
+        self.cache: SlotCache | None = None  # the slot a graph call runs on
+        self.lengths: list[int] = []
 
-    def reset(self, max_len: int) -> None:
+    def reserve(self, slots: int, max_len: int) -> None:
         s = self.spec
-        if self.cache is None or self.cache.max_len < max_len:
-            self.cache = SlotCache(2, (s.num_kv_heads, s.head_dim), max_len, self.dtype, self.device)
-        self.cache.length = 0
+        if not self.caches or self.caches[0].max_len < max_len or len(self.caches) < slots:
+            self.caches = []
+            self.caches = [SlotCache(2, (s.num_kv_heads, s.head_dim), max_len, self.dtype, self.device)
+                           for _ in range(slots)]
+        self.lengths = [0] * len(self.caches)
 
     def fc(self, feats: Tensor) -> _Features:
         return _Features(feats)
 
-    def step(self, h, tokens: Tensor) -> tuple[Tensor, Tensor]:
-        """As `Eagle3Drafter.step`: appends T positions; returns (hidden [T, H], logits [1, Vd]).
-        `h` is target features (from `fc`, rows first) or the head's own hidden states."""
-        s, cache, T, dev = self.spec, self.cache, tokens.shape[0], self.device
-        start = cache.length
-        n_feats = len(s.aux_layer_ids) * s.target_hidden_size
-        feats = h.feats if isinstance(h, _Features) else torch.empty(0, n_feats, device=dev)
-        hidden = torch.empty(0, s.hidden_size, device=dev) if isinstance(h, _Features) else h
-        R, mask = feats.shape[0], full_mask(start, T, None, dev)
-
-        def call(a, b):
-            return self._run(feats[a:b], hidden[max(a - R, 0) : max(b - R, 0)], tokens[a:b],
-                             torch.arange(start + a, start + b, device=dev), mask[a:b, : start + b],
-                             torch.tensor([b - a - 1], device=dev))
-
-        outs = run_chunks(cache, T, self.max_tokens_per_call, call)
-        return torch.cat([o for o, _ in outs]), outs[-1][1]
+    def _forward(self, h, tokens: Tensor, rows, logit_rows: list[int]) -> tuple[Tensor, Tensor]:
+        """As `Eagle3Drafter._forward`; `h` is target features (from `fc`) or the head's own states."""
+        s, dev = self.spec, self.device
+        feats = h.feats if isinstance(h, _Features) else None
+        outs, logits = [], {}
+        for seg, a in rows.segments:
+            self.cache = self.caches[seg.slot]
+            x = (feats if feats is not None else h)[a : a + seg.T]
+            none_f, none_h = torch.empty(0, len(s.aux_layer_ids) * s.target_hidden_size, device=dev), \
+                torch.empty(0, s.hidden_size, device=dev)
+            mine = [r - a for r in logit_rows if a <= r < a + seg.T]
+            parts = segment_calls(self.cache, seg, mine, self.max_tokens_per_call, lambda p, q, pos, mask, want:
+                                  self._run(x[p:q] if feats is not None else none_f,
+                                            x[p:q] if feats is None else none_h,
+                                            tokens[a + p : a + q], pos, mask, want))
+            outs += [o for _, (o, _) in parts]
+            got = torch.cat([lg[:n] for n, (_, lg) in parts])
+            logits.update({a + r: row for r, row in zip(mine, got)})
+        return torch.cat(outs), torch.stack([logits[r] for r in logit_rows])
 
     def _run(self, feats, hidden, tokens, positions, mask, rows) -> tuple[Tensor, Tensor]:
-        """One graph call: (hidden_out [T, H], logits [K, Vd] fp32); reads and writes the cache as GraphTarget."""
+        """One graph call: (hidden_out [T, H], logits [K, Vd] fp32); reads and writes `self.cache`
+        as GraphTarget does."""
         raise NotImplementedError
 
 
 class GraphMtp:
     """MTP layers as exported step graphs, one per layer, drafting exactly as `MtpDrafter`: its
-    `propose` and `_step` run unchanged over `_run_layer` below; the target graph's `hidden` output
-    stands in for the hook on the torch target's last layer. Subclasses implement `_run`."""
+    `draft` runs unchanged over `_run_layer` below, one call per sequence on that sequence's
+    caches (`self.caches[k]` is layer k's cache of the slot being run). The target graph's `hidden`
+    output is already the state layer 0 reads. Subclasses implement `_run`."""
 
     kind = "mtp"
-    capture_layers: tuple[int, ...] = ()
-    propose = MtpDrafter.propose
-    check_draft_len = MtpDrafter.check_draft_len
-    _absorb_target = MtpDrafter._absorb_target
-    _step = MtpDrafter._step
+    draft, check_draft_len, start = MtpDrafter.draft, MtpDrafter.check_draft_len, MtpDrafter.start
+    _absorb, _reuse, _choose = MtpDrafter._absorb, MtpDrafter._reuse, MtpDrafter._choose
+    reset, propose = MtpDrafter.reset, MtpDrafter.propose
     max_tokens_per_call: int | None = None
 
     def __init__(self, spec, target: GraphTarget, graphs, device: torch.device, dtype: torch.dtype):
@@ -246,39 +302,40 @@ class GraphMtp:
                              hint="re-export with `specpack export ARTIFACT --to onnx --force`")
         self.spec, self.target, self.graphs = spec, target, graphs
         self.device, self.dtype = device, dtype
+        self.capture_layers = (target.spec.num_layers,)
         self.names = [[i.name for i in g.inputs] for g in graphs]
         self.new_names = [new_slot_names(g) for g in graphs]
-        self.caches: list[SlotCache] = []
-        self.done: list[int] = []
-
-    @property
-    def _seen(self) -> tuple[int, Tensor] | None:
-        return self.target.last_hidden
+        self.slot_caches: list[list[SlotCache]] = []  # [slot][layer]
+        self.caches: list[SlotCache] = []  # the layers' caches of the slot being run
+        self.done: list[list[int]] = []
+        self.absorbed: list[int] = []
 
     def _target_state(self, h: Tensor) -> Tensor:
         return h  # the target graph already returns the state layer 0 reads
 
-    def reset(self, max_len: int) -> None:
-        """Room for `max_len` rows per layer; empties the caches (as `MtpDrafter.reset`)."""
-        if not self.caches or self.caches[0].max_len < max_len:
-            self.caches = [SlotCache.for_graph(g, max_len, self.dtype, self.device) for g in self.graphs]
-            self.outs = torch.zeros(self.spec.num_layers + 1, max_len, self.spec.hidden_size, device=self.device)
-        for c in self.caches:
-            c.length = 0
-        self.done = [0] * self.spec.num_layers
+    def reserve(self, slots: int, max_len: int) -> None:
+        """Room for `slots` sequences of `max_len` rows per layer (as `MtpDrafter.reserve`)."""
+        if not self.slot_caches or self.slot_caches[0][0].max_len < max_len or len(self.slot_caches) < slots:
+            self.slot_caches = []
+            self.slot_caches = [[SlotCache.for_graph(g, max_len, self.dtype, self.device) for g in self.graphs]
+                                for _ in range(slots)]
+            self.outs = torch.zeros(slots, self.spec.num_layers + 1, max_len, self.spec.hidden_size,
+                                    device=self.device)
+        n = len(self.slot_caches)
+        self.done, self.absorbed = [[0] * self.spec.num_layers for _ in range(n)], [0] * n
 
-    def _run_layer(self, k: int, h: Tensor, tokens: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        """As `MtpDrafter._run_layer`: layer k over rows start.. -> (chain hidden [T, H], logits [1, V])."""
-        cache, T, dev = self.caches[k], tokens.shape[0], self.device
-        cache.length = start
-        mask = full_mask(start, T, None, dev)
-
-        def call(a, b):
-            return self._run(k, h[a:b], tokens[a:b], torch.arange(start + a, start + b, device=dev),
-                             mask[a:b, : start + b], torch.tensor([b - a - 1], device=dev))
-
-        outs = run_chunks(cache, T, self.max_tokens_per_call, call)
-        return torch.cat([o for o, _ in outs]), outs[-1][1]
+    def _run_layer(self, k: int, h: Tensor, tokens: Tensor, rows) -> tuple[Tensor, Tensor]:
+        """As `MtpDrafter._run_layer`: layer k over `rows` -> (chain hidden [R, H], logits [J, V] of
+        each segment's last row)."""
+        outs, logits = [], []
+        for seg, a in rows.segments:
+            self.caches = self.slot_caches[seg.slot]
+            parts = segment_calls(self.caches[k], seg, [seg.T - 1], self.max_tokens_per_call,
+                                  lambda p, q, pos, mask, want: self._run(k, h[a + p : a + q], tokens[a + p : a + q],
+                                                                          pos, mask, want))
+            outs += [o for _, (o, _) in parts]
+            logits.append(parts[-1][1][1][:1])
+        return torch.cat(outs), torch.cat(logits)
 
     def _run(self, k: int, hidden, tokens, positions, mask, rows) -> tuple[Tensor, Tensor]:
         """One call of layer k's graph: (hidden_out [T, H], logits [K, V] fp32); reads and writes

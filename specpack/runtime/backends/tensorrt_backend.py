@@ -296,9 +296,9 @@ class TrtTarget(GraphTarget):
         self.engine, self.max_tokens_per_call = engine, prefill_chunk
         self.staging: _Staging | None = None
 
-    def setup_cache(self, max_len: int) -> None:
-        super().setup_cache(_padded_len(max_len, self.graph, self.dtype))
-        self.staging = _Staging(self.cache, self.max_tokens_per_call)
+    def setup_cache(self, max_len: int, slots: int = 1) -> None:
+        super().setup_cache(_padded_len(max_len, self.graph, self.dtype), slots)
+        self.staging = _Staging(self.caches[0], self.max_tokens_per_call)
 
     def _run(self, tokens, positions, mask, rows):
         T = tokens.shape[0]
@@ -318,9 +318,10 @@ class TrtEagle3(GraphEagle3):
         self.engine, self.max_tokens_per_call = engine, prefill_chunk
         self.staging: _Staging | None = None
 
-    def reset(self, max_len: int) -> None:
-        super().reset(_padded(max_len, torch.finfo(self.dtype).bits // 8, self.spec.num_kv_heads * self.spec.head_dim))
-        self.staging = _Staging(self.cache, self.max_tokens_per_call)
+    def reserve(self, slots: int, max_len: int) -> None:
+        row = self.spec.num_kv_heads * self.spec.head_dim
+        super().reserve(slots, _padded(max_len, torch.finfo(self.dtype).bits // 8, row))
+        self.staging = _Staging(self.caches[0], self.max_tokens_per_call)
 
     def _run(self, feats, hidden, tokens, positions, mask, rows):
         T = tokens.shape[0]
@@ -345,9 +346,9 @@ class TrtMtp(GraphMtp):
         self.engines, self.max_tokens_per_call = engines, prefill_chunk
         self.stagings: list[_Staging] = []
 
-    def reset(self, max_len: int) -> None:
-        super().reset(max(_padded_len(max_len, g, self.dtype) for g in self.graphs))
-        self.stagings = [_Staging(c, self.max_tokens_per_call) for c in self.caches]
+    def reserve(self, slots: int, max_len: int) -> None:
+        super().reserve(slots, max(_padded_len(max_len, g, self.dtype) for g in self.graphs))
+        self.stagings = [_Staging(c, self.max_tokens_per_call) for c in self.slot_caches[0]]
 
     def _run(self, k, hidden, tokens, positions, mask, rows):
         T, cache, staging = tokens.shape[0], self.caches[k], self.stagings[k]

@@ -1,0 +1,324 @@
+"""The batched engine: many sequences decode together, one target forward per step.
+
+Each step:
+  1. draft  — every decoding sequence that speculates gets a draft of its own length (one batched
+              drafter call for all of them);
+  2. verify — one target forward over every sequence's new rows: 1 + D_i rows per decoding
+              sequence (its last token, then its drafts) plus a chunk of each prompt still being
+              prefilled; the linear layers stream each weight once for all rows, attention runs
+              per row against that row's own sequence (rows.Rows);
+  3. accept — per sequence, the longest prefix of its draft equal to the target's own tokens
+              (greedy, or its keyed sample: sampling.Sampler), plus the target's next token;
+  4. roll back — per sequence, by lowering its length: the rejected drafts' cache positions are
+              never attended and get overwritten.
+
+A sequence owns one cache slot (a static region of max_len positions) from `add` until it
+finishes; the slot is free for the next request at once. Prompts are prefilled in chunks of at
+most `prefill_chunk` rows per step, so a long prompt does not stall everyone else.
+
+Invariant between steps, per decoding sequence: it holds n tokens, the target's cache the first
+n-1 (the last token is the first row of its next verification), and `pending` holds the drafter
+features of committed positions the drafter has not seen yet.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from specpack.errors import InputError
+from specpack.runtime.rows import Rows, Segment
+from specpack.runtime.sampling import Sampler, SamplingParams, accept
+from specpack.runtime.speculative import (MAX_DRAFT_LEN, DraftJob, DraftLength, GenerationResult,
+                                          GenerationStats)
+
+
+@dataclass
+class Request:
+    """One generation: a prompt (token ids) and how to continue it."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    params: SamplingParams = field(default_factory=SamplingParams)
+    seed: int | None = None
+    eos: tuple[int, ...] = ()
+    stop: tuple[tuple[int, ...], ...] = ()
+    speculative: bool = True
+    draft_len: int = 4  # the longest draft
+    adaptive: bool = False  # follow acceptance (speculative.DraftLength) instead of drafting draft_len
+    on_tokens: Callable[[list[int]], None] | None = None  # each step's new tokens (may raise to cancel)
+
+
+class Generation:
+    """A request being decoded: its slot, tokens, stop rules, counters."""
+
+    def __init__(self, req: Request, slot: int, capacity: int, vocab: int, device):
+        self.req, self.slot = req, slot
+        self.sampler = Sampler(req.params, req.seed, vocab)
+        self.buf = torch.empty(capacity + 1, dtype=torch.long, device=device)
+        self.buf[: len(req.prompt)] = torch.tensor(req.prompt, dtype=torch.long)
+        self.n, self.capacity = len(req.prompt), capacity
+        self.cached = 0  # positions in the target's cache
+        self.new: list[int] = []
+        self.finish: str | None = None
+        self.error: BaseException | None = None
+        self.pending: list[Tensor] = []  # drafter features of committed positions not yet drafted from
+        self.length = DraftLength(req.draft_len, req.adaptive)
+        self.stats = GenerationStats(prompt_tokens=len(req.prompt))
+        self.started = time.perf_counter()
+
+    @property
+    def prefilling(self) -> bool:
+        return self.cached < len(self.req.prompt)
+
+    @property
+    def budget(self) -> int:
+        """How many more tokens may be emitted."""
+        return min(self.req.max_new_tokens - len(self.new), self.capacity - self.n)
+
+    def context(self) -> Tensor:
+        return self.buf[: self.n]
+
+    def emit(self, tokens: list[int]) -> None:
+        """Append tokens, cutting at the first EOS, stop sequence, token limit or context end."""
+        taken = []
+        for t in tokens[: self.budget]:
+            taken.append(t)
+            self.new.append(t)
+            if t in self.req.eos:
+                self.finish = "eos"
+            elif any(s[-1] == t and self.new[-len(s):] == list(s) for s in self.req.stop if s):  # last first: cheap
+                self.finish = "stop"
+            if self.finish:
+                break
+        self.buf[self.n : self.n + len(taken)] = torch.tensor(taken, dtype=torch.long)
+        self.n += len(taken)
+        if not self.finish and self.budget <= 0:
+            self.finish = "length" if len(self.new) >= self.req.max_new_tokens else "context"
+        if self.req.on_tokens is not None and taken:
+            self.req.on_tokens(taken)
+
+    def result(self) -> GenerationResult:
+        self.stats.new_tokens = len(self.new)
+        self.stats.total_s = time.perf_counter() - self.started
+        return GenerationResult(self.new, self.finish or "cancelled", self.stats)
+
+
+class _Timer:
+    """Wall-clock spans; waits for the GPU so each span holds its own work."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+
+class Engine:
+    """Decodes up to `slots` sequences together on `target` with `drafter` (None: no speculation).
+
+    `max_len` is each slot's size in positions (prompt + new tokens); `prefill_chunk` caps the
+    prompt rows one step takes (None: whole prompts)."""
+
+    def __init__(self, target, drafter=None, slots: int = 1, max_len: int = 2048,
+                 prefill_chunk: int | None = 256):
+        self.target, self.drafter = target, drafter
+        self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
+        self.device = target.device
+        self.clock = _Timer(self.device)
+        target.setup_cache(max_len, slots)
+        if drafter is not None:
+            drafter.reserve(slots, max_len)
+        self.capture = tuple(drafter.capture_layers) if drafter is not None else ()
+        self.free = list(range(slots - 1, -1, -1))
+        self.running: list[Generation] = []
+
+    # ---- admission -------------------------------------------------------------------------
+
+    def check(self, req: Request) -> None:
+        """Raise InputError when `req` can never run on this engine."""
+        vocab = self.target.spec.vocab_size
+        if not req.prompt:
+            raise InputError("the prompt is empty", hint="give at least one token (e.g. BOS)")
+        bad = [t for t in req.prompt if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"prompt token ids outside the vocabulary of {vocab}: {bad[:10]}")
+        if not (isinstance(req.max_new_tokens, int) and req.max_new_tokens >= 1):
+            raise InputError(f"max_new_tokens {req.max_new_tokens!r} must be a positive integer")
+        if len(req.prompt) >= self.max_len:
+            raise InputError(f"the prompt has {len(req.prompt)} tokens but the context holds {self.max_len}",
+                             hint="shorten the prompt: at least one new token needs room")
+        if not (isinstance(req.draft_len, int) and 1 <= req.draft_len <= MAX_DRAFT_LEN):
+            raise InputError(f"draft length {req.draft_len!r} is out of range", hint=f"use 1..{MAX_DRAFT_LEN}")
+        if req.speculative and self.drafter is None:
+            raise InputError("speculative decoding needs a drafter", hint="pass speculative=False or load one")
+        if req.speculative and hasattr(self.drafter, "check_draft_len"):  # e.g. MTP: no more steps than layers
+            self.drafter.check_draft_len(req.draft_len)
+
+    @property
+    def has_room(self) -> bool:
+        return bool(self.free)
+
+    def add(self, req: Request) -> Generation:
+        """Start `req` in a free slot (checked first); it joins the next step."""
+        self.check(req)
+        if not self.free:
+            raise RuntimeError("no free slot: check has_room before add")
+        slot = self.free.pop()
+        seq = Generation(req, slot, min(self.max_len, len(req.prompt) + req.max_new_tokens), self.target.spec.vocab_size,
+                        self.device)
+        if self.drafter is not None:
+            self.drafter.start(slot)
+        self.running.append(seq)
+        return seq
+
+    def cancel(self, seq: Generation, reason: str = "cancelled") -> None:
+        """Stop `seq` now and free its slot."""
+        if seq in self.running:
+            seq.finish = seq.finish or reason
+            self._release(seq)
+
+    def _release(self, seq: Generation) -> None:
+        self.running.remove(seq)
+        self.free.append(seq.slot)
+        seq.pending = []
+        seq.stats.new_tokens = len(seq.new)
+        seq.stats.total_s = time.perf_counter() - seq.started
+
+    # ---- one step --------------------------------------------------------------------------
+
+    def step(self) -> list[Generation]:
+        """Draft, verify, accept and roll back once for every running sequence; returns those that
+        finished (their slots are free again)."""
+        if not self.running:
+            return []
+        t0 = self.clock()
+        decoding = [s for s in self.running if not s.prefilling]
+        drafts = self._draft(decoding)
+        t1 = self.clock()
+        plan = _Plan()
+        for s, d in zip(decoding, drafts):
+            plan.verify(s, d)
+        budget = self.prefill_chunk
+        for s in (s for s in self.running if s.prefilling):
+            if budget is not None and budget <= 0:
+                break
+            budget = plan.prefill(s, budget)
+        res = self.target.forward_rows(torch.tensor(plan.tokens, dtype=torch.long, device=self.device),
+                                       Rows.of(plan.segments, self.device), self.capture, plan.logit_rows)
+        done = self._commit(plan, res)
+        t2 = self.clock()
+        for s in decoding:
+            s.stats.draft_s += t1 - t0
+            s.stats.verify_s += t2 - t1
+        for s in done:
+            self._release(s)
+        return done
+
+    def _draft(self, decoding: list[Generation]) -> list[list[int]]:
+        """Each decoding sequence's draft (empty when it does not speculate this step)."""
+        drafts: list[list[int]] = [[] for _ in decoding]
+        jobs, owners = [], []
+        for i, s in enumerate(decoding):
+            k = min(s.length.next(), s.budget - 1) if s.req.speculative else 0
+            if k > 0:
+                feats = torch.cat(s.pending) if s.pending else None
+                s.pending = []
+                jobs.append(DraftJob(s.slot, s.context(), feats, k, None if s.sampler.greedy else s.sampler))
+                owners.append(i)
+        if jobs:
+            for i, d in zip(owners, self.drafter.draft(jobs)):
+                drafts[i] = d.tokens.tolist()
+        return drafts
+
+    def _commit(self, plan: "_Plan", res) -> list[Generation]:
+        """Accept, roll back and emit for every sequence of the step; the ones that finished."""
+        done = []
+        for s, kind, a, b, lrow, drafts in plan.entries:
+            try:
+                if kind == "verify":
+                    self._accept(s, drafts, res.logits[lrow : lrow + len(drafts) + 1], res.aux, a)
+                else:
+                    self._prefilled(s, a, b, res, lrow)
+            except Exception as exc:  # noqa: BLE001 - a callback (client gone) ends only its sequence
+                s.error, s.finish = exc, s.finish or "cancelled"
+            if s.finish:
+                done.append(s)
+        return done
+
+    def _accept(self, s: Generation, drafts: list[int], logits: Tensor, aux: Tensor | None, a: int) -> None:
+        target = s.sampler.pick(logits, s.n)  # the target's tokens at positions n..n+k
+        kept, tokens = accept(drafts, target)
+        s.cached += kept + 1  # roll back: the rejected drafts' positions are dropped
+        self._keep_features(s, aux, a, a + kept + 1)
+        s.length.update(len(drafts), kept)
+        if drafts or s.req.speculative:
+            s.stats.count(len(drafts), kept)
+        else:
+            s.stats.steps += 1
+        s.emit(tokens)
+
+    def _prefilled(self, s: Generation, a: int, b: int, res, lrow: int | None) -> None:
+        s.cached += b - a
+        self._keep_features(s, res.aux, a, b)
+        if lrow is not None:  # the prompt is in: its last row gives the first token
+            s.stats.prefill_s = time.perf_counter() - s.started
+            s.emit(s.sampler.pick(res.logits[lrow : lrow + 1], s.n))
+
+    def _keep_features(self, s: Generation, aux: Tensor | None, a: int, b: int) -> None:
+        if aux is not None and s.req.speculative:
+            s.pending.append(aux[a:b])
+
+    # ---- whole generations -----------------------------------------------------------------
+
+    def run(self, requests: Sequence[Request]) -> list[GenerationResult]:
+        """Generate every request (admitted as slots free up); results in request order."""
+        waiting, seqs = list(requests), {}
+        for r in waiting:
+            self.check(r)
+        order = {id(r): i for i, r in enumerate(waiting)}
+        while waiting or self.running:
+            while waiting and self.has_room:
+                r = waiting.pop(0)
+                seqs[order[id(r)]] = self.add(r)
+            for s in self.step():
+                if s.error is not None:
+                    raise s.error
+        return [seqs[i].result() for i in range(len(requests))]
+
+
+class _Plan:
+    """The rows of one step: segments, their tokens, which rows need logits, and per sequence
+    (seq, kind, first row, end row, first logits row, drafts)."""
+
+    def __init__(self):
+        self.segments: list[Segment] = []
+        self.tokens: list[int] = []
+        self.logit_rows: list[int] = []
+        self.entries: list[tuple] = []
+
+    def verify(self, s: Generation, drafts: list[int]) -> None:
+        a = len(self.tokens)
+        self.segments.append(Segment(s.slot, s.cached, 1 + len(drafts)))
+        self.tokens += [int(s.buf[s.n - 1])] + drafts
+        self.entries.append((s, "verify", a, len(self.tokens), len(self.logit_rows), drafts))
+        self.logit_rows += range(a, len(self.tokens))
+
+    def prefill(self, s: Generation, budget: int | None) -> int | None:
+        """Up to `budget` prompt rows of `s`; returns the budget left."""
+        prompt = s.req.prompt
+        take = len(prompt) - s.cached if budget is None else min(budget, len(prompt) - s.cached)
+        a = len(self.tokens)
+        self.segments.append(Segment(s.slot, s.cached, take))
+        self.tokens += prompt[s.cached : s.cached + take]
+        last = s.cached + take == len(prompt)
+        self.entries.append((s, "prefill", a, len(self.tokens), len(self.logit_rows) if last else None, None))
+        if last:
+            self.logit_rows.append(len(self.tokens) - 1)
+        return None if budget is None else budget - take
