@@ -90,7 +90,7 @@ def prepare_eagle3(cache: Path, say) -> Path | None:
 
 def compare(models: dict, name: str, prompt: str, max_new: int, say) -> dict:
     """Plain decoding, then each drafter's artifact (`models`: label -> loaded model) on `prompt`."""
-    from specpack.runtime.generate import GenerateRequest, generate_text
+    from specpack.serving.generate import GenerateRequest, generate_text
 
     def run(model, spec):
         req = GenerateRequest(prompt=prompt, chat=True, max_new_tokens=max_new, speculative=spec)

@@ -28,7 +28,7 @@ def _load(artifact, cpu_kernels):
 
 
 def test_every_linear_is_packed_and_logits_match(artifact):
-    from specpack.runtime.accelerate import PackedLinearModule
+    from specpack.runtime.kernels.accelerate import PackedLinearModule
 
     (fast, _), (ref, _) = _load(artifact, True), _load(artifact, False)
     assert not any(isinstance(m, torch.nn.Linear) for m in fast.modules())

@@ -8,7 +8,7 @@ import torch
 import mtp_layouts as ml
 from eagle_fixtures import one_thread  # noqa: F401
 from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.deepseek import DeepseekTransformer, deepseek_spec_from_config
+from specpack.runtime.models.deepseek import DeepseekTransformer, deepseek_spec_from_config
 from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
 
 TOL = 1e-4
@@ -104,7 +104,7 @@ def test_the_speculative_loop_runs_unchanged(pair):
 def test_cpu_kernels_leave_the_absorbed_matrix_readable(pair):
     """The torch backend packs every fp32 nn.Linear for its CPU kernel; MLA reads kv_b_proj whole
     (absorbed into queries and output), so packing must leave it alone."""
-    from specpack.runtime.accelerate import use_cpu_kernels
+    from specpack.runtime.kernels.accelerate import use_cpu_kernels
 
     _, _, path = pair
     plain, packed = load_target(path), load_target(path)

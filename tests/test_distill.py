@@ -56,9 +56,9 @@ def test_distilled_head_builds_and_drafts_far_better_than_an_untrained_one(train
     from transformers import AutoTokenizer
 
     import specpack
-    from specpack.runtime.eagle3 import load_eagle3
+    from specpack.runtime.drafters.eagle3 import load_eagle3
     from specpack.runtime.spec_model import SpecModel
-    from specpack.runtime.weights import load_target
+    from specpack.runtime.models.weights import load_target
 
     assert cli("build", tiny_target, "--drafter", trained, "-o", tmp_path / "art")[0] == 0
     drafter = read_json(tmp_path / "art" / "specpack.json")["drafter"]
@@ -130,8 +130,8 @@ def test_a_checkpoint_from_other_settings_is_refused(tiny_target, work, tmp_path
 
 def test_ttt_steps_match_the_runtime_drafter(trained, tiny_target, tmp_path, cli):
     """The trainable head's TTT step k is exactly runtime draft step k+1 (same tokens, positions, keys)."""
-    from specpack.runtime.eagle3 import load_eagle3
-    from specpack.runtime.weights import load_target
+    from specpack.runtime.drafters.eagle3 import load_eagle3
+    from specpack.runtime.models.weights import load_target
 
     assert cli("build", tiny_target, "--drafter", trained, "-o", tmp_path / "art")[0] == 0
     target = load_target(tiny_target)

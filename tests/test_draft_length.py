@@ -1,6 +1,6 @@
 """The adaptive draft length: longer while drafts are accepted, shorter and then none while they fail."""
 
-from specpack.runtime.speculative import DraftLength
+from specpack.runtime.engine.stats import DraftLength
 
 
 def test_grows_on_full_acceptance_and_shrinks_on_rejection():
@@ -37,7 +37,7 @@ def test_default_policy_is_the_drafters(tmp_path):
     """n-gram adapts (free drafts that hit in runs); a model drafter drafts the full length every
     step (each drafted token costs a forward; the tuned profile picks the length)."""
     import eagle_fixtures as ef
-    from specpack.runtime.eagle3 import load_eagle3
+    from specpack.runtime.drafters.eagle3 import load_eagle3
     from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
 
     target_dir = ef.target_dir("llama")

@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 import tiny
 from conftest import read_json
 from eagle_fixtures import one_thread  # noqa: F401
-from specpack.runtime.sampling import Sampler, SamplingParams
+from specpack.runtime.engine.sampling import Sampler, SamplingParams
 from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
 from test_build_errors import _fails
 

@@ -15,9 +15,9 @@ from eagle_fixtures import one_thread  # noqa: F401
 from specpack.converters.onnx_export import ONNX_DIR, export_onnx, read_index
 from specpack.packager import BuildOptions, NgramParams, build
 from specpack.packager.artifact import read_manifest
-from specpack.runtime.rows import Rows, Segment
+from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.spec_model import SpecModel
-from specpack.runtime.speculative import DraftJob
+from specpack.runtime.drafters.base import DraftJob
 from test_onnx import TOL, both, steps_match
 
 onnx = pytest.importorskip("onnx")

@@ -12,10 +12,10 @@ import pytest
 from specpack.errors import InputError, UnsupportedError
 from specpack.packager import BuildOptions, NgramParams, build, sign_artifact, verify
 from specpack.packager.artifact import read_manifest
-from specpack.runtime.profiles import (INCOMPATIBLE, LOW_MEMORY, RUNNABLE, Machine, check_profile,
+from specpack.tuning.profiles import (INCOMPATIBLE, LOW_MEMORY, RUNNABLE, Machine, check_profile,
                                        list_profiles, select_profile, this_machine)
-from specpack.runtime.tune import heuristic_draft_len, remeasure, sweep_draft_len, tune
-from specpack.runtime.workload import read_workload
+from specpack.tuning.tune import heuristic_draft_len, remeasure, sweep_draft_len, tune
+from specpack.tuning.workload import read_workload
 from specpack.schemas.profile import Profile, make_profile, profile_id
 
 WORKLOAD = [
@@ -240,7 +240,7 @@ def test_draft_length_heuristic_and_search(artifact):
 
 
 def test_drafter_draft_length_limit():
-    from specpack.runtime.tune import max_draft_len
+    from specpack.tuning.tune import max_draft_len
 
     class TwoLayers:
         def check_draft_len(self, d):
@@ -251,7 +251,7 @@ def test_drafter_draft_length_limit():
 
 
 def test_plots_are_optional(tuned, tmp_path):
-    from specpack.runtime.tune_report import save_plots, summary
+    from specpack.tuning.report import save_plots, summary
 
     _, result = tuned
     assert result.profile.name in summary(result) and "draft length 4" in summary(result)

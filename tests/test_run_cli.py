@@ -154,12 +154,12 @@ def test_every_drafter_kind_runs_with_no_options(every_kind, cli, kind):
 def test_serve_and_tune_start_from_a_draft_length_the_drafter_runs(every_kind):
     from specpack.errors import InputError
     from specpack.packager.artifact import read_manifest
-    from specpack.runtime.tune import heuristic_draft_len
+    from specpack.tuning.tune import heuristic_draft_len
 
     art, _ = every_kind["mtp-1"]
     assert heuristic_draft_len(read_manifest(art), "cpu") == 1
     pytest.importorskip("fastapi")
-    from specpack.runtime.serve import prepare
+    from specpack.serving.serve import prepare
 
     assert prepare(art).selection.draft_len == 1
     with pytest.raises(InputError, match="4 draft tokens asked for, but the MTP drafter has 1 layer"):

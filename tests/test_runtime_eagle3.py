@@ -10,9 +10,9 @@ import eagle_fixtures as ef
 import tiny
 from eagle_fixtures import one_thread, target_dir  # noqa: F401
 from specpack.errors import InputError
-from specpack.runtime.eagle3 import load_eagle3
-from specpack.runtime.sampling import Sampler, SamplingParams
-from specpack.runtime.weights import load_target
+from specpack.runtime.drafters.eagle3 import load_eagle3
+from specpack.runtime.engine.sampling import Sampler, SamplingParams
+from specpack.runtime.models.weights import load_target
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ import torch
 import eagle_fixtures as ef
 import tiny
 from eagle_fixtures import one_thread, target_dir  # noqa: F401
-from specpack.runtime.ngram import lookup
+from specpack.runtime.drafters.ngram import lookup
 from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
 
 NEW = 32

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from eagle_fixtures import one_thread  # noqa: F401
-from specpack.runtime import engine
-from specpack.runtime.config import target_spec_from_config
-from specpack.runtime.eagle3 import Eagle3Drafter, eagle3_spec_from_config
-from specpack.runtime.model import Transformer
-from specpack.runtime.ngram import NgramDrafter
-from specpack.runtime.sampling import SamplingParams, process_logits
+from specpack.runtime.engine import engine
+from specpack.runtime.models.config import target_spec_from_config
+from specpack.runtime.drafters.eagle3 import Eagle3Drafter, eagle3_spec_from_config
+from specpack.runtime.models.dense import Transformer
+from specpack.runtime.drafters.ngram import NgramDrafter
+from specpack.runtime.engine.sampling import SamplingParams, process_logits
 from specpack.runtime.spec_model import SpecModel
 
 V = 4  # a tiny vocab: the first 3 tokens have V**3 = 64 outcomes

@@ -15,10 +15,10 @@ import pytest
 pytest.importorskip("fastapi")
 openai = pytest.importorskip("openai")
 
-from specpack.runtime.generate import GenerateRequest, generate_text  # noqa: E402
-from specpack.runtime.serve import ServerThread, create_app, prepare  # noqa: E402
-from specpack.runtime.speculative import GenerationResult, GenerationStats  # noqa: E402
-from specpack.runtime.worker import Cancelled, Job, Worker  # noqa: E402
+from specpack.serving.generate import GenerateRequest, generate_text  # noqa: E402
+from specpack.serving.serve import ServerThread, create_app, prepare  # noqa: E402
+from specpack.runtime.engine.stats import GenerationResult, GenerationStats  # noqa: E402
+from specpack.serving.worker import Cancelled, Job, Worker  # noqa: E402
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "The quick brown fox jumps over the",
            "for i in range(10):\n    print(i * i)\n", "Hello, how are you today?"]
@@ -468,7 +468,7 @@ def test_unusable_api_key_is_refused_before_loading(artifact, key):
 
 
 def test_cli_takes_the_key_from_the_environment(artifact, cli, monkeypatch):
-    import specpack.runtime.serve as serve_module
+    import specpack.serving.serve as serve_module
 
     plans = []
     monkeypatch.setattr(serve_module, "run", lambda plan, host, port: plans.append(plan))
@@ -482,7 +482,7 @@ def test_cli_takes_the_key_from_the_environment(artifact, cli, monkeypatch):
                                                ("127.0.0.1", None, False), ("::1", None, False),
                                                ("localhost", None, False), ("my-host", None, True)])
 def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, caplog, host, key, warned):
-    import specpack.runtime.serve as serve_module
+    import specpack.serving.serve as serve_module
 
     monkeypatch.setattr("uvicorn.run", lambda *a, **k: None)
     serve_module.run(serve_module.ServerPlan(None, "m", None, needs_key=key is not None), host=host)

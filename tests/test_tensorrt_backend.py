@@ -173,7 +173,7 @@ def test_trt_adapters_decode_as_torch():
 
     from specpack.runtime import backends
     from specpack.runtime.backends import eagle3_files
-    from specpack.runtime.config import load_target_spec
+    from specpack.runtime.models.config import load_target_spec
     from specpack.runtime.spec_model import SpecModel
 
     art = exported("llama", "eagle3")
@@ -201,7 +201,7 @@ def test_trt_adapters_run_mtp_over_latent_caches():
     from specpack.runtime import backends
     from specpack.runtime.backends import mtp_files
     from specpack.runtime.spec_model import SpecModel
-    from specpack.runtime.weights import target_spec
+    from specpack.runtime.models.weights import target_spec
 
     _, art = mtp_artifact("deepseek-1")
     index, cpu = read_index(art), torch.device("cpu")

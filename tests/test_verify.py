@@ -156,7 +156,7 @@ def _move_last_shard_elsewhere(folder):
 def test_escaping_weight_map_is_refused_at_sign_verify_and_run(escaping, keypair, cli):
     import specpack
     from specpack.packager import sign_artifact
-    from specpack.runtime.weights import checkpoint_files
+    from specpack.runtime.models.weights import checkpoint_files
 
     art, shard = escaping
     problem = f"model.safetensors.index.json: names '../elsewhere/{shard}', a path outside its folder"

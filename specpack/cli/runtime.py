@@ -46,7 +46,7 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
       specpack run my-artifact --prompt-file story.txt --temperature 0.8 --seed 1
       specpack run my-artifact --backend onnxruntime --prompt "def fib(n):"
     """
-    from specpack.runtime.generate import GenerateRequest, generate_text
+    from specpack.serving.generate import GenerateRequest, generate_text
 
     text = prompt if prompt is not None else (prompt_file.read() if prompt_file else None)
     if text is None:
@@ -110,8 +110,8 @@ def tune(artifact, workload, backend, device, dtype, concurrency, draft_lens, ma
       specpack tune my-artifact --workload bench/workloads/code_edit.jsonl --key signer.pem
       specpack tune my-artifact --workload chat.jsonl --draft-lens 2,4,6 --concurrency 1,4 --plot plots/
     """
-    from specpack.runtime.tune import tune as do_tune
-    from specpack.runtime.tune_report import summary
+    from specpack.tuning.tune import tune as do_tune
+    from specpack.tuning.report import summary
 
     result = do_tune(artifact, workload, backend=backend, device=device, dtype=dtype,
                      concurrency=int_list(concurrency, "--concurrency"),
@@ -134,7 +134,7 @@ def profiles(artifact, json_mode):
     Example:
       specpack profiles my-artifact --json | jq '.profiles[] | {name, status, reasons}'
     """
-    from specpack.runtime.profiles import format_statuses, list_profiles
+    from specpack.tuning.profiles import format_statuses, list_profiles
 
     statuses = list_profiles(artifact)
     emit({"artifact": str(artifact), "profiles": [s.to_dict() for s in statuses]}, json_mode,
@@ -173,7 +173,7 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
       curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
            -d '{"model": "my-artifact", "prompt": "def fib(n):", "max_tokens": 64, "temperature": 0}'
     """
-    from specpack.runtime.serve import prepare, run as run_server
+    from specpack.serving.serve import prepare, run as run_server
 
     plan = prepare(artifact, profile=profile, device=device, dtype=dtype, public_key=public_key,
                    model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,

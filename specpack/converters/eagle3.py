@@ -16,7 +16,7 @@ from pathlib import Path
 from specpack.converters.base import AuxOverride, ConvertedDrafter
 from specpack.converters.target_hf import Target, read_json
 from specpack.errors import ConversionError, InputError
-from specpack.runtime.config import size_problems
+from specpack.runtime.models.config import size_problems
 from specpack.schemas import AuxLayers, Eagle3Drafter, Source
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from pydantic import ValidationError
 from specpack._paths import check_relpath, walk_files
 from specpack.converters.safetensors_header import DTYPE_BYTES, TORCH_NAMES, TensorMeta, read_header
 from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.config import (DEEPSEEK_ARCHITECTURES, SIZE_FIELDS, SUPPORTED_ARCHITECTURES,
+from specpack.runtime.models.config import (DEEPSEEK_ARCHITECTURES, SIZE_FIELDS, SUPPORTED_ARCHITECTURES,
                                      checked_tensor_shapes, size_problems, target_spec_from_config,
                                      target_tensor_shapes)
 from specpack.schemas import Source, TargetInfo
@@ -236,7 +236,7 @@ def _runtime_spec(config: dict, arch: str):
         if arch in SUPPORTED_ARCHITECTURES:
             return target_spec_from_config(config), target_tensor_shapes
         if arch in DEEPSEEK_ARCHITECTURES:
-            from specpack.runtime import deepseek
+            from specpack.runtime.models import deepseek
 
             return deepseek.deepseek_spec_from_config(config), deepseek.target_tensor_shapes
     except UnsupportedError as exc:  # a feature the runtime lacks: the plain bounds still hold

@@ -111,7 +111,7 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
 def _data(target_dir: Path, spec, data, self_generate, gen_tokens, sampling, capture, cache_dir, progress):
     """(target model, features, what the data is) — from the cache when the same data was made before."""
     from specpack.distill.data import DataSpec, build_features, read_jsonl, target_digest
-    from specpack.runtime.weights import load_target
+    from specpack.runtime.models.weights import load_target
 
     records = read_jsonl(data) if data is not None else None
     t0 = time.perf_counter()
@@ -133,8 +133,8 @@ def _data(target_dir: Path, spec, data, self_generate, gen_tokens, sampling, cap
 
 def check_target(target_dir: Path):
     """The target's spec, or a clear error for what distill cannot train against."""
-    from specpack.runtime.config import DEEPSEEK_ARCHITECTURES, load_target_spec
-    from specpack.runtime.weights import architecture
+    from specpack.runtime.models.config import DEEPSEEK_ARCHITECTURES, load_target_spec
+    from specpack.runtime.models.weights import architecture
 
     if not Path(target_dir).is_dir():
         raise InputError(f"target '{target_dir}' is not a directory", hint="pass a Hugging Face model directory")

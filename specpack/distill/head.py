@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpack.runtime.model import RMSNorm, apply_rope, rope_inv_freq, rope_tables
+from specpack.runtime.models.dense import RMSNorm, apply_rope, rope_inv_freq, rope_tables
 
 
 @dataclass(frozen=True)

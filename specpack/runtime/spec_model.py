@@ -7,29 +7,13 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.draft_model import load_draft_model
-from specpack.runtime.eagle3 import load_eagle3
-from specpack.runtime.model import Transformer
-from specpack.runtime.mtp import load_mtp
-from specpack.runtime.ngram import load_ngram
-from specpack.runtime.engine import Engine, Request
-from specpack.runtime.sampling import SamplingParams
-from specpack.runtime.speculative import MAX_DRAFT_LEN, GenerationResult
-from specpack.runtime.weights import load_target
-
-# kind -> loader(params: dict | None, drafter_dir: path | None, target: Transformer) -> drafter module
-DRAFTERS = {"eagle3": load_eagle3, "ngram": load_ngram, "mtp": load_mtp, "draft_model": load_draft_model}
+from specpack.errors import InputError
+from specpack.runtime.drafters import DRAFTERS, load_drafter
+from specpack.runtime.engine import MAX_DRAFT_LEN, Engine, GenerationResult, Request, SamplingParams
+from specpack.runtime.models.dense import Transformer
+from specpack.runtime.models.weights import load_target
 
 __all__ = ["SpecModel", "load_target", "load_drafter", "DRAFTERS", "MAX_DRAFT_LEN"]
-
-
-def load_drafter(kind: str, params: dict | None, drafter_dir, target: Transformer) -> nn.Module:
-    """The drafter of `kind` for `target`, from a canonical drafter dir (None for n-gram defaults)."""
-    if kind not in DRAFTERS:
-        raise UnsupportedError(f"drafter kind {kind!r} is not supported by the torch runtime",
-                               hint="supported: " + ", ".join(DRAFTERS))
-    return DRAFTERS[kind](params, drafter_dir, target)
 
 
 class SpecModel(nn.Module):

@@ -209,3 +209,14 @@ class Manifest(_Strict):
     profiles: list[Profile] = Field(
         default_factory=list, description="Validated profiles measured by `specpack tune` (empty until then); "
                                           "`run` and `serve` pick the best one that fits the machine.")
+
+
+def default_draft_len(manifest: Manifest) -> int:
+    """The draft length used when neither a validated profile nor the caller sets one: the drafter's
+    own (n-gram), else 4, capped at what the drafter can run (MTP without layer reuse: one draft
+    token per layer, so DeepSeek-V3, GLM and MiMo as published get 1)."""
+    drafter = manifest.drafter
+    length = getattr(drafter, "draft_len", None) or 4
+    if drafter.kind == "mtp" and not drafter.allow_layer_reuse:
+        length = min(length, drafter.num_layers)
+    return length

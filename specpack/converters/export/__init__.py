@@ -52,7 +52,7 @@ def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None 
                   progress: bool = False) -> ExportResult:
     """Verify `artifact`, then write its drafter for `engine` into `out` (atomically)."""
     from specpack.packager.verify import verify
-    from specpack.runtime.generate import default_draft_len
+    from specpack.schemas.manifest import default_draft_len
 
     module = _engine(engine)
     _check_positive(draft_len=draft_len, tensor_parallel=tensor_parallel)

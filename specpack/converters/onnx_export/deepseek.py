@@ -27,13 +27,13 @@ def cache(spec) -> CacheSlot:
 
 def rope_parameters(spec):
     """(inv_freq, factor) of the runtime's RoPE tables (YaRN-scaled)."""
-    from specpack.runtime.deepseek import rope_parameters as runtime_rope
+    from specpack.runtime.models.deepseek import rope_parameters as runtime_rope
 
     return runtime_rope(spec)
 
 
 def block(layer, spec, seen: dict) -> Block:
-    from specpack.runtime.deepseek import MoE as RuntimeMoE
+    from specpack.runtime.models.deepseek import MoE as RuntimeMoE
 
     mlp = MoE(layer.mlp, spec, seen) if isinstance(layer.mlp, RuntimeMoE) else MLP(layer.mlp, seen)
     return Block(layer, MLA(layer.self_attn, spec, seen), mlp, spec.rms_norm_eps, seen)
@@ -44,7 +44,7 @@ class MLA(nn.Module):
 
     def __init__(self, attn, s, seen: dict):
         super().__init__()
-        from specpack.runtime.deepseek import LATENT_NORM_EPS
+        from specpack.runtime.models.deepseek import LATENT_NORM_EPS
 
         self.n, self.nope, self.rope_dim, self.r, self.v = (s.num_heads, s.qk_nope_head_dim, s.qk_rope_head_dim,
                                                             s.kv_lora_rank, s.v_head_dim)
@@ -64,7 +64,7 @@ class MLA(nn.Module):
         self.o_w, self.o_b = linear(attn.o_proj, seen)
 
     def forward(self, x, cos, sin, mask, past):
-        from specpack.runtime.deepseek import _deinterleave
+        from specpack.runtime.models.deepseek import _deinterleave
 
         (past_latent,) = past  # [P, r + rope]
         T, n, nope, r = x.shape[0], self.n, self.nope, self.r

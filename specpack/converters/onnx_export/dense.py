@@ -15,7 +15,7 @@ def cache(spec) -> CacheSlot:
 
 def rope_parameters(spec):
     """(inv_freq, factor) of the runtime's RoPE tables."""
-    from specpack.runtime.model import rope_inv_freq
+    from specpack.runtime.models.dense import rope_inv_freq
 
     return rope_inv_freq(spec.head_dim, spec.rope_theta, spec.rope_scaling), 1.0
 

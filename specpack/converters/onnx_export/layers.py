@@ -51,7 +51,7 @@ def step_inputs() -> list[tuple]:
 def family(spec):
     """The graph module family of a target spec: `deepseek` (MLA + MoE) or `dense` (Llama and kin)."""
     from specpack.converters.onnx_export import deepseek, dense
-    from specpack.runtime.deepseek import DeepseekSpec
+    from specpack.runtime.models.deepseek import DeepseekSpec
 
     return deepseek if isinstance(spec, DeepseekSpec) else dense
 

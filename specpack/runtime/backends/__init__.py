@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.eagle3 import Eagle3Drafter
-from specpack.runtime.mtp import MtpDrafter
+from specpack.runtime.drafters.eagle3 import Eagle3Drafter
+from specpack.runtime.drafters.mtp import MtpDrafter
 
 BACKENDS = {"torch": "torch_backend", "onnxruntime": "onnxruntime_backend", "tensorrt": "tensorrt_backend"}
 
@@ -171,7 +171,7 @@ class GraphTarget:
     def __call__(self, tokens: Tensor, positions: Tensor | None = None, mask: Tensor | None = None,
                  capture: Sequence[int] = (), last_only: bool = False):
         """One sequence in slot 0 (the contract of `Transformer.forward`)."""
-        from specpack.runtime.rows import Rows, Segment
+        from specpack.runtime.models.rows import Rows, Segment
 
         start, T = self.caches[0].length, tokens.shape[0]
         rows = Rows.of([Segment(0, start, T, mask, positions)], self.device)
@@ -182,7 +182,7 @@ class GraphTarget:
     def forward_rows(self, tokens: Tensor, rows, capture: Sequence[int] = (), logits_rows=None):
         """The contract of `Decoder.forward_rows`: one graph call (or chunked calls) per segment,
         each on its slot's cache."""
-        from specpack.runtime.model import Output
+        from specpack.runtime.models.dense import Output
 
         name, dev = self._output_of(capture), self.device
         wanted = range(tokens.shape[0]) if logits_rows is None else logits_rows
@@ -350,7 +350,7 @@ def eagle3_files(artifact) -> tuple:
 
     from safetensors import safe_open
 
-    from specpack.runtime.eagle3 import eagle3_spec_from_config
+    from specpack.runtime.drafters.eagle3 import eagle3_spec_from_config
 
     d = Path(artifact) / "drafter"
     spec = eagle3_spec_from_config(json.loads((d / "config.json").read_text()))
@@ -363,6 +363,6 @@ def mtp_files(artifact):
     import json
     from pathlib import Path
 
-    from specpack.runtime.mtp import mtp_spec_from_config
+    from specpack.runtime.drafters.mtp import mtp_spec_from_config
 
     return mtp_spec_from_config(json.loads((Path(artifact) / "drafter" / "config.json").read_text()))

@@ -33,7 +33,7 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", thread
     """(target, drafter) running the exported graphs of the verified `artifact` on ONNX Runtime.
     `torch_threads` (None: leave it) sets torch's process-wide thread count, see the module docstring."""
     from specpack.runtime.spec_model import load_drafter
-    from specpack.runtime.weights import target_spec
+    from specpack.runtime.models.weights import target_spec
 
     if device != "cpu" or dtype != "float32":
         raise UnsupportedError(f"the onnxruntime backend runs on cpu in float32, not {device}/{dtype}",
@@ -49,7 +49,7 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", thread
         spec, d2t = eagle3_files(artifact)
         return target, OrtEagle3(artifact, index, spec, d2t, threads)
     if kind == "draft_model":
-        from specpack.runtime.draft_model import DraftModelDrafter
+        from specpack.runtime.drafters.draft_model import DraftModelDrafter
 
         draft = OrtTarget(artifact, index, target_spec(artifact / "drafter"), threads, "draft_model_step")
         return target, DraftModelDrafter(draft, target.spec.vocab_size)

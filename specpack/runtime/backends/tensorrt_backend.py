@@ -369,7 +369,7 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
     `max_context` bounds the KV length the engines accept (default: the target's context)."""
     from specpack.runtime.backends.onnxruntime_backend import require_export
     from specpack.runtime.spec_model import load_drafter
-    from specpack.runtime.weights import target_spec
+    from specpack.runtime.models.weights import target_spec
 
     import_tensorrt()
     dev = torch.device(device)
@@ -402,7 +402,7 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
         head_spec, d2t = eagle3_files(artifact)
         return target, TrtEagle3(engine_for(index.graph("eagle3_step")), head_spec, d2t, dev, kv_dtype, prefill_chunk)
     if kind == "draft_model":
-        from specpack.runtime.draft_model import DraftModelDrafter
+        from specpack.runtime.drafters.draft_model import DraftModelDrafter
 
         graph = index.graph("draft_model_step")
         draft = TrtTarget(engine_for(graph), graph, target_spec(artifact / "drafter"), None, dev, kv_dtype,

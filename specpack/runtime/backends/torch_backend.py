@@ -11,7 +11,7 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", cpu_ke
     """(Transformer, drafter module) of the verified `artifact`, memory-mapped, on `device`/`dtype`.
     On the CPU in fp32 the linear layers run on specpack's packed kernel (`cpu_kernels=False`, or
     SPECPACK_KERNELS=0, keeps torch's)."""
-    from specpack.runtime.accelerate import use_cpu_kernels
+    from specpack.runtime.kernels.accelerate import use_cpu_kernels
     from specpack.runtime.api import _device, _dtype
     from specpack.runtime.spec_model import load_drafter, load_target
 

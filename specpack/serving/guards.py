@@ -7,7 +7,7 @@ before the body is read, and a body over the limit before the rest of it is read
 import hmac
 import json
 
-from specpack.runtime import openai_api as oa
+from specpack.schemas import openai as oa
 
 _LEFT = object()  # the client went away while sending
 

@@ -5,9 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-DEFAULT_DRAFT_LEN = {"eagle3": 4}
-
-
 @dataclass(frozen=True)
 class GenerateRequest:
     prompt: str
@@ -23,17 +20,6 @@ class GenerateRequest:
     profile: str | None = None  # validated profile name or id; None: the best runnable one, else defaults
 
 
-def default_draft_len(manifest) -> int:
-    """The draft length used when neither a validated profile nor the caller sets one: the drafter's
-    own (n-gram), else 4, capped at what the drafter can run (MTP without layer reuse: one draft
-    token per layer, so DeepSeek-V3, GLM and MiMo as published get 1)."""
-    drafter = manifest.drafter
-    length = getattr(drafter, "draft_len", None) or DEFAULT_DRAFT_LEN.get(drafter.kind, 4)
-    if drafter.kind == "mtp" and not drafter.allow_layer_reuse:
-        length = min(length, drafter.num_layers)
-    return length
-
-
 def generate_text(artifact, req: GenerateRequest, public_key=None, device: str = "cpu",
                   dtype: str = "float32", write: Callable[[str], None] | None = None,
                   progress: bool = False, model=None, backend: str = "torch") -> dict:
@@ -41,7 +27,7 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     token ids and figures as plain data (the `--json` shape of `specpack run`)."""
     from specpack.errors import InputError
     from specpack.runtime.api import load
-    from specpack.runtime.profiles import select_profile
+    from specpack.tuning.profiles import select_profile
     from specpack.runtime.text import TextStream, encode_prompt, stop_sequences
 
     if req.temperature < 0:

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.config import checked_tensor_shapes, read_config, size_problems
-from specpack.runtime.model import MLP, Decoder, KVCache, RMSNorm, apply_rope
-from specpack.runtime.rows import Rows, attend
+from specpack.runtime.models.config import checked_tensor_shapes, read_config, size_problems
+from specpack.runtime.models.dense import MLP, Decoder, KVCache, RMSNorm, apply_rope
+from specpack.runtime.models.rows import Rows, attend
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: fixed eps in DeepSeek's code and transformers'
 
@@ -416,7 +416,7 @@ def load_deepseek_spec(model_dir) -> DeepseekSpec:
 
 def load_deepseek(model_dir, device="cpu", dtype=torch.float32) -> DeepseekTransformer:
     """Build a `DeepseekTransformer` from a transformers model directory (config.json + safetensors)."""
-    from specpack.runtime.weights import assign_weights, checkpoint_files, read_tensors, tensor_shapes
+    from specpack.runtime.models.weights import assign_weights, checkpoint_files, read_tensors, tensor_shapes
 
     model_dir = Path(model_dir)
     spec = load_deepseek_spec(model_dir)

@@ -1,30 +1,10 @@
-"""What the decoding loop (engine.py) and the drafters share: drafts and draft jobs, the draft
-length policy, and the counters of a generation."""
+"""The counters of a generation, its result, and the draft length policy."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import NamedTuple
-
-from torch import Tensor
 
 MAX_DRAFT_LEN = 16
-
-
-class Draft(NamedTuple):
-    tokens: Tensor  # [k] target ids, k <= the draft length asked for
-
-
-class DraftJob(NamedTuple):
-    """What a drafter needs to draft for one sequence."""
-
-    slot: int  # the sequence's cache slot (the drafter keeps its own state per slot)
-    context: Tensor  # [n] every token so far
-    feats: Tensor | None  # [r, F] the drafter's target features (capture_layers) of the r positions
-    #                       committed since its last job for this slot: the tokens after them are
-    #                       the last r of `context`
-    k: int  # tokens to draft
-    sampler: object | None  # sampling.Sampler of the sequence, None when greedy
 
 
 @dataclass

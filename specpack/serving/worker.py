@@ -15,7 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from specpack.runtime.speculative import GenerationStats
+from specpack.runtime.engine.stats import GenerationStats
 
 log = logging.getLogger(__name__)
 COUNTERS = ("prompt_tokens", "new_tokens", "steps", "proposed", "accepted", "prefill_s", "draft_s", "verify_s",

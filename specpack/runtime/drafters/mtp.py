@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from specpack.errors import InputError
-from specpack.runtime.model import Block, KVCache, RMSNorm
-from specpack.runtime.rows import Rows, Segment
-from specpack.runtime.speculative import Draft, DraftJob
+from specpack.runtime.models.dense import Block, KVCache, RMSNorm
+from specpack.runtime.models.rows import Rows, Segment
+from specpack.runtime.drafters.base import Draft, DraftJob
 
 FUSION = ("embed_norm.weight", "hidden_norm.weight", "proj.weight", "final_norm.weight")
 
@@ -80,13 +80,13 @@ class _DenseKit:
         return Block(self.spec)
 
     def shapes(self, prefix: str, k: int) -> dict:
-        from specpack.runtime.weights import target_tensor_shapes
+        from specpack.runtime.models.weights import target_tensor_shapes
 
         return {prefix + n[len("model.layers.0."):]: shape for n, shape in target_tensor_shapes(self.spec).items()
                 if n.startswith("model.layers.0.")}
 
     def state(self, t: dict, prefix: str) -> dict:
-        from specpack.runtime.weights import fuse_layer
+        from specpack.runtime.models.weights import fuse_layer
 
         return fuse_layer(t, prefix, prefix)
 
@@ -99,17 +99,17 @@ class _DeepseekKit(_DenseKit):
     """The same for `DeepseekTransformer` (MLA + MoE blocks, latent caches)."""
 
     def block(self, k: int) -> nn.Module:
-        from specpack.runtime.deepseek import DeepseekBlock
+        from specpack.runtime.models.deepseek import DeepseekBlock
 
         return DeepseekBlock(self.spec, self.spec.is_moe(self.spec.num_layers + k))
 
     def shapes(self, prefix: str, k: int) -> dict:
-        from specpack.runtime.deepseek import layer_tensor_shapes
+        from specpack.runtime.models.deepseek import layer_tensor_shapes
 
         return layer_tensor_shapes(self.spec, prefix, self.spec.is_moe(self.spec.num_layers + k))
 
     def state(self, t: dict, prefix: str) -> dict:
-        from specpack.runtime.deepseek import layer_state
+        from specpack.runtime.models.deepseek import layer_state
 
         return layer_state(t, prefix, prefix)
 
@@ -118,7 +118,7 @@ class _DeepseekKit(_DenseKit):
 
 
 def _kit(target) -> _DenseKit:
-    from specpack.runtime.deepseek import DeepseekTransformer
+    from specpack.runtime.models.deepseek import DeepseekTransformer
 
     return _DeepseekKit(target) if isinstance(target, DeepseekTransformer) else _DenseKit(target)
 
@@ -278,7 +278,7 @@ def load_mtp(params: dict | None, drafter_dir, target) -> MtpDrafter:
     """Load a canonical MTP drafter for `target`. Its tensors live in the artifact's target files
     (config `weights: target`, with a name map) or in drafter/model.safetensors. `params` override
     config fields (e.g. {'allow_layer_reuse': True})."""
-    from specpack.runtime.weights import assign_weights, check_shapes, checkpoint_files, read_tensors, tensor_shapes
+    from specpack.runtime.models.weights import assign_weights, check_shapes, checkpoint_files, read_tensors, tensor_shapes
 
     drafter_dir = Path(drafter_dir)
     if not (drafter_dir / "config.json").is_file():
@@ -308,6 +308,6 @@ def load_mtp(params: dict | None, drafter_dir, target) -> MtpDrafter:
     with torch.device("meta"):
         drafter = MtpDrafter(spec, target, kit)
     drafter = assign_weights(drafter, state, target.device, target.dtype)
-    from specpack.runtime.deepseek import keep_router_fp32
+    from specpack.runtime.models.deepseek import keep_router_fp32
 
     return keep_router_fp32(drafter)

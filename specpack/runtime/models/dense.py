@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpack.errors import InputError
-from specpack.runtime.config import RopeScaling, TargetSpec
-from specpack.runtime.rows import Rows, Segment, attend
+from specpack.runtime.models.config import RopeScaling, TargetSpec
+from specpack.runtime.models.rows import Rows, Segment, attend
 
 
 class RMSNorm(nn.Module):

@@ -31,10 +31,10 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError
-from specpack.runtime.rows import Rows, Segment
-from specpack.runtime.sampling import Sampler, SamplingParams, accept
-from specpack.runtime.speculative import (MAX_DRAFT_LEN, DraftJob, DraftLength, GenerationResult,
-                                          GenerationStats)
+from specpack.runtime.models.rows import Rows, Segment
+from specpack.runtime.engine.sampling import Sampler, SamplingParams, accept
+from specpack.runtime.drafters.base import DraftJob
+from specpack.runtime.engine.stats import MAX_DRAFT_LEN, DraftLength, GenerationResult, GenerationStats
 
 
 @dataclass

@@ -17,7 +17,7 @@ from typing import Optional
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from specpack.errors import InputError
-from specpack.runtime.openai_api import ChatMessage
+from specpack.schemas.openai import ChatMessage
 
 HINT = ('each line must be a JSON object: {"prompt": "..."} or {"messages": [{"role": "user", '
         '"content": "..."}]}, with an optional "max_tokens"')

@@ -291,7 +291,7 @@ def _from_profile(p: Profile, verb: str) -> Selection:
 
 
 def _defaults(manifest, why: str) -> Selection:
-    from specpack.runtime.generate import default_draft_len
+    from specpack.schemas.manifest import default_draft_len
 
     d = default_draft_len(manifest)
     return Selection(None, True, d, None, f"{why}: artifact defaults (speculation on, draft length {d})")

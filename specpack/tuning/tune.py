@@ -22,11 +22,11 @@ from typing import Optional, Sequence
 from specpack import __version__
 from specpack.errors import InputError, SpecpackError, UnsupportedError
 from specpack.packager.update import recover
-from specpack.runtime.profiles import (Machine, check_writable, kv_and_weight_bytes, package_version,
+from specpack.tuning.profiles import (Machine, check_writable, kv_and_weight_bytes, package_version,
                                        store_profile, this_machine)
-from specpack.runtime.speculative import MAX_DRAFT_LEN, GenerationStats
-from specpack.runtime.worker import Job, Worker, add_stats
-from specpack.runtime.workload import Workload, encode_request, read_workload
+from specpack.runtime.engine.stats import MAX_DRAFT_LEN, GenerationStats
+from specpack.serving.worker import Job, Worker, add_stats
+from specpack.tuning.workload import Workload, encode_request, read_workload
 from specpack.schemas.profile import (ConcurrencyPoint, DraftLenPoint, Evidence, Profile, ProfileMemory,
                                       ProfileSettings, Software, WorkloadInfo, make_profile)
 
@@ -147,7 +147,7 @@ def measure_concurrency(model, prompts: Sequence[Prompt], clients: int, draft_le
 def heuristic_draft_len(manifest, device: str) -> int:
     """Where the sweep starts. GPU: D = 128/G - 1 with G query heads per KV head (NVIDIA's
     co-design arithmetic, a hypothesis the sweep tests). CPU: the artifact's own default."""
-    from specpack.runtime.generate import default_draft_len
+    from specpack.schemas.manifest import default_draft_len
 
     if device == "cuda":
         t = manifest.target
@@ -223,7 +223,7 @@ def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype:
     path = store_profile(artifact, profile, key)
     result = TuneResult(profile, figures["baseline"], figures["sweep"], path, key is not None)
     if plot_dir is not None:
-        from specpack.runtime.tune_report import save_plots
+        from specpack.tuning.report import save_plots
 
         result.plots, result.notes = save_plots(result, Path(plot_dir))
     log.info("tuned %s: %s", artifact, profile.name)

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from specpack.runtime.rows import Rows, Segment
-from specpack.runtime.speculative import Draft, DraftJob
+from specpack.runtime.models.rows import Rows, Segment
+from specpack.runtime.drafters.base import Draft, DraftJob
 
 
 class DraftModelDrafter(nn.Module):
@@ -81,7 +81,7 @@ class DraftModelDrafter(nn.Module):
 
 def load_draft_model(params: dict | None, drafter_dir, target) -> DraftModelDrafter:
     """The draft model in `drafter_dir` (a Hugging Face model dir) on the target's device and dtype."""
-    from specpack.runtime.weights import load_target
+    from specpack.runtime.models.weights import load_target
 
     model = load_target(drafter_dir, target.device, target.dtype)
     return DraftModelDrafter(model, target.spec.vocab_size)

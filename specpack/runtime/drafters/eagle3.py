@@ -15,10 +15,10 @@ import torch
 from torch import Tensor, nn
 
 from specpack.errors import InputError
-from specpack.runtime.config import RopeScaling, rope_from_config
-from specpack.runtime.model import MLP, Attention, KVCache, RMSNorm, rope_inv_freq, rope_tables
-from specpack.runtime.rows import Rows, Segment
-from specpack.runtime.speculative import Draft, DraftJob
+from specpack.runtime.models.config import RopeScaling, rope_from_config
+from specpack.runtime.models.dense import MLP, Attention, KVCache, RMSNorm, rope_inv_freq, rope_tables
+from specpack.runtime.models.rows import Rows, Segment
+from specpack.runtime.drafters.base import Draft, DraftJob
 
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
             "target_hidden_size", "aux_layer_ids", "draft_vocab_size", "target_vocab_size")
@@ -221,8 +221,8 @@ def _vocab_map_problems(d2t: Tensor, t2d: Tensor | None, s: Eagle3Spec) -> list[
 def load_eagle3(params: dict | None, drafter_dir, target) -> Eagle3Drafter:
     """Load a canonical EAGLE-3 drafter dir for `target` (our Transformer), on its device and dtype.
     `params` entries override config.json fields. Every mismatch is reported at once."""
-    from specpack.runtime.weights import assign_weights, check_shapes, checkpoint_files, read_tensors, tensor_shapes
-    from specpack.runtime.weights import fuse_layer
+    from specpack.runtime.models.weights import assign_weights, check_shapes, checkpoint_files, read_tensors, tensor_shapes
+    from specpack.runtime.models.weights import fuse_layer
 
     drafter_dir = Path(drafter_dir)
     if not (drafter_dir / "config.json").is_file():

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError
-from specpack.runtime.config import (DEEPSEEK_ARCHITECTURES, checked_tensor_shapes, load_target_spec,
+from specpack.runtime.models.config import (DEEPSEEK_ARCHITECTURES, checked_tensor_shapes, load_target_spec,
                                      shape_problems, target_tensor_shapes)
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ def architecture(model_dir) -> str | None:
 def target_spec(model_dir):
     """The spec `load_target` builds its model from (`DeepseekSpec` or `TargetSpec`), reading no weights."""
     if architecture(model_dir) in DEEPSEEK_ARCHITECTURES:
-        from specpack.runtime.deepseek import load_deepseek_spec
+        from specpack.runtime.models.deepseek import load_deepseek_spec
 
         return load_deepseek_spec(model_dir)
     return load_target_spec(model_dir)
@@ -143,10 +143,10 @@ def target_spec(model_dir):
 def load_target(model_dir, device="cpu", dtype=torch.float32):
     """Build our decoder from a transformers model directory (config.json + safetensors): a
     `DeepseekTransformer` for DeepSeek-V3-style architectures, else our `Transformer`."""
-    from specpack.runtime.model import Transformer
+    from specpack.runtime.models.dense import Transformer
 
     if architecture(model_dir) in DEEPSEEK_ARCHITECTURES:
-        from specpack.runtime.deepseek import load_deepseek
+        from specpack.runtime.models.deepseek import load_deepseek
 
         return load_deepseek(model_dir, device, dtype)
     spec = load_target_spec(model_dir)

@@ -9,7 +9,7 @@ client that disconnects cancels its generation between decoding steps. Every bad
 OpenAI's error body with a 4xx status, and the server keeps serving.
 
 Bounds: a request body over `max_body_bytes` is refused (413) before it is read whole; stop strings,
-seeds and text are validated (openai_api); the prompt must leave room in the context. With an API
+seeds and text are validated (schemas/openai.py); the prompt must leave room in the context. With an API
 key, every route but /health needs `Authorization: Bearer KEY` (401 otherwise). Tokenizing,
 decoding and stop-string matching run in a thread pool, not on the worker.
 """
@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from specpack.errors import InputError
-from specpack.runtime import openai_api as oa
-from specpack.runtime.serve_guards import LimitBody, RequireKey
-from specpack.runtime.worker import Cancelled, Job, Metrics, Worker
+from specpack.schemas import openai as oa
+from specpack.serving.guards import LimitBody, RequireKey
+from specpack.serving.worker import Cancelled, Job, Metrics, Worker
 
 log = logging.getLogger(__name__)
 _DONE, _GONE = object(), object()  # stream sentinels: generation finished / client left
@@ -64,7 +64,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     `max_concurrency` / `draft_len` override what the profile says; `api_key` is required from
     clients on every route but /health."""
     from specpack.runtime.api import load, require
-    from specpack.runtime.profiles import select_profile
+    from specpack.tuning.profiles import select_profile
 
     require("fastapi", "serve")
     _check_options(max_concurrency, draft_len, api_key, max_body_bytes)
@@ -83,7 +83,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
 
 def _check_options(max_concurrency: Optional[int], draft_len: Optional[int], api_key: Optional[str],
                    max_body_bytes: int) -> None:
-    from specpack.runtime.speculative import MAX_DRAFT_LEN
+    from specpack.runtime.engine.stats import MAX_DRAFT_LEN
 
     problems = []
     if max_concurrency is not None and max_concurrency < 0:
@@ -256,7 +256,7 @@ class _State:
     def _encode(self, body, chat: bool) -> tuple[list[int], list[list[int]]]:
         """Token ids of the prompt and of the stop strings (in the thread pool: bounded, but not free)."""
         from specpack.runtime.text import encode_prompt, stop_sequences
-        from specpack.runtime.workload import encode_messages
+        from specpack.tuning.workload import encode_messages
 
         try:
             ids = encode_messages(self.tokenizer, body.messages) if chat else \

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor, nn
 
 from specpack.errors import InputError
-from specpack.runtime.speculative import Draft, DraftJob
+from specpack.runtime.drafters.base import Draft, DraftJob
 
 
 def lookup(context: Tensor, min_n: int, max_n: int, k: int) -> Tensor:

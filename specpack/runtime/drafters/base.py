@@ -1,0 +1,35 @@
+"""What every drafter implements, and what the engine hands it.
+
+A drafter drafts for many sequences at once, each in a slot of its own state:
+
+    capture_layers            target hidden states it reads (input of layer i; the number of target
+                              layers = the last layer's output), captured by the verification forward
+    reserve(slots, max_len)   make room for `slots` sequences of `max_len` positions; empty them
+    start(slot)               a new sequence takes `slot`
+    draft(jobs) -> [Draft]    one draft per `DraftJob`, in one batched pass where it can
+
+and, for single-sequence use (tests, references), `reset(max_len)` (one slot) and
+`propose(context, feats, k, sampler) -> Draft` (slot 0).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from torch import Tensor
+
+
+class Draft(NamedTuple):
+    tokens: Tensor  # [k] target ids, k <= the draft length asked for
+
+
+class DraftJob(NamedTuple):
+    """What a drafter needs to draft for one sequence."""
+
+    slot: int  # the sequence's cache slot (the drafter keeps its own state per slot)
+    context: Tensor  # [n] every token so far
+    feats: Tensor | None  # [r, F] the drafter's target features (capture_layers) of the r positions
+    #                       committed since its last job for this slot: the tokens after them are
+    #                       the last r of `context`
+    k: int  # tokens to draft
+    sampler: object | None  # sampling.Sampler of the sequence, None when greedy
