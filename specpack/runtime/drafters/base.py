@@ -21,6 +21,9 @@ from torch import Tensor
 
 class Draft(NamedTuple):
     tokens: Tensor  # [k] target ids, k <= the draft length asked for
+    # [k] the drafter's own estimate that each position is accepted given the ones before it were
+    # (a DSpark confidence head); None when it has none. The engine may verify fewer positions.
+    confidence: Tensor | None = None
 
 
 class DraftJob(NamedTuple):
