@@ -31,10 +31,15 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError
-from specpack.runtime.models.rows import Rows, Segment
-from specpack.runtime.engine.sampling import Sampler, SamplingParams, accept
 from specpack.runtime.drafters.base import DraftJob
+from specpack.runtime.engine import cost as costs
+from specpack.runtime.engine.sampling import Sampler, SamplingParams, accept
 from specpack.runtime.engine.stats import MAX_DRAFT_LEN, DraftLength, GenerationResult, GenerationStats
+from specpack.runtime.models.rows import Rows, Segment
+
+# Per-position acceptance a sequence starts from when nothing better is known (a profile's measured
+# figures replace it): optimistic enough that a fresh sequence drafts, then its own record decides.
+DEFAULT_PRIOR = (0.6, 0.55, 0.5, 0.45, 0.4)
 
 
 @dataclass
@@ -56,7 +61,7 @@ class Request:
 class Generation:
     """A request being decoded: its slot, tokens, stop rules, counters."""
 
-    def __init__(self, req: Request, slot: int, capacity: int, vocab: int, device):
+    def __init__(self, req: Request, slot: int, capacity: int, vocab: int, device, prior=DEFAULT_PRIOR):
         self.req, self.slot = req, slot
         self.sampler = Sampler(req.params, req.seed, vocab)
         self.buf = torch.empty(capacity + 1, dtype=torch.long, device=device)
@@ -68,6 +73,7 @@ class Generation:
         self.error: BaseException | None = None
         self.pending: list[Tensor] = []  # drafter features of committed positions not yet drafted from
         self.length = DraftLength(req.draft_len, req.adaptive)
+        self.acceptance = costs.Acceptance(prior)
         self.stats = GenerationStats(prompt_tokens=len(req.prompt))
         self.started = time.perf_counter()
 
@@ -124,12 +130,17 @@ class Engine:
     """Decodes up to `slots` sequences together on `target` with `drafter` (None: no speculation).
 
     `max_len` is each slot's size in positions (prompt + new tokens); `prefill_chunk` caps the
-    prompt rows one step takes (None: whole prompts)."""
+    prompt rows one step takes (None: whole prompts). With a `cost` model (cost.CostModel) each
+    step chooses every sequence's draft length from it and the sequence's acceptance record
+    (starting from `prior`); without one, each sequence drafts what its DraftLength policy says."""
 
     def __init__(self, target, drafter=None, slots: int = 1, max_len: int = 2048,
-                 prefill_chunk: int | None = 256):
+                 prefill_chunk: int | None = 256, cost: costs.CostModel | None = None,
+                 prior=DEFAULT_PRIOR):
         self.target, self.drafter = target, drafter
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
+        self.cost, self.prior = cost, tuple(prior)
+        self.last_rows = 0  # rows in the latest target forward
         self.device = target.device
         self.clock = _Timer(self.device)
         target.setup_cache(max_len, slots)
@@ -171,8 +182,8 @@ class Engine:
         if not self.free:
             raise RuntimeError("no free slot: check has_room before add")
         slot = self.free.pop()
-        seq = Generation(req, slot, min(self.max_len, len(req.prompt) + req.max_new_tokens), self.target.spec.vocab_size,
-                        self.device)
+        seq = Generation(req, slot, min(self.max_len, len(req.prompt) + req.max_new_tokens),
+                         self.target.spec.vocab_size, self.device, self.prior)
         if self.drafter is not None:
             self.drafter.start(slot)
         self.running.append(seq)
@@ -200,16 +211,19 @@ class Engine:
             return []
         t0 = self.clock()
         decoding = [s for s in self.running if not s.prefilling]
-        drafts = self._draft(decoding)
-        t1 = self.clock()
-        plan = _Plan()
-        for s, d in zip(decoding, drafts):
-            plan.verify(s, d)
+        prefill = _Plan()
         budget = self.prefill_chunk
         for s in (s for s in self.running if s.prefilling):
             if budget is not None and budget <= 0:
                 break
-            budget = plan.prefill(s, budget)
+            budget = prefill.prefill(s, budget)
+        drafts = self._draft(decoding, len(prefill.tokens))
+        t1 = self.clock()
+        plan = _Plan()
+        for s, d in zip(decoding, drafts):
+            plan.verify(s, d)
+        plan.extend(prefill)
+        self.last_rows = len(plan.tokens)
         res = self.target.forward_rows(torch.tensor(plan.tokens, dtype=torch.long, device=self.device),
                                        Rows.of(plan.segments, self.device), self.capture, plan.logit_rows)
         done = self._commit(plan, res)
@@ -221,21 +235,52 @@ class Engine:
             self._release(s)
         return done
 
-    def _draft(self, decoding: list[Generation]) -> list[list[int]]:
+    def _lengths(self, decoding: list[Generation], prefill_rows: int) -> list[int]:
+        """How many tokens each decoding sequence drafts this step."""
+        if self.cost is None:
+            return [min(s.length.next(), s.budget - 1) if s.req.speculative else 0 for s in decoding]
+        limits = [min(s.req.draft_len, s.budget - 1) if s.req.speculative else 0 for s in decoding]
+        return costs.choose(limits, [s.acceptance.survival(k) for s, k in zip(decoding, limits)],
+                            len(decoding) + prefill_rows, self.cost)
+
+    def _draft(self, decoding: list[Generation], prefill_rows: int) -> list[list[int]]:
         """Each decoding sequence's draft (empty when it does not speculate this step)."""
         drafts: list[list[int]] = [[] for _ in decoding]
         jobs, owners = [], []
-        for i, s in enumerate(decoding):
-            k = min(s.length.next(), s.budget - 1) if s.req.speculative else 0
+        for i, (s, k) in enumerate(zip(decoding, self._lengths(decoding, prefill_rows))):
             if k > 0:
                 feats = torch.cat(s.pending) if s.pending else None
                 s.pending = []
                 jobs.append(DraftJob(s.slot, s.context(), feats, k, None if s.sampler.greedy else s.sampler))
                 owners.append(i)
-        if jobs:
-            for i, d in zip(owners, self.drafter.draft(jobs)):
-                drafts[i] = d.tokens.tolist()
-        return drafts
+        if not jobs:
+            return drafts
+        t0 = time.perf_counter()
+        made = self.drafter.draft(jobs)
+        self._learn_draft_ms(time.perf_counter() - t0, max(j.k for j in jobs))
+        for i, d in zip(owners, made):
+            drafts[i] = d.tokens.tolist()
+        return self._trim(decoding, drafts, made, owners, prefill_rows)
+
+    def _trim(self, decoding, drafts, made, owners, prefill_rows: int) -> list[list[int]]:
+        """Drafters that estimate each position's acceptance (DSpark's confidence head) get their
+        drafts cut to what the cost model says is worth verifying."""
+        confident = [(i, d.confidence) for i, d in zip(owners, made) if d.confidence is not None]
+        if self.cost is None or not confident:
+            return drafts
+        survival = [[] for _ in decoding]
+        for i, c in confident:
+            survival[i] = torch.cumprod(c.float().cpu(), 0).tolist()
+        limits = [len(d) if survival[i] else 0 for i, d in enumerate(drafts)]
+        keep = costs.choose(limits, survival, len(decoding) + prefill_rows + sum(
+            len(d) for i, d in enumerate(drafts) if not survival[i]), self.cost)
+        return [d[:k] if survival[i] else d for i, (d, k) in enumerate(zip(drafts, keep))]
+
+    def _learn_draft_ms(self, seconds: float, depth: int) -> None:
+        """Draft time per sequential draft step, as a moving average (model drafters' cost)."""
+        if self.cost is not None and depth > 0:
+            ms = seconds * 1e3 / depth
+            self.cost = self.cost.with_draft_ms(ms if self.cost.draft_ms == 0 else 0.8 * self.cost.draft_ms + 0.2 * ms)
 
     def _commit(self, plan: "_Plan", res) -> list[Generation]:
         """Accept, roll back and emit for every sequence of the step; the ones that finished."""
@@ -258,6 +303,7 @@ class Engine:
         s.cached += kept + 1  # roll back: the rejected drafts' positions are dropped
         self._keep_features(s, aux, a, a + kept + 1)
         s.length.update(len(drafts), kept)
+        s.acceptance.update(len(drafts), kept)
         if drafts or s.req.speculative:
             s.stats.count(len(drafts), kept)
         else:
@@ -309,6 +355,15 @@ class _Plan:
         self.tokens += [int(s.buf[s.n - 1])] + drafts
         self.entries.append((s, "verify", a, len(self.tokens), len(self.logit_rows), drafts))
         self.logit_rows += range(a, len(self.tokens))
+
+    def extend(self, other: "_Plan") -> None:
+        """Append `other`'s rows after these (row indices shifted)."""
+        a, la = len(self.tokens), len(self.logit_rows)
+        self.segments += other.segments
+        self.tokens += other.tokens
+        self.logit_rows += [r + a for r in other.logit_rows]
+        self.entries += [(s, kind, x + a, y + a, None if lr is None else lr + la, d)
+                         for s, kind, x, y, lr, d in other.entries]
 
     def prefill(self, s: Generation, budget: int | None) -> int | None:
         """Up to `budget` prompt rows of `s`; returns the budget left."""

@@ -1,0 +1,126 @@
+"""How many tokens each sequence drafts this step: a cost model measured on this machine and each
+sequence's recent acceptance.
+
+A step costs `step_ms(rows)` for the target forward (rows = every sequence's 1 + D_i plus prefill
+rows; flat while streaming the weights dominates, then rising past the compute knee) plus
+`draft_ms` per sequential draft step for model drafters. Draft position j of sequence i adds one
+row and is worth its survival S_ij (the chance it and every draft before it are accepted). The
+step takes the draft positions in order of survival while tokens per millisecond keep rising
+(the rule of vLLM's adaptive verification: argmax_k (n + Σ top-k S) / cost(n + k)): full drafts
+while a step is bandwidth-bound, shorter ones near the knee, none above it. Lossless whatever it
+chooses: only the number of proposed tokens changes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Target step time (ms) at measured row counts; `draft_ms` per draft step (model drafters)."""
+
+    rows: tuple[int, ...]
+    ms: tuple[float, ...]
+    draft_ms: float = 0.0
+
+    def step_ms(self, rows: int) -> float:
+        """Piecewise-linear in the rows; past the last point, the last slope."""
+        xs, ys = self.rows, self.ms
+        if rows <= xs[0] or len(xs) == 1:
+            return ys[0]
+        i = min(bisect.bisect_left(xs, rows), len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+
+    def time(self, rows: int, depth: int) -> float:
+        return self.step_ms(rows) + depth * self.draft_ms
+
+    def with_draft_ms(self, draft_ms: float) -> "CostModel":
+        return CostModel(self.rows, self.ms, draft_ms)
+
+    def to_dict(self) -> dict:
+        return {"rows": list(self.rows), "ms": [round(m, 3) for m in self.ms], "draft_ms": round(self.draft_ms, 3)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(tuple(d["rows"]), tuple(d["ms"]), float(d.get("draft_ms", 0.0)))
+
+
+@torch.inference_mode()
+def measure(target, rows: Sequence[int] = DEFAULT_ROWS, repeats: int = 3, slot: int = 0) -> CostModel:
+    """Time one target forward over R rows (one sequence, empty cache) for each R: the median of
+    `repeats` after a warm-up. Uses `slot` of the target's cache, which must be free."""
+    from specpack.runtime.models.rows import Rows, Segment
+
+    rows = [r for r in rows if r <= target.cache.max_len]
+    tokens = torch.randint(0, target.spec.vocab_size, (max(rows),), generator=torch.Generator().manual_seed(0))
+    ms = []
+    for r in rows:
+        layout = Rows.of([Segment(slot, 0, r)], target.device)
+        times = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            target.forward_rows(tokens[:r].to(target.device), layout, logits_rows=list(range(r)))
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
+            if i:
+                times.append((time.perf_counter() - t0) * 1e3)
+        ms.append(sorted(times)[len(times) // 2])
+    return CostModel(tuple(rows), tuple(ms))
+
+
+class Acceptance:
+    """One sequence's per-position conditional acceptance, an exponential moving average over its
+    verifications, starting from `prior` and drifting back to it while a position goes untried
+    (so a sequence whose drafts stopped paying is probed again later)."""
+
+    def __init__(self, prior: Sequence[float], weight: float = 0.3, relax: float = 0.05):
+        self.prior, self.rate = list(prior), list(prior)
+        self.weight, self.relax = weight, relax
+
+    def _at(self, j: int) -> float:
+        return self.rate[j] if j < len(self.rate) else (self.rate[-1] if self.rate else 0.0)
+
+    def survival(self, k: int) -> list[float]:
+        """S_1..S_k: the chance drafts 1..j are all accepted."""
+        out, s = [], 1.0
+        for j in range(k):
+            s *= self._at(j)
+            out.append(s)
+        return out
+
+    def update(self, proposed: int, accepted: int) -> None:
+        while len(self.rate) < proposed:
+            self.rate.append(self._at(len(self.rate)))
+            self.prior.append(self.rate[-1])
+        for j in range(len(self.rate)):
+            if j < min(accepted + 1, proposed):  # tried: all before it were accepted
+                self.rate[j] += self.weight * ((j < accepted) - self.rate[j])
+            else:
+                self.rate[j] += self.relax * (self.prior[j] - self.rate[j])
+
+
+def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows: int, cost: CostModel) -> list[int]:
+    """Draft lengths for sequences that may draft up to `limits[i]` tokens with survivals
+    `survival[i]`, on top of `base_rows` rows (each sequence's last token, prefill chunks)."""
+    cands = sorted(((s, j, i) for i, surv in enumerate(survival) for j, s in enumerate(surv[: limits[i]], 1)),
+                   key=lambda c: (-c[0], c[1]))
+    tokens, rows, depth = float(len(limits)), base_rows, 0
+    best, take = tokens / cost.time(rows, 0), 0
+    for n, (s, j, _) in enumerate(cands, 1):
+        tokens, rows, depth = tokens + s, rows + 1, max(depth, j)
+        rate = tokens / cost.time(rows, depth)
+        if rate > best:
+            best, take = rate, n
+    lengths = [0] * len(limits)
+    for _, j, i in cands[:take]:
+        lengths[i] = max(lengths[i], j)
+    return lengths

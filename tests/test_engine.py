@@ -1,0 +1,179 @@
+"""The batched engine: a request's tokens are the same alone or in any batch, with or without
+speculation, whatever joins or leaves around it (interleaved arrivals, cancellations, EOS, stop
+sequences, slot reuse), for every drafter kind and both CPU backends; seeded sampling too."""
+
+import functools
+
+import pytest
+import torch
+
+import eagle_fixtures as ef
+import mtp_layouts as ml
+import tiny
+from eagle_fixtures import one_thread  # noqa: F401
+from specpack.packager import BuildOptions, NgramParams, build
+from specpack.runtime.engine import Engine, Request, SamplingParams
+from specpack.runtime.engine.cost import Acceptance, CostModel, choose
+from specpack.runtime.spec_model import SpecModel
+
+KINDS = ["ngram", "eagle3", "draft_model", "mtp-1", "mtp-2"]
+
+
+@functools.cache
+def artifact(kind: str):
+    """A built artifact of `kind` on a tiny target, exported to ONNX (cached per session)."""
+    from test_draft_model import make_draft
+
+    from specpack.converters.onnx_export import export_onnx
+
+    tmp = ef.session_dir(f"engine-{kind}")
+    target = ef.target_dir("llama")
+    drafter = {"ngram": "ngram", "eagle3": str(_sglang_trained_head(tmp / "head"))}.get(kind)
+    if kind == "draft_model":
+        drafter = str(make_draft(tmp / "draft", target, layers=2))
+    elif kind.startswith("mtp"):
+        n = int(kind[-1])
+        target, drafter = ml.make_target(tmp / "mtp", "mtp-mimo" if n == 2 else "mtp-deepseek", n).path, "mtp"
+    out = build(BuildOptions(target=target, drafter=drafter, out=tmp / "art", ngram=NgramParams(1, 3, 4),
+                             mtp_allow_reuse=kind == "mtp-1")).out
+    export_onnx(out, progress=False)
+    return out
+
+
+def _sglang_trained_head(out):
+    """The tests' trained EAGLE-3 head (drafts get accepted) in the SGLang layout `build` reads."""
+    from safetensors.torch import load_file
+
+    import eagle_layouts
+
+    tensors = load_file(ef.trained_head("llama") / "model.safetensors")
+    return eagle_layouts.write_sglang(out, tensors, tiny.tiny_config("llama"), aux_ids=[i - 1 for i in ef.AUX])
+
+
+@functools.cache
+def model(kind: str, backend: str) -> SpecModel:
+    import specpack
+
+    return specpack.load(artifact(kind), backend=backend)
+
+
+def prompts(m: SpecModel, n: int = 6) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    vocab = m.target.spec.vocab_size
+    base = torch.randint(3, vocab, (8,), generator=g).tolist()
+    # repeats give the n-gram drafter something to copy; lengths differ
+    return [(base + torch.randint(3, vocab, (2 + i,), generator=g).tolist()) * (1 + i % 2) for i in range(n)]
+
+
+def alone(m: SpecModel, req: Request) -> list[int]:
+    """`req` decoded alone, without speculation."""
+    return m.generate(req.prompt, req.max_new_tokens, temperature=req.params.temperature, seed=req.seed,
+                      eos_ids=req.eos, stop=req.stop, speculative=False).tokens
+
+
+def drive(engine: Engine, arrivals: dict[int, list[Request]], cancel: dict[int, int] | None = None) -> dict:
+    """Run the engine step by step: requests join at the step their key names (when a slot is
+    free, else they wait); request i is cancelled once it has `cancel[i]` new tokens. Returns
+    {request index: tokens} of the requests that finished."""
+    index = {id(r): i for i, r in enumerate(r for s in sorted(arrivals) for r in arrivals[s])}
+    waiting, seqs, out, step = [], {}, {}, 0
+    while any(s >= step for s in arrivals) or waiting or engine.running:
+        waiting += arrivals.get(step, [])
+        while waiting and engine.has_room:
+            r = waiting.pop(0)
+            seqs[index[id(r)]] = engine.add(r)
+        for i, after in (cancel or {}).items():
+            if i in seqs and len(seqs[i].new) >= after and seqs[i] in engine.running:
+                engine.cancel(seqs[i])
+        for s in engine.step():
+            if s.finish != "cancelled":
+                out[next(i for i, q in seqs.items() if q is s)] = s.new
+        step += 1
+    return out
+
+
+def requests(m: SpecModel, temperature: float = 0.0, spec: bool = True) -> list[Request]:
+    ps = prompts(m)
+    eos = m.target.spec.eos_token_ids
+    spec_ = getattr(m.drafter, "spec", None)
+    draft_len = spec_.num_layers if getattr(spec_, "allow_layer_reuse", True) is False else 3  # MTP without reuse
+    reqs = [Request(p, 6 + 3 * i, SamplingParams(temperature), seed=100 + i, eos=eos, speculative=spec,
+                    draft_len=draft_len) for i, p in enumerate(ps)]
+    first = alone(m, reqs[1])  # request 1 stops at a token it emits, request 2 at a 2-token stop sequence
+    reqs[1].eos = (first[3],)
+    second = alone(m, reqs[2])
+    reqs[2].stop = (tuple(second[4:6]),)
+    return reqs
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_batched_greedy_equals_single_requests(kind, backend):
+    m = model(kind, backend)
+    reqs = requests(m)
+    want = [alone(m, r) for r in reqs]
+    assert want[1][-1] in reqs[1].eos and len(want[1]) < reqs[1].max_new_tokens  # EOS and stop really cut
+    assert len(want[2]) < reqs[2].max_new_tokens
+    for slots in (1, 3):
+        engine = Engine(m.target, m.drafter, slots=slots, max_len=64, prefill_chunk=5)
+        got = drive(engine, {0: reqs[:2], 1: reqs[2:4], 4: reqs[4:]}, cancel={3: 1})
+        assert set(got) == {0, 1, 2, 4, 5}  # 3 was cancelled
+        for i, tokens in got.items():
+            assert tokens == want[i], (kind, backend, slots, i)
+        assert engine.free and len(engine.free) == slots  # every slot came back
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3", "mtp-2"])
+def test_seeded_sampling_is_the_same_in_any_batch(kind):
+    m = model(kind, "torch")
+    reqs = requests(m, temperature=0.9)
+    want = [alone(m, r) for r in reqs]
+    for slots, spec in ((4, True), (2, False), (6, True)):
+        for r in reqs:
+            r.speculative = spec
+        got = drive(Engine(m.target, m.drafter, slots=slots, max_len=64), {0: reqs[:3], 2: reqs[3:]})
+        assert [got[i] for i in range(len(reqs))] == want, (slots, spec)
+
+
+def test_cost_model_drafts_while_cheap_and_stops_at_the_knee():
+    flat = CostModel((1, 8, 32, 64), (10.0, 10.5, 11.5, 40.0))
+    sure = [[0.9, 0.81, 0.73, 0.66]] * 4
+    assert choose([4] * 4, sure, 4, flat) == [4, 4, 4, 4]  # 20 rows: still nearly flat
+    one_cpu = CostModel((1, 2, 4, 8), (10.0, 11.0, 12.0, 14.0))  # one sequence: a drafted row costs 10%
+    assert choose([4], [[0.05, 0.0025, 0, 0]], 1, one_cpu) == [0]  # drafts that mostly fail: none
+    assert choose([4], [[0.8, 0.64, 0.5, 0.4]], 1, one_cpu) == [4]
+    saturated = CostModel((1, 64), (10.0, 640.0))  # every row costs as much as the first
+    assert choose([4] * 64, sure * 16, 64, saturated) == [0] * 64  # 64 sequences fill the compute: none
+    assert choose([4, 4], [[0.9, 0.8, 0.7, 0.6], [0.2, 0.04, 0, 0]], 2, CostModel((1, 4, 8), (10, 12, 20))) \
+        == [3, 0]  # the likelier sequence gets the rows
+    with_draft_cost = CostModel((1, 64), (10.0, 10.0), draft_ms=6.0)
+    assert choose([4], [[0.5, 0.25, 0.1, 0.05]], 1, with_draft_cost) == [0]  # a head step costs more than it gains
+
+
+def test_acceptance_follows_the_record_and_drifts_back_to_the_prior():
+    a = Acceptance([0.5, 0.5])
+    for _ in range(10):
+        a.update(2, 0)
+    assert a.survival(2)[0] < 0.05
+    for _ in range(60):
+        a.update(0, 0)  # untried: back towards the prior, so the sequence is probed again
+    assert a.survival(1)[0] > 0.4
+
+
+@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+def test_engine_with_a_cost_model_stays_lossless(kind):
+    m = model(kind, "torch")
+    reqs = requests(m)
+    want = [alone(m, r) for r in reqs]
+    cost = CostModel((1, 4, 8, 16), (10.0, 10.5, 11.5, 20.0))
+    engine = Engine(m.target, m.drafter, slots=4, max_len=64, cost=cost)
+    got = drive(engine, {0: reqs[:4], 3: reqs[4:]})
+    assert [got[i] for i in range(len(reqs))] == want
+
+
+def test_a_request_that_can_never_fit_is_refused():
+    m = model("ngram", "torch")
+    engine = Engine(m.target, m.drafter, slots=2, max_len=16)
+    with pytest.raises(Exception, match="context holds 16"):
+        engine.add(Request(list(range(3, 20)), 4))
+    assert engine.has_room and not engine.running
