@@ -146,7 +146,7 @@ def test_cost_model_drafts_while_cheap_and_stops_at_the_knee():
     assert choose([4] * 64, sure * 16, 64, saturated) == [0] * 64  # 64 sequences fill the compute: none
     assert choose([4, 4], [[0.9, 0.8, 0.7, 0.6], [0.2, 0.04, 0, 0]], 2, CostModel((1, 4, 8), (10, 12, 20))) \
         == [3, 0]  # the likelier sequence gets the rows
-    with_draft_cost = CostModel((1, 64), (10.0, 10.0), draft_ms=6.0)
+    with_draft_cost = CostModel((1, 64), (10.0, 10.0), draft_ratio=0.6)
     assert choose([4], [[0.5, 0.25, 0.1, 0.05]], 1, with_draft_cost) == [0]  # a head step costs more than it gains
 
 

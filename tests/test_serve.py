@@ -1,6 +1,7 @@
 """`specpack serve`: the official openai client against a loopback server; greedy answers equal
 `specpack run`; a bounded load test whose /metrics add up; every bad request gets an OpenAI error;
-speculation turns off above the concurrency limit; a client that leaves frees the worker."""
+speculation turns off above the concurrency limit; a client that leaves frees its slot; a full
+queue gets 429 and a request that can never fit 400."""
 
 import http.client
 import json
@@ -17,8 +18,8 @@ openai = pytest.importorskip("openai")
 
 from specpack.serving.generate import GenerateRequest, generate_text  # noqa: E402
 from specpack.serving.serve import ServerThread, create_app, prepare  # noqa: E402
-from specpack.runtime.engine.stats import GenerationResult, GenerationStats  # noqa: E402
-from specpack.serving.worker import Cancelled, Job, Worker  # noqa: E402
+from specpack.runtime.engine.scheduler import Cancelled, Job, Scheduler  # noqa: E402
+from specpack.serving.metrics import Metrics  # noqa: E402
 
 PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "The quick brown fox jumps over the",
            "for i in range(10):\n    print(i * i)\n", "Hello, how are you today?"]
@@ -215,8 +216,8 @@ def test_load_32_clients_every_answer_complete_and_metrics_add_up(server, client
     assert delta['specpack_http_requests_total{path="/v1/chat/completions",status="200"}'] == n_requests / 2
     spec, plain = delta['specpack_generations_total{speculative="true"}'], \
         delta['specpack_generations_total{speculative="false"}']
-    assert spec + plain == n_requests
-    assert spec > 0 and plain > 0  # 32 clients > the limit of 4: speculation went off, and back on
+    assert spec == n_requests and plain == 0  # speculation is per step: every request may draft
+    assert delta["specpack_engine_steps_total"] == delta["specpack_rows_per_step_count"] > 0
     assert delta["specpack_prompt_tokens_total"] == sum(p for p, _ in usage)
     assert delta["specpack_completion_tokens_total"] == sum(c for _, c in usage)
     assert delta["specpack_generations_cancelled_total"] == delta["specpack_generations_failed_total"] == 0
@@ -224,6 +225,14 @@ def test_load_32_clients_every_answer_complete_and_metrics_add_up(server, client
     assert after["specpack_queue_depth"] == after["specpack_requests_in_flight"] == 0
     assert after["specpack_acceptance_length"] >= 1
     assert after['specpack_position_tried_total{position="0"}'] >= 1
+
+
+def test_one_client_speculates(server, client, artifact):
+    before = _metrics(server)
+    client.completions.create(model=artifact.name, prompt=PROMPTS[0] * 3, max_tokens=24, temperature=0)
+    after = _metrics(server)
+    assert after["specpack_draft_tokens_proposed_total"] > before["specpack_draft_tokens_proposed_total"]
+    assert after["specpack_time_to_first_token_seconds_count"] > before["specpack_time_to_first_token_seconds_count"]
 
 
 def _settled_delta(server, before: dict, n: int) -> dict:
@@ -237,67 +246,113 @@ def _settled_delta(server, before: dict, n: int) -> dict:
     return {k: v - before.get(k, 0) for k, v in now.items()}
 
 
-class SlowModel:
-    """A stand-in for SpecModel: one token per step, a pause between steps, and a gate that holds
-    the first generation until the test opens it. Records whether each call speculated."""
+class Slow:
+    """The tiny artifact's model with every engine step paused (and held at `gate` until the test
+    opens it); `steps` counts the target forwards."""
 
-    def __init__(self, tokenizer, step_s: float = 0.01):
-        self.tokenizer, self.context_length, self.drafter = tokenizer, 512, object()
-        self.step_s, self.calls, self.emitted = step_s, [], []
+    def __init__(self, artifact, step_s: float = 0.01):
+        import specpack
+
+        self.model, self.step_s, self.steps = specpack.load(artifact), step_s, 0
         self.gate = threading.Event()
-        self.token = tokenizer.convert_tokens_to_ids("a")
+        forward = self.model.target.forward_rows
 
-    def generate(self, prompt_ids, max_new_tokens, draft_len, speculative, on_tokens, **_):
-        self.calls.append(speculative)
-        self.emitted.append(0)
-        self.gate.wait(30)
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        for _ in range(max_new_tokens):
+        def slowed(*args, **kwargs):
+            self.gate.wait(30)
             time.sleep(self.step_s)
-            self.emitted[-1] += 1
-            stats.steps += 1
-            on_tokens([self.token])
-        stats.new_tokens = max_new_tokens
-        return GenerationResult([self.token] * max_new_tokens, "length", stats)
+            self.steps += 1
+            return forward(*args, **kwargs)
+
+        self.model.target.forward_rows = slowed
+
+    def scheduler(self, **options) -> Scheduler:
+        return Scheduler(self.model, **{"slots": 4, "draft_len": 3, "listener": Metrics(), **options})
+
+    def app(self, scheduler=None, **options):
+        return create_app(self.model, scheduler or self.scheduler(), "slow", **options)
 
 
 @pytest.fixture
-def slow_model(tiny_target):
-    from transformers import AutoTokenizer
-
-    return SlowModel(AutoTokenizer.from_pretrained(tiny_target))
+def slow(artifact):
+    return Slow(artifact)
 
 
-def test_speculation_turns_off_above_the_limit_and_back_on(slow_model):
-    with Worker(slow_model, draft_len=3, max_concurrency=2) as worker:
-        first = worker.submit(Job([1, 5], 2))
-        while not slow_model.calls:
-            time.sleep(0.005)
-        rest = [worker.submit(Job([1, 5], 2)) for _ in range(3)]  # 4 in flight
-        slow_model.gate.set()
-        for f in [first, *rest]:
+def _ids(slow, text: str = "def add(a, b):") -> list[int]:
+    return slow.model.tokenizer(text).input_ids
+
+
+def test_speculation_turns_off_above_the_limit_and_back_on(slow):
+    sch = slow.scheduler(max_concurrency=2)
+    futures = [sch.submit(Job(_ids(slow), n)) for n in (4, 8, 12, 16)]  # queued before it starts
+    seen, decide = [], sch.speculation_now
+
+    def spy():
+        on = decide()
+        seen.append((sch.in_flight, on))
+        return on
+
+    sch.speculation_now = spy
+    slow.gate.set()
+    with sch:
+        for f in futures:
             f.result(30)
-    # started with 1, 3, 2, 1 requests in flight: on, off (3 > 2), on, on
-    assert slow_model.calls == [True, False, True, True]
-    assert worker.metrics.generations == {True: 3, False: 1}
+    assert all(on == (n <= 2) for n, on in seen), seen  # off while 4 and 3 were in flight, on at 2 and 1
+    assert {on for _, on in seen} == {True, False}
+    assert sch.listener.generations == {True: 4, False: 0}
 
 
-def test_cancelled_job_stops_between_steps_and_frees_the_worker(slow_model):
-    slow_model.gate.set()
-    with Worker(slow_model, draft_len=3) as worker:
-        job = Job([1, 5], 400)
-        job.on_tokens = lambda toks: job.cancel.set() if slow_model.emitted[-1] >= 3 else None
+def test_cancelled_job_stops_between_steps_and_frees_its_slot(slow):
+    slow.gate.set()
+    with slow.scheduler() as sch:
+        job = Job(_ids(slow), 400)
+        got = []
+        job.on_tokens = lambda toks: (got.extend(toks), len(got) >= 3 and job.cancel.set())
         with pytest.raises(Cancelled):
-            worker.submit(job).result(30)
-        assert worker.submit(Job([1, 5], 2)).result(30).tokens == [slow_model.token] * 2
-    assert slow_model.emitted[0] <= 5 and worker.metrics.cancelled == 1 and worker.in_flight == 0
+            sch.submit(job).result(30)
+        assert len(sch.submit(Job(_ids(slow), 2)).result(30).tokens) == 2
+    assert len(got) <= 8 and sch.listener.cancelled == 1 and sch.in_flight == 0
+    assert len(sch.engine.free) == sch.slots
+
+
+def test_full_queue_gets_429_with_retry_after(slow):
+    sch = slow.scheduler(slots=1, max_queue=1)
+    with ServerThread(slow.app(sch)) as srv:  # the gate is shut: the first request holds the slot
+        body = json.dumps({"model": "slow", "prompt": "x", "max_tokens": 3}).encode()
+        first = threading.Thread(target=_post, args=(srv.url + "/v1/completions", body))
+        first.start()
+        while sch.running < 1:
+            time.sleep(0.01)
+        second = threading.Thread(target=_post, args=(srv.url + "/v1/completions", body))
+        second.start()
+        while sch.queue_depth < 1:
+            time.sleep(0.01)
+        req = urllib.request.Request(srv.url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=30)
+        assert err.value.code == 429 and err.value.headers["Retry-After"] == "1"
+        assert json.loads(err.value.read())["error"]["type"] == "rate_limit_error"
+        slow.gate.set()
+        first.join(30)
+        second.join(30)
+        status, data = _post(srv.url + "/v1/completions", body)
+        assert status == 200 and data["usage"]["completion_tokens"] == 3
+
+
+def test_request_that_can_never_fit_gets_400_naming_the_limit(slow):
+    slow.gate.set()
+    with ServerThread(slow.app(slow.scheduler(max_len=32))) as srv:
+        status, data = _post(srv.url + "/v1/completions",
+                             json.dumps({"model": "slow", "prompt": "x", "max_tokens": 40}).encode())
+        assert status == 400 and data["error"]["code"] == "context_length_exceeded"
+        assert "maximum context length is 32 tokens" in data["error"]["message"]
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_client_that_disconnects_frees_its_slot(slow_model, stream):
-    slow_model.gate.set()
-    worker = Worker(slow_model, draft_len=3)
-    with ServerThread(create_app(slow_model, worker, "slow")) as srv:
+def test_client_that_disconnects_frees_its_slot(slow, stream):
+    slow.gate.set()
+    sch = slow.scheduler()
+    with ServerThread(slow.app(sch)) as srv:
         conn = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=30)
         body = {"model": "slow", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 400, "stream": stream}
         conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
@@ -305,17 +360,15 @@ def test_client_that_disconnects_frees_its_slot(slow_model, stream):
             resp = conn.getresponse()
             assert resp.status == 200 and resp.readline().startswith(b"data: ")
         else:
-            while not slow_model.emitted or slow_model.emitted[0] < 2:
+            while slow.steps < 3:
                 time.sleep(0.01)
         conn.sock.shutdown(2)
         conn.close()
         deadline = time.monotonic() + 10
-        while worker.metrics.cancelled < 1 and time.monotonic() < deadline:
+        while sch.listener.cancelled < 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert worker.metrics.cancelled == 1 and worker.in_flight == 0
-        # stopped between steps, long before its 400 tokens (possibly before its first one, when the
-        # stream's opening chunk went out before the model started)
-        assert not slow_model.emitted or slow_model.emitted[0] < 400
+        assert sch.listener.cancelled == 1 and sch.in_flight == 0 and len(sch.engine.free) == sch.slots
+        assert slow.steps < 400  # stopped between steps, long before its 400 tokens
         status, data = _post(srv.url + "/v1/completions", json.dumps({"model": "slow", "prompt": "x",
                                                                       "max_tokens": 3}).encode())
         assert status == 200 and data["usage"]["completion_tokens"] == 3
@@ -328,9 +381,9 @@ def test_seed_at_the_ends_of_its_range_is_served(client):
 
 
 @pytest.fixture
-def small_body_server(slow_model):
-    slow_model.gate.set()
-    with ServerThread(create_app(slow_model, Worker(slow_model, draft_len=3), "slow", max_body_bytes=4096)) as srv:
+def small_body_server(slow):
+    slow.gate.set()
+    with ServerThread(slow.app(max_body_bytes=4096)) as srv:
         yield srv
 
 
@@ -383,18 +436,22 @@ class _ThreadSpy:
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_text_work_stays_off_the_worker(slow_model, stream):
+def test_text_work_stays_off_the_scheduler(slow, stream):
     """Decoding and stop-string matching run in the thread pool: a long stop string cannot stall
-    the one worker (and with it every other request)."""
-    slow_model.gate.set()
-    slow_model.tokenizer = spy = _ThreadSpy(slow_model.tokenizer)
-    worker = Worker(slow_model, draft_len=3)
-    with ServerThread(create_app(slow_model, worker, "slow")) as srv:
+    the scheduler (and with it every other request)."""
+    slow.gate.set()
+    from specpack.runtime.text import encode_prompt
+
+    ids = encode_prompt(slow.model.tokenizer, "hi", chat=False)
+    want = slow.model.tokenizer.decode(slow.model.generate(ids, 12, speculative=False).tokens, skip_special_tokens=True)
+    slow.model.tokenizer = spy = _ThreadSpy(slow.model.tokenizer)
+    with ServerThread(slow.app()) as srv:
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=30, max_retries=0)
-        stop = ["b" * 1024, "ab" * 512]
-        r = client.completions.create(model="slow", prompt="hi", max_tokens=12, stop=stop, stream=stream)
+        stop = ["\x00" * 1024, "\x01\x02" * 512]
+        r = client.completions.create(model="slow", prompt="hi", max_tokens=12, stop=stop, stream=stream,
+                                      temperature=0)
         text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
-    assert text == "a" * 12 and spy.threads and "specpack-worker" not in spy.threads
+    assert text == want and spy.threads and "specpack-scheduler" not in spy.threads
 
 
 def test_stop_strings_are_held_back_and_cut_like_before():
@@ -425,9 +482,9 @@ def test_stop_strings_are_held_back_and_cut_like_before():
 
 
 @pytest.fixture
-def keyed_server(slow_model):
-    slow_model.gate.set()
-    with ServerThread(create_app(slow_model, Worker(slow_model, draft_len=3), "slow", api_key="sk-local-1")) as srv:
+def keyed_server(slow):
+    slow.gate.set()
+    with ServerThread(slow.app(api_key="sk-local-1")) as srv:
         yield srv
 
 
@@ -454,8 +511,9 @@ def test_api_key_is_required_on_every_route_but_health(keyed_server):
         openai.OpenAI(base_url=url + "/v1", api_key="sk-wrong", max_retries=0).models.list()
     client = openai.OpenAI(base_url=url + "/v1", api_key="sk-local-1", timeout=30, max_retries=0)
     assert client.completions.create(model="slow", prompt="x", max_tokens=2).usage.completion_tokens == 2
-    assert "".join(c.choices[0].text for c in client.completions.create(model="slow", prompt="x", max_tokens=2,
-                                                                       stream=True)) == "aa"
+    chunks = list(client.completions.create(model="slow", prompt="x", max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens == 2
 
 
 @pytest.mark.parametrize("key", ["", "has space", "tab\tkey", "ключ"])

@@ -154,17 +154,26 @@ def profiles(artifact, json_mode):
               help="Require 'Authorization: Bearer KEY' on every route but /health [env: SPECPACK_API_KEY].")
 @click.option("--max-body-bytes", type=int, default=2**20, show_default=True,
               help="Largest request body accepted; a larger one gets 413 before it is read.")
+@click.option("--max-seqs", type=int, default=16, show_default=True,
+              help="Requests decoding together (fewer when their KV cache does not fit the memory budget).")
+@click.option("--max-model-len", type=int, help="Positions per request, prompt + completion [default: the context].")
+@click.option("--max-queue", type=int, help="Requests waiting beyond which new ones get 429 [default: 4 x max-seqs].")
+@click.option("--prefill-chunk", type=int, default=256, show_default=True,
+              help="Prompt tokens one engine step takes, so long prompts do not stall the others.")
 @DEVICE
 @DTYPE
 @PUBKEY
-def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, api_key, max_body_bytes, device,
-          dtype, public_key):
+def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, api_key, max_body_bytes, max_seqs,
+          max_model_len, max_queue, prefill_chunk, device, dtype, public_key):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     /v1/models, /v1/completions and /v1/chat/completions (streaming or not), /health, and /metrics
-    (Prometheus). Requests queue for one model; speculation turns off while more requests are in
-    flight than the profile's concurrency limit. With --api-key (or SPECPACK_API_KEY) every route
-    but /health needs the key; without one, listening beyond loopback logs a warning. Needs
+    (Prometheus). Continuous batching: up to --max-seqs requests decode together, one target
+    forward per step over all of them; past --max-queue waiting requests, new ones get 429. Each
+    step drafts what a cost curve measured on this machine says pays (full drafts while a step
+    streams weights, none past the compute knee); speculation stops while more requests are in
+    flight than the profile's measured limit. With --api-key (or SPECPACK_API_KEY) every route but
+    /health needs the key; without one, listening beyond loopback logs a warning. Needs
     `pip install 'specpack[serve]'`.
 
     \b
@@ -177,7 +186,8 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
 
     plan = prepare(artifact, profile=profile, device=device, dtype=dtype, public_key=public_key,
                    model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
-                   progress=progress_enabled(False), api_key=api_key, max_body_bytes=max_body_bytes)
+                   progress=progress_enabled(False), api_key=api_key, max_body_bytes=max_body_bytes,
+                   max_seqs=max_seqs, max_model_len=max_model_len, max_queue=max_queue, prefill_chunk=prefill_chunk)
     click.echo(plan.selection.message, err=True)
     click.echo(f"serving '{plan.model_name}' at http://{host}:{port}/v1 (OpenAI-compatible; also /health, "
                "/metrics)", err=True)

@@ -1,12 +1,17 @@
-"""`specpack serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over one worker thread.
+"""`specpack serve`: an OpenAI-compatible HTTP server (FastAPI on uvicorn) over the batched engine.
 
     GET  /health  /metrics  /v1/models
     POST /v1/completions  /v1/chat/completions     (stream: server-sent events, then [DONE])
 
-Requests queue for the worker (the model runs one generation at a time). Speculation follows the
-chosen profile: on while the requests in flight are within its concurrency limit, off above it. A
-client that disconnects cancels its generation between decoding steps. Every bad request gets
-OpenAI's error body with a 4xx status, and the server keeps serving.
+Continuous batching (runtime/engine/scheduler.py): up to `slots` requests decode together, one
+target forward per step over all of them; requests join and leave between steps, and past a
+bounded queue new ones get 429 with Retry-After. The KV cache is budgeted up front: `slots`
+sequences of `max_len` positions each, from the machine's memory and the manifest's KV bytes per
+token; a request that can never fit gets 400 naming the limit. Speculation follows the load: each
+step drafts what a cost model measured on this machine and each sequence's acceptance say (full
+drafts while a step streams weights, none past the compute knee), and not at all above the
+profile's measured concurrency crossover. A client that disconnects frees its slot within a
+step. Every bad request gets OpenAI's error body with a 4xx status, and the server keeps serving.
 
 Bounds: a request body over `max_body_bytes` is refused (413) before it is read whole; stop strings,
 seeds and text are validated (schemas/openai.py); the prompt must leave room in the context. With an API
@@ -30,20 +35,25 @@ from typing import Optional
 from specpack.errors import InputError
 from specpack.schemas import openai as oa
 from specpack.serving.guards import LimitBody, RequireKey
-from specpack.serving.worker import Cancelled, Job, Metrics, Worker
+from specpack.runtime.engine.scheduler import Cancelled, Job, QueueFull, Scheduler
+from specpack.serving.metrics import Metrics
 
 log = logging.getLogger(__name__)
 _DONE, _GONE = object(), object()  # stream sentinels: generation finished / client left
 MAX_BODY_BYTES = 2**20
+MAX_SEQS = 16  # sequences decoding together by default (llama-server's users run -np 4..16)
+KV_MEMORY_FRACTION = 0.6  # of the memory available once the model is loaded, for the KV cache
+RETRY_AFTER_S = 1
 
 
 class ApiError(Exception):
     """A request error sent as OpenAI's error body."""
 
     def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 type_: str = "invalid_request_error"):
+                 type_: str = "invalid_request_error", headers: Optional[dict] = None):
         super().__init__(message)
         self.status, self.body = status, oa.error_body(message, type_, param, code)
+        self.headers = headers
 
 
 @dataclass
@@ -59,30 +69,82 @@ class ServerPlan:
 def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype: str = "float32",
             public_key=None, model_name: Optional[str] = None, max_concurrency: Optional[int] = None,
             draft_len: Optional[int] = None, progress: bool = False, api_key: Optional[str] = None,
-            max_body_bytes: int = MAX_BODY_BYTES) -> ServerPlan:
-    """Verify and load `artifact`, pick its best runnable profile (or `profile`), build the app.
+            max_body_bytes: int = MAX_BODY_BYTES, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
+            max_queue: Optional[int] = None, prefill_chunk: int = 256, measure_cost: bool = True) -> ServerPlan:
+    """Verify and load `artifact`, pick its best runnable profile (or `profile`), plan the KV cache
+    (`max_seqs` slots of `max_model_len` positions, fewer when memory is short), build the app.
     `max_concurrency` / `draft_len` override what the profile says; `api_key` is required from
-    clients on every route but /health."""
+    clients on every route but /health; with `measure_cost` the engine's cost curve is measured at
+    start when the profile has none."""
     from specpack.runtime.api import load, require
     from specpack.tuning.profiles import select_profile
 
     require("fastapi", "serve")
-    _check_options(max_concurrency, draft_len, api_key, max_body_bytes)
+    _check_options(max_concurrency, draft_len, api_key, max_body_bytes, max_seqs, max_model_len, max_queue,
+                   prefill_chunk)
     model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress)
     selection = select_profile(model.manifest, device, dtype, wanted=profile)
     draft_len = draft_len or selection.draft_len
     if selection.speculative and hasattr(model.drafter, "check_draft_len"):  # MTP: refuse at start, not per request
         model.drafter.check_draft_len(draft_len)
-    worker = Worker(model, draft_len, speculative=selection.speculative,
-                    max_concurrency=max_concurrency if max_concurrency is not None else selection.max_concurrency)
+    slots, max_len = plan_kv(model, dtype, max_seqs, max_model_len)
+    scheduler = Scheduler(model, slots, max_len, draft_len, speculative=selection.speculative,
+                          max_queue=max_queue if max_queue is not None else 4 * slots, prefill_chunk=prefill_chunk,
+                          max_concurrency=max_concurrency if max_concurrency is not None else selection.max_concurrency,
+                          listener=Metrics(), **_cost(model, selection, slots, measure_cost))
     name = model_name or model.manifest.name
     log.info("%s", selection.message)
-    app = create_app(model, worker, name, api_key=api_key, max_body_bytes=max_body_bytes)
+    log.info("engine: %d slots of %d positions, queue %d, prefill chunk %d", slots, max_len,
+             scheduler.max_queue, prefill_chunk)
+    app = create_app(model, scheduler, name, api_key=api_key, max_body_bytes=max_body_bytes)
     return ServerPlan(app, name, selection, needs_key=api_key is not None)
 
 
+def plan_kv(model, dtype: str, max_seqs: int, max_model_len: Optional[int]) -> tuple[int, int]:
+    """(slots, positions per slot): `max_seqs` sequences of `max_model_len` (default: the model's
+    context) positions, fewer sequences when their KV cache would take more than
+    KV_MEMORY_FRACTION of the memory available now; an error when not even one fits."""
+    from specpack.tuning.profiles import kv_and_weight_bytes, this_machine
+
+    max_len = min(max_model_len or model.context_length, model.context_length)
+    _, per_slot = kv_and_weight_bytes(model.manifest, dtype, max_len)
+    budget = int(KV_MEMORY_FRACTION * this_machine(gpus=False).memory_available)
+    slots = min(max_seqs, budget // max(per_slot, 1))
+    if slots < 1:
+        raise InputError(f"one sequence of {max_len} positions needs {per_slot / 2**20:.0f} MiB of KV cache, "
+                         f"but only {budget / 2**20:.0f} MiB are budgeted ({KV_MEMORY_FRACTION:.0%} of the "
+                         "memory available)", hint="lower --max-model-len")
+    if slots < max_seqs:
+        log.warning("KV cache: %d sequences of %d positions fit the memory budget, not %d", slots, max_len,
+                    max_seqs)
+    return slots, max_len
+
+
+def _cost(model, selection, slots: int, measure: bool) -> dict:
+    """The engine's cost curve (from the profile, else measured now) and acceptance prior."""
+    from specpack.runtime.engine.cost import CostModel
+    from specpack.runtime.engine.cost import measure as measure_cost
+
+    out = {}
+    prior = getattr(selection, "position_acceptance", None)
+    if prior:
+        out["prior"] = tuple(prior)
+    curve = getattr(selection, "cost_curve", None)
+    if curve:
+        out["cost"] = CostModel.from_dict(curve)
+    elif measure and selection.speculative and model.drafter is not None:
+        model.target.setup_cache(64, 1)
+        out["cost"] = measure_cost(model.target, [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * slots])
+        log.info("cost curve measured: %s", out["cost"].to_dict())
+    if "cost" in out and not getattr(model.drafter, "free_drafts", False):
+        mem = model.manifest.memory  # a head's forward costs about its share of the weights (learned as it runs)
+        out["cost"] = out["cost"].with_draft_ratio(max(0.02, mem.drafter_weight_bytes / max(mem.target_weight_bytes, 1)))
+    return out
+
+
 def _check_options(max_concurrency: Optional[int], draft_len: Optional[int], api_key: Optional[str],
-                   max_body_bytes: int) -> None:
+                   max_body_bytes: int, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
+                   max_queue: Optional[int] = None, prefill_chunk: int = 256) -> None:
     from specpack.runtime.engine.stats import MAX_DRAFT_LEN
 
     problems = []
@@ -94,6 +156,14 @@ def _check_options(max_concurrency: Optional[int], draft_len: Optional[int], api
         problems.append("--api-key must be printable ASCII with no spaces (and not empty)")
     if max_body_bytes < 1:
         problems.append(f"--max-body-bytes {max_body_bytes} is not a positive byte count")
+    if max_seqs < 1:
+        problems.append(f"--max-seqs {max_seqs} must be at least 1")
+    if max_model_len is not None and max_model_len < 2:
+        problems.append(f"--max-model-len {max_model_len} must be at least 2")
+    if max_queue is not None and max_queue < 0:
+        problems.append(f"--max-queue {max_queue} is negative")
+    if prefill_chunk < 1:
+        problems.append(f"--prefill-chunk {prefill_chunk} must be at least 1")
     if problems:
         raise InputError("invalid serve options", problems=problems)
 
@@ -117,9 +187,10 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def create_app(model, worker: Worker, model_name: str, api_key: Optional[str] = None,
+def create_app(model, worker: Scheduler, model_name: str, api_key: Optional[str] = None,
                max_body_bytes: int = MAX_BODY_BYTES):
-    """The FastAPI application serving `model` through `worker` (started and stopped with the app).
+    """The FastAPI application serving `model` through the scheduler `worker` (started and stopped
+    with the app).
     With `api_key`, every route but /health needs `Authorization: Bearer <api_key>`."""
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -137,12 +208,12 @@ def create_app(model, worker: Worker, model_name: str, api_key: Optional[str] = 
     app.add_middleware(LimitBody, max_bytes=max_body_bytes)
     if api_key is not None:
         app.add_middleware(RequireKey, key=api_key)
-    app.add_middleware(_CountRequests, metrics=worker.metrics)
+    app.add_middleware(_CountRequests, metrics=worker.listener)
     state = _State(model, worker, model_name)
 
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return JSONResponse(exc.body, status_code=exc.status)
+        return JSONResponse(exc.body, status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc: RequestValidationError):
@@ -155,11 +226,12 @@ def create_app(model, worker: Worker, model_name: str, api_key: Optional[str] = 
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": model_name, "in_flight": worker.in_flight}
+        return {"status": "ok", "model": model_name, "in_flight": worker.in_flight, "running": worker.running,
+                "queued": worker.queue_depth, "slots": worker.slots}
 
     @app.get("/metrics")
     async def metrics():
-        return PlainTextResponse(worker.metrics.render(worker.gauges()), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(worker.listener.render(worker.gauges()), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
     async def models():
@@ -221,9 +293,9 @@ class _CountRequests:
 class _State:
     """What the handlers share: the model's tokenizer and limits, and the worker."""
 
-    def __init__(self, model, worker: Worker, name: str):
+    def __init__(self, model, worker: Scheduler, name: str):
         self.model, self.worker, self.name, self.created = model, worker, name, int(time.time())
-        self.tokenizer, self.context = model.tokenizer, model.context_length
+        self.tokenizer, self.context = model.tokenizer, min(model.context_length, worker.max_len)
 
     def card(self) -> dict:
         return {"id": self.name, "object": "model", "created": self.created, "owned_by": "specpack"}
@@ -245,13 +317,20 @@ class _State:
         rid = oa.new_id("chatcmpl" if chat else "cmpl")
         if body.stream:
             return self._stream(request, job, stream, rid, chat, body)
-        self.worker.submit(job)
+        self._submit(job)
         result = await _wait(request, job)
         stream.tokens.extend(result.tokens)
         text, finish = await run_in_threadpool(self._finish, stream, result, body)
         use = oa.usage(len(ids), len(result.tokens))
         return oa.chat_completion(rid, self.name, text, finish, use) if chat else \
             oa.completion(rid, self.name, text, finish, use)
+
+    def _submit(self, job: Job) -> None:
+        try:
+            self.worker.submit(job)
+        except QueueFull as exc:
+            raise ApiError(429, f"the server is busy: {exc.message}; retry shortly", code="rate_limit_exceeded",
+                           type_="rate_limit_error", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
     def _encode(self, body, chat: bool) -> tuple[list[int], list[list[int]]]:
         """Token ids of the prompt and of the stop strings (in the thread pool: bounded, but not free)."""
@@ -299,7 +378,7 @@ class _State:
         job.on_tokens = lambda tokens: loop.call_soon_threadsafe(deltas.put_nowait, list(tokens))
         job.future.add_done_callback(lambda f: loop.call_soon_threadsafe(deltas.put_nowait, _DONE))
         stream.write = pending.append
-        self.worker.submit(job)
+        self._submit(job)
         usage = body.stream_options is not None and body.stream_options.include_usage
 
         def chunk(text: Optional[str], finish: Optional[str] = None, use: Optional[dict] = None) -> str:
@@ -360,7 +439,7 @@ def _sse_response(events, job: Job):
         async def __call__(self, scope, receive, send):
             try:
                 await super().__call__(scope, receive, send)
-            finally:  # however the stream ended (done, disconnect, error): free the worker
+            finally:  # however the stream ended (done, disconnect, error): free the slot
                 _cancel(job)
 
     return _Events(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -25,7 +25,7 @@ from specpack.packager.update import recover
 from specpack.tuning.profiles import (Machine, check_writable, kv_and_weight_bytes, package_version,
                                        store_profile, this_machine)
 from specpack.runtime.engine.stats import MAX_DRAFT_LEN, GenerationStats
-from specpack.serving.worker import Job, Worker, add_stats
+from specpack.runtime.engine.scheduler import Job, Scheduler, add_stats
 from specpack.tuning.workload import Workload, encode_request, read_workload
 from specpack.schemas.profile import (ConcurrencyPoint, DraftLenPoint, Evidence, Profile, ProfileMemory,
                                       ProfileSettings, Software, WorkloadInfo, make_profile)
@@ -123,8 +123,8 @@ def measure_workload(model, prompts: Sequence[Prompt], draft_len: int, speculati
 
 def measure_concurrency(model, prompts: Sequence[Prompt], clients: int, draft_len: int, speculative: bool,
                         tick=None) -> float:
-    """Aggregate tokens/s of `clients` concurrent clients sending the workload through the same
-    queue `serve` uses (max(clients, prompts) requests in all)."""
+    """Aggregate tokens/s of `clients` concurrent clients sending the workload through the batched
+    engine `serve` runs (its scheduler, `clients` slots; max(clients, prompts) requests in all)."""
     n_requests = max(clients, len(prompts))
 
     def client(c: int) -> int:
@@ -137,7 +137,9 @@ def measure_concurrency(model, prompts: Sequence[Prompt], clients: int, draft_le
                 tick()
         return tokens
 
-    with Worker(model, draft_len) as worker, ThreadPoolExecutor(clients) as pool:
+    max_len = max(len(p.ids) + p.max_new_tokens for p in prompts)
+    with Scheduler(model, clients, max_len, draft_len, speculative=speculative) as worker, \
+            ThreadPoolExecutor(clients) as pool:
         start = time.perf_counter()
         tokens = sum(pool.map(client, range(clients)))
         seconds = time.perf_counter() - start

@@ -33,6 +33,7 @@ class NgramDrafter(nn.Module):
     capture_layers: tuple[int, ...] = ()
     # Drafts cost nothing and hit in runs (copying) or not at all: follow what the target accepts.
     adaptive_draft_len = True
+    free_drafts = True  # the engine's cost model charges nothing for drafting
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         super().__init__()

@@ -2,8 +2,9 @@
 sequence's recent acceptance.
 
 A step costs `step_ms(rows)` for the target forward (rows = every sequence's 1 + D_i plus prefill
-rows; flat while streaming the weights dominates, then rising past the compute knee) plus
-`draft_ms` per sequential draft step for model drafters. Draft position j of sequence i adds one
+rows; flat while streaming the weights dominates, then rising past the compute knee) plus, for
+model drafters, `draft_ratio * step_ms(jobs)` per sequential draft step over `jobs` sequences (a
+head's forward costs about its share of the weights; the engine learns the ratio as it drafts). Draft position j of sequence i adds one
 row and is worth its survival S_ij (the chance it and every draft before it are accepted). The
 step takes the draft positions in order of survival while tokens per millisecond keep rising
 (the rule of vLLM's adaptive verification: argmax_k (n + Σ top-k S) / cost(n + k)): full drafts
@@ -25,11 +26,12 @@ DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
 
 @dataclass(frozen=True)
 class CostModel:
-    """Target step time (ms) at measured row counts; `draft_ms` per draft step (model drafters)."""
+    """Target step time (ms) at measured row counts; a draft step over J sequences costs
+    `draft_ratio * step_ms(J)` (0: free drafts, n-gram)."""
 
     rows: tuple[int, ...]
     ms: tuple[float, ...]
-    draft_ms: float = 0.0
+    draft_ratio: float = 0.0
 
     def step_ms(self, rows: int) -> float:
         """Piecewise-linear in the rows; past the last point, the last slope."""
@@ -40,18 +42,20 @@ class CostModel:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 
-    def time(self, rows: int, depth: int) -> float:
-        return self.step_ms(rows) + depth * self.draft_ms
+    def time(self, rows: int, depth: int = 0, jobs: int = 0) -> float:
+        """A step of `rows` target rows after `depth` draft steps over `jobs` sequences."""
+        draft = depth * self.draft_ratio * self.step_ms(jobs) if depth and jobs else 0.0
+        return self.step_ms(rows) + draft
 
-    def with_draft_ms(self, draft_ms: float) -> "CostModel":
-        return CostModel(self.rows, self.ms, draft_ms)
+    def with_draft_ratio(self, ratio: float) -> "CostModel":
+        return CostModel(self.rows, self.ms, ratio)
 
     def to_dict(self) -> dict:
-        return {"rows": list(self.rows), "ms": [round(m, 3) for m in self.ms], "draft_ms": round(self.draft_ms, 3)}
+        return {"rows": list(self.rows), "ms": [round(m, 3) for m in self.ms]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
-        return cls(tuple(d["rows"]), tuple(d["ms"]), float(d.get("draft_ms", 0.0)))
+        return cls(tuple(d["rows"]), tuple(d["ms"]))
 
 
 @torch.inference_mode()
@@ -113,11 +117,11 @@ def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows
     `survival[i]`, on top of `base_rows` rows (each sequence's last token, prefill chunks)."""
     cands = sorted(((s, j, i) for i, surv in enumerate(survival) for j, s in enumerate(surv[: limits[i]], 1)),
                    key=lambda c: (-c[0], c[1]))
-    tokens, rows, depth = float(len(limits)), base_rows, 0
-    best, take = tokens / cost.time(rows, 0), 0
+    tokens, rows, depth, jobs = float(len(limits)), base_rows, 0, 0
+    best, take = tokens / cost.time(rows), 0
     for n, (s, j, _) in enumerate(cands, 1):
-        tokens, rows, depth = tokens + s, rows + 1, max(depth, j)
-        rate = tokens / cost.time(rows, depth)
+        tokens, rows, depth, jobs = tokens + s, rows + 1, max(depth, j), jobs + (j == 1)
+        rate = tokens / cost.time(rows, depth, jobs)
         if rate > best:
             best, take = rate, n
     lengths = [0] * len(limits)

@@ -140,6 +140,7 @@ class Engine:
         self.target, self.drafter = target, drafter
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.cost, self.prior = cost, tuple(prior)
+        self.speculate = True  # the scheduler turns drafting off for a step (load above a measured limit)
         self.last_rows = 0  # rows in the latest target forward
         self.device = target.device
         self.clock = _Timer(self.device)
@@ -237,6 +238,8 @@ class Engine:
 
     def _lengths(self, decoding: list[Generation], prefill_rows: int) -> list[int]:
         """How many tokens each decoding sequence drafts this step."""
+        if not self.speculate:
+            return [0] * len(decoding)
         if self.cost is None:
             return [min(s.length.next(), s.budget - 1) if s.req.speculative else 0 for s in decoding]
         limits = [min(s.req.draft_len, s.budget - 1) if s.req.speculative else 0 for s in decoding]
@@ -257,7 +260,7 @@ class Engine:
             return drafts
         t0 = time.perf_counter()
         made = self.drafter.draft(jobs)
-        self._learn_draft_ms(time.perf_counter() - t0, max(j.k for j in jobs))
+        self._learn_draft_cost(time.perf_counter() - t0, max(j.k for j in jobs), len(jobs))
         for i, d in zip(owners, made):
             drafts[i] = d.tokens.tolist()
         return self._trim(decoding, drafts, made, owners, prefill_rows)
@@ -276,11 +279,14 @@ class Engine:
             len(d) for i, d in enumerate(drafts) if not survival[i]), self.cost)
         return [d[:k] if survival[i] else d for i, (d, k) in enumerate(zip(drafts, keep))]
 
-    def _learn_draft_ms(self, seconds: float, depth: int) -> None:
-        """Draft time per sequential draft step, as a moving average (model drafters' cost)."""
-        if self.cost is not None and depth > 0:
-            ms = seconds * 1e3 / depth
-            self.cost = self.cost.with_draft_ms(ms if self.cost.draft_ms == 0 else 0.8 * self.cost.draft_ms + 0.2 * ms)
+    def _learn_draft_cost(self, seconds: float, depth: int, jobs: int) -> None:
+        """A model drafter's step time relative to a target step over as many rows, as a moving
+        average (n-gram drafts are free: no cost to learn)."""
+        if self.cost is None or getattr(self.drafter, "free_drafts", False):
+            return
+        ratio = seconds * 1e3 / (depth * self.cost.step_ms(jobs))
+        old = self.cost.draft_ratio
+        self.cost = self.cost.with_draft_ratio(ratio if old == 0 else 0.8 * old + 0.2 * ratio)
 
     def _commit(self, plan: "_Plan", res) -> list[Generation]:
         """Accept, roll back and emit for every sequence of the step; the ones that finished."""

@@ -52,19 +52,23 @@ class Job:
 
 class Scheduler:
     """Runs `Job`s on `model` (a SpecModel: target + drafter) with up to `slots` sequences decoding
-    together, each in a slot of `max_len` positions. `listener` (optional) is told of every step
-    (`step(rows, running, queued, seconds)`) and every finished or failed job (`finished(job,
-    result)`, `ended(job, cancelled)`)."""
+    together, each in a slot of `max_len` positions. Speculation (when on) drafts what the `cost`
+    model and each sequence's acceptance say; with `max_concurrency`, not at all while more
+    requests than that are in flight (a profile's measured crossover). `listener` (optional) is
+    told of every step (`step(rows, running, queued, seconds)`) and every finished or failed job
+    (`finished(job, result)`, `ended(job, cancelled)`)."""
 
     def __init__(self, model, slots: int = 8, max_len: Optional[int] = None, draft_len: int = 4,
                  speculative: bool = True, max_queue: int = 64, prefill_chunk: Optional[int] = 256,
-                 adaptive: Optional[bool] = None, cost=None, listener=None):
+                 adaptive: Optional[bool] = None, cost=None, max_concurrency: Optional[int] = None,
+                 listener=None, prior=None):
         self.model, self.draft_len, self.max_queue, self.listener = model, draft_len, max_queue, listener
+        self.max_concurrency = max_concurrency
         self.speculative = speculative and model.drafter is not None
         self.adaptive = bool(getattr(model.drafter, "adaptive_draft_len", False)) if adaptive is None else adaptive
         max_len = max_len or model.context_length
         self.engine = Engine(model.target, model.drafter if self.speculative else None, slots, max_len,
-                             prefill_chunk, cost)
+                             prefill_chunk, cost, **({"prior": prior} if prior else {}))
         self._queue: collections.deque[Job] = collections.deque()
         self._running: dict[int, tuple[Job, Generation]] = {}  # id(generation) -> (job, generation)
         self._wake = threading.Condition()
@@ -127,6 +131,23 @@ class Scheduler:
         """Requests submitted and not finished: the running ones plus the queued ones."""
         return self.running + self.queue_depth
 
+    def speculation_now(self) -> bool:
+        """Whether the next step may draft (speculation on, load within the measured limit)."""
+        return self.speculative and (self.max_concurrency is None or self.in_flight <= self.max_concurrency)
+
+    def gauges(self) -> dict[str, tuple[float, str]]:
+        """Live gauges for /metrics: name -> (value, help)."""
+        limit = -1 if self.max_concurrency is None else self.max_concurrency
+        return {"specpack_requests_running": (self.running, "Sequences decoding in the engine."),
+                "specpack_queue_depth": (self.queue_depth, "Requests waiting for a slot."),
+                "specpack_requests_in_flight": (self.in_flight, "Requests running or waiting."),
+                "specpack_slots": (self.slots, "Sequences the engine decodes together at most."),
+                "specpack_queue_limit": (self.max_queue, "Waiting requests beyond which new ones get 429."),
+                "specpack_speculative_enabled": (int(self.speculation_now()), "1 while steps may draft."),
+                "specpack_max_concurrency": (limit, "Requests in flight up to which speculation stays on "
+                                                    "(-1: no limit)."),
+                "specpack_draft_len": (self.draft_len, "The longest draft per sequence when speculating.")}
+
     # ---- the loop --------------------------------------------------------------------------
 
     def _loop(self) -> None:
@@ -185,6 +206,7 @@ class Scheduler:
     def _step(self) -> None:
         t0 = time.perf_counter()
         rows = self.engine.last_rows
+        self.engine.speculate = self.speculation_now()
         try:
             done = self.engine.step()
         except Exception as exc:  # noqa: BLE001 - a broken step fails its jobs, never the server
