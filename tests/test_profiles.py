@@ -66,9 +66,18 @@ def test_tune_writes_a_profile_whose_evidence_remeasures(tuned, workload):
     assert [pt.draft_len for pt in e.draft_len_sweep] == [2, 4]
     assert e.hardware.cpu_cores >= 1 and e.software.packages["torch"]
     assert p.memory.required_bytes == p.memory.weights_bytes + p.memory.kv_cache_bytes > 0
+    curve = p.settings.cost_curve  # the engine's step-time curve, measured on this machine
+    assert curve.rows[0] == 1 and curve.rows == sorted(curve.rows) and len(curve.ms) == len(curve.rows)
+    assert all(ms > 0 for ms in curve.ms)
     if p.settings.speculative:
         assert [c.concurrency for c in e.concurrency_sweep] == [1, 2]
         assert 1 <= p.settings.max_concurrency <= 2
+        assert all(0 < c.speculative_p50_s <= c.speculative_p95_s and 0 < c.baseline_p50_s <= c.baseline_p95_s
+                   for c in e.concurrency_sweep)
+    from specpack.tuning.profiles import select_profile
+
+    chosen = select_profile(read_manifest(art))
+    assert chosen.profile == p and chosen.cost_curve == curve.model_dump()  # what serve builds its engine with
 
     again = remeasure(specpack.load(art), p, workload)
     assert again["new_tokens"] == e.workload.new_tokens

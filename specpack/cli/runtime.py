@@ -83,7 +83,7 @@ def _run_summary(r: dict) -> str:
               type=click.Choice(["torch", "onnxruntime", "tensorrt"]), help="Backend to measure.")
 @DEVICE
 @DTYPE
-@click.option("--concurrency", default="1,2,4,8", show_default=True,
+@click.option("--concurrency", default="1,2,4,8,16", show_default=True,
               help="Concurrent clients to measure through the serve queue, comma-separated.")
 @click.option("--draft-lens", help="Draft lengths to measure, e.g. 2,4,6 [default: search from the heuristic start].")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int,

@@ -2,10 +2,10 @@
 
 Sequences come from a JSONL file (`{"text"}`, `{"messages"}` or `{"prompt", "completion"}` lines) or
 are the target's own continuations of seed prompts (`{"prompt"}` raw, `{"messages"}` chat, or the
-built-in seeds): greedy, plus sampled ones for more text per seed. Generation runs batched through
-transformers (our decoder is batch-1; batching is ~6x faster on a CPU) and keeps the features of
-the generating forwards; given text goes through specpack's own decoder, teacher-forced. Both are
-cached on disk.
+built-in seeds): greedy, plus sampled ones for more text per seed. Generation runs through
+specpack's batched engine (many sequences per target forward, row-exact kernels) and records the
+features of the generating forwards; given text goes through specpack's own decoder,
+teacher-forced. Both are cached on disk.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError
+from specpack.runtime.engine import Engine, Generation, Request, SamplingParams
 
 log = logging.getLogger(__name__)
-DATA_VERSION = 4
+DATA_VERSION = 5  # 5: self-generation through specpack's engine (keyed sampling)
 FEATURES = "features.safetensors"
 
 
@@ -215,39 +216,65 @@ def builtin_records(chat: bool) -> list[Record]:
     return [Record("prompt", f"Question: {p}\nAnswer:") for p in prompts]
 
 
-# ---- self-generation: batched greedy through transformers, features captured on the way ----
+# ---- self-generation: specpack's batched engine, features recorded on the way ----
 
 def generate(target_dir: Path, prompts: list[list[int]], max_new_tokens: int, eos: tuple[int, ...],
              capture: tuple[int, ...], cache: Path, sampling: "Sampling", batch_size: int = 64,
              progress: bool = False) -> "Features":
     """The target's continuations of `prompts` (pass 0 greedy, passes 1.. sampled, see `Sampling`)
-    with the features of every position, taken from the generating forwards themselves (no second
-    pass). Batches are cached as they finish, so an interrupted run resumes at the next batch."""
+    through specpack's batched engine (one target forward per step for up to `SLOTS` sequences; the
+    greedy pass is what `specpack run` gives), with the states of every position recorded by the
+    generating forwards themselves (no second pass). Batches are cached as they finish, so an
+    interrupted run resumes at the next batch."""
     batches = [list(range(i, min(i + batch_size, len(prompts)))) for i in range(0, len(prompts), batch_size)]
     jobs = [(k, i) for k in range(sampling.passes) for i in range(len(batches))]
     files = {job: cache / f"generated-{job[0]:02d}-{job[1]:05d}.safetensors" for job in jobs}
     todo = [job for job in jobs if not files[job].is_file()]
     if todo:
-        from transformers import AutoModelForCausalLM
+        from specpack.runtime.kernels.accelerate import use_cpu_kernels
+        from specpack.runtime.models.weights import load_target
 
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32,
-                                                     trust_remote_code=False).eval()
+        target = load_target(target_dir)
+        use_cpu_kernels(target)
+        engine = Engine(target, None, slots=min(SLOTS, batch_size), max_len=max(map(len, prompts)) + max_new_tokens + 1,
+                        capture=(*capture, target.spec.num_layers))
         total = len(prompts) * sampling.passes
         bar = _bar(total, "generating", progress, initial=total - sum(len(batches[i]) for _, i in todo))
         for k, i in todo:
-            torch.manual_seed(sampling.seed_of(k, i))
-            _generate_batch(model, prompts, batches[i], max_new_tokens, eos, capture,
-                            sampling.temperature if k else None).save(files[(k, i)])
+            reqs = [Request(prompts[r], max_new_tokens + 1, SamplingParams(sampling.temperature if k else 0.0),
+                            seed=sampling.seed_of(k, i) * 65_536 + r, eos=eos, speculative=False, record=True)
+                    for r in batches[i]]
+            with torch.inference_mode():
+                done = engine.generate_all(reqs)
+            Features.concat([_features(target, g, r, len(capture)) for g, r in zip(done, batches[i])]).save(files[(k, i)])
             bar.update(len(batches[i]))
         bar.close()
     return Features.concat([Features.load(files[job]) for job in jobs])
+
+
+SLOTS = 16  # sequences the engine decodes together while generating
+
+
+def _features(target, g: Generation, group: int, n_aux: int) -> "Features":
+    """What the head trains on from one generation: its tokens with recorded states (the prompt and
+    every generated token fed back; one more was generated than asked, so a full-length row keeps
+    all it was asked for), the aux states, the final-norm output and the target's argmax."""
+    states = torch.cat([x for x, _ in g.recorded])  # [rows, n_aux·H + H]
+    pred = torch.cat([y for _, y in g.recorded])
+    rows, width = states.shape[0], states.shape[1] - target.spec.hidden_size
+    prompt = g.req.prompt
+    tokens = torch.tensor(prompt + g.new[: rows - len(prompt)], dtype=torch.long)
+    with torch.inference_mode():
+        final = target.norm(states[:, width:])
+    return Features(tokens=tokens, aux=states[:, :width].half(), final=final.half(), pred=pred,
+                    offsets=torch.tensor([0, rows]), starts=torch.tensor([len(prompt)]), groups=torch.tensor([group]))
 
 
 @dataclass(frozen=True)
 class Sampling:
     """How many continuations each seed prompt gets: the greedy one, then `passes - 1` sampled at
     `temperature` (more text from the target's own distribution than the seeds alone give; the
-    labels stay the target's argmax at every position). Seeded per (pass, batch)."""
+    labels stay the target's argmax at every position). Seeded per (pass, batch, prompt)."""
 
     passes: int = 1
     temperature: float = 0.7
@@ -255,75 +282,6 @@ class Sampling:
 
     def seed_of(self, k: int, batch: int) -> int:
         return self.seed * 1_000_003 + k * 10_007 + batch
-
-
-def _generate_batch(model, prompts: list[list[int]], rows: list[int], max_new: int, eos: tuple[int, ...],
-                    capture: tuple[int, ...], temperature: float | None) -> "Features":
-    from transformers import GenerationConfig
-
-    batch = [prompts[r] for r in rows]
-    width = max(map(len, batch))
-    pad = eos[0] if eos else 0
-    ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])  # left padding
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
-    # plain greedy or plain sampling whatever the target's generation_config says (no repetition
-    # penalty, top-k or top-p); one step more than asked, since the last token of a full-length row
-    # gets no features of its own
-    mode = {"do_sample": False} if temperature is None else {"do_sample": True, "temperature": temperature,
-                                                            "top_k": 0, "top_p": 1.0}
-    config = GenerationConfig(max_new_tokens=max_new + 1, pad_token_id=pad, eos_token_id=list(eos), **mode)
-    with torch.inference_mode(), _Capture(model, capture) as cap:
-        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
-        aux, final = cap.result()  # [B, width + G - 1, ·]: every position that went through the model
-        seqs = []
-        for b, (prompt, row) in enumerate(zip(batch, out[:, width:].tolist())):
-            cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))  # keep the EOS itself
-            keep = min(cut, len(row) - 1)  # generated tokens that have features
-            span = slice(width - len(prompt), width + keep)
-            feats = final[b, span]
-            seqs.append(Features(tokens=torch.tensor(prompt + row[:keep]), aux=aux[b, span].half(),
-                                 final=feats.half(), pred=_argmax(model, feats, row, len(prompt), keep, temperature),
-                                 offsets=torch.tensor([0, len(prompt) + keep]), starts=torch.tensor([len(prompt)]),
-                                 groups=torch.tensor([rows[b]])))
-    return Features.concat(seqs)
-
-
-def _argmax(model, feats: Tensor, row: list[int], prompt_len: int, keep: int, temperature) -> Tensor:
-    """The target's argmax at every position of a generated sequence. A greedy row holds it already
-    past the prompt (the next generated token); a sampled row needs the lm_head everywhere."""
-    if temperature is not None:
-        return model.lm_head(feats).argmax(-1)
-    last = model.lm_head(feats[-1:]).argmax(-1) if keep else torch.empty(0, dtype=torch.long)
-    return torch.cat([model.lm_head(feats[:prompt_len]).argmax(-1), torch.tensor(row[1:keep], dtype=torch.long), last])
-
-
-class _Capture:
-    """Hooks on a transformers decoder: the inputs of layers `capture` and the final norm's output,
-    one [B, t, H] piece per forward (the prefill, then one position per generated token)."""
-
-    def __init__(self, model, capture: tuple[int, ...]):
-        self.model, self.capture = model, capture
-        self.aux: dict[int, list[Tensor]] = {i: [] for i in capture}
-        self.final: list[Tensor] = []
-
-    def __enter__(self):
-        inner = self.model.model
-        self.hooks = [inner.layers[i].register_forward_pre_hook(self._pre(i), with_kwargs=True) for i in self.capture]
-        self.hooks.append(inner.norm.register_forward_hook(lambda mod, inp, out: self.final.append(out)))
-        return self
-
-    def _pre(self, i: int):
-        def hook(mod, args, kwargs):
-            self.aux[i].append(args[0] if args else kwargs["hidden_states"])
-        return hook
-
-    def __exit__(self, *exc):
-        for h in self.hooks:
-            h.remove()
-
-    def result(self) -> tuple[Tensor, Tensor]:
-        aux = torch.cat([torch.cat(self.aux[i], dim=1) for i in self.capture], dim=-1)
-        return aux, torch.cat(self.final, dim=1)
 
 
 # ---- teacher-forced features from specpack's decoder ----

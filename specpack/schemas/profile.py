@@ -21,6 +21,12 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class CostCurve(_Strict):
+    rows: list[int] = Field(min_length=1, description="Rows in one target forward, ascending.")
+    ms: list[float] = Field(min_length=1, description="Milliseconds one target forward over that many rows took "
+                                                      "(median after a warm-up).")
+
+
 class ProfileSettings(_Strict):
     speculative: bool = Field(description="Drafter on (speculative decoding) or off (the target alone).")
     draft_len: int = Field(ge=0, le=16, description="Draft tokens proposed per step; 0 when speculation is off.")
@@ -30,6 +36,9 @@ class ProfileSettings(_Strict):
         ge=0, description="Highest number of requests in flight at which speculation still beat decoding "
                           "without it on the workload; above it, `serve` turns speculation off. "
                           "0 when speculation never paid.")
+    cost_curve: Optional[CostCurve] = Field(
+        None, description="Target step time vs rows measured on the profile's hardware: the batched engine "
+                          "chooses each step's draft lengths from it (absent in profiles from before the engine).")
 
 
 class ProfileMemory(_Strict):
@@ -59,9 +68,16 @@ class DraftLenPoint(_Strict):
 
 
 class ConcurrencyPoint(_Strict):
-    concurrency: int = Field(ge=1, description="Concurrent clients sending the workload through the serve queue.")
+    concurrency: int = Field(ge=1, description="Concurrent clients sending the workload through the batched "
+                                               "engine `serve` runs (its scheduler).")
     baseline_tokens_per_s: float = Field(ge=0, description="Aggregate tokens/s with speculation off.")
     speculative_tokens_per_s: float = Field(ge=0, description="Aggregate tokens/s with speculation on.")
+    baseline_p50_s: Optional[float] = Field(None, ge=0, description="Median request latency, speculation off.")
+    baseline_p95_s: Optional[float] = Field(None, ge=0, description="95th percentile request latency, "
+                                                                     "speculation off.")
+    speculative_p50_s: Optional[float] = Field(None, ge=0, description="Median request latency, speculation on.")
+    speculative_p95_s: Optional[float] = Field(None, ge=0, description="95th percentile request latency, "
+                                                                        "speculation on.")
 
 
 class Hardware(_Strict):

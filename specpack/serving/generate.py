@@ -20,6 +20,19 @@ class GenerateRequest:
     profile: str | None = None  # validated profile name or id; None: the best runnable one, else defaults
 
 
+def _engine_settings(chosen) -> dict:
+    """The profile's cost curve and measured acceptance, when it has them: draft lengths then
+    follow the cost model (else the drafter's own draft-length policy)."""
+    from specpack.runtime.engine.cost import CostModel
+
+    out = {}
+    if chosen.cost_curve:
+        out["cost"] = CostModel.from_dict(chosen.cost_curve)
+    if chosen.position_acceptance:
+        out["prior"] = tuple(chosen.position_acceptance)
+    return out
+
+
 def generate_text(artifact, req: GenerateRequest, public_key=None, device: str = "cpu",
                   dtype: str = "float32", write: Callable[[str], None] | None = None,
                   progress: bool = False, model=None, backend: str = "torch") -> dict:
@@ -27,8 +40,8 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     token ids and figures as plain data (the `--json` shape of `specpack run`)."""
     from specpack.errors import InputError
     from specpack.runtime.api import load
-    from specpack.tuning.profiles import select_profile
     from specpack.runtime.text import TextStream, encode_prompt, stop_sequences
+    from specpack.tuning.profiles import select_profile
 
     if req.temperature < 0:
         raise InputError(f"temperature {req.temperature} is negative", hint="use 0 (greedy) or more")
@@ -43,7 +56,7 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,
                             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                             seed=req.seed, stop=stop_sequences(tok, req.stop),
-                            speculative=speculative, on_tokens=stream)
+                            speculative=speculative, on_tokens=stream, **_engine_settings(chosen))
     s = result.stats
     return {"text": stream.flush(), "token_ids": result.tokens, "prompt_tokens": len(ids),
             "finish_reason": result.finish_reason, "speculative": speculative,

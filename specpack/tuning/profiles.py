@@ -240,6 +240,18 @@ class Selection:
     max_concurrency: Optional[int]
     message: str
 
+    @property
+    def cost_curve(self) -> Optional[dict]:
+        """The profile's measured step-time curve (rows, ms), for the engine's draft lengths."""
+        c = self.profile.settings.cost_curve if self.profile else None
+        return c.model_dump() if c else None
+
+    @property
+    def position_acceptance(self) -> Optional[list[float]]:
+        """Per-position acceptance measured on the profile's workload: where sequences start."""
+        return list(self.profile.evidence.position_acceptance) if self.profile and self.profile.settings.speculative \
+            else None
+
 
 def select_profile(manifest, device: str = "cpu", dtype: str = "float32", wanted: Optional[str] = None,
                    backend: str = "torch", machine: Optional[Machine] = None) -> Selection:

