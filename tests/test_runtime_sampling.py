@@ -6,7 +6,9 @@ import math
 import pytest
 import torch
 
+import block_fixtures as bf
 from eagle_fixtures import one_thread  # noqa: F401
+from specpack.runtime.drafters.block import load_block
 from specpack.runtime.engine import engine
 from specpack.runtime.models.config import target_spec_from_config
 from specpack.runtime.drafters.eagle3 import Eagle3Drafter, eagle3_spec_from_config
@@ -83,9 +85,23 @@ def always_accept(drafts, target):
 PARAMS = {"t1": SamplingParams(temperature=1.0), "t0.7-k3-p0.9": SamplingParams(temperature=0.7, top_k=3, top_p=0.9)}
 
 
-@pytest.fixture(scope="module", params=["eagle3", "ngram"])
-def drafter(request, eagle):
-    return eagle if request.param == "eagle3" else NgramDrafter(1, 3)
+def block_head(target, path, algorithm):
+    """A random block drafter for the tiny target: DFlash over 3 of the 4 tokens (d2t), DSpark with
+    its Markov correction, LiLiCorr walking 2 candidates per slot."""
+    over = {"dflash": {"draft_vocab": 3}, "lilicorr": {},
+            "dspark": {"layout": "anchor_first", "markov": {"rank": 4, "type": "vanilla"}}}[algorithm]
+    cfg = bf.block_config({"hidden_size": 32, "vocab_size": V}, algorithm, layer_ids=(0, 1), hidden_size=32,
+                          num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, **over)
+    if algorithm == "lilicorr":
+        cfg["lilicorr"] = {**cfg["lilicorr"], "candidate_topk": 2, "hidden_size": 16, "logit_scale": 100.0}
+    return load_block(None, bf.write_block(path, cfg, bf.random_weights(cfg, 1)), target)
+
+
+@pytest.fixture(scope="module", params=["eagle3", "ngram", "dflash", "dspark", "lilicorr"])
+def drafter(request, eagle, target, tmp_path_factory):
+    if request.param in ("eagle3", "ngram"):
+        return eagle if request.param == "eagle3" else NgramDrafter(1, 3)
+    return block_head(target, tmp_path_factory.mktemp("block"), request.param)
 
 
 def test_plain_sampling_matches_the_exact_distribution(target):

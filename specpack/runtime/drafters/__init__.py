@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from specpack.errors import UnsupportedError
+from specpack.runtime.drafters.block import load_block
 from specpack.runtime.drafters.draft_model import load_draft_model
 from specpack.runtime.drafters.eagle3 import load_eagle3
 from specpack.runtime.drafters.mtp import load_mtp
 from specpack.runtime.drafters.ngram import load_ngram
 
 # kind -> loader(params: dict | None, drafter_dir: path | None, target) -> drafter module
-DRAFTERS = {"eagle3": load_eagle3, "ngram": load_ngram, "mtp": load_mtp, "draft_model": load_draft_model}
+DRAFTERS = {"eagle3": load_eagle3, "ngram": load_ngram, "mtp": load_mtp, "draft_model": load_draft_model,
+            "block": load_block}
 
 
 def load_drafter(kind: str, params: dict | None, drafter_dir, target):

@@ -1,0 +1,313 @@
+"""Block drafters (DFlash, DSpark, LiLiCorr): drafts and confidences equal an independent reference
+over several rounds, a batch drafts what each sequence drafts alone, greedy speculative output is
+plain greedy output, and unusable heads are refused with every problem named."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import block_fixtures as bf
+import block_reference as ref
+import eagle_fixtures as ef
+import tiny
+from eagle_fixtures import one_thread, target_dir  # noqa: F401
+from specpack.errors import InputError, UnsupportedError
+from specpack.runtime.drafters.base import DraftJob
+from specpack.runtime.drafters.block import load_block
+from specpack.runtime import kernels
+from specpack.runtime.engine.sampling import Sampler, SamplingParams
+from specpack.runtime.models.config import target_spec_from_config
+from specpack.runtime.models.dense import Transformer
+from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
+
+LILI_SAME_WIDTH = {"candidate_topk": 2, "hidden_size": None, "num_layers": 1, "num_heads": 4, "mlp_ratio": 1.5,
+                   "factor_dim": 8, "vector_eps": 1e-6, "logit_scale": 5.0}
+VARIANTS = {
+    "dflash": {},
+    "dflash-anchor-first": {"layout": "anchor_first"},
+    # own (bigger) embedding and head, reduced vocab, mask embedding, interleaved RoPE, biases, scale, a causal layer
+    "dflash-everything": {"block_size": 5, "embedding": "drafter", "vocab_size": 400, "mask_token_id": 399,
+                          "draft_vocab": 200, "mask_embedding": True, "rope_style": "interleaved",
+                          "attention_bias": True, "logit_scale": 1.5, "layer_causal": [True, False]},
+    "dspark": {"algorithm": "dspark", "layout": "anchor_first"},
+    "dspark-gated-fill-in": {"algorithm": "dspark", "markov": {"rank": 8, "type": "gated"},
+                             "confidence": {"with_markov": False}},
+    "dspark-rnn-reduced": {"algorithm": "dspark", "layout": "anchor_first", "draft_vocab": 200,
+                           "markov": {"rank": 8, "type": "rnn"}},
+    "dspark-no-markov": {"algorithm": "dspark", "markov": None, "confidence": {"with_markov": False}},
+    "lilicorr": {"algorithm": "lilicorr", "block_size": 5},
+    "lilicorr-same-width": {"algorithm": "lilicorr", "lilicorr": LILI_SAME_WIDTH, "lm_head": "drafter"},
+}
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_target(target_dir("llama")), tiny.build_model("llama")
+
+
+def target_cfg() -> dict:
+    return tiny.read_json(target_dir("llama") / "config.json")
+
+
+def head(path, variant: str, seed: int = 0):
+    return bf.random_block(path, target_cfg(), seed, **VARIANTS[variant])
+
+
+def features(hf, seq):
+    """[S, 3H]: the input hidden states of the capture layers (hidden_states[i]) of `seq`."""
+    with torch.no_grad():
+        hidden = hf(seq[None], output_hidden_states=True).hidden_states
+    return torch.cat([hidden[i][0] for i in bf.LAYER_IDS], -1)
+
+
+def sequence(hf, seed: int, new: int = 12):
+    prompt = torch.randint(3, tiny.VOCAB, (1, 8), generator=torch.Generator().manual_seed(seed))
+    return ef.greedy_sequences(hf, prompt, new)[0]
+
+
+def sampler(seed):
+    return None if seed is None else Sampler(SamplingParams(temperature=1.0), seed, tiny.VOCAB)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("seed", [None, 11], ids=["greedy", "sampled"])
+def test_drafts_match_the_reference_over_rounds(llama, tmp_path, variant, seed):
+    target, hf = llama
+    head_dir = head(tmp_path / "h", variant)
+    drafter = load_block(None, head_dir, target)
+    w, cfg = bf.load_head(head_dir)
+    embed, lm_head = hf.get_input_embeddings().weight.detach(), hf.lm_head.weight.detach()
+    seq = sequence(hf, 5)
+    feats, N = features(hf, seq), cfg["draft_slots"]
+    drafter.reset(64)
+    committed, seen = 0, set()
+    # each round: the context grows by the accepted drafts + 1; the rest of the last block is dropped
+    for n, k in ((9, N), (12, 2), (13, N), (17, N + 2)):
+        got = drafter.propose(seq[:n], feats[committed : n - 1], k, sampler(seed))
+        want, conf = ref.ref_draft(w, cfg, embed, lm_head, feats[: n - 1], seq[:n], k, sampler(seed))
+        committed = n - 1
+        assert got.tokens.tolist() == want, f"round with {n} tokens"
+        assert len(want) == min(k, N)
+        if conf is None:
+            assert got.confidence is None
+        else:
+            assert got.confidence.dtype == torch.float32
+            torch.testing.assert_close(got.confidence, torch.tensor(conf), atol=1e-5, rtol=1e-5)
+        seen.update(want)
+    assert len(seen) > 1  # not a constant
+
+
+@pytest.mark.parametrize("variant", ["dflash-everything", "dspark", "lilicorr"])
+def test_a_batch_drafts_what_each_sequence_drafts_alone(llama, tmp_path, variant):
+    target, hf = llama
+    drafter = load_block(None, head(tmp_path / "h", variant), target)
+    seqs = [sequence(hf, s) for s in (1, 2, 3)]
+    feats = [features(hf, s) for s in seqs]
+    rounds = [(9, 14, 11), (12, 15, 16)]  # context lengths per sequence, per round
+    alone = []
+    for i, (seq, f) in enumerate(zip(seqs, feats)):
+        drafter.reset(64)
+        sampled = sampler(7) if i == 1 else None
+        alone.append([drafter.propose(seq[:r[i]], f[prev[i] - 1 if prev else 0 : r[i] - 1], 8, sampled)
+                      for prev, r in zip([None] + rounds[:-1], rounds)])
+    drafter.reserve(4, 64)
+    slots = (3, 0, 2)
+    for slot in slots:
+        drafter.start(slot)
+    for t, r in enumerate(rounds):
+        jobs = [DraftJob(slot, seq[:r[i]], f[(rounds[t - 1][i] - 1 if t else 0) : r[i] - 1], (8, 2, 3)[i],
+                         sampler(7) if i == 1 else None)
+                for i, (slot, seq, f) in enumerate(zip(slots, seqs, feats))]
+        for i, d in enumerate(drafter.draft(jobs)):
+            want = alone[i][t]
+            assert d.tokens.tolist() == want.tokens[: len(d.tokens)].tolist()
+            if want.confidence is not None:
+                torch.testing.assert_close(d.confidence, want.confidence[: len(d.tokens)])
+
+
+# ---- through the engine ----
+
+@pytest.fixture(scope="module")
+def prompts():
+    seqs = ef.greedy_sequences(tiny.build_model("llama"), ef.training_prompts(), 12)
+    return [seqs[i, : 8 + i % 5].tolist() for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def plain(llama, prompts):
+    model = SpecModel(llama[0])
+    return [model.generate(p, 20, speculative=False, eos_ids=()).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dflash-anchor-first", "dspark", "dspark-rnn-reduced", "lilicorr"])
+def test_greedy_speculative_equals_plain(llama, prompts, plain, tmp_path, variant):
+    target = llama[0]
+    model = SpecModel(target, load_drafter("block", None, head(tmp_path / "h", variant), target))
+    for i, (prompt, want) in enumerate(zip(prompts, plain)):
+        got = model.generate(prompt, 20, draft_len=1 + i % 6, eos_ids=())
+        assert got.tokens == want, f"prompt {i}"
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no CPU kernel")
+def test_greedy_equals_plain_on_the_packed_cpu_kernels(prompts, tmp_path):
+    """What the torch backend runs on the CPU: every linear layer of target and drafter packed."""
+    from specpack.runtime.kernels.accelerate import use_cpu_kernels
+
+    threads = torch.get_num_threads()
+    target = load_target(target_dir("llama"))
+    try:
+        use_cpu_kernels(target)
+        plain = [SpecModel(target).generate(p, 20, speculative=False, eos_ids=()).tokens for p in prompts[:3]]
+        for variant in ("dflash-everything", "dspark-rnn-reduced", "lilicorr"):
+            drafter = load_block(None, head(tmp_path / variant, variant), target)
+            assert use_cpu_kernels(drafter) > 0
+            model = SpecModel(target, drafter)
+            for prompt, want in zip(prompts, plain):
+                assert model.generate(prompt, 20, draft_len=4, eos_ids=()).tokens == want
+    finally:
+        torch.set_num_threads(threads)
+
+
+def small_target(vocab: int = 8):
+    """A 2-layer target over a tiny vocabulary: random drafts are often right, so blocks get accepted."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+           "num_key_value_heads": 1, "intermediate_size": 64, "vocab_size": vocab, "max_position_embeddings": 64}
+    torch.manual_seed(0)
+    return Transformer(target_spec_from_config(cfg)).requires_grad_(False), {**cfg, "vocab_size": vocab}
+
+
+def small_head(path, target_cfg: dict, bigrams=(), **over):
+    """A random head for `small_target`; a DSpark head's Markov correction set to the given target
+    bigrams (prev -> next, a one-hot W1 and a strong W2), so its drafts follow the target."""
+    cfg = bf.block_config(target_cfg, layer_ids=(0, 1), hidden_size=32, num_attention_heads=2,
+                          num_key_value_heads=1, intermediate_size=64, **over)
+    V = target_cfg["vocab_size"]
+    if cfg["lilicorr"]:
+        cfg["lilicorr"] = {**cfg["lilicorr"], "candidate_topk": 3, "hidden_size": 16}
+    if cfg["markov"]:
+        cfg["markov"] = {"rank": V, "type": "vanilla"}
+    w = bf.random_weights(cfg, 3)
+    if cfg["markov"]:
+        w["markov_head.markov_w1.weight"] = torch.eye(V)
+        w["markov_head.markov_w2.weight"] = torch.zeros(V, V)
+        for a, b in bigrams:
+            w["markov_head.markov_w2.weight"][b, a] = 30.0
+    return bf.write_block(path, cfg, w)
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dspark", "lilicorr"])
+def test_accepted_blocks_keep_greedy_output(tmp_path, variant):
+    target, cfg = small_target()
+    plain = SpecModel(target)
+    prompts = [torch.randint(0, 8, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(8)]
+    wants = [plain.generate(p, 24, speculative=False, eos_ids=()).tokens for p in prompts]
+    bigrams = {(a, b) for want in wants for a, b in zip(want, want[1:])}
+    over = {"algorithm": variant, "layout": "anchor_first" if variant == "dspark" else "fill_in", "block_size": 5}
+    model = SpecModel(target, load_block(None, small_head(tmp_path / "h", cfg, bigrams, **over), target))
+    accepted = 0
+    for prompt, want in zip(prompts, wants):
+        got = model.generate(prompt, 24, draft_len=4, eos_ids=())
+        assert got.tokens == want
+        accepted += got.stats.accepted
+    assert accepted > 20  # multi-row context updates were exercised
+
+
+def test_half_precision_runs(tmp_path):
+    """bf16 weights, caches and features run end to end for every algorithm (not compared: exactness
+    is per precision); the confidence head stays fp32."""
+    target = load_target(target_dir("llama"), dtype=torch.bfloat16)
+    prompt = list(range(3, 12))
+    for variant in ("dflash-everything", "dspark", "lilicorr"):
+        model = SpecModel(target, load_block(None, head(tmp_path / variant, variant), target))
+        assert model.drafter.fc.weight.dtype == torch.bfloat16
+        if model.drafter.confidence_head is not None:
+            assert model.drafter.confidence_head.proj.weight.dtype == torch.float32
+        for temperature in (0.0, 1.0):
+            got = model.generate(prompt, 10, draft_len=4, temperature=temperature, seed=0, eos_ids=())
+            assert len(got.tokens) == 10
+
+
+# ---- refusals ----
+
+def test_config_problems_are_listed_together():
+    cfg = bf.block_config(target_cfg(), algorithm="dflash", layout="fill_in", draft_slots=4,
+                          markov={"rank": 4, "type": "vanilla"}, rope_style="yarn", layer_causal=[False],
+                          target_layer_convention="output_of_layer", embedding=None, mask_token_id=10_000)
+    with pytest.raises(InputError) as e:
+        bf.random_weights(cfg)
+    text = "\n".join(e.value.problems)
+    for part in ("draft_slots 4 with block_size 4", "markov head given for algorithm 'dflash'", "rope_style 'yarn'",
+                 "layer_causal", "target_layer_convention 'output_of_layer'", "embedding: missing",
+                 "mask_token_id 10000"):
+        assert part in text
+    assert e.value.hint
+
+
+@pytest.mark.parametrize("over, part", [
+    ({"algorithm": "lilicorr", "layout": "anchor_first"}, "lilicorr needs query_layout fill_in"),
+    ({"algorithm": "lilicorr", "draft_vocab": 200}, "full target vocabulary"),
+    ({"algorithm": "lilicorr", "lilicorr": None}, "required for algorithm lilicorr"),
+    ({"algorithm": "dspark", "markov": None}, "with_markov is true but there is no markov head"),
+    ({"algorithm": "dspark", "markov": {"rank": 4, "type": "lstm"}}, "markov {'rank': 4, 'type': 'lstm'}"),
+    ({"layout": "anchor_first", "draft_slots": 5}, "draft_slots 5 with block_size 4"),
+])
+def test_inconsistent_heads_are_refused(over, part):
+    with pytest.raises(InputError) as e:
+        bf.random_weights(bf.block_config(target_cfg(), **over))
+    assert any(part in p for p in e.value.problems), e.value.problems
+
+
+@pytest.mark.parametrize("over, part", [({"sliding_window": [None, 128]}, "sliding_window"),
+                                        ({"conv": {"kernel_size": 4, "group_size": 8}}, "conv")])
+def test_what_the_runtime_cannot_run_yet_is_named(over, part):
+    with pytest.raises(UnsupportedError) as e:
+        bf.random_weights(bf.block_config(target_cfg(), **over))
+    assert part in e.value.problems[0] and e.value.hint
+
+
+def test_head_for_another_target_is_refused(llama, tmp_path):
+    target = llama[0]
+    path = head(tmp_path / "h", "dflash")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(target_hidden_size=32, target_vocab_size=500, target_layer_ids=[1, 3, 6], hidden_size=48)
+    (path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(InputError) as e:
+        load_block(None, path, target)
+    text = "\n".join(e.value.problems)
+    for part in ("target_hidden_size is 32", "target_vocab_size is 500", "target layer id 6",
+                 "cannot use the target's embedding", "fc.weight has shape"):
+        assert part in text
+
+
+def test_missing_unexpected_and_broken_tensors(llama, tmp_path):
+    target = llama[0]
+    path = head(tmp_path / "h", "dspark-rnn-reduced")
+    w = load_file(str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["confidence"] = None  # the file still holds the head: it must not be dropped silently
+    (path / "config.json").write_text(json.dumps(cfg))
+    del w["markov_head.joint_proj.bias"], w["norm.weight"]
+    save_file(w, str(path / "model.safetensors"))
+    with pytest.raises(InputError) as e:
+        load_block(None, path, target)
+    problems = e.value.problems
+    assert sum("missing tensor" in p for p in problems) == 2
+    assert sum("unexpected tensor confidence_head" in p for p in problems) == 2
+
+    path = head(tmp_path / "h2", "dspark-rnn-reduced")
+    w = load_file(str(path / "model.safetensors"))
+    good = w["d2t"].clone()
+    w["d2t"][3] = tiny.VOCAB
+    save_file(w, str(path / "model.safetensors"))
+    with pytest.raises(InputError, match="vocabulary map"):
+        load_block(None, path, target)
+    w["d2t"] = good
+    w["layers.0.self_attn.attention_sink_bias"] = torch.zeros(bf.HEADS)
+    save_file(w, str(path / "model.safetensors"))
+    with pytest.raises(UnsupportedError, match="attention sinks"):
+        load_block(None, path, target)
+    (path / "config.json").unlink()
+    with pytest.raises(InputError, match="no config.json"):
+        load_block(None, path, target)
