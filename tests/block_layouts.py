@@ -53,7 +53,7 @@ def target_geometry(target_dir: Path) -> dict:
     return {"hidden": cfg["hidden_size"], "heads": cfg["num_attention_heads"], "kv": cfg["num_key_value_heads"],
             "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
             "inter": cfg["intermediate_size"], "vocab": cfg["vocab_size"], "layers": cfg["num_hidden_layers"],
-            "theta": cfg.get("rope_theta", 10000.0), "config": cfg}
+            "theta": cfg.get("rope_theta", 10000.0), "eps": cfg.get("rms_norm_eps", 1e-6), "config": cfg}
 
 
 def target_tensor(target_dir: Path, name: str) -> torch.Tensor:
@@ -94,7 +94,7 @@ def canonical_tensors(head: Head, target_dir: Path) -> dict:
 def _qwen3_config(head: Head, t: dict) -> dict:
     return {"model_type": "qwen3", "hidden_size": t["hidden"], "num_hidden_layers": head.layers,
             "num_attention_heads": t["heads"], "num_key_value_heads": t["kv"], "head_dim": t["head_dim"],
-            "intermediate_size": t["inter"], "hidden_act": "silu", "rms_norm_eps": 1e-6, "vocab_size": t["vocab"],
+            "intermediate_size": t["inter"], "hidden_act": "silu", "rms_norm_eps": t["eps"], "vocab_size": t["vocab"],
             "max_position_embeddings": 512, "rope_theta": t["theta"], "rope_scaling": None, "attention_bias": False,
             "tie_word_embeddings": False, "layer_types": ["full_attention"] * head.layers}
 
