@@ -85,9 +85,9 @@ def canonical_tensors(head: Head, target_dir: Path) -> dict:
         width = h + (head.markov[0] if head.markov else 0)
         out.update({CONFIDENCE[0]: w(1, width), CONFIDENCE[1]: w(1)})
     if head.lilicorr:
-        from specpack.converters.block.canonical import lilicorr_shapes
+        from specpack.converters.block import lilicorr
 
-        out.update({n: w(*s) for n, s in lilicorr_shapes(head.lilicorr, h, head.block_size).items()})
+        out.update({n: w(*s) for n, s in lilicorr.shapes(head.lilicorr, h, head.block_size).items()})
     return out
 
 

@@ -342,3 +342,13 @@ def test_cli_flags_reach_the_converter(tmp_path, tiny_target, cli):
                          "anchor_first", "--mask-token-id", "5", "--json")
     assert code == 0, err
     assert json.loads(out)["drafter"] == "block"
+
+
+def test_reduced_vocab_keeps_its_lm_head_and_d2t(tmp_path, tiny_target):
+    ids = torch.randperm(384, generator=torch.Generator().manual_seed(1))[:256].sort().values
+    head = bl.edit_tensors(bl.write("zlab-dflash", tmp_path / "head", tiny_target),
+                           {"lm_head.weight": torch.randn(256, 64), "d2t": ids - torch.arange(256)})
+    d = read_json(_build(tmp_path, tiny_target, head) / "specpack.json")["drafter"]
+    assert (d["vocab_map"], d["draft_vocab_size"], d["lm_head_source"]) == ("d2t", 256, "drafter")
+    bl.edit_tensors(head, drop=("d2t",))
+    _refused(tmp_path, tiny_target, head, "no d2t map")

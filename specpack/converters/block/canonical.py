@@ -10,7 +10,8 @@ import logging
 from dataclasses import dataclass
 
 from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter
-from specpack.converters.block.common import (CONFIDENCE, LAYER_BIASES, LAYER_WEIGHTS, MARKOV, SINK, TOP, Reading,
+from specpack.converters.block import lilicorr, tables
+from specpack.converters.block.common import (CONFIDENCE, LAYER_BIASES, LAYER_WEIGHTS, MARKOV, SINK, Reading,
                                               check_target, dflash_config, flag_problems, id_problems, resolve,
                                               resolve_target_ids)
 from specpack.converters.target_hf import Target
@@ -46,7 +47,7 @@ def build(r: Reading, target: Target, aux: AuxOverride | None, block: BlockOverr
     bind = _bindings(r, block, geo, target, aux)
     r.problems += _tensor_problems(r, geo, bind)
     if not r.problems:
-        bind.update(_sharing(r, geo, target, bind["algorithm"]))
+        bind.update(tables.sharing(r, geo, target, bind["algorithm"]))
     if r.problems:
         raise ConversionError(f"block drafter '{r.path}' ({r.layout}) cannot be bound to target '{target.root}'",
                               problems=r.problems,
@@ -270,40 +271,7 @@ def _head_shapes(geo: Geometry, bind: dict) -> dict[str, tuple]:
         width = h + (markov["rank"] if conf["with_markov"] and markov else 0)
         shapes.update(dict(zip(CONFIDENCE, ((1, width), (1,)))))
     if bind.get("lilicorr") and isinstance(bind.get("block_size"), int):
-        shapes.update(lilicorr_shapes(bind["lilicorr"], h, bind["block_size"]))
-    return shapes
-
-
-def lilicorr_shapes(g: dict, model_hidden: int, block: int) -> dict[str, tuple]:
-    """The correlator's tensors as vLLM names and shapes them (lilicorr.py @ 08f95fe5): every Linear
-    has a bias (ReplicatedLinear's default); token_proj only when its width differs."""
-    h, k, f, nh, m = g["hidden_size"], g["candidate_topk"], g["factor_dim"], g["num_heads"], int(g["hidden_size"] *
-                                                                                                 g["mlp_ratio"])
-    p, shapes = "lilicorr.", {}
-
-    def linear(name, out, inp):
-        shapes.update({f"{p}{name}.weight": (out, inp), f"{p}{name}.bias": (out,)})
-
-    if h != model_hidden:
-        linear("token_proj", h, model_hidden)
-    linear("pass_hidden_proj", h, model_hidden)
-    linear("context_proj", h, model_hidden)
-    shapes.update({f"{p}feature_norm.weight": (5,), f"{p}feature_norm.bias": (5,),
-                   f"{p}slot_embedding": (1, 1, block - 1, 1, h), f"{p}rank_embedding": (1, 1, 1, k, h),
-                   f"{p}relative_slot_bias": (nh, 2 * block - 1), f"{p}same_slot_bias": (nh,),
-                   f"{p}output_norm.weight": (h,), f"{p}anchor_norm.weight": (h,)})
-    linear("feature_mlp.up_proj", h, 5)
-    linear("feature_mlp.down_proj", h, h)
-    for layer in range(g["num_layers"]):
-        q = f"layers.{layer}."
-        shapes.update({f"{p}{q}attn_norm.weight": (h,), f"{p}{q}mlp_norm.weight": (h,),
-                       f"{p}{q}attn.in_proj_weight": (3 * h, h), f"{p}{q}attn.in_proj_bias": (3 * h,)})
-        linear(f"{q}attn.out_proj", h, h)
-        linear(f"{q}mlp.up_proj", m, h)
-        linear(f"{q}mlp.down_proj", h, m)
-    linear("factor_input_proj", h, 3 * h)
-    for name in ("out_head", "in_head", "anchor_out_head"):
-        linear(name, f, h)
+        shapes.update(lilicorr.shapes(bind["lilicorr"], h, bind["block_size"]))
     return shapes
 
 
@@ -323,74 +291,6 @@ def _tensor_problems(r: Reading, geo: Geometry, bind: dict) -> list[str]:
         if got is not None and shape is not None and tuple(got.shape) != tuple(shape):
             out.append(f"{r.source_name(name)}: shape {list(got.shape)}, expected {list(shape)}")
     return out
-
-
-# ---- embedding, lm_head, vocab map ----
-
-def _sharing(r: Reading, geo: Geometry, target: Target, algorithm: str) -> dict:
-    """Which embedding and lm_head the drafter uses, checked against the target's; vocab map."""
-    from specpack.converters.eagle3 import check_vocab_map
-
-    out = {}
-    for role, name, target_name in (("embedding", "embed_tokens.weight", "model.embed_tokens.weight"),
-                                    ("lm_head", "lm_head.weight", _lm_head_name(target))):
-        source, digest = _shared(r, name, target, target_name, geo, role)
-        out[role], out[f"target_{role}_sha256"] = source, digest
-    if geo.draft_vocab < geo.target_vocab:
-        if out["lm_head"] != "drafter":
-            r.problems.append(f"draft vocab {geo.draft_vocab} < target vocab {geo.target_vocab} needs the drafter's "
-                              "own lm_head")
-        _, problems = check_vocab_map(r.tensors, geo.draft_vocab, geo.target_vocab)
-        r.problems += problems
-        r.tensors.pop("t2d", None)  # derivable from d2t; canonical drafters keep d2t only
-    elif "d2t" in r.tensors or "t2d" in r.tensors:
-        if "d2t" in r.tensors and r.tensors["d2t"].any():
-            r.problems.append("d2t maps a full draft vocabulary to other ids: a full vocab maps identically")
-        r.tensors.pop("d2t", None)
-        r.tensors.pop("t2d", None)
-    if algorithm == "lilicorr" and geo.draft_vocab != geo.target_vocab:
-        r.problems.append("LiLiCorr candidates require the full target vocabulary (vLLM lilicorr.py @ 08f95fe5)")
-    return out
-
-
-def _lm_head_name(target: Target) -> str:
-    return "lm_head.weight" if "lm_head.weight" in target.tensors else "model.embed_tokens.weight"
-
-
-def _shared(r: Reading, name: str, target: Target, target_name: str, geo: Geometry, role: str):
-    """(`target` | `drafter`, SHA-256 of the target tensor when shared). A shipped copy equal to the
-    target's, bit for bit, is not stored twice (vLLM shares it then too: `_should_share`)."""
-    from specpack.converters.safetensors_header import tensor_sha256
-
-    mine, entry = r.tensors.get(name), target.tensors.get(target_name)
-    if mine is None:
-        if geo.hidden != target.info.hidden_size:
-            r.problems.append(f"the drafter (hidden {geo.hidden}) ships no {name} of its own and cannot use the "
-                              f"target's (hidden {target.info.hidden_size})")
-        return "target", tensor_sha256(target.root / entry[0], entry[1]) if entry else None
-    if entry is not None and _same(mine, target.root / entry[0], target_name):
-        del r.tensors[name]
-        return "target", tensor_sha256(target.root / entry[0], entry[1])
-    log.warning("the drafter's %s differs from the target's: keeping the drafter's own", name)
-    return "drafter", None
-
-
-def _same(tensor, file, name: str) -> bool:
-    from safetensors import safe_open
-
-    with safe_open(file, "pt") as f:
-        theirs = f.get_slice(name)
-        if tuple(theirs.get_shape()) != tuple(tensor.shape):
-            return False
-        other = f.get_tensor(name)
-    return other.dtype == tensor.dtype and other.contiguous().view(-1).view(
-        dtype=_bytes_dtype(other)).equal(tensor.contiguous().view(-1).view(dtype=_bytes_dtype(tensor)))
-
-
-def _bytes_dtype(t):
-    import torch
-
-    return {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
 
 
 # ---- canonical ----

@@ -43,7 +43,6 @@ LAYER_WEIGHTS = tuple(f"self_attn.{p}_proj.weight" for p in "qkvo") + \
     ("input_layernorm.weight", "post_attention_layernorm.weight")
 LAYER_BIASES = tuple(f"self_attn.{p}_proj.bias" for p in "qkvo")
 SINK = "self_attn.attention_sink_bias"
-TOP = ("fc.weight", "hidden_norm.weight", "norm.weight")
 MARKOV = {"vanilla": ("markov_head.markov_w1.weight", "markov_head.markov_w2.weight"),
           "gated": ("markov_head.gate_proj.weight", "markov_head.gate_proj.bias"),
           "rnn": ("markov_head.joint_proj.weight", "markov_head.joint_proj.bias")}
@@ -138,14 +137,6 @@ def load_mask_embedding(path: Path, mask_token_id) -> tuple[object, list[str]]:
 def dflash_config(raw: dict) -> dict:
     value = raw.get("dflash_config")
     return value if isinstance(value, dict) else {}
-
-
-def first(*pairs):
-    """The first (value, where) whose value is not None, else (None, None)."""
-    for value, where in pairs:
-        if value is not None:
-            return value, where
-    return None, None
 
 
 def state_mask_token(r: Reading) -> None:

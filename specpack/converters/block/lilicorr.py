@@ -105,3 +105,36 @@ def _geometry(r: Reading) -> dict | None:
         r.problems.append("LiLiCorr geometry out of range: " + ", ".join(bad))
         return None
     return geo
+
+
+def shapes(g: dict, model_hidden: int, block: int) -> dict[str, tuple]:
+    """The correlator's tensors as vLLM names and shapes them (lilicorr.py @ 08f95fe5): every Linear
+    has a bias (ReplicatedLinear's default); token_proj only when its width differs."""
+    h, k, f, nh, m = g["hidden_size"], g["candidate_topk"], g["factor_dim"], g["num_heads"], int(g["hidden_size"] *
+                                                                                                 g["mlp_ratio"])
+    p, shapes = "lilicorr.", {}
+
+    def linear(name, out, inp):
+        shapes.update({f"{p}{name}.weight": (out, inp), f"{p}{name}.bias": (out,)})
+
+    if h != model_hidden:
+        linear("token_proj", h, model_hidden)
+    linear("pass_hidden_proj", h, model_hidden)
+    linear("context_proj", h, model_hidden)
+    shapes.update({f"{p}feature_norm.weight": (5,), f"{p}feature_norm.bias": (5,),
+                   f"{p}slot_embedding": (1, 1, block - 1, 1, h), f"{p}rank_embedding": (1, 1, 1, k, h),
+                   f"{p}relative_slot_bias": (nh, 2 * block - 1), f"{p}same_slot_bias": (nh,),
+                   f"{p}output_norm.weight": (h,), f"{p}anchor_norm.weight": (h,)})
+    linear("feature_mlp.up_proj", h, 5)
+    linear("feature_mlp.down_proj", h, h)
+    for layer in range(g["num_layers"]):
+        q = f"layers.{layer}."
+        shapes.update({f"{p}{q}attn_norm.weight": (h,), f"{p}{q}mlp_norm.weight": (h,),
+                       f"{p}{q}attn.in_proj_weight": (3 * h, h), f"{p}{q}attn.in_proj_bias": (3 * h,)})
+        linear(f"{q}attn.out_proj", h, h)
+        linear(f"{q}mlp.up_proj", m, h)
+        linear(f"{q}mlp.down_proj", h, m)
+    linear("factor_input_proj", h, 3 * h)
+    for name in ("out_head", "in_head", "anchor_out_head"):
+        linear(name, f, h)
+    return shapes
