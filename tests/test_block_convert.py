@@ -257,11 +257,14 @@ def test_own_embedding_that_differs_is_kept_equal_copy_is_shared(tmp_path, tiny_
 @pytest.mark.parametrize("layout, update, text", [
     ("zlab-dflash", {"target_hidden_size": 32}, "features of width 32"),
     ("zlab-dflash", {"num_target_layers": 36}, "36-layer target"),
+    ("zlab-dflash", {"vocab_size": 256}, "input vocab (256) is smaller"),
     ("zlab-dflash", {"rope_theta": 1000000.0}, "RoPE base 1000000.0 != the target's 10000"),
     ("zlab-dflash", {"is_neox_style": False}, "interleaved RoPE"),
     ("zlab-dflash", {"hidden_act": "gelu"}, "only silu"),
     ("zlab-dflash", {"quantization_config": {"quant_algo": "W4A16_NVFP4"}}, "quantized (W4A16_NVFP4)"),
     ("zlab-dflash", {"block_size": 1}, "leaves no draft slot"),
+    ("zlab-dflash", {"block_size": "4"}, "block size '4' is not an integer"),
+    ("deepspec-dspark", {"target_layer_ids": "1,4,6"}, "target_layer_ids = '1,4,6' is not a list of layer ids"),
     ("deepspec-dspark", {"markov_rank": 16}, "markov rank: the checkpoint disagrees with itself"),
     ("deepspec-dspark", {"enable_confidence_head": False}, "confidence"),
     ("deepspec-dspark", {"markov_head_type": "gated"}, "markov type"),
@@ -271,6 +274,13 @@ def test_own_embedding_that_differs_is_kept_equal_copy_is_shared(tmp_path, tiny_
 def test_mismatches_against_the_target_or_itself(layout, update, text, tmp_path, tiny_target):
     head = bl.edit_config(bl.write(layout, tmp_path / "head", tiny_target), update)
     _refused(tmp_path, tiny_target, head, text)
+
+
+def test_config_sizes_that_are_not_sizes(tmp_path, tiny_target):
+    head = bl.edit_config(bl.write("zlab-dflash", tmp_path / "head", tiny_target), {"target_hidden_size": "64"},
+                          drop=("intermediate_size",))
+    _refused(tmp_path, tiny_target, head, "target_hidden_size = '64': not a positive integer",
+             "intermediate_size: missing", error=InputError)
 
 
 def test_missing_rope_base_is_refused(tmp_path, tiny_target):
@@ -352,3 +362,42 @@ def test_reduced_vocab_keeps_its_lm_head_and_d2t(tmp_path, tiny_target):
     assert (d["vocab_map"], d["draft_vocab_size"], d["lm_head_source"]) == ("d2t", 256, "drafter")
     bl.edit_tensors(head, drop=("d2t",))
     _refused(tmp_path, tiny_target, head, "no d2t map")
+
+
+def test_causal_sliding_layers_with_sinks_are_bound_per_layer(tmp_path, tiny_target):
+    """Nemotron 3.5's attention: dflash_config causal + use_swa + swa_window_size, sinks in every layer
+    (vLLM `_resolve_layer_attention`, qwen3_dflash.py @ 036a00d1)."""
+    head = bl.edit_config(bl.write("zlab-dflash", tmp_path / "head", tiny_target),
+                          dflash={"causal": True, "use_swa": True, "swa_window_size": 16, "attention_sink_bias": True})
+    bl.edit_tensors(head, {f"layers.{i}.self_attn.attention_sink_bias": torch.randn(4) for i in range(2)})
+    d = read_json(_build(tmp_path, tiny_target, head) / "specpack.json")["drafter"]
+    assert (d["layer_causal"], d["sliding_window"], d["attention_sinks"]) == ([True, True], [16, 16], True)
+    bl.edit_tensors(head, drop=("layers.1.self_attn.attention_sink_bias",))
+    _refused(tmp_path, tiny_target, head, "attention_sink_bias tensors exist for layers [0] only")
+
+
+def test_speculators_sliding_layers_follow_sliding_window_non_causal(tmp_path, tiny_target):
+    head = bl.write("speculators-dflash", tmp_path / "head", tiny_target)
+    config = read_json(head / "config.json")
+    config["transformer_layer_config"].update(layer_types=["sliding_attention", "full_attention"], sliding_window=32,
+                                              use_sliding_window=True)
+    (head / "config.json").write_text(json.dumps(config))
+    d = read_json(_build(tmp_path, tiny_target, head) / "specpack.json")["drafter"]
+    assert (d["layer_causal"], d["sliding_window"]) == ([True, False], [32, None])
+    bl.edit_config(head, {"sliding_window_non_causal": True})
+    d = read_json(_build(tmp_path, tiny_target, head, "art2") / "specpack.json")["drafter"]
+    assert d["layer_causal"] == [False, False]
+
+
+def test_dspark_draft_model_that_is_not_qwen3_is_refused(tmp_path, tiny_target):
+    # vLLM reads DSparkDraftModel as DeepSeek-V4's embedded DSpark unless model_type is qwen3
+    head = bl.edit_config(bl.write("specforge-dspark", tmp_path / "head", tiny_target), {"model_type": "deepseek_v4"})
+    _refused(tmp_path, tiny_target, head, "model_type 'deepseek_v4'", error=UnsupportedError, layout="anchor_first")
+
+
+def test_speculators_verifier_must_be_the_target(tmp_path, tiny_target):
+    head = bl.write("speculators-dspark", tmp_path / "head", tiny_target)
+    config = read_json(head / "config.json")
+    config["speculators_config"]["verifier"]["architectures"] = ["Qwen3ForCausalLM"]
+    (head / "config.json").write_text(json.dumps(config))
+    _refused(tmp_path, tiny_target, head, "verifier architectures ['Qwen3ForCausalLM']")

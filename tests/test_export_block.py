@@ -147,3 +147,20 @@ def test_mask_embedding_exports_to_vllm_only(tmp_path, tiny_target):
         with pytest.raises(UnsupportedError) as err:
             export_engine(art, engine, tmp_path / engine)
         assert "mask embedding" in " ".join(err.value.problems) and err.value.hint == "engines that can: vllm"
+
+
+def test_causal_windowed_drafter_exports_to_vllm_only(tmp_path, tiny_target):
+    head = bl.edit_config(bl.write("zlab-dflash", tmp_path / "head", tiny_target),
+                          dflash={"causal": True, "use_swa": True, "swa_window_size": 16})
+    art = _build(tmp_path, tiny_target, head)
+    export_engine(art, "vllm", tmp_path / "v")
+    cfg = read_json(tmp_path / "v/config.json")
+    # vLLM's rule makes sliding layers causal already: layer_types + the window say it all
+    assert cfg["layer_types"] == ["sliding_attention"] * 2 and cfg["sliding_window"] == 16
+    assert "causal" not in cfg["dflash_config"]
+    back = _build(tmp_path, tiny_target, tmp_path / "v", "back")
+    _same_head(art, back)
+    for engine in ("sglang", "trtllm"):
+        with pytest.raises(UnsupportedError) as err:
+            export_engine(art, engine, tmp_path / engine)
+        assert "causal within the block" in " ".join(err.value.problems)

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter
 from specpack.converters.block import lilicorr, tables
 from specpack.converters.block.common import (CONFIDENCE, LAYER_BIASES, LAYER_WEIGHTS, MARKOV, SINK, Reading,
-                                              check_target, dflash_config, flag_problems, id_problems, resolve,
-                                              resolve_target_ids)
+                                              check_target, dflash_config, flag_problems, id_problems, is_int,
+                                              resolve, resolve_target_ids)
 from specpack.converters.target_hf import Target
 from specpack.errors import ConversionError, InputError
 from specpack.runtime.models.config import SIZE_FIELDS, rope_from_config, size_problems
@@ -63,6 +63,7 @@ def _geometry(r: Reading, target: Target) -> Geometry:
     cfg, t = r.config, target.info
     bad = size_problems(cfg, ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"),
                         (*SIZE_FIELDS, "target_hidden_size", "draft_vocab_size"))
+    bad += size_problems(r.raw, (), ("target_hidden_size", "draft_vocab_size")) if r.raw is not cfg else []
     if bad:
         raise InputError(f"block drafter '{r.path}': config sizes missing or not positive integers", problems=bad,
                          hint="is this the drafter's own config.json?")
@@ -149,6 +150,10 @@ def _heads(r: Reading, geo: Geometry, algorithm) -> dict:
     kind, kind_from = _optional(r, "markov_type")
     conf, conf_from = _optional(r, "confidence")
     with_markov, wm_from = _optional(r, "confidence_with_markov") if conf else (None, None)
+    if rank is not None and not (is_int(rank) and rank >= 0) or kind is not None and kind not in MARKOV:
+        r.problems.append(f"Markov head: rank {rank!r} / type {kind!r} (rank a non-negative integer; type vanilla, "
+                          "gated or rnn)")
+        rank = None
     markov = {"rank": rank, "type": kind or "vanilla"} if rank else None
     out = {"markov": markov, "confidence": {"with_markov": bool(with_markov)} if conf else None,
            "lilicorr": r.lilicorr if algorithm == "lilicorr" else None}
@@ -220,13 +225,18 @@ def vllm_attention(cfg: dict, raw: dict, layers: int, problems: list) -> tuple[l
 
 
 def _binding_problems(r: Reading, geo: Geometry, bind: dict) -> list[str]:
-    out, size, layout, mask = [], bind["block_size"], bind["query_layout"], bind["mask_token_id"]
-    if isinstance(size, int) and (size < 2 if layout == "fill_in" else size < 1):
+    out, layout = [], bind["query_layout"]
+    for key in ("block_size", "mask_token_id"):
+        if bind[key] is not None and not is_int(bind[key]):
+            out.append(f"{key.replace('_', ' ')} {bind[key]!r} is not an integer")
+            bind[key] = None
+    size, mask = bind["block_size"], bind["mask_token_id"]
+    if is_int(size) and (size < 2 if layout == "fill_in" else size < 1):
         out.append(f"block size {size} leaves no draft slot in the {layout} layout")
     if bind["algorithm"] == "lilicorr" and layout == "anchor_first":
         out.append("LiLiCorr scores B-1 fill-in slots (slot_embedding has B-1 rows); an anchor-first LiLiCorr "
                    "does not exist")
-    if mask is not None and not (isinstance(mask, int) and 0 <= mask < geo.target_vocab):
+    if mask is not None and not 0 <= mask < geo.target_vocab:
         out.append(f"mask token id {mask} is outside the target vocab [0, {geo.target_vocab}) (SGLang refuses the "
                    "same: dspark_config.py @ 01f47623)")
     elif mask is not None and mask >= geo.vocab:

@@ -167,11 +167,25 @@ def state_anchor_markers(r: Reading) -> None:
         r.say("query_layout", "fill_in" if bonus else "anchor_first", f"dspark_bonus_anchor = {str(bonus).lower()}")
 
 
+def size(config: dict, key: str) -> int:
+    """config[key] when it is a positive integer, else 0 (the geometry checks report it)."""
+    value = config.get(key)
+    return value if is_int(value) and value > 0 else 0
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def state_target_ids(r: Reading, *places) -> None:
     """`places`: (ids, convention, where) as this layout writes them."""
     for ids, convention, where in places:
-        if ids is not None:
+        if ids is None:
+            continue
+        if isinstance(ids, list) and ids and all(is_int(i) for i in ids):
             r.ids.append((ids, convention, where))
+        else:
+            r.problems.append(f"{where} = {ids!r} is not a list of layer ids")
 
 
 def resolve(r: Reading, binding: str, flag_value=None):

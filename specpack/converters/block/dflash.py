@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpack.converters.block.common import (Reading, speculators_attention, speculators_flat, state_all_ids,
+from specpack.converters.block.common import (size, Reading, speculators_attention, speculators_flat, state_all_ids,
                                               state_anchor_markers, state_block_size, state_mask_token, state_own_tables,
                                               state_sinks, state_target_ids, unsupported_variant)
 from specpack.converters.speculators import verifier_problems
@@ -55,7 +55,7 @@ def read(layout: str, path: Path, raw: dict, tensors: dict, target) -> Reading:
     state_all_ids(r)
     state_mask_token(r)
     state_block_size(r)
-    state_sinks(r, int(raw.get("num_hidden_layers") or 0))
+    state_sinks(r, size(raw, "num_hidden_layers"))
     state_own_tables(r)
     return r
 
@@ -76,6 +76,6 @@ def _speculators(path: Path, raw: dict, tensors: dict, target) -> Reading:
     state_target_ids(r, (raw.get("aux_hidden_state_layer_ids"), "input_of_layer", "aux_hidden_state_layer_ids"))
     state_mask_token(r)
     state_block_size(r)
-    state_sinks(r, int(flat.get("num_hidden_layers") or 0))
-    r.attention = speculators_attention(flat, raw, int(flat.get("num_hidden_layers") or 0))
+    state_sinks(r, size(flat, "num_hidden_layers"))
+    r.attention = speculators_attention(flat, raw, size(flat, "num_hidden_layers"))
     return r

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpack.converters.block.common import (CONFIDENCE, MARKOV, Reading, dflash_config, speculators_attention,
+from specpack.converters.block.common import (size, CONFIDENCE, MARKOV, Reading, dflash_config, speculators_attention,
                                               speculators_flat, state_all_ids, state_anchor_markers, state_block_size,
                                               state_mask_token, state_own_tables, state_sinks, state_target_ids,
                                               unsupported_variant)
@@ -86,11 +86,11 @@ def read(layout: str, path: Path, raw: dict, tensors: dict, target) -> Reading:
     r = Reading(layout, path, flat, raw, {names.get(k, k): v for k, v in tensors.items()},
                 {names[k]: k for k in tensors if k in names})
     _state_layout(r)
-    _state_heads(r, int(flat.get("hidden_size") or 0))
+    _state_heads(r, size(flat, "hidden_size"))
     _state_algorithm(r)
     state_mask_token(r)
     state_block_size(r)
-    layers = int(flat.get("num_hidden_layers") or 0)
+    layers = size(flat, "num_hidden_layers")
     state_sinks(r, layers)
     state_own_tables(r)
     if layout == "speculators-dspark":

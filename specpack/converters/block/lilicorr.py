@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpack.converters.block.common import (Reading, dflash_config, state_all_ids, state_anchor_markers,
+from specpack.converters.block.common import (size, Reading, dflash_config, state_all_ids, state_anchor_markers,
                                               state_block_size, state_mask_token, state_sinks, unsupported_variant)
 from specpack.errors import UnsupportedError
 
@@ -60,7 +60,7 @@ def read(layout: str, path: Path, raw: dict, tensors: dict, target) -> Reading:
     state_all_ids(r)
     state_mask_token(r)
     state_block_size(r)
-    state_sinks(r, int(raw.get("num_hidden_layers") or 0))
+    state_sinks(r, size(raw, "num_hidden_layers"))
     r.lilicorr = _geometry(r)
     return r
 
