@@ -307,8 +307,8 @@ class Manifest(_Strict):
 
 def default_draft_len(manifest: Manifest) -> int:
     """The draft length used when neither a validated profile nor the caller sets one: the drafter's
-    own (n-gram; a block drafter's trained slots), else 4, capped at what the drafter can run (MTP without layer reuse: one draft
-    token per layer, so DeepSeek-V3, GLM and MiMo as published get 1)."""
+    own (n-gram; a block drafter's trained slots), else 4, capped at what the drafter can run (MTP
+    without layer reuse: one draft token per layer, so DeepSeek-V3, GLM and MiMo as published get 1)."""
     drafter = manifest.drafter
     length = getattr(drafter, "draft_len", None) or 4
     if drafter.kind == "block":  # a block drafts its trained slots in one forward

@@ -329,7 +329,8 @@ def state_own_tables(r: Reading) -> None:
 
 
 UNSUPPORTED_TENSORS = (("prefix_gru.", "Domino's prefix GRU"), ("embed_proj.", "Domino's embedding projection"),
-                       (".attention_conv.", "DFlash2 grouped convolutions"), (".mlp_conv.", "DFlash2 grouped convolutions"),
+                       (".attention_conv.", "DFlash2 grouped convolutions"),
+                       (".mlp_conv.", "DFlash2 grouped convolutions"),
                        ("candidate_selector.", "the DFlash2 candidate selector"))
 
 

@@ -63,8 +63,9 @@ def read(layout: str, path: Path, raw: dict, tensors: dict, target) -> Reading:
 def _speculators(path: Path, raw: dict, tensors: dict, target) -> Reading:
     flat = speculators_flat(raw)
     if flat is None:
-        raise UnsupportedError(f"'{path}': speculators DFlash with a {raw['transformer_layer_config'].get('model_type')} "
-                               "decoder layer; the DFlash layer is a Qwen3 layer", hint="re-export with a Qwen3 layer")
+        kind = raw["transformer_layer_config"].get("model_type")
+        raise UnsupportedError(f"'{path}': speculators DFlash with a {kind} decoder layer; the DFlash layer is a "
+                               "Qwen3 layer", hint="re-export with a Qwen3 layer")
     r = Reading("speculators-dflash", path, flat, raw, dict(tensors), {})
     r.problems += verifier_problems(raw, target)
     r.say("algorithm", "dflash", "speculators_model_type dflash")

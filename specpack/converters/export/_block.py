@@ -26,8 +26,8 @@ def check_draft_len(manifest, draft_len: int) -> None:
     """A block drafter proposes at most the slots it was trained with."""
     d = manifest.drafter
     if d.kind == "block" and draft_len > d.draft_slots:
-        raise InputError(f"{draft_len} draft tokens asked for, but this {d.algorithm} drafter's block of {d.block_size} "
-                         f"({d.query_layout}) has {d.draft_slots} trained draft slots",
+        raise InputError(f"{draft_len} draft tokens asked for, but this {d.algorithm} drafter's block of "
+                         f"{d.block_size} ({d.query_layout}) has {d.draft_slots} trained draft slots",
                          hint=f"use --draft-len {d.draft_slots} (or fewer)")
 
 
@@ -133,7 +133,8 @@ def _head_fields(d, dc: dict) -> dict:
         return {"has_own_lm_head": d.lm_head_source == "drafter"}
     if d.algorithm != "dspark" and d.query_layout != "anchor_first":
         return {}
-    return {"markov_rank": d.markov.rank if d.markov else 0, "markov_head_type": d.markov.type if d.markov else "vanilla",
+    return {"markov_rank": d.markov.rank if d.markov else 0,
+            "markov_head_type": d.markov.type if d.markov else "vanilla",
             "enable_confidence_head": d.confidence is not None,
             "confidence_head_with_markov": bool(d.confidence and d.confidence.with_markov)}
 
@@ -168,8 +169,9 @@ def bindings(ctx: ExportContext, engine: str, count: str, ids: list[int], conven
              f"Embedding: {d.embedding_source}; lm_head: {d.lm_head_source}; draft vocab {d.draft_vocab_size} "
              f"({d.vocab_map})."]
     if d.markov or d.confidence:
-        lines.append(f"Markov head: {f'rank {d.markov.rank} ({d.markov.type})' if d.markov else 'none'}; confidence "
-                     f"head: {'with the Markov embedding' if d.confidence and d.confidence.with_markov else 'yes' if d.confidence else 'none'}.")
+        markov = f"rank {d.markov.rank} ({d.markov.type})" if d.markov else "none"
+        confidence = "none" if not d.confidence else "with the Markov embedding" if d.confidence.with_markov else "yes"
+        lines.append(f"Markov head: {markov}; confidence head: {confidence}.")
     if ctx.draft_len < d.draft_slots:
         lines.append(f"Fewer draft tokens than trained slots ({ctx.draft_len} < {d.draft_slots}) shortens the "
                      "non-causal block the drafter attends over: expect lower acceptance than at "
