@@ -13,16 +13,28 @@ from specpack.cli._common import JSON, PUBKEY, cli
 @cli.command()
 @click.argument("target", type=click.Path(path_type=Path))
 @click.option("--drafter", required=True,
-              help="Drafter: a directory (EAGLE-3 official/SGLang/ModelOpt/vLLM speculators head, MTP head, "
-                   "or a draft model), 'mtp' (the target's own MTP layers) or 'ngram'.")
+              help="Drafter: a directory (EAGLE-3 official/SGLang/ModelOpt/vLLM speculators head, DFlash/DSpark/"
+                   "LiLiCorr block drafter, MTP head, or a draft model), 'mtp' (the target's own MTP layers) or "
+                   "'ngram'.")
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--key", type=click.Path(path_type=Path), envvar="SPECPACK_SIGNING_KEY",
               help="EC private key (PEM) to sign with [env: SPECPACK_SIGNING_KEY]. Without it the "
                    "artifact is unsigned: digests still guard integrity; sign later with `specpack sign`.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
-@click.option("--aux-layer-ids", help="Override EAGLE-3 aux layer ids, e.g. 2,16,29.")
+@click.option("--aux-layer-ids", "--target-layer-ids", "aux_layer_ids",
+              help="Target layers whose hidden states feed the drafter's fc, e.g. 2,16,29: overrides an EAGLE-3 "
+                   "head's aux ids; for a block drafter it may only supply ids its checkpoint lacks or confirm them.")
 @click.option("--aux-convention", type=click.Choice(["input", "output"]),
-              help="How --aux-layer-ids count: 'input' of layer i (EAGLE, vLLM) or 'output' (TRT-LLM, ModelOpt).")
+              help="How --aux-layer-ids/--target-layer-ids count: 'input' of layer i (EAGLE, vLLM aux ids, "
+                   "speculators) or 'output' of layer i (TRT-LLM, ModelOpt, z-lab/DeepSpec target_layer_ids).")
+@click.option("--block-layout", type=click.Choice(["fill_in", "anchor_first"]),
+              help="Block drafter query layout, when the checkpoint does not say: 'fill_in' (z-lab DFlash, LiLiCorr: "
+                   "B-1 mask slots predict their own positions) or 'anchor_first' (DeepSpec DSpark: B slots, the "
+                   "anchor's slot predicts the next token).")
+@click.option("--block-algorithm", type=click.Choice(["dflash", "dspark", "lilicorr"]),
+              help="Block drafter algorithm, when its architecture and markers disagree (e.g. DFlashDraftModel with "
+                   "LiLiCorr markers).")
+@click.option("--mask-token-id", type=int, help="Block drafter MASK token id, when its config states none.")
 @click.option("--ngram-min", default=1, show_default=True, help="n-gram drafter: shortest suffix.")
 @click.option("--ngram-max", default=4, show_default=True, help="n-gram drafter: longest suffix.")
 @click.option("--draft-len", default=5, show_default=True, help="n-gram drafter: default tokens proposed.")
@@ -33,8 +45,8 @@ from specpack.cli._common import JSON, PUBKEY, cli
               help="Accept a target that needs its own code (auto_map, .py files): it is carried and recorded "
                    "in the manifest; specpack itself never runs it.")
 @JSON
-def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, ngram_min, ngram_max,
-          draft_len, mtp_allow_reuse, copy_files, allow_remote_code, json_mode):
+def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block_layout, block_algorithm,
+          mask_token_id, ngram_min, ngram_max, draft_len, mtp_allow_reuse, copy_files, allow_remote_code, json_mode):
     """Convert TARGET and its drafter into one (signed) artifact at OUT.
 
     \b
@@ -42,12 +54,14 @@ def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, ngram
       specpack build ./target --drafter ./eagle3-head -o my-artifact --key signer.pem
       specpack build ./target --drafter ngram --ngram-max 3 --draft-len 6 -o my-artifact
       specpack build ./deepseek-v3 --drafter mtp -o deepseek-mtp --key signer.pem
+      specpack build ./qwen3-8b --drafter ./dspark-head --block-layout anchor_first -o qwen3-dspark
     """
-    from specpack.converters.base import AuxOverride
+    from specpack.converters.base import AuxOverride, BlockOverrides
     from specpack.packager import BuildOptions, NgramParams, build as do_build
 
     opts = BuildOptions(target=target, drafter=drafter, out=out, key=key, force=force,
                         aux=AuxOverride.parse(aux_layer_ids, aux_convention),
+                        block=BlockOverrides(block_layout, block_algorithm, mask_token_id),
                         ngram=NgramParams(ngram_min, ngram_max, draft_len), link=not copy_files,
                         mtp_allow_reuse=mtp_allow_reuse, allow_remote_code=allow_remote_code,
                         progress=progress_enabled(json_mode))
@@ -188,6 +202,27 @@ def import_gguf(gguf_file, out, dtype, force, json_mode):
                    f"{report.bytes_written / 2**20:,.1f} MiB {dtype})")
 
 
+def _block_rows(dr: dict) -> list[tuple[str, str]]:
+    f = dr["target_features"]
+    heads = [f"markov rank {dr['markov']['rank']} ({dr['markov']['type']})"] if "markov" in dr else []
+    heads += [f"confidence{' +markov' if dr['confidence']['with_markov'] else ''}"] if "confidence" in dr else []
+    heads += [f"lilicorr top-{dr['lilicorr']['candidate_topk']}"] if "lilicorr" in dr else []
+    causal = dr["layer_causal"]
+    return [("  algorithm", f"{dr['algorithm']}, {dr['query_layout']} layout, block {dr['block_size']} → "
+                            f"{dr['draft_slots']} draft slots"),
+            ("  target layers", f"{f['layer_ids']} (input_of_layer; source {f['source_ids']} "
+                                f"{f['source_convention']})"),
+            ("  mask token", f"{dr['mask_token_id']}" + (" + own mask embedding" if dr["mask_embedding"] else "")),
+            ("  embedding/lm_head", f"{dr['embedding_source']} / {dr['lm_head_source']}; vocab {dr['vocab_size']}, "
+                                    f"draft {dr['draft_vocab_size']} ({dr['vocab_map']})"),
+            ("  rope/attention", f"base {dr['rope_theta']:g} {dr['rope_style']}; "
+                                 f"{'causal' if all(causal) else 'non-causal' if not any(causal) else causal}"
+                                 f"{', windows ' + str(dr['sliding_window']) if any(dr['sliding_window']) else ''}"
+                                 f"{', sinks' if dr['attention_sinks'] else ''}"),
+            ("  heads", ", ".join(heads) or "none"),
+            ("  params/dtype", f"{dr['parameters']:,} / {dr['dtype']}")]
+
+
 def _remote_code_text(rc: dict) -> str:
     files = ", ".join(rc["files"]) or "no code files"
     return (f"{'allowed' if rc['allowed'] else 'refused'} at build ({files}; {len(rc['reasons'])} reasons); "
@@ -195,6 +230,8 @@ def _remote_code_text(rc: dict) -> str:
 
 
 def _drafter_rows(dr: dict) -> list[tuple[str, str]]:
+    if dr["kind"] == "block":
+        return _block_rows(dr)
     if dr["kind"] == "mtp":
         return [("  layers", f"{dr['num_layers']} (weights in {dr['location']}; layer reuse "
                              f"{'allowed' if dr['allow_layer_reuse'] else 'off'})"),

@@ -2,6 +2,7 @@
 
 - `target_hf`: Hugging Face target directories (configs and headers only)
 - `eagle3`: EAGLE-3 heads (official, SGLang/SpecForge, ModelOpt layouts)
+- `block`: block drafters — DFlash, DSpark, LiLiCorr — in every published layout (→ kind `block`)
 - `speculators`: EAGLE-3 heads in the vLLM speculators layout (→ the same canonical head)
 - `mtp`: MTP layers (DeepSeek-V3/GLM, Qwen3-Next, MiMo), in the target or a separate head dir
 - `draft_model`: a separate small causal LM sharing the target's tokenizer
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpack.converters import draft_model, eagle3, mtp, ngram, speculators
+from specpack.converters import block, draft_model, eagle3, mtp, ngram, speculators
 from specpack.errors import InputError
 
-# family -> module, in detection order (the first whose `detect` names a layout wins)
-DRAFTER_FAMILIES = {"speculators": speculators, "eagle3": eagle3, "mtp": mtp, "draft_model": draft_model}
+# family -> module, in detection order (the first whose `detect` names a layout wins); block drafters
+# first: they hold `fc` and `layers.0.*` like a ModelOpt EAGLE-3 head, and speculators configs of them
+DRAFTER_FAMILIES = {"block": block, "speculators": speculators, "eagle3": eagle3, "mtp": mtp,
+                    "draft_model": draft_model}
 
 
 def detect_drafter(spec: str) -> tuple[str, str]:
@@ -35,5 +38,6 @@ def detect_drafter(spec: str) -> tuple[str, str]:
         if layout:
             return family, layout
     raise InputError(f"'{spec}' is not a drafter in any known layout",
-                     hint="supported: EAGLE-3 heads (" + ", ".join(eagle3.LAYOUTS) + "), MTP heads (" +
-                          ", ".join(mtp.LAYOUTS) + "), draft models (Hugging Face causal LMs), 'mtp' and 'ngram'")
+                     hint="supported: EAGLE-3 heads (" + ", ".join(eagle3.LAYOUTS) + "), block drafters (" +
+                          ", ".join(block.LAYOUTS) + "), MTP heads (" + ", ".join(mtp.LAYOUTS) +
+                          "), draft models (Hugging Face causal LMs), 'mtp' and 'ngram'")

@@ -33,6 +33,27 @@ class AuxOverride:
         return cls(parsed, CONVENTIONS[convention])
 
 
+BLOCK_LAYOUT_FLAG = "--block-layout fill_in|anchor_first"
+BLOCK_ALGORITHM_FLAG = "--block-algorithm dflash|dspark|lilicorr"
+MASK_TOKEN_FLAG = "--mask-token-id ID"
+TARGET_LAYERS_FLAG = "--target-layer-ids I,J,... --aux-convention input|output"
+
+
+@dataclass(frozen=True)
+class BlockOverrides:
+    """What `specpack build` flags settle for a block drafter (DFlash, DSpark, LiLiCorr) whose checkpoint
+    leaves it ambiguous. A flag never overrides what the checkpoint states unambiguously: it may only
+    supply a missing binding or pick one of two values the checkpoint states."""
+
+    layout: Optional[str] = None  # "fill_in" | "anchor_first"
+    algorithm: Optional[str] = None  # "dflash" | "dspark" | "lilicorr"
+    mask_token_id: Optional[int] = None
+
+    def given(self) -> list[str]:
+        names = {"layout": "--block-layout", "algorithm": "--block-algorithm", "mask_token_id": "--mask-token-id"}
+        return [flag for key, flag in names.items() if getattr(self, key) is not None]
+
+
 @dataclass(frozen=True)
 class ConvertedDrafter:
     """A drafter in canonical form: its manifest entry, config and weights (none for n-gram)."""

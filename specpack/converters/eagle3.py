@@ -283,6 +283,13 @@ def _check_shapes(tensors: dict, geo: _Geometry, aux: AuxLayers) -> list[str]:
     return problems
 
 
+def check_vocab_map(tensors: dict, draft_vocab: int, target_vocab: int) -> tuple[str, list[str]]:
+    """The d2t/t2d checks below for another converter (block drafters): (t2d source, problems)."""
+    from types import SimpleNamespace
+
+    return _check_vocab_map(tensors, SimpleNamespace(draft_vocab=draft_vocab, target_vocab=target_vocab))
+
+
 def _check_vocab_map(tensors: dict, geo: _Geometry) -> tuple[str, list[str]]:
     """Check d2t/t2d; derive t2d when only d2t came (ModelOpt). Returns (t2d source, problems)."""
     import torch

@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import logging
 import re
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 from specpack.converters.base import ConvertedDrafter
 from specpack.converters.safetensors_header import TORCH_NAMES, TensorMeta, read_header
+from specpack.converters.safetensors_header import data_start as _data_start
 from specpack.converters.target_hf import INDEX_NAME, Target, _dtype_bytes, read_json
 from specpack.errors import ConversionError, InputError, UnsupportedError
 from specpack.schemas import MtpDrafter, Source
@@ -247,11 +247,6 @@ def _duplicate_problems(duplicates: dict, src: _Source, target: Target) -> list[
             problems.append(f"{name} differs from the target's {theirs}: the MTP layer was trained with another "
                             f"{role.replace('_', ' ')} (a fine-tune of the target without its MTP layers?)")
     return problems
-
-
-def _data_start(path: Path) -> int:
-    with open(path, "rb") as f:
-        return 8 + struct.unpack("<Q", f.read(8))[0]
 
 
 def _same_tensor(path_a: Path, a: TensorMeta, path_b: Path, b: TensorMeta, name_a: str, name_b: str) -> bool:

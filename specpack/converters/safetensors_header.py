@@ -57,6 +57,28 @@ def read_header(path: Path) -> dict[str, TensorMeta]:
     return tensors
 
 
+def data_start(path: Path) -> int:
+    """Byte offset of the first tensor's data in a safetensors file (8 + header length)."""
+    with open(path, "rb") as f:
+        return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def tensor_sha256(path: Path, meta: TensorMeta) -> str:
+    """SHA-256 of one tensor's bytes as stored (read in chunks; nothing decoded)."""
+    import hashlib
+
+    digest, chunk, left = hashlib.sha256(), 1 << 24, meta.end - meta.start
+    with open(path, "rb") as f:
+        f.seek(data_start(path) + meta.start)
+        while left:
+            data = f.read(min(chunk, left))
+            if not data:
+                break
+            digest.update(data)
+            left -= len(data)
+    return digest.hexdigest()
+
+
 def _parse_entries(header: dict) -> tuple[dict[str, TensorMeta], list[str]]:
     tensors, problems = {}, []
     for name, entry in header.items():

@@ -11,9 +11,9 @@ from pathlib import Path
 from specpack import __version__
 from specpack._atomic import staging_dir
 from specpack.converters import DRAFTER_FAMILIES, detect_drafter, mtp, ngram, remote_code, target_hf
-from specpack.converters.base import AuxOverride, ConvertedDrafter
+from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter
 from specpack.packager import card
-from specpack.errors import ConversionError
+from specpack.errors import ConversionError, InputError
 from specpack.packager.artifact import read_path_problems, write_manifest
 from specpack.packager.hashing import parallel_map, place_file, sha256_file
 from specpack.packager.progress import byte_bar
@@ -38,6 +38,7 @@ class BuildOptions:
     key: Path | None = None
     force: bool = False
     aux: AuxOverride | None = None
+    block: BlockOverrides | None = None  # block drafters: what --block-layout/--block-algorithm/--mask-token-id settle
     ngram: NgramParams = field(default_factory=NgramParams)
     mtp_allow_reuse: bool = False  # MTP: allow more draft tokens than layers (step k uses layer k mod n)
     allow_remote_code: bool = False  # carry a target that needs its own code (never run by specpack)
@@ -77,6 +78,7 @@ def build(opts: BuildOptions) -> BuildResult:
 def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDrafter:
     family, layout = detect_drafter(opts.drafter)
     log.info("drafter %s: %s (%s)", opts.drafter, family, layout)
+    _check_block_flags(opts, family)
     if family == "ngram":
         return ngram.convert(opts.ngram.min_n, opts.ngram.max_n, opts.ngram.draft_len)
     if layout == mtp.IN_TARGET:
@@ -86,7 +88,17 @@ def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDr
         return module.convert(path, target, allow_reuse=opts.mtp_allow_reuse)
     if family == "draft_model":
         return module.convert(path, target)
+    if family == "block":
+        return module.convert(path, target, aux=opts.aux, block=opts.block)
     return module.convert(path, target, aux=opts.aux)
+
+
+def _check_block_flags(opts: BuildOptions, family: str) -> None:
+    """Block-drafter flags given for another kind of drafter would be ignored silently: refuse them."""
+    given = opts.block.given() if opts.block else []
+    if given and family != "block":
+        raise InputError(f"{', '.join(given)} only apply to block drafters (DFlash, DSpark, LiLiCorr); "
+                         f"'{opts.drafter}' is a {family} drafter", hint="drop " + ", ".join(given))
 
 
 def _place_target(target: target_hf.Target, tmp: Path, opts: BuildOptions) -> dict[str, str]:

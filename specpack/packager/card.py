@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specpack.schemas import DraftModelDrafter, Eagle3Drafter, Manifest, MtpDrafter
+from specpack.schemas import BlockDrafter, DraftModelDrafter, Eagle3Drafter, Manifest, MtpDrafter
 
 TARGET_CARD = "README.target.md"
 
@@ -47,6 +47,8 @@ def _drafter(m: Manifest) -> str:
         return _mtp(d)
     if isinstance(d, DraftModelDrafter):
         return _draft_model(d)
+    if isinstance(d, BlockDrafter):
+        return _block(d)
     if not isinstance(d, Eagle3Drafter):
         return (f"## Drafter: n-gram prompt lookup\n\nNo weights. Looks up the longest context suffix "
                 f"of {d.max_n} down to {d.min_n} tokens and proposes up to {d.draft_len} tokens.")
@@ -76,6 +78,56 @@ def _mtp(d: MtpDrafter) -> str:
         f"| shared with the target | {', '.join(d.shared_tensors)} |",
         f"| duplicates checked equal | {', '.join(d.duplicates_checked) or 'none'} |",
         f"| parameters / dtype | {d.parameters:,} / {d.dtype} |"])
+
+
+_QUERIES = {"fill_in": "[anchor, MASK × (B-1)]: each MASK slot predicts the token at its own position",
+            "anchor_first": "[anchor, MASK × (B-1)]: each slot predicts the token after its position"}
+
+
+def _block(d: BlockDrafter) -> str:
+    f = d.target_features
+    rows = [
+        ("converted from", f"`{d.source_layout}`"),
+        ("algorithm", d.algorithm),
+        ("query layout", f"{d.query_layout}: {_QUERIES[d.query_layout]}"),
+        ("block size / draft slots", f"{d.block_size} / {d.draft_slots}"),
+        ("target features", f"layers {f.layer_ids}, counted as *input of layer i* (source: {f.source_ids}, "
+                            f"{f.source_convention})"),
+        ("mask token", f"{d.mask_token_id}" + (" (own mask embedding)" if d.mask_embedding else "")),
+        ("embedding / lm_head", f"{_shared(d.embedding_source, d.target_embedding_sha256)} / "
+                                f"{_shared(d.lm_head_source, d.target_lm_head_sha256)}"),
+        ("vocab", f"input {d.vocab_size}, draft {d.draft_vocab_size} (map: {d.vocab_map})"),
+        ("RoPE", f"base {d.rope_theta:g}, {d.rope_style}" + (f", scaling {d.rope_scaling}" if d.rope_scaling else "")),
+        ("attention", _attention(d)),
+        ("heads", _heads(d)),
+        ("parameters / dtype", f"{d.parameters:,} / {d.dtype}")]
+    settled = "; ".join(f"{k}: {v}" for k, v in d.resolved_from.items())
+    return "\n".join(["## Drafter: block drafter", "", "| binding | value |", "|---|---|"]
+                     + [f"| {k} | {v} |" for k, v in rows] + ["", f"Settled by: {settled}."])
+
+
+def _shared(source: str, digest: str | None) -> str:
+    return f"target (sha256 {digest[:16]}…)" if source == "target" and digest else source
+
+
+def _attention(d: BlockDrafter) -> str:
+    causal = "causal" if all(d.layer_causal) else "non-causal" if not any(d.layer_causal) else \
+        f"causal per layer {d.layer_causal}"
+    windows = "full" if not any(d.sliding_window) else f"windows {d.sliding_window}"
+    return f"{causal} within the block, {windows}" + (", attention sinks" if d.attention_sinks else "")
+
+
+def _heads(d: BlockDrafter) -> str:
+    parts = []
+    if d.markov:
+        parts.append(f"Markov rank {d.markov.rank} ({d.markov.type})")
+    if d.confidence:
+        parts.append("confidence" + (" (with Markov embedding)" if d.confidence.with_markov else ""))
+    if d.lilicorr:
+        g = d.lilicorr
+        parts.append(f"LiLiCorr top-{g.candidate_topk}, {g.num_layers} layer(s) × {g.hidden_size}, {g.num_heads} "
+                     f"heads, factor {g.factor_dim}, eps {g.vector_eps:g}, scale {g.logit_scale:g}")
+    return "; ".join(parts) or "none"
 
 
 def _draft_model(d: DraftModelDrafter) -> str:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specpack.schemas.manifest import (MANIFEST_NAME, SIGNATURE_NAME, AuxLayers, DraftModelDrafter,
+from specpack.schemas.manifest import (BLOCK_LAYOUTS, MANIFEST_NAME, SIGNATURE_NAME, AuxLayers, BlockConfidence,
+                                       BlockDrafter, BlockMarkov, DraftModelDrafter, LiLiCorrGeometry,
                                        Eagle3Drafter, FileEntry, Manifest, MemoryInfo, MtpDrafter,
                                        NgramDrafter, RemoteCode, Source, TargetInfo, TokenizerEvidence)
 
 SCHEMA_PATH = Path(__file__).with_name("manifest.v1.json")
 
-__all__ = ["MANIFEST_NAME", "SIGNATURE_NAME", "AuxLayers", "DraftModelDrafter", "Eagle3Drafter", "FileEntry",
+__all__ = ["BLOCK_LAYOUTS", "MANIFEST_NAME", "SIGNATURE_NAME", "AuxLayers", "BlockConfidence", "BlockDrafter",
+           "BlockMarkov", "LiLiCorrGeometry", "DraftModelDrafter", "Eagle3Drafter", "FileEntry",
            "Manifest", "MemoryInfo", "MtpDrafter", "NgramDrafter", "RemoteCode", "Source", "TargetInfo",
            "TokenizerEvidence",
            "SCHEMA_PATH", "manifest_schema"]

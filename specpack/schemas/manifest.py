@@ -183,7 +183,101 @@ class DraftModelDrafter(_Strict):
     tokenizer: TokenizerEvidence = Field(description="Why its token ids mean the same as the target's.")
 
 
-Drafter = Annotated[Union[Eagle3Drafter, NgramDrafter, MtpDrafter, DraftModelDrafter], Field(discriminator="kind")]
+BLOCK_LAYOUTS = ("zlab-dflash", "modelopt-dflash", "speculators-dflash", "lilicorr", "lilicorr-sequential",
+                 "deepspec-dspark", "deepseek-dflash", "speculators-dspark", "modelopt-dspark", "specforge-dspark",
+                 "nemotron35-dflash", "nemotron35-dspark", "vllm-dspark")
+
+
+class BlockMarkov(_Strict):
+    rank: int = Field(gt=0, description="Rank r of the low-rank transition bias (markov_w1 [V, r], markov_w2 [Vd, r]).")
+    type: Literal["vanilla", "gated", "rnn"] = Field(
+        description="`vanilla`: bias = W2·W1[prev]; `gated`: W1[prev] gated by the backbone state (gate_proj); "
+                    "`rnn`: a GRU-like state carried across the block (joint_proj).")
+
+
+class BlockConfidence(_Strict):
+    with_markov: bool = Field(description="The confidence head reads [hidden, markov_w1[prev]] (else hidden only).")
+
+
+class LiLiCorrGeometry(_Strict):
+    candidate_topk: int = Field(gt=0, description="Candidates per slot (lilicorr_candidate_topk).")
+    hidden_size: int = Field(gt=0, description="Correlator width (lilicorr_hidden_size; 0/null in the source = "
+                                               "the drafter's hidden size).")
+    num_layers: int = Field(ge=0, description="Correlator transformer layers.")
+    num_heads: int = Field(gt=0, description="Correlator attention heads.")
+    mlp_ratio: float = Field(gt=0, description="Correlator MLP width = int(hidden_size · mlp_ratio).")
+    factor_dim: int = Field(gt=0, description="Width of the out/in edge vectors.")
+    vector_eps: float = Field(description="F.normalize eps of the edge vectors (changes scores, not shapes).")
+    logit_scale: float = Field(description="Multiplies the cosine scores into logits (changes scores, not shapes).")
+
+
+class BlockDrafter(_Strict):
+    kind: Literal["block"] = "block"
+    source_layout: Literal[BLOCK_LAYOUTS] = Field(
+        description="The published layout the drafter was converted from (z-lab/ModelOpt/speculators DFlash, "
+                    "LiLiCorr and its older nn.Sequential names, DeepSpec DSpark and DeepSeek's dflash_*_block7, "
+                    "speculators/ModelOpt/SpecForge DSpark, Nemotron 3.5, vLLM's Qwen3DSparkModel config).")
+    source: Source = Field(description="Where the drafter was read from.")
+    config: str = Field("drafter/config.json", description="Canonical drafter config (the runtime reads only it "
+                                                           "and the weights).")
+    weights: str = Field("drafter/model.safetensors", description="Canonical drafter weights.")
+    dtype: str = Field(description="Dtype of the drafter's float weights.")
+    parameters: int = Field(ge=0, description="Number of weights in the drafter (d2t excluded).")
+    algorithm: Literal["dflash", "dspark", "lilicorr"] = Field(
+        description="`dflash`: independent slots; `dspark`: sequential Markov correction (+ confidence head); "
+                    "`lilicorr`: DFlash backbone + candidate-lattice correlator.")
+    query_layout: Literal["fill_in", "anchor_first"] = Field(
+        description="`fill_in`: queries [anchor@p, MASK@p+1..p+N], the slot at q predicts the token at q, N = B-1 "
+                    "(z-lab DFlash, LiLiCorr, Nemotron 3.5); `anchor_first`: queries [anchor@p, MASK@p+1..p+N-1], "
+                    "the slot at q predicts the token at q+1, N = B (DeepSpec DSpark and dflash_*_block7).")
+    block_size: int = Field(gt=0, description="Trained block size B (query tokens per block, anchor included).")
+    draft_slots: int = Field(gt=0, description="Draft tokens one block proposes as trained: B-1 (fill_in) or B "
+                                               "(anchor_first).")
+    hidden_size: int = Field(gt=0, description="Width of the drafter.")
+    num_layers: int = Field(gt=0, description="Draft decoder layers.")
+    target_features: AuxLayers = Field(
+        description="Target hidden states concatenated (in this order) into `fc`: ids counted as input of layer i, "
+                    "with the ids and convention the source stated (never defaulted).")
+    mask_token_id: int = Field(ge=0, description="Token id of the MASK query slots (below the target vocab).")
+    mask_embedding: bool = Field(description="A separately trained mask embedding (tensor `mask_embedding` [H], "
+                                             "from the source's mask_embedding.pt) replaces embed(mask_token_id).")
+    embedding_source: Literal["target", "drafter"] = Field(
+        description="`target`: the target's embedding (a shipped copy was equal and is not stored twice); "
+                    "`drafter`: the drafter's own `embed_tokens.weight`, which differs from the target's.")
+    lm_head_source: Literal["target", "drafter"] = Field(
+        description="`target`: the target's lm_head (or its tied embedding); `drafter`: its own `lm_head.weight`.")
+    target_embedding_sha256: Optional[str] = Field(
+        None, description="With embedding `target`: SHA-256 of the target embedding tensor's bytes the drafter "
+                          "shares (the one it was trained against, when the source shipped a copy).")
+    target_lm_head_sha256: Optional[str] = Field(
+        None, description="With lm_head `target`: SHA-256 of the target lm_head (or tied embedding) tensor's bytes.")
+    vocab_size: int = Field(gt=0, description="Rows of the drafter's input embedding (= target vocab unless it "
+                                              "ships a bigger own table).")
+    draft_vocab_size: int = Field(gt=0, description="Rows of the drafter's lm_head (< target vocab: reduced, see "
+                                                    "`vocab_map`).")
+    vocab_map: Literal["d2t", "identity"] = Field(
+        description="`d2t`: target_id = draft_id + d2t[draft_id] (reduced draft vocab); `identity` otherwise.")
+    rope_theta: float = Field(description="RoPE base of the drafter (checked equal to the target's).")
+    rope_scaling: Optional[dict[str, Any]] = Field(None, description="The drafter config's RoPE scaling, verbatim.")
+    rope_style: Literal["neox", "interleaved"] = Field(description="RoPE pairing (checked equal to the target's).")
+    layer_causal: list[bool] = Field(description="Per draft layer: causal within the block (false = the block "
+                                                 "attends to itself non-causally).")
+    sliding_window: list[Optional[int]] = Field(description="Per draft layer: attention window, or null (full).")
+    attention_sinks: bool = Field(description="Per-head attention sink biases (layers.{i}.self_attn."
+                                              "attention_sink_bias) are present and used.")
+    logit_scale: Optional[float] = Field(None, description="Multiplier on the draft logits (config logit_scale).")
+    markov: Optional[BlockMarkov] = Field(None, description="DSpark's sequential Markov head, if any.")
+    confidence: Optional[BlockConfidence] = Field(
+        None, description="DSpark's confidence head (per-position conditional acceptance), if any.")
+    lilicorr: Optional[LiLiCorrGeometry] = Field(None, description="LiLiCorr's correlator geometry.")
+    resolved_from: dict[str, str] = Field(
+        description="For each binding that published layouts state in different places or not at all (algorithm, "
+                    "query_layout, target_layer_ids, mask_token_id, ...): what settled it — a config key, the "
+                    "layout's own definition, or a `specpack build` flag.")
+
+
+Drafter = Annotated[Union[Eagle3Drafter, NgramDrafter, MtpDrafter, DraftModelDrafter, BlockDrafter],
+                    Field(discriminator="kind")]
 
 
 class MemoryInfo(_Strict):
@@ -213,10 +307,12 @@ class Manifest(_Strict):
 
 def default_draft_len(manifest: Manifest) -> int:
     """The draft length used when neither a validated profile nor the caller sets one: the drafter's
-    own (n-gram), else 4, capped at what the drafter can run (MTP without layer reuse: one draft
-    token per layer, so DeepSeek-V3, GLM and MiMo as published get 1)."""
+    own (n-gram; a block drafter's trained slots), else 4, capped at what the drafter can run (MTP
+    without layer reuse: one draft token per layer, so DeepSeek-V3, GLM and MiMo as published get 1)."""
     drafter = manifest.drafter
     length = getattr(drafter, "draft_len", None) or 4
+    if drafter.kind == "block":  # a block drafts its trained slots in one forward
+        return drafter.draft_slots
     if drafter.kind == "mtp" and not drafter.allow_layer_reuse:
         length = min(length, drafter.num_layers)
     return length

@@ -8,10 +8,10 @@ it cannot represent this drafter at this draft length; empty when it can) and `K
 "which engines can" hint need no change.
 
 Every export is written atomically into OUT: the drafter in the engine's layout (aux layer ids in
-the engine's own convention; MTP bindings checked, _mtp.py), the engine config, and a README with the
-exact serve command (tensor-parallel flag included). The target is the artifact directory itself,
-which every engine loads as the plain model (and, for MTP kept in the target, as the draft model);
-the artifact is verified before anything is exported.
+the engine's own convention; MTP bindings checked, _mtp.py; block drafters, _block.py), the engine
+config, and a README with the exact serve command (tensor-parallel flag included). The target is the
+artifact directory itself, which every engine loads as the plain model (and, for MTP kept in the
+target, as the draft model); the artifact is verified before anything is exported.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpack._atomic import staging_dir
-from specpack.converters.export import _mtp, sglang, trtllm, vllm
+from specpack.converters.export import _block, _mtp, sglang, trtllm, vllm
 from specpack.converters.export._common import ExportContext, load_head, write_readme
 from specpack.errors import InputError, UnsupportedError
 
@@ -60,9 +60,10 @@ def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None 
     # MTP: one token per step unless asked, the one setting every engine runs as trained
     draft_len = draft_len or (1 if manifest.drafter.kind == "mtp" else default_draft_len(manifest))
     _mtp.check_draft_len(manifest, draft_len)
+    _block.check_draft_len(manifest, draft_len)
     _check_representable(module, manifest, draft_len)
     artifact = Path(artifact).absolute()
-    head, tensors = load_head(artifact) if manifest.drafter.kind == "eagle3" else (None, None)
+    head, tensors = load_head(artifact) if manifest.drafter.kind in ("eagle3", "block") else (None, None)
     with staging_dir(Path(out), force) as tmp:
         ctx = ExportContext(artifact, manifest, tmp, Path(out).absolute(), draft_len, tensor_parallel)
         export = module.KINDS[manifest.drafter.kind](ctx, head, tensors)

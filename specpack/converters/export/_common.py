@@ -36,7 +36,7 @@ class EngineExport:
 
 
 def load_head(artifact: Path) -> tuple[dict, dict]:
-    """(canonical drafter config, canonical tensors) of an EAGLE-3 artifact."""
+    """(canonical drafter config, canonical tensors) of an EAGLE-3 or block-drafter artifact."""
     from safetensors.torch import load_file
 
     drafter = Path(artifact) / "drafter"
@@ -125,7 +125,7 @@ def write_readme(ctx: ExportContext, engine: str, export: EngineExport) -> None:
              f"v{ctx.manifest.format_version}). The target is that artifact directory itself: "
              "engines load it as the plain model.", "", "## Serve", "", "```bash",
              export.command, "```", ""]
-    if export.aux_layer_ids is not None:
+    if export.aux_layer_ids is not None and d.kind == "eagle3":
         lines += [f"Aux hidden states: layers {export.aux_layer_ids}, counted as "
                   f"*{export.aux_convention.replace('_', ' ')} i* ({engine}'s convention; the "
                   f"artifact states {d.aux_hidden_states.layer_ids} as input of layer i).", ""]

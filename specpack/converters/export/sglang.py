@@ -52,6 +52,21 @@ Sources followed:
   (h), token_layernorm(emb)))`, `final_layernorm` output; but mimo.py's target is a Qwen2Model, which
   returns the final-norm output. qwen3_next_mtp.py: `fc(cat(pre_fc_norm_embedding(emb),
   pre_fc_norm_hidden(h)))`, one `mtp.layers.0`, normed output.
+- Block drafters (config and ids: export/_block.py). arg_groups/fields/spec.py @ 015c872628e3:
+  `--speculative-algorithm DFLASH|DSPARK`, `--speculative-num-draft-tokens` (for DFLASH the verify
+  window: the anchor plus the draft tokens; `--speculative-dflash-block-size` is its alias),
+  `--speculative-dspark-block-size` (gamma, the draft tokens; "the verify window is gamma + 1").
+  speculative/dflash_utils.py @ 00731f0b: `dflash_config.target_layer_ids` count output of layer i
+  ("SGLang captures before layer i, so the model hook will typically add +1"), negative ids refused,
+  sinks (dflash_config.attention_sink_bias) and windows (layer_types + sliding_window) read, no
+  causality read; the 1+N query layout with its own embed_tokens only for quantized Nemotron 3.5
+  checkpoints (`is_nemotron_35_draft_config`: W4A16_NVFP4). models/dflash.py @ 003b23d7: the DFlash
+  draft "intentionally does not include token embeddings or an LM head". models/dspark.py and
+  dspark_components/dspark_config.py @ 01f47623: `Qwen3DSparkModel`; DeepSpec's anchor-first block
+  (slot k predicts anchor+k+1; speculators-format checkpoints refused for the 1+N layout);
+  markov_rank > 0 required, vanilla/gated/rnn heads; `embed_tokens.`, `lm_head.` skipped (the target's
+  are used); the confidence head is built and its weights required (unless its ragged verify mode is
+  static). LiLiCorr (models/lilicorr.py @ 085551a8) is SGLang PR #37462, not merged: refused.
 """
 
 from __future__ import annotations
@@ -59,7 +74,7 @@ from __future__ import annotations
 import json
 import shutil
 
-from specpack.converters.export import _mtp
+from specpack.converters.export import _block, _mtp
 from specpack.converters.export._common import (EngineExport, ExportContext, aux_problems,
                                                 embedding_problems, hf_draft_config, midlayer_names,
                                                 output_of_layer, quote, save_tensors, write_json)
@@ -86,6 +101,8 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         if d.source_layout == "mtp-deepseek" and manifest.target.architecture not in NEXTN:
             problems.append(f"SGLang has no NextN draft model for {manifest.target.architecture}")
         return problems
+    if d.kind == "block":
+        return _block_limits(d)
     if d.kind != "eagle3":
         return [f"SGLang export of {d.kind} drafters is not implemented"]
     problems = aux_problems(manifest) + embedding_problems(manifest)
@@ -116,6 +133,45 @@ def write_eagle3(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
         notes.append("The head carries its own `embed_tokens` of its own width; SGLang keeps it because "
                      "`target_hidden_size` differs from `hidden_size`.")
     return EngineExport(_serve(ctx, flags), {"flags": _flat(flags)}, notes, ids, "output_of_layer")
+
+
+BLOCK = {("dflash", "fill_in"): None, ("dspark", "anchor_first"): None,
+         ("dspark", "fill_in"): "SGLang's DSpark drafts DeepSpec's anchor-first block; its 1+N layout is reserved "
+                                "for quantized Nemotron 3.5 checkpoints (dflash_utils.py @ 00731f0b)",
+         ("dflash", "anchor_first"): "SGLang's DFLASH drafts the fill-in block and its DSPARK requires a Markov head "
+                                     "(dspark_config.py @ 01f47623)",
+         ("lilicorr", "fill_in"): "SGLang's LiLiCorr model is SGLang PR #37462, not merged"}
+
+
+def _block_limits(d) -> list[str]:
+    problems = _block.algorithm_problems(d, "SGLang", BLOCK) + _block.id_problems(d, "SGLang")
+    problems += _block.table_problems(d, "SGLang", False, False, False, False)
+    problems += _block.attention_problems(d, "SGLang", causal=False, sliding=True, sinks=True)
+    if d.algorithm == "dspark" and not d.markov:
+        problems.append("SGLang's DSpark requires markov_rank > 0 (dspark_config.py @ 01f47623)")
+    if d.algorithm == "dspark" and not d.confidence:
+        problems.append("SGLang's DSpark builds a confidence head and refuses a checkpoint without its weights "
+                        "(models/dspark.py @ 01f47623)")
+    return problems
+
+
+def write_block(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
+    d, D = ctx.manifest.drafter, ctx.draft_len
+    arch = "Qwen3DSparkModel" if d.algorithm == "dspark" else "DFlashDraftModel"
+    _block.write_draft(ctx, ctx.out, head, tensors, arch)
+    flags = {"--speculative-algorithm": "DSPARK" if d.algorithm == "dspark" else "DFLASH",
+             "--speculative-draft-model-path": ctx.final_out}
+    if d.algorithm == "dspark":
+        flags["--speculative-dspark-block-size"] = D
+        count = f"--speculative-dspark-block-size {D} (gamma, the draft tokens; SGLang verifies gamma + 1)"
+    else:
+        flags["--speculative-num-draft-tokens"] = D + 1
+        count = f"--speculative-num-draft-tokens {D + 1} (SGLang counts the anchor with the {D} draft tokens)"
+    write_json(ctx.out / "launch_flags.json", _flat(flags))
+    ids = output_of_layer(list(d.target_features.layer_ids))
+    notes = ["Flags checked against sgl-project/sglang arg_groups/fields/spec.py at 015c872628e3."]
+    return EngineExport(_serve(ctx, flags), {"flags": _flat(flags)}, notes, ids, "output_of_layer",
+                        bindings=_block.bindings(ctx, "SGLang", count, ids, "output_of_layer"))
 
 
 def write_ngram(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
@@ -184,4 +240,4 @@ def _serve(ctx: ExportContext, flags: dict) -> str:
             f"--tp-size {ctx.tensor_parallel} \\\n  {args}")
 
 
-KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp}
+KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp, "block": write_block}

@@ -37,11 +37,22 @@ Sources followed (NVIDIA/TensorRT-LLM main; the commit each file was read at is 
   `mtp.fc`, `mtp.norm`, `mtp.pre_fc_norm_{embedding,hidden}` and `mtp.layers.{i}.*` from the target.
   These bind as the artifact's canonical Qwen3-Next MTP does; docs/source/models/supported-models.md
   (00b6d5a25c30) still marks MTP "No" for Qwen3NextForCausalLM (the README says so).
+- Block drafters (draft dir: export/_block.py). llm_args.py (0004396720054fd8e205cbf616f21f0b57c6b412):
+  `DFlashDecodingConfig` (`decoding_type: DFlash`, `max_draft_len` = K draft tokens, K + 1 per step,
+  `mask_token_id`, `target_layer_ids` read like dflash_config.target_layer_ids: output of layer i) and
+  `DSparkDecodingConfig` (`decoding_type: DSpark`, `mask_token_id`, `target_layer_ids`, `block_size`
+  "Number of draft positions produced per block ... Should equal max_draft_len" (anchor-first),
+  `markov_rank` ("0 disables the head"), `markov_head_type` vanilla|gated|rnn; the confidence head is
+  scaffolding in this revision, `enable_confidence_scheduling` arrives in 1.4.0rc4). LiLiCorr runs
+  through the DFlash path routed on `projector_type: lilicorr` / `lilicorr_enabled`, with
+  `has_own_lm_head` and no causal drafts (_torch/models/modeling_lilicorr.py @ 8d62b3e5). Bindings
+  not shown in those sources (own embedding, reduced vocab, mask embedding, per-layer causality,
+  windows, sinks) are refused rather than guessed.
 """
 
 from __future__ import annotations
 
-from specpack.converters.export import _mtp
+from specpack.converters.export import _block, _mtp
 from specpack.converters.export._common import (EngineExport, ExportContext, aux_problems,
                                                 embedding_problems, hf_draft_config, midlayer_names,
                                                 output_of_layer, quote, save_tensors, write_json)
@@ -67,6 +78,8 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         if archs and manifest.target.architecture not in archs:
             problems.append(f"TensorRT-LLM runs {d.source_layout} MTP layers for {', '.join(archs)} only")
         return problems
+    if d.kind == "block":
+        return _block_limits(d)
     if d.kind != "eagle3":
         return [f"TensorRT-LLM export of {d.kind} drafters is not implemented"]
     problems = aux_problems(manifest, n_aux_fixed=False) + embedding_problems(manifest)
@@ -93,6 +106,41 @@ def write_eagle3(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
     notes = ["`eagle3_layers_to_capture` counts *output of layer i* and is a set: TensorRT-LLM "
              "concatenates the captured states in layer order, as the head was trained."]
     return EngineExport(_serve(ctx), {"speculative_config": spec}, notes, ids, "output_of_layer")
+
+
+BLOCK = {("dflash", "fill_in"): None, ("lilicorr", "fill_in"): None, ("dspark", "anchor_first"): None,
+         ("dflash", "anchor_first"): None,  # DSparkDecodingConfig with markov_rank 0
+         ("dspark", "fill_in"): "TensorRT-LLM's DSpark drafts an anchor-first block (block_size = max_draft_len)"}
+
+
+def _block_limits(d) -> list[str]:
+    problems = _block.algorithm_problems(d, "TensorRT-LLM", BLOCK) + _block.id_problems(d, "TensorRT-LLM")
+    problems += _block.table_problems(d, "TensorRT-LLM", False, d.algorithm == "lilicorr", False, False)
+    problems += _block.attention_problems(d, "TensorRT-LLM", causal=False, sliding=False, sinks=False)
+    return problems
+
+
+def write_block(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
+    d = ctx.manifest.drafter
+    dspark = d.query_layout == "anchor_first"  # anchor-first blocks run as DSpark, Markov head or not
+    arch = {"lilicorr": "LiLiCorrDraftModel"}.get(d.algorithm, "Qwen3DSparkModel" if dspark else "DFlashDraftModel")
+    _block.write_draft(ctx, ctx.out / DRAFT_DIR, head, tensors, arch)
+    ids = output_of_layer(list(d.target_features.layer_ids))
+    spec = {"decoding_type": "DSpark" if dspark else "DFlash", "max_draft_len": ctx.draft_len,
+            "speculative_model_dir": str(ctx.final_out / DRAFT_DIR), "mask_token_id": d.mask_token_id,
+            "target_layer_ids": ids}
+    if dspark:
+        spec.update(block_size=d.block_size, markov_rank=d.markov.rank if d.markov else 0,
+                    markov_head_type=d.markov.type if d.markov else "vanilla")
+    _write_yaml(ctx, spec)
+    count = f"max_draft_len {ctx.draft_len} (draft tokens; TensorRT-LLM verifies max_draft_len + 1)"
+    notes = ["`target_layer_ids` count *output of layer i*, as in the draft's dflash_config.",
+             "Fields checked against NVIDIA/TensorRT-LLM tensorrt_llm/llmapi/llm_args.py @ 0004396720054fd8e205cbf6."]
+    if d.confidence:
+        notes.append("The confidence head is carried in the draft weights; TensorRT-LLM releases before "
+                     "1.4.0rc4 do not use it (outputs are unchanged, only the verified length is not adapted).")
+    return EngineExport(_serve(ctx), {"speculative_config": spec}, notes, ids, "output_of_layer",
+                        bindings=_block.bindings(ctx, "TensorRT-LLM", count, ids, "output_of_layer"))
 
 
 def write_ngram(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
@@ -136,4 +184,4 @@ def _serve(ctx: ExportContext, trust_remote_code: bool = False) -> str:
             f"\\\n  --extra_llm_api_options {quote(ctx.final_out / CONFIG)}")
 
 
-KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp}
+KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp, "block": write_block}

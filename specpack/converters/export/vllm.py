@@ -29,13 +29,28 @@ Sources followed (read with the search tool, not guessed):
   `input_proj(cat(hidden_layernorm(h), token_layernorm(emb)))`, returns `final_layernorm(..)`;
   mimo.py's model returns the last layer output before the norm. qwen3_next_mtp.py: `mtp.*`
   (`fc(cat(pre_fc_norm_embedding(emb), pre_fc_norm_hidden(h)))`), returns `norm(..)`.
+- Block drafters (config and ids: export/_block.py). `method: dflash` for fill-in DFlash
+  (`DFlashDraftModel`) and LiLiCorr (`LiLiCorrDraftModel`), N = num_speculative_tokens <= B - 1;
+  `method: dspark` (`Qwen3DSparkModel`), N <= B anchor-first, <= B - 1 fill-in
+  (docs/features/speculative_decoding/dflash.md @ 331c781e, lilicorr.md @ 3454629894cb).
+  v1/worker/gpu/spec_decode/dflash/speculator.py @ 00746147: the DFlash speculator raises when
+  sample_from_anchor is true; models/qwen3_dspark.py @ 0302ff40: DSparkMarkovHead is the vanilla head
+  only (no gate_proj / joint_proj), built from markov_rank unconditionally, mask_embedding an unused
+  placeholder, a confidence head without its tensors dropped, own embed_tokens / lm_head kept when
+  they differ (`process_eagle_weight`); qwen3_dflash.py @ 036a00d1: own embed_tokens / lm_head kept,
+  d2t mapped, mask_embedding.pt read, per-layer causality/windows from layer_types +
+  dflash_config.causal + sliding_window, sinks from dflash_config.attention_sink_bias;
+  models/lilicorr.py @ 08f95fe5: full target vocab, candidate_topk a power of two <= 16, 1 <= N < B;
+  v1/worker/gpu/spec_decode/lilicorr/speculator.py @ 3454629894cb: candidates from the target's
+  lm_head and embeddings even when the draft has its own. LiLiCorr in vLLM is PR #57934 (open in the
+  stored snapshot; docs.vllm.ai/latest documents it), so the README says so.
 """
 
 from __future__ import annotations
 
 import json
 
-from specpack.converters.export import _mtp
+from specpack.converters.export import _block, _mtp
 from specpack.converters.export._common import (EngineExport, ExportContext, aux_problems,
                                                 embedding_problems, quote, write_json)
 from specpack.packager.hashing import place_file
@@ -55,7 +70,58 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         return aux_problems(manifest) + embedding_problems(manifest)
     if d.kind == "mtp":
         return _mtp.problems("vLLM", MTP, manifest, draft_len) + _deepseek_copies(manifest)[1]
+    if d.kind == "block":
+        return _block_limits(d)
     return [] if d.kind in KINDS else [f"vLLM export of {d.kind} drafters is not implemented"]
+
+
+BLOCK = {("dflash", "fill_in"): None, ("lilicorr", "fill_in"): None, ("dspark", "fill_in"): None,
+         ("dspark", "anchor_first"): None,
+         ("dflash", "anchor_first"): "vLLM has no anchor-first DFlash: its DFlash speculator raises on "
+                                     "sample_from_anchor (dflash/speculator.py @ 00746147) and its DSpark model "
+                                     "always builds a Markov head from markov_rank (qwen3_dspark.py @ 0302ff40)"}
+
+
+def _block_limits(d) -> list[str]:
+    problems = _block.algorithm_problems(d, "vLLM", BLOCK) + _block.id_problems(d, "vLLM")
+    problems += _block.vllm_attention(d)[1]
+    if d.algorithm == "dspark":
+        problems += _block.table_problems(d, "vLLM's DSpark", True, True, True, False)
+        if not d.markov:
+            problems.append("vLLM's DSpark model always builds a Markov head (qwen3_dspark.py @ 0302ff40); this "
+                            "drafter has none")
+        elif d.markov.type != "vanilla":
+            problems.append(f"vLLM's DSparkMarkovHead is the vanilla head only; this drafter's {d.markov.type} head "
+                            "(gate_proj / joint_proj) would be dropped")
+    elif d.algorithm == "lilicorr":
+        problems += _block.table_problems(d, "vLLM's LiLiCorr", False, False, False, True)
+        k = d.lilicorr.candidate_topk
+        if k > 16 or k & (k - 1):
+            problems.append(f"vLLM's LiLiCorr needs candidate_topk a power of two <= 16, this drafter's is {k}")
+    else:
+        problems += _block.table_problems(d, "vLLM", True, True, True, True)
+    return problems
+
+
+def write_block(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
+    d = ctx.manifest.drafter
+    method = "dspark" if d.algorithm == "dspark" else "dflash"
+    arch = {"dspark": "Qwen3DSparkModel", "lilicorr": "LiLiCorrDraftModel"}.get(d.algorithm, "DFlashDraftModel")
+    _block.write_draft(ctx, ctx.out, head, tensors, arch)
+    spec = {"method": method, "model": str(ctx.final_out), "num_speculative_tokens": ctx.draft_len}
+    count = f"num_speculative_tokens {ctx.draft_len} (vLLM counts draft tokens only: at most B-1 = " \
+            f"{d.block_size - 1} for a fill-in block, B = {d.block_size} for an anchor-first DSpark block)"
+    ids = list(d.target_features.layer_ids)
+    notes = ["Weights are the artifact's canonical drafter, values unchanged (z-lab / DeepSpec tensor names).",
+             "Fields follow vllm-project/vllm model_executor/models/qwen3_dflash.py @ 036a00d1, qwen3_dspark.py @ "
+             "0302ff40, lilicorr.py @ 08f95fe5 and v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @ 0cfdd2e1."]
+    if d.algorithm == "lilicorr":
+        notes.append("LiLiCorr needs a vLLM with `LiLiCorrDraftModel` (PR #57934) and Model Runner V2; "
+                     "`draft_sample_method: probabilistic` samples the correlator's walk.")
+    if d.confidence:
+        notes.append("The confidence head is loaded; vLLM uses it for `enable_adaptive_verification` (PR #47808).")
+    return EngineExport(_serve(ctx, spec), {"speculative_config": spec}, notes, ids, "input_of_layer",
+                        bindings=_block.bindings(ctx, "vLLM", count, ids, "input_of_layer"))
 
 
 def write_eagle3(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
@@ -151,4 +217,4 @@ def _serve(ctx: ExportContext, spec: dict, trust_remote_code: bool = False) -> s
             f"  --speculative-config {quote(json.dumps(spec, separators=(',', ':')))}")
 
 
-KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp}
+KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp, "block": write_block}
