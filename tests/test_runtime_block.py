@@ -214,6 +214,33 @@ def test_accepted_blocks_keep_greedy_output(tmp_path, variant):
     assert accepted > 20  # multi-row context updates were exercised
 
 
+def test_confidence_trims_drafts_through_the_cost_model(tmp_path, monkeypatch):
+    """DSpark's confidence head: the engine verifies only the drafted positions the cost model says
+    are worth a row, and the output stays the plain greedy output. Without the confidences (an
+    optimistic record alone) every drafted position is verified."""
+    from specpack.runtime.drafters.base import Draft
+    from specpack.runtime.engine import Engine, Request
+    from specpack.runtime.engine.cost import CostModel
+
+    target, cfg = small_target()
+    prompts = [torch.randint(0, 8, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+    wants = [SpecModel(target).generate(p, 24, speculative=False, eos_ids=()).tokens for p in prompts]
+    drafter = load_block(None, small_head(tmp_path / "h", cfg, algorithm="dspark", layout="anchor_first",
+                                          block_size=5), target)
+
+    def verified() -> int:
+        rows = CostModel((1, 24), (10.0, 56.0))  # a row costs 20% of a step: worth it only when likely accepted
+        done = Engine(target, drafter, slots=4, max_len=64, cost=rows, prior=(0.99,) * 5).run(
+            [Request(p, 24, draft_len=5) for p in prompts])
+        assert [r.tokens for r in done] == wants
+        return sum(r.stats.proposed for r in done)
+
+    with_confidence = verified()
+    draft = drafter.draft
+    monkeypatch.setattr(drafter, "draft", lambda jobs: [Draft(d.tokens) for d in draft(jobs)])
+    assert with_confidence < verified()
+
+
 def test_half_precision_runs(tmp_path):
     """bf16 weights, caches and features run end to end for every algorithm (not compared: exactness
     is per precision); the confidence head stays fp32."""
