@@ -158,7 +158,7 @@ def profiles(artifact, json_mode):
               help="Requests decoding together (fewer when their KV cache does not fit the memory budget).")
 @click.option("--max-model-len", type=int, help="Positions per request, prompt + completion [default: the context].")
 @click.option("--max-queue", type=int, help="Requests waiting beyond which new ones get 429 [default: 4 x max-seqs].")
-@click.option("--prefill-chunk", type=int, default=256, show_default=True,
+@click.option("--prefill-chunk", type=int, default=64, show_default=True,
               help="Prompt tokens one engine step takes, so long prompts do not stall the others.")
 @DEVICE
 @DTYPE

@@ -70,7 +70,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
             public_key=None, model_name: Optional[str] = None, max_concurrency: Optional[int] = None,
             draft_len: Optional[int] = None, progress: bool = False, api_key: Optional[str] = None,
             max_body_bytes: int = MAX_BODY_BYTES, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
-            max_queue: Optional[int] = None, prefill_chunk: int = 256, measure_cost: bool = True) -> ServerPlan:
+            max_queue: Optional[int] = None, prefill_chunk: int = 64, measure_cost: bool = True) -> ServerPlan:
     """Verify and load `artifact`, pick its best runnable profile (or `profile`), plan the KV cache
     (`max_seqs` slots of `max_model_len` positions, fewer when memory is short), build the app.
     `max_concurrency` / `draft_len` override what the profile says; `api_key` is required from
@@ -144,7 +144,7 @@ def _cost(model, selection, slots: int, measure: bool) -> dict:
 
 def _check_options(max_concurrency: Optional[int], draft_len: Optional[int], api_key: Optional[str],
                    max_body_bytes: int, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
-                   max_queue: Optional[int] = None, prefill_chunk: int = 256) -> None:
+                   max_queue: Optional[int] = None, prefill_chunk: int = 64) -> None:
     from specpack.runtime.engine.stats import MAX_DRAFT_LEN
 
     problems = []

@@ -2,9 +2,11 @@
 sequence's recent acceptance.
 
 A step costs `step_ms(rows)` for the target forward (rows = every sequence's 1 + D_i plus prefill
-rows; flat while streaming the weights dominates, then rising past the compute knee) plus, for
-model drafters, `draft_ratio * step_ms(jobs)` per sequential draft step over `jobs` sequences (a
-head's forward costs about its share of the weights; the engine learns the ratio as it drafts). Draft position j of sequence i adds one
+rows; flat while streaming the weights dominates, then rising past the compute knee; measured at an
+empty cache), plus `key_ms` per attended key (a row attends its whole sequence: attention and the
+per-sequence work grow with context, which the engine learns online from its own step times), plus,
+for model drafters, `draft_ratio * step_ms(jobs)` per sequential draft step over `jobs` sequences (a
+head's forward costs about its share of the weights; learned as it drafts). Draft position j of sequence i adds one
 row and is worth its survival S_ij (the chance it and every draft before it are accepted). The
 step takes the draft positions in order of survival while tokens per millisecond keep rising
 (the rule of vLLM's adaptive verification: argmax_k (n + Σ top-k S) / cost(n + k)): full drafts
@@ -16,7 +18,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 import torch
@@ -32,6 +34,7 @@ class CostModel:
     rows: tuple[int, ...]
     ms: tuple[float, ...]
     draft_ratio: float = 0.0
+    key_ms: float = 0.0  # per row per attended key (learned online)
 
     def step_ms(self, rows: int) -> float:
         """Piecewise-linear in the rows; past the last point, the last slope."""
@@ -42,13 +45,21 @@ class CostModel:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 
-    def time(self, rows: int, depth: int = 0, jobs: int = 0) -> float:
-        """A step of `rows` target rows after `depth` draft steps over `jobs` sequences."""
+    def time(self, rows: int, depth: int = 0, jobs: int = 0, keys: int = 0) -> float:
+        """A step of `rows` target rows attending `keys` keys in all, after `depth` draft steps over
+        `jobs` sequences."""
         draft = depth * self.draft_ratio * self.step_ms(jobs) if depth and jobs else 0.0
-        return self.step_ms(rows) + draft
+        return self.step_ms(rows) + self.key_ms * keys + draft
 
     def with_draft_ratio(self, ratio: float) -> "CostModel":
-        return CostModel(self.rows, self.ms, ratio)
+        return replace(self, draft_ratio=ratio)
+
+    def learn(self, ms: float, rows: int, keys: int, weight: float = 0.1) -> "CostModel":
+        """Fold one observed forward (`ms` for `rows` rows attending `keys` keys) into `key_ms`."""
+        if keys <= 0:
+            return self
+        seen = max(0.0, (ms - self.step_ms(rows)) / keys)
+        return replace(self, key_ms=seen if self.key_ms == 0 else (1 - weight) * self.key_ms + weight * seen)
 
     def to_dict(self) -> dict:
         return {"rows": list(self.rows), "ms": [round(m, 3) for m in self.ms]}
@@ -86,9 +97,16 @@ class Acceptance:
     verifications, starting from `prior` and drifting back to it while a position goes untried
     (so a sequence whose drafts stopped paying is probed again later)."""
 
-    def __init__(self, prior: Sequence[float], weight: float = 0.3, relax: float = 0.05):
-        self.prior, self.rate = list(prior), list(prior)
+    def __init__(self, prior: Sequence[float], weight: float = 0.3, relax: float = 0.05,
+                 start: Sequence[float] | None = None):
+        self.prior, self.rate = list(prior), list(start if start is not None else prior)
+        while len(self.prior) < len(self.rate):
+            self.prior.append(self.prior[-1] if self.prior else 0.0)
         self.weight, self.relax = weight, relax
+
+    def rates(self) -> tuple[float, ...]:
+        """The current per-position rates (a new sequence's starting point)."""
+        return tuple(self.rate)
 
     def _at(self, j: int) -> float:
         return self.rate[j] if j < len(self.rate) else (self.rate[-1] if self.rate else 0.0)
@@ -112,16 +130,19 @@ class Acceptance:
                 self.rate[j] += self.relax * (self.prior[j] - self.rate[j])
 
 
-def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows: int, cost: CostModel) -> list[int]:
+def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows: int, cost: CostModel,
+           contexts: Sequence[int] | None = None, base_keys: int = 0) -> list[int]:
     """Draft lengths for sequences that may draft up to `limits[i]` tokens with survivals
-    `survival[i]`, on top of `base_rows` rows (each sequence's last token, prefill chunks)."""
+    `survival[i]`, on top of `base_rows` rows attending `base_keys` keys (each sequence's last
+    token, prefill chunks); a draft row of sequence i attends about `contexts[i]` keys."""
     cands = sorted(((s, j, i) for i, surv in enumerate(survival) for j, s in enumerate(surv[: limits[i]], 1)),
                    key=lambda c: (-c[0], c[1]))
-    tokens, rows, depth, jobs = float(len(limits)), base_rows, 0, 0
-    best, take = tokens / cost.time(rows), 0
-    for n, (s, j, _) in enumerate(cands, 1):
+    tokens, rows, depth, jobs, keys = float(len(limits)), base_rows, 0, 0, base_keys
+    best, take = tokens / cost.time(rows, keys=keys), 0
+    for n, (s, j, i) in enumerate(cands, 1):
         tokens, rows, depth, jobs = tokens + s, rows + 1, max(depth, j), jobs + (j == 1)
-        rate = tokens / cost.time(rows, depth, jobs)
+        keys += contexts[i] + j if contexts else 0
+        rate = tokens / cost.time(rows, depth, jobs, keys)
         if rate > best:
             best, take = rate, n
     lengths = [0] * len(limits)

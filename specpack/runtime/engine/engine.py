@@ -62,7 +62,8 @@ class Request:
 class Generation:
     """A request being decoded: its slot, tokens, stop rules, counters."""
 
-    def __init__(self, req: Request, slot: int, capacity: int, vocab: int, device, prior=DEFAULT_PRIOR):
+    def __init__(self, req: Request, slot: int, capacity: int, vocab: int, device, prior=DEFAULT_PRIOR,
+                 start=None):
         self.req, self.slot = req, slot
         self.sampler = Sampler(req.params, req.seed, vocab)
         self.buf = torch.empty(capacity + 1, dtype=torch.long, device=device)
@@ -75,7 +76,7 @@ class Generation:
         self.pending: list[Tensor] = []  # drafter features of committed positions not yet drafted from
         self.recorded: list[tuple[Tensor, Tensor]] = []  # with req.record: (states, argmax) per commit
         self.length = DraftLength(req.draft_len, req.adaptive)
-        self.acceptance = costs.Acceptance(prior)
+        self.acceptance = costs.Acceptance(prior, start=start)  # starts from the engine's record
         self.stats = GenerationStats(prompt_tokens=len(req.prompt))
         self.started = time.perf_counter()
 
@@ -144,6 +145,7 @@ class Engine:
         self.target, self.drafter = target, drafter
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.cost, self.prior = cost, tuple(prior)
+        self.acceptance = costs.Acceptance(prior, weight=0.05)  # every sequence's record: where new ones start
         self.speculate = True  # the scheduler turns drafting off for a step (load above a measured limit)
         self.last_rows = 0  # rows in the latest target forward
         self.device = target.device
@@ -190,7 +192,7 @@ class Engine:
             raise RuntimeError("no free slot: check has_room before add")
         slot = self.free.pop()
         seq = Generation(req, slot, min(self.max_len, len(req.prompt) + req.max_new_tokens),
-                         self.target.spec.vocab_size, self.device, self.prior)
+                         self.target.spec.vocab_size, self.device, self.prior, self.acceptance.rates())
         if self.drafter is not None:
             self.drafter.start(slot)
         self.running.append(seq)
@@ -224,15 +226,18 @@ class Engine:
             if budget is not None and budget <= 0:
                 break
             budget = prefill.prefill(s, budget)
-        drafts = self._draft(decoding, len(prefill.tokens))
+        drafts = self._draft(decoding, len(prefill.tokens), prefill.keys())
         t1 = self.clock()
         plan = _Plan()
         for s, d in zip(decoding, drafts):
             plan.verify(s, d)
         plan.extend(prefill)
         self.last_rows = len(plan.tokens)
+        f0 = self.clock()
         res = self.target.forward_rows(torch.tensor(plan.tokens, dtype=torch.long, device=self.device),
                                        Rows.of(plan.segments, self.device), self.capture, plan.logit_rows)
+        if self.cost is not None:
+            self.cost = self.cost.learn((self.clock() - f0) * 1e3, self.last_rows, plan.keys())
         done = self._commit(plan, res)
         t2 = self.clock()
         for s in decoding:
@@ -242,36 +247,38 @@ class Engine:
             self._release(s)
         return done
 
-    def _lengths(self, decoding: list[Generation], prefill_rows: int) -> list[int]:
+    def _lengths(self, decoding: list[Generation], prefill_rows: int, prefill_keys: int = 0) -> list[int]:
         """How many tokens each decoding sequence drafts this step."""
         if not self.speculate:
             return [0] * len(decoding)
         if self.cost is None:
             return [min(s.length.next(), s.budget - 1) if s.req.speculative else 0 for s in decoding]
         limits = [min(s.req.draft_len, s.budget - 1) if s.req.speculative else 0 for s in decoding]
+        contexts = [s.n for s in decoding]
         return costs.choose(limits, [s.acceptance.survival(k) for s, k in zip(decoding, limits)],
-                            len(decoding) + prefill_rows, self.cost)
+                            len(decoding) + prefill_rows, self.cost, contexts, sum(contexts) + prefill_keys)
 
-    def _draft(self, decoding: list[Generation], prefill_rows: int) -> list[list[int]]:
+    def _draft(self, decoding: list[Generation], prefill_rows: int, prefill_keys: int = 0) -> list[list[int]]:
         """Each decoding sequence's draft (empty when it does not speculate this step)."""
         drafts: list[list[int]] = [[] for _ in decoding]
         jobs, owners = [], []
-        for i, (s, k) in enumerate(zip(decoding, self._lengths(decoding, prefill_rows))):
+        for i, (s, k) in enumerate(zip(decoding, self._lengths(decoding, prefill_rows, prefill_keys))):
             if k > 0:
                 feats = torch.cat(s.pending) if s.pending else None
                 s.pending = []
                 jobs.append(DraftJob(s.slot, s.context(), feats, k, None if s.sampler.greedy else s.sampler))
                 owners.append(i)
         if not jobs:
+            self.acceptance.update(0, 0)  # nobody drafts: the record drifts back to the prior (probe later)
             return drafts
         t0 = time.perf_counter()
         made = self.drafter.draft(jobs)
         self._learn_draft_cost(time.perf_counter() - t0, max(j.k for j in jobs), len(jobs))
         for i, d in zip(owners, made):
             drafts[i] = d.tokens.tolist()
-        return self._trim(decoding, drafts, made, owners, prefill_rows)
+        return self._trim(decoding, drafts, made, owners, prefill_rows, prefill_keys)
 
-    def _trim(self, decoding, drafts, made, owners, prefill_rows: int) -> list[list[int]]:
+    def _trim(self, decoding, drafts, made, owners, prefill_rows: int, prefill_keys: int) -> list[list[int]]:
         """Drafters that estimate each position's acceptance (DSpark's confidence head) get their
         drafts cut to what the cost model says is worth verifying."""
         confident = [(i, d.confidence) for i, d in zip(owners, made) if d.confidence is not None]
@@ -281,8 +288,10 @@ class Engine:
         for i, c in confident:
             survival[i] = torch.cumprod(c.float().cpu(), 0).tolist()
         limits = [len(d) if survival[i] else 0 for i, d in enumerate(drafts)]
-        keep = costs.choose(limits, survival, len(decoding) + prefill_rows + sum(
-            len(d) for i, d in enumerate(drafts) if not survival[i]), self.cost)
+        contexts = [s.n for s in decoding]
+        fixed = [(len(d), s.n) for s, d, surv in zip(decoding, drafts, survival) if not surv]
+        keep = costs.choose(limits, survival, len(decoding) + prefill_rows + sum(k for k, _ in fixed), self.cost,
+                            contexts, sum(contexts) + prefill_keys + sum(k * n for k, n in fixed))
         return [d[:k] if survival[i] else d for i, (d, k) in enumerate(zip(drafts, keep))]
 
     def _learn_draft_cost(self, seconds: float, depth: int, jobs: int) -> None:
@@ -317,6 +326,8 @@ class Engine:
         self._record(s, aux, a, a + kept + 1, logits[: kept + 1])
         s.length.update(len(drafts), kept)
         s.acceptance.update(len(drafts), kept)
+        if drafts:
+            self.acceptance.update(len(drafts), kept)
         if drafts or s.req.speculative:
             s.stats.count(len(drafts), kept)
         else:
@@ -378,6 +389,10 @@ class _Plan:
         self.tokens += [int(s.buf[s.n - 1])] + drafts
         self.entries.append((s, "verify", a, len(self.tokens), len(self.logit_rows), drafts))
         self.logit_rows += range(a, len(self.tokens))
+
+    def keys(self) -> int:
+        """Keys the plan's rows attend in all (row j of a segment at `start` attends start + j + 1)."""
+        return sum(seg.T * seg.start + seg.T * (seg.T + 1) // 2 for seg in self.segments)
 
     def extend(self, other: "_Plan") -> None:
         """Append `other`'s rows after these (row indices shifted)."""

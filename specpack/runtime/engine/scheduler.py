@@ -59,7 +59,7 @@ class Scheduler:
     (`finished(job, result)`, `ended(job, cancelled)`)."""
 
     def __init__(self, model, slots: int = 8, max_len: Optional[int] = None, draft_len: int = 4,
-                 speculative: bool = True, max_queue: int = 64, prefill_chunk: Optional[int] = 256,
+                 speculative: bool = True, max_queue: int = 64, prefill_chunk: Optional[int] = 64,
                  adaptive: Optional[bool] = None, cost=None, max_concurrency: Optional[int] = None,
                  listener=None, prior=None):
         self.model, self.draft_len, self.max_queue, self.listener = model, draft_len, max_queue, listener
