@@ -6,7 +6,9 @@ rows; flat while streaming the weights dominates, then rising past the compute k
 empty cache), plus `key_ms` per attended key (a row attends its whole sequence: attention and the
 per-sequence work grow with context, which the engine learns online from its own step times), plus,
 for model drafters, `draft_ratio * step_ms(jobs)` per sequential draft step over `jobs` sequences (a
-head's forward costs about its share of the weights; learned as it drafts). Draft position j of sequence i adds one
+head's forward costs about its share of the weights; learned as it drafts) and the head's catch-up:
+a sequence that has not drafted for a while first feeds the head every position committed since
+(its first draft of the prompt, too), `draft_ratio` times a target row each. Draft position j of sequence i adds one
 row and is worth its survival S_ij (the chance it and every draft before it are accepted). The
 step takes the draft positions in order of survival while tokens per millisecond keep rising
 (the rule of vLLM's adaptive verification: argmax_k (n + Σ top-k S) / cost(n + k)): full drafts
@@ -45,11 +47,21 @@ class CostModel:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 
-    def time(self, rows: int, depth: int = 0, jobs: int = 0, keys: int = 0) -> float:
+    def time(self, rows: int, depth: int = 0, jobs: int = 0, keys: int = 0, absorbed: int = 0) -> float:
         """A step of `rows` target rows attending `keys` keys in all, after `depth` draft steps over
-        `jobs` sequences."""
+        `jobs` sequences that first fed the head `absorbed` committed positions."""
         draft = depth * self.draft_ratio * self.step_ms(jobs) if depth and jobs else 0.0
-        return self.step_ms(rows) + self.key_ms * keys + draft
+        return self.step_ms(rows) + self.key_ms * keys + draft + self.absorb_ms() * absorbed
+
+    def row_ms(self) -> float:
+        """A target row's cost once compute-bound: the curve's last slope."""
+        if len(self.rows) < 2:
+            return self.ms[0]
+        return max(0.0, (self.ms[-1] - self.ms[-2]) / (self.rows[-1] - self.rows[-2]))
+
+    def absorb_ms(self) -> float:
+        """The head's cost per committed position it catches up on."""
+        return self.draft_ratio * self.row_ms()
 
     def with_draft_ratio(self, ratio: float) -> "CostModel":
         return replace(self, draft_ratio=ratio)
@@ -59,6 +71,8 @@ class CostModel:
         if keys <= 0:
             return self
         seen = max(0.0, (ms - self.step_ms(rows)) / keys)
+        if self.key_ms:  # one slow step (a page fault, a busy neighbour) moves the estimate a little only
+            seen = min(seen, 4 * self.key_ms)
         return replace(self, key_ms=seen if self.key_ms == 0 else (1 - weight) * self.key_ms + weight * seen)
 
     def to_dict(self) -> dict:
@@ -130,21 +144,36 @@ class Acceptance:
                 self.rate[j] += self.relax * (self.prior[j] - self.rate[j])
 
 
+MARGIN = 0.03  # drafts must promise this much more throughput than none: smaller gains are noise here
+
+
 def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows: int, cost: CostModel,
-           contexts: Sequence[int] | None = None, base_keys: int = 0) -> list[int]:
+           contexts: Sequence[int] | None = None, base_keys: int = 0, margin: float = MARGIN,
+           pending: Sequence[int] | None = None, sunk_rows: int = 0, sunk_keys: int = 0) -> list[int]:
     """Draft lengths for sequences that may draft up to `limits[i]` tokens with survivals
     `survival[i]`, on top of `base_rows` rows attending `base_keys` keys (each sequence's last
-    token, prefill chunks); a draft row of sequence i attends about `contexts[i]` keys."""
+    token); a draft row of sequence i attends about `contexts[i]` keys, and its first one makes the
+    head catch up on `pending[i]` positions. The step also carries `sunk_rows` prompt rows
+    (`sunk_keys` keys) that must run anyway: they set where on the curve draft rows are priced, but
+    their cost is not held against the drafts (else a step made slow by a prefill chunk would make
+    any draft look cheap). No drafts unless they promise `margin` more tokens per millisecond."""
     cands = sorted(((s, j, i) for i, surv in enumerate(survival) for j, s in enumerate(surv[: limits[i]], 1)),
                    key=lambda c: (-c[0], c[1]))
-    tokens, rows, depth, jobs, keys = float(len(limits)), base_rows, 0, 0, base_keys
-    best, take = tokens / cost.time(rows, keys=keys), 0
+    tokens, rows, depth, jobs, keys, absorbed = float(len(limits)), base_rows + sunk_rows, 0, 0, \
+        base_keys + sunk_keys, 0
+    floor = cost.time(rows, keys=keys)  # this step without drafts
+    own = cost.time(base_rows, keys=base_keys)  # what the decoding rows alone would cost
+    base = best = tokens / own
+    take = 0
     for n, (s, j, i) in enumerate(cands, 1):
         tokens, rows, depth, jobs = tokens + s, rows + 1, max(depth, j), jobs + (j == 1)
         keys += contexts[i] + j if contexts else 0
-        rate = tokens / cost.time(rows, depth, jobs, keys)
+        absorbed += pending[i] if pending and j == 1 else 0
+        rate = tokens / (own + cost.time(rows, depth, jobs, keys, absorbed) - floor)
         if rate > best:
             best, take = rate, n
+    if best < base * (1 + margin):
+        take = 0
     lengths = [0] * len(limits)
     for _, j, i in cands[:take]:
         lengths[i] = max(lengths[i], j)

@@ -75,6 +75,7 @@ class Generation:
         self.error: BaseException | None = None
         self.pending: list[Tensor] = []  # drafter features of committed positions not yet drafted from
         self.recorded: list[tuple[Tensor, Tensor]] = []  # with req.record: (states, argmax) per commit
+        self.drafted = False  # has had a draft (its drafter has seen the prompt)
         self.length = DraftLength(req.draft_len, req.adaptive)
         self.acceptance = costs.Acceptance(prior, start=start)  # starts from the engine's record
         self.stats = GenerationStats(prompt_tokens=len(req.prompt))
@@ -255,8 +256,11 @@ class Engine:
             return [min(s.length.next(), s.budget - 1) if s.req.speculative else 0 for s in decoding]
         limits = [min(s.req.draft_len, s.budget - 1) if s.req.speculative else 0 for s in decoding]
         contexts = [s.n for s in decoding]
+        # the head's catch-up on the prompt is the price of speculating at all: not held against one step
+        pending = [sum(len(p) for p in s.pending) - (0 if s.drafted else len(s.req.prompt)) for s in decoding]
         return costs.choose(limits, [s.acceptance.survival(k) for s, k in zip(decoding, limits)],
-                            len(decoding) + prefill_rows, self.cost, contexts, sum(contexts) + prefill_keys)
+                            len(decoding), self.cost, contexts, sum(contexts), pending=pending,
+                            sunk_rows=prefill_rows, sunk_keys=prefill_keys)
 
     def _draft(self, decoding: list[Generation], prefill_rows: int, prefill_keys: int = 0) -> list[list[int]]:
         """Each decoding sequence's draft (empty when it does not speculate this step)."""
@@ -265,7 +269,7 @@ class Engine:
         for i, (s, k) in enumerate(zip(decoding, self._lengths(decoding, prefill_rows, prefill_keys))):
             if k > 0:
                 feats = torch.cat(s.pending) if s.pending else None
-                s.pending = []
+                s.pending, s.drafted = [], True
                 jobs.append(DraftJob(s.slot, s.context(), feats, k, None if s.sampler.greedy else s.sampler))
                 owners.append(i)
         if not jobs:
@@ -273,7 +277,8 @@ class Engine:
             return drafts
         t0 = time.perf_counter()
         made = self.drafter.draft(jobs)
-        self._learn_draft_cost(time.perf_counter() - t0, max(j.k for j in jobs), len(jobs))
+        self._learn_draft_cost(time.perf_counter() - t0, max(j.k for j in jobs), len(jobs),
+                               sum(len(j.feats) for j in jobs if j.feats is not None))
         for i, d in zip(owners, made):
             drafts[i] = d.tokens.tolist()
         return self._trim(decoding, drafts, made, owners, prefill_rows, prefill_keys)
@@ -290,16 +295,18 @@ class Engine:
         limits = [len(d) if survival[i] else 0 for i, d in enumerate(drafts)]
         contexts = [s.n for s in decoding]
         fixed = [(len(d), s.n) for s, d, surv in zip(decoding, drafts, survival) if not surv]
-        keep = costs.choose(limits, survival, len(decoding) + prefill_rows + sum(k for k, _ in fixed), self.cost,
-                            contexts, sum(contexts) + prefill_keys + sum(k * n for k, n in fixed))
+        keep = costs.choose(limits, survival, len(decoding), self.cost, contexts, sum(contexts),
+                            sunk_rows=prefill_rows + sum(k for k, _ in fixed),
+                            sunk_keys=prefill_keys + sum(k * n for k, n in fixed), margin=0.0)
         return [d[:k] if survival[i] else d for i, (d, k) in enumerate(zip(drafts, keep))]
 
-    def _learn_draft_cost(self, seconds: float, depth: int, jobs: int) -> None:
+    def _learn_draft_cost(self, seconds: float, depth: int, jobs: int, absorbed: int) -> None:
         """A model drafter's step time relative to a target step over as many rows, as a moving
-        average (n-gram drafts are free: no cost to learn)."""
+        average, after its catch-up on `absorbed` positions (n-gram drafts are free: nothing to learn)."""
         if self.cost is None or getattr(self.drafter, "free_drafts", False):
             return
-        ratio = seconds * 1e3 / (depth * self.cost.step_ms(jobs))
+        ms = max(seconds * 1e3 - self.cost.absorb_ms() * absorbed, 0.0)
+        ratio = ms / (depth * self.cost.step_ms(jobs))
         old = self.cost.draft_ratio
         self.cost = self.cost.with_draft_ratio(ratio if old == 0 else 0.8 * old + 0.2 * ratio)
 
