@@ -1,4 +1,5 @@
-"""The small-M linear kernel: a linear layer, rows independent bit for bit, and a clean fallback."""
+"""The small-M linear kernel at every weight precision (fp32, fp16, bf16, int8): a linear layer,
+rows independent bit for bit, and a clean fallback."""
 
 import logging
 import multiprocessing
@@ -49,21 +50,74 @@ def test_matches_f_linear(kernel, N, K):
             torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1e-4, atol=1e-4 * (K ** 0.5))
 
 
-def test_rows_bit_identical_for_every_m_and_thread_count(kernel):
-    """Row i of an M-row product == the 1-row product of row i, bit for bit, at any thread count:
-    what makes verifying 8 drafts give the same logits as decoding them one by one."""
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8"])
+def test_rows_bit_identical_for_every_m_and_thread_count(kernel, weights):
+    """Row i of an M-row product == the 1-row product of row i, bit for bit, at any thread count
+    and panel grouping: what makes verifying 8 drafts give the same logits as decoding them one by one."""
     torch.manual_seed(0)
-    for N, K in [(1000, 576), (576, 1536), (83, 40)]:
+    lib = kernel._library()[0]
+    for N, K in [(1000, 576), (576, 1536), (83, 40), (64, 33)]:
         w = torch.randn(N, K)
         x = torch.randn(16, K)
-        packed = kernel.pack(w, threads=1)
+        packed = kernel.pack(w, threads=1, weights=weights)
         single = torch.cat([packed(x[i:i + 1]) for i in range(16)])
-        for threads in (1, 2, 3):
+        for threads, group in ((1, 1), (2, 4), (3, 1), (2, 1)):
             packed.threads = threads
             packed._parallel = True  # force the pool even on small weights
-            for M in range(1, 17):
-                assert torch.equal(packed(x[:M]), single[:M]), (N, K, M, threads)
-                assert torch.equal(packed(x[16 - M:]), single[16 - M:]), (N, K, M, threads)
+            lib.sp_set_group(group)
+            try:
+                for M in range(1, 17):
+                    assert torch.equal(packed(x[:M]), single[:M]), (N, K, M, threads, group)
+                    assert torch.equal(packed(x[16 - M:]), single[16 - M:]), (N, K, M, threads, group)
+            finally:
+                lib.sp_set_group(4)
+
+
+@pytest.mark.parametrize("weights, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_half_weights_are_the_fp32_kernel_on_the_rounded_weights(kernel, weights, dtype):
+    """fp16/bf16 panels widen exactly and go through the fp32 kernel's chain: bit-identical results."""
+    torch.manual_seed(4)
+    for N, K in [(960, 576), (37, 5), (100, 130), (17, 1)]:
+        w, b = torch.randn(N, K), torch.randn(N)
+        half, rounded = kernel.pack(w, b, weights=weights), w.to(dtype).float()
+        assert half.weight.dtype == dtype and half.weight.numel() * 2 <= (N + 15) // 16 * 16 * K * 2
+        assert torch.equal(half.dense(), rounded)
+        ref = kernel.pack(rounded, b)
+        for M in (1, 2, 7, 9, 17):
+            x = torch.randn(M, K)
+            assert torch.equal(half(x), ref(x)), (weights, N, K, M)
+
+
+def test_int8_blocks_are_q8_0(kernel):
+    """Per 32 k and column, scale = amax / 127 and q = round(w / scale): every weight within half a
+    step of its value; the product within fp32 rounding of F.linear on the dequantized weight."""
+    torch.manual_seed(5)
+    for N, K in [(960, 576), (37, 5), (100, 130), (17, 1), (48, 64)]:
+        w, b = torch.randn(N, K), torch.randn(N)
+        w[0, :] = 0  # an all-zero block: scale 0, no NaN
+        packed = kernel.pack(w, b, weights="int8")
+        assert packed.weight.shape == ((N + 15) // 16, (K + 31) // 32, 576)
+        dense = packed.dense()
+        blocks = F.pad(w, (0, -K % 32)).view(N, -1, 32)
+        step = (blocks.abs().amax(-1, keepdim=True) / 127).expand_as(blocks).reshape(N, -1)[:, :K]
+        assert ((dense - w).abs() <= step / 2 * (1 + 1e-5) + 1e-30).all()
+        assert not dense[0].any()
+        for M in (1, 3, 9, 17):
+            x = torch.randn(M, K)
+            assert within_tolerance(packed(x), x, dense, b), (N, K, M)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8"])
+def test_residual_is_added_last_bit_for_bit(kernel, weights):
+    """linear(x, residual=r) == r + linear(x), bit for bit (the decoder's residual adds, fused)."""
+    torch.manual_seed(6)
+    for N, K in [(576, 576), (37, 70), (64, 1536)]:
+        packed = kernel.pack(torch.randn(N, K), torch.randn(N), weights=weights)
+        for M in (1, 2, 5, 17):
+            x, r = torch.randn(M, K), torch.randn(M, N)
+            assert torch.equal(packed(x, residual=r), r + packed(x)), (N, K, M)
+        with pytest.raises(TypeError):
+            packed(x, residual=torch.randn(M, N + 1))
 
 
 def test_layouts_and_out(kernel):
@@ -138,6 +192,19 @@ def test_disabled_falls_back_to_torch(monkeypatch):
     assert packed(x, out=out) is out and torch.equal(out, F.linear(x, w, b))
 
 
+@pytest.mark.parametrize("weights", ["fp16", "bf16", "int8"])
+def test_fallback_keeps_the_precision(monkeypatch, weights):
+    """Without the kernel, F.linear runs on an fp32 copy of the weight as the kernel would round it."""
+    monkeypatch.setenv("SPECPACK_KERNELS", "0")
+    w, b, x, r = torch.randn(30, 40), torch.randn(30), torch.randn(5, 40), torch.randn(5, 30)
+    packed = kl.pack(w, b, weights=weights)
+    assert packed.backend == "torch" and packed.weight.dtype == torch.float32
+    dense = kl.unpack(kl._packed(w, weights), weights, 30, 40)
+    assert torch.equal(packed.weight, dense) and not torch.equal(dense, w)
+    assert torch.equal(packed(x), F.linear(x, dense, b))
+    assert torch.equal(packed(x, residual=r), r + F.linear(x, dense, b))
+
+
 def test_build_failure_is_logged_and_falls_back(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
@@ -174,7 +241,7 @@ def test_concurrent_first_builds_agree(kernel, tmp_path, monkeypatch):
     results = [q.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=20)
-    assert results == [2, 2, 2]
+    assert results == [3, 3, 3]
     assert [p.name for p in tmp_path.rglob("*.so")] == ["specpack_kernels.so"]  # temp files renamed or gone
     kl._library.cache_clear()
     torch.manual_seed(0)

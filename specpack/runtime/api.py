@@ -10,11 +10,12 @@ from specpack.errors import InputError, MissingDependencyError
 
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "float16", "bfloat16")
+WEIGHTS = ("fp32", "fp16", "bf16", "int8")
 
 
 def load(path, public_key=None, require_signature: bool | None = None, device: str = "cpu",
          dtype: str = "float32", verify: bool = True, progress: bool = False, backend: str = "torch",
-         **backend_options):
+         weights: str = "fp32", **backend_options):
     """Verify the artifact at `path` (signature when a key is given or required, every digest
     always), then load target and drafter, memory-mapped, into one `SpecModel`.
 
@@ -22,6 +23,12 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
     --to onnx`) or tensorrt (CUDA). The returned model carries `.manifest` (the parsed
     specpack.json), `.tokenizer` (from the artifact) and `.verification` (what was checked). A
     tampered artifact is never loaded.
+
+    `weights` is the precision the CPU kernels keep the linear layers' weights in: fp32 (as
+    loaded), fp16 or bf16 (half the bytes, rounded to nearest; exact for a checkpoint stored in that
+    format) or int8 (per-block scales, like llama.cpp's Q8_0). Activations stay fp32; greedy output
+    with speculation equals greedy output without it at every precision. Needs the torch backend on
+    the CPU in float32.
     """
     from specpack.packager import verify as verify_artifact
     from specpack.packager.artifact import read_manifest
@@ -37,10 +44,14 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
     if not verify:
         check_paths(path, manifest)  # no links, and no file read from outside the artifact
     _device(device), _dtype(dtype)  # check both before any work
+    check_weights(weights, backend, device, dtype)
+    if weights != "fp32":
+        backend_options["weights"] = weights
     target, drafter = backends.load(backend, path, manifest, device, dtype, **backend_options)
     model = SpecModel(target, drafter).eval()
     model.manifest, model.verification, model.tokenizer = manifest, report, load_tokenizer(path)
-    log.info("loaded %s (%s drafter) on %s %s/%s", path, manifest.drafter.kind, backend, device, dtype)
+    log.info("loaded %s (%s drafter) on %s %s/%s, %s weights", path, manifest.drafter.kind, backend, device,
+             dtype, weights)
     return model
 
 
@@ -67,6 +78,20 @@ def _device(name: str):
     if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
         raise InputError(f"unknown device '{name}'", hint="use cpu or cuda")
     return torch.device(name)
+
+
+def check_weights(weights: str, backend: str = "torch", device: str = "cpu", dtype: str = "float32") -> None:
+    """Refuse a weight precision this run cannot apply, naming every reason at once."""
+    if weights not in WEIGHTS:
+        raise InputError(f"unknown weight precision '{weights}'", hint="use one of " + ", ".join(WEIGHTS))
+    if weights == "fp32":
+        return
+    problems = [p for p, bad in [(f"backend {backend} (the CPU kernels run on the torch backend)", backend != "torch"),
+                                 (f"device {device}", device != "cpu"),
+                                 (f"dtype {dtype} (activations stay float32)", dtype != "float32")] if bad]
+    if problems:
+        raise InputError(f"--weights {weights} needs the torch backend on the CPU in float32", problems=problems,
+                         hint="drop --weights, or use --backend torch --device cpu --dtype float32")
 
 
 def _dtype(name: str):

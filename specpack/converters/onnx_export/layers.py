@@ -60,9 +60,12 @@ def family(spec):
 
 def linear_params(module) -> tuple[Tensor, Tensor | None]:
     """(weight [out, in], bias) of a linear layer of the runtime model, whatever kernel it runs on:
-    nn.Linear, or a packed layer keeping K-major panels [ceil(out/16), in, 16] (kernels.linear)."""
+    nn.Linear, or a packed layer (kernels.linear: its fp32 weight, rounded or dequantized as the
+    kernel computes with it)."""
     w, b = module.weight, getattr(module, "bias", None)
-    if w.dim() == 3:
+    if hasattr(module, "dense_weight"):
+        w = module.dense_weight()
+    elif w.dim() == 3:
         w = w.transpose(1, 2).reshape(-1, w.shape[1])[: module.out_features]
     return w.detach(), None if b is None else b.detach()
 

@@ -139,7 +139,7 @@ class Eagle3Drafter(nn.Module):
     @torch.inference_mode()
     def reserve(self, slots: int, max_len: int) -> None:
         """Room for `slots` sequences of `max_len` positions; empties every slot."""
-        s, w = self.spec, self.lm_head.weight
+        s, w = self.spec, self.norm.weight  # fp32 (lm_head may keep fp16/int8 panels)
         if self.cache is None or self.cache.max_len < max_len or self.cache.slots < slots:
             self.cache = None
             self.cache = KVCache(1, s.num_kv_heads, s.head_dim, max_len, w.dtype, w.device, slots)

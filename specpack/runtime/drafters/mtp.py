@@ -171,7 +171,7 @@ class MtpDrafter(nn.Module):
     @torch.inference_mode()
     def reserve(self, slots: int, max_len: int) -> None:
         """Room for `slots` sequences of `max_len` rows per layer; empties every slot."""
-        w = self.layers[0].proj.weight
+        w = self.layers[0].final_norm.weight  # fp32 (proj may keep fp16/int8 panels)
         if not self.caches or self.caches[0].max_len < max_len or self.caches[0].slots < slots:
             self.caches = []
             self.caches = [self.kit.cache(max_len, slots) for _ in self.layers]

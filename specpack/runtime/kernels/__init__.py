@@ -1,5 +1,6 @@
-"""CPU kernels compiled on first use. `linear`: fp32 small-M linear layer, see its docstring."""
+"""CPU kernels, built at install time or compiled on first use. `linear`: the small-M linear layer
+(fp32, fp16, bf16 or int8 weights), see its docstring."""
 
-from specpack.runtime.kernels.linear import PackedLinear, available, pack, unavailable_reason
+from specpack.runtime.kernels.linear import FORMATS, PackedLinear, available, pack, unavailable_reason
 
-__all__ = ["PackedLinear", "available", "pack", "unavailable_reason"]
+__all__ = ["FORMATS", "PackedLinear", "available", "pack", "unavailable_reason"]

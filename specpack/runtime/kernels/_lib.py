@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "linear.c", "attention.c")]
 HEADERS = [Path(__file__).with_name("kernels.h")]
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
 # Idle pool threads spin this long after a job before sleeping, so the next layer's matmul finds
 # them awake. Measured on SmolLM2 (idle 2-vCPU machine, decode loop): 0 us -> 34-35 tokens/s plain,
 # 300 us -> 38-40 (T=1 forward 29 -> 26 ms), though a spinning worker costs its SMT sibling some FMA
@@ -47,7 +47,7 @@ def _cpu_problem() -> str | None:
         return f"cannot read /proc/cpuinfo to check for AVX2: {exc}"
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines()
                   if line.startswith("flags")), [])
-    missing = [f for f in ("avx2", "fma") if f not in flags]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
     return f"CPU lacks {', '.join(missing)}" if missing else None
 
 
@@ -68,13 +68,14 @@ def _compile(cc: str, out: Path) -> None:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.sp_linear.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int]
+    lib.sp_linear.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, p, p, i64, p, i64, ctypes.c_int]
     lib.sp_linear.restype = None
     lib.sp_attention.argtypes = [p, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, p, p, p, p, i64,
                                  ctypes.c_float, p, i64, ctypes.c_int]
     lib.sp_attention.restype = None
     lib.sp_set_spin_us.argtypes = [ctypes.c_long]
     lib.sp_set_prefetch.argtypes = [ctypes.c_int]
+    lib.sp_set_group.argtypes = [ctypes.c_int]
     lib.sp_set_spin_us(SPIN_US)
     return lib
 

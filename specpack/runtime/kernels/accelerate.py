@@ -4,6 +4,9 @@ The kernel streams each weight once whatever the number of rows, so verifying D+
 costs about what decoding one does, and its results do not depend on the number of rows: verify
 and plain decoding see bit-identical projections. Measured here it also beats torch's GEMM on
 prefill-sized inputs (256 rows: lm_head 178 vs 237 ms, gate/up 8.8 vs 24 ms), so it runs everything.
+
+The weights can be kept in fp32 (as loaded), fp16, bf16 or int8 (`weights=`; see kernels/linear.py):
+activations and sums stay fp32, so each precision keeps the row-exactness above.
 """
 
 from __future__ import annotations
@@ -14,47 +17,62 @@ import torch
 from torch import Tensor, nn
 
 log = logging.getLogger(__name__)
+WEIGHTS = ("fp32", "fp16", "bf16", "int8")
 
 
 class PackedLinearModule(nn.Module):
-    """An nn.Linear replacement over `kernels.linear.PackedLinear`. `weight` holds the K-major
-    panels [ceil(out/16), in, 16] (what the ONNX export reads through `linear_params`)."""
+    """An nn.Linear replacement over `kernels.linear.PackedLinear`. `weight` holds the packed
+    panels (fp32/fp16/bf16 [ceil(out/16), in, 16], int8 blocks [ceil(out/16), ceil(in/32), 576]
+    bytes); `dense_weight()` gives the fp32 [out, in] weight it computes with (what the ONNX export
+    reads through `linear_params`)."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, weights: str = "fp32"):
         super().__init__()
         from specpack.runtime.kernels import pack
 
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        self.packed = pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(),
+                           weights=weights)
         self.register_buffer("weight", self.packed.weight, persistent=False)
         self.register_buffer("bias", self.packed.bias, persistent=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        return self.packed(x)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        return self.packed(x, residual=residual)
+
+    def dense_weight(self) -> Tensor:
+        return self.packed.dense()
 
 
-def use_cpu_kernels(model: nn.Module) -> int:
-    """Replace every fp32 CPU nn.Linear in `model` by the packed kernel; return how many.
+def use_cpu_kernels(model: nn.Module, weights: str = "fp32") -> int:
+    """Replace every fp32 CPU nn.Linear in `model` by the packed kernel, its weight kept in
+    `weights` (fp32, fp16, bf16, int8); return how many.
 
-    Does nothing (returns 0) when the kernel is unavailable (no compiler or AVX2, or
-    SPECPACK_KERNELS=0) or the model is not fp32 on the CPU. Torch's own pool drops to one thread:
-    the kernel's threads have the cores during the matmuls, and two pools spinning on two cores
-    fight (PERF-NOTES).
+    With fp32 weights this does nothing (returns 0) when the kernel is unavailable (no compiler or
+    AVX2, or SPECPACK_KERNELS=0) or the model is not fp32 on the CPU. With other weights and no
+    kernel, the layers run torch's `F.linear` on fp32 copies of the rounded weights: the same
+    numbers up to summation order, without the memory or speed gain (a warning says so). Torch's
+    own pool drops to one thread: the kernel's threads have the cores during the matmuls, and two
+    pools spinning on two cores fight (PERF-NOTES).
     """
     from specpack.runtime.kernels import available, unavailable_reason
 
+    if weights not in WEIGHTS:
+        raise ValueError(f"unknown weight format {weights!r}: use one of {', '.join(WEIGHTS)}")
     if not available():
-        log.info("CPU kernels off: %s", unavailable_reason())
-        return 0
+        if weights == "fp32":
+            log.info("CPU kernels off: %s", unavailable_reason())
+            return 0
+        log.warning("CPU kernels off (%s): %s weights run torch's F.linear on fp32 copies of the rounded "
+                    "weights (same values, no memory or speed gain)", unavailable_reason(), weights)
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _eligible(child):
-                setattr(parent, name, PackedLinearModule(child))
+                setattr(parent, name, PackedLinearModule(child, weights))
                 swapped += 1
-    if swapped:
+    if swapped and available():
         torch.set_num_threads(1)
-        log.info("CPU kernels: %d linear layers packed; torch ops on 1 thread", swapped)
+        log.info("CPU kernels: %d linear layers packed (%s weights); torch ops on 1 thread", swapped, weights)
     return swapped
 
 

@@ -1,16 +1,28 @@
-/* Small-M fp32 linear layer, y[M,N] = x[M,K] @ W[N,K]^T (+ bias), for AVX2 + FMA.
+/* Small-M linear layer, y[M,N] = x[M,K] @ W[N,K]^T (+ bias) (+ residual), for AVX2 + FMA (+ F16C).
+ * x, y and the sums are fp32; W is stored in one of four formats (the "weight formats" below).
  *
  * Weight layout ("panels"): W is cut into P = ceil(N/16) panels of 16 output columns; panel p is
  * stored K-major, w[p][k][j] = W[16p + j][k], zero-padded past N. One k of a panel is one 64-byte
- * cache line, and a thread's share of panels is one sequential stream.
+ * cache line in fp32 (32 bytes in fp16/bf16), and a thread's share of panels is one sequential
+ * stream. Weight formats:
+ *   SP_F32   float
+ *   SP_F16   IEEE half, widened in registers with F16C (vcvtph2ps)
+ *   SP_BF16  bfloat16 (the top 16 bits of an fp32), widened by a 16-bit shift
+ *   SP_Q8    int8 with one fp32 scale per 32 k and column (llama.cpp's Q8_0 blocks): a panel is
+ *            ceil(K/32) blocks of [16 scales (fp32), 32 x 16 int8 (k-major)], 576 bytes each;
+ *            W[16p + j][k] ~= scale[b][j] * q[b][k - 32b][j], b = k / 32.
  *
  * Reduction order (the determinism contract): every output element y[i][n] is summed in fixed
  * k-blocks of KB: for each block b, s_b = one fused multiply-add chain from 0 over the block's k;
- * acc = s_0, then acc = acc + s_b in block order; then acc + bias[n]. Blocked summation keeps the
- * rounding error growing with KB + K/KB instead of K (on SmolLM2 the logits' largest difference to
- * ONNX Runtime's MLAS fell from 1.0e-4 to 5.3e-5 with it). The order does not depend on M, on which rows share a tile, on which
- * thread computes the panel or on how many threads run, so row i of an M-row product is
- * bit-identical to the 1-row product of row i.
+ * acc = s_0, then acc = acc + s_b in block order; then acc + bias[n]; then residual[i][n] + that.
+ * fp16 and bf16 weights are widened exactly to fp32 and go through the same chain, so their result
+ * is bit-identical to the fp32 kernel on the widened weights. Int8 uses blocks of 32 (its scale
+ * blocks): s_b = the chain over the block's k of x * q, then acc = s_0 * scale_0, then
+ * acc = fma(s_b, scale_b, acc). Blocked summation keeps the rounding error growing with KB + K/KB
+ * instead of K (on SmolLM2 the logits' largest difference to ONNX Runtime's MLAS fell from 1.0e-4
+ * to 5.3e-5 with it). The order does not depend on M, on which rows share a tile, on which thread
+ * computes the panel or on how many threads run, so row i of an M-row product is bit-identical to
+ * the 1-row product of row i, in every format.
  *
  * Threads: chunks of panels go to the pool (pool.c); a panel is computed the same way on any thread.
  */
@@ -24,33 +36,91 @@
 #define MR_MAX 6       /* rows per register tile: 12 accumulators + 2 weights + 1 broadcast */
 #define CHUNK_BYTES (128 * 1024) /* of weights: ~10 us of work, the most a caller waits for */
 
+enum { SP_F32 = 0, SP_F16 = 1, SP_BF16 = 2, SP_Q8 = 3 };
+#define Q8_BLOCK 32                                  /* k per int8 scale block */
+#define Q8_BLOCK_BYTES (NR * 4 + Q8_BLOCK * NR)      /* 16 fp32 scales + 32 x 16 int8 = 576 */
+
 /* ---------------------------------------------------------------- compute */
 
-#define KB 128          /* k-block: 8 KB of panel, stays in L1; the summation's block too */
+#define KB 128          /* k-block: 8 KB of fp32 panel, stays in L1; the summation's block too */
 
-/* Software prefetch into L2 (T1), 128 lines = 8 KB ahead of the k being computed. Measured on
- * the 113 MB head at M = 8: ratio to M = 1 of 1.06 with T1 against 1.29 with T0 (L1 fill buffers
- * run out) and 1.9 without prefetching, M = 1 alike. */
-static int prefetch_dist = 128; /* cache lines (= k steps) ahead; 0 disables */
+/* Software prefetch into L2 (T1), 8 KB ahead of the k being computed. Measured on the 113 MB
+ * fp32 head at M = 8: ratio to M = 1 of 1.06 with T1 against 1.29 with T0 (L1 fill buffers run
+ * out) and 1.9 without prefetching, M = 1 alike. */
+static int prefetch_dist = 128; /* cache lines (of 64 bytes) ahead; 0 disables */
+
+/* Prefetch at every PF_EVERY-th k: about once per 64-byte line of the stream. */
+#define PF_EVERY(fmt) ((fmt) == SP_F32 ? 1 : (fmt) == SP_Q8 ? 4 : 2)
+
+/* The 16 weights of one k of a panel, widened to fp32 in two registers. */
+static inline __attribute__((always_inline)) void load16(const int fmt, const char *w, int64_t k,
+                                                         __m256 *w0, __m256 *w1)
+{
+    if (fmt == SP_F32) {
+        const float *wk = (const float *)w + k * NR;
+        *w0 = _mm256_loadu_ps(wk);
+        *w1 = _mm256_loadu_ps(wk + 8);
+    } else if (fmt == SP_F16) {
+        const uint16_t *wk = (const uint16_t *)w + k * NR;
+        *w0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)wk));
+        *w1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(wk + 8)));
+    } else if (fmt == SP_BF16) {
+        const uint16_t *wk = (const uint16_t *)w + k * NR;
+        const __m256i a = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)wk));
+        const __m256i b = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wk + 8)));
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(a, 16));
+        *w1 = _mm256_castsi256_ps(_mm256_slli_epi32(b, 16));
+    } else { /* SP_Q8: w points at the block's int8 rows, k counts within the block */
+        const __m128i q = _mm_loadu_si128((const __m128i *)(w + k * NR));
+        *w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+        *w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(q, q)));
+    }
+}
+
+/* Fold one row's block sums (16 columns in c0, c1) into `acc`, which holds the earlier k-blocks'
+ * sum (`first`: there are none): acc + s, or for int8 fma(s, scale, acc); then add `bias` (after
+ * the last block; or NULL), then `res` (or NULL), and store. */
+static inline __attribute__((always_inline)) void finish(
+    const int fmt, int first, __m256 c0, __m256 c1, float *acc, const float *scale, const float *bias,
+    const float *res)
+{
+    if (fmt == SP_Q8) {
+        const __m256 d0 = _mm256_loadu_ps(scale), d1 = _mm256_loadu_ps(scale + 8);
+        c0 = first ? _mm256_mul_ps(c0, d0) : _mm256_fmadd_ps(c0, d0, _mm256_loadu_ps(acc));
+        c1 = first ? _mm256_mul_ps(c1, d1) : _mm256_fmadd_ps(c1, d1, _mm256_loadu_ps(acc + 8));
+    } else if (!first) {
+        c0 = _mm256_add_ps(_mm256_loadu_ps(acc), c0);
+        c1 = _mm256_add_ps(_mm256_loadu_ps(acc + 8), c1);
+    }
+    if (bias) {
+        c0 = _mm256_add_ps(c0, _mm256_loadu_ps(bias));
+        c1 = _mm256_add_ps(c1, _mm256_loadu_ps(bias + 8));
+    }
+    if (res) {
+        c0 = _mm256_add_ps(_mm256_loadu_ps(res), c0);
+        c1 = _mm256_add_ps(_mm256_loadu_ps(res + 8), c1);
+    }
+    _mm256_storeu_ps(acc, c0);
+    _mm256_storeu_ps(acc + 8, c1);
+}
 
 /* One register tile: rows x[0..mr) times the panel's 16 columns over k in [k0, k1). The block's
- * products are summed from zero in registers, then added to `acc` (row stride lda), which holds
- * the sum of the earlier k-blocks (`first`: there are none); `bias` (16 floats, or NULL) is added
- * after the last block. Named accumulators, not an array: GCC spills arrays of vectors to the
- * stack. */
+ * products are summed from zero in registers, then folded into `acc` (row stride lda; see
+ * `finish`). Named accumulators, not an array: GCC spills arrays of vectors to the stack. */
 #define ROWS(X) X(0) X(1) X(2) X(3) X(4) X(5)
 static inline __attribute__((always_inline)) void tile(
-    const int mr, const int prefetch, const float *x, int64_t ldx, const float *w, int64_t k0,
-    int64_t k1, float *acc, int64_t lda, int first, const float *bias, const char *pf, int64_t pfstep)
+    const int fmt, const int mr, const int prefetch, const float *x, int64_t ldx, const char *w,
+    int64_t k0, int64_t k1, float *acc, int64_t lda, int first, const float *bias, const float *res,
+    int64_t ldr, const float *scale, const char *pf, int64_t pfstep)
 {
 #define DECL(i)                                                                                  \
     __m256 c##i##0 = _mm256_setzero_ps(), c##i##1 = _mm256_setzero_ps();                         \
     const float *x##i = x + (mr > i ? i : 0) * ldx;
     ROWS(DECL)
     for (int64_t k = k0; k < k1; k++) {
-        const float *wk = w + k * NR;
-        if (prefetch) _mm_prefetch(pf + (k - k0) * pfstep, _MM_HINT_T1);
-        const __m256 w0 = _mm256_loadu_ps(wk), w1 = _mm256_loadu_ps(wk + 8);
+        if (prefetch && ((k - k0) & (PF_EVERY(fmt) - 1)) == 0) _mm_prefetch(pf + (k - k0) * pfstep, _MM_HINT_T1);
+        __m256 w0, w1;
+        load16(fmt, w, fmt == SP_Q8 ? k - k0 : k, &w0, &w1);
 #define STEP(i)                                                                                  \
         if (mr > i) {                                                                            \
             const __m256 b = _mm256_broadcast_ss(x##i + k);                                      \
@@ -60,91 +130,232 @@ static inline __attribute__((always_inline)) void tile(
         ROWS(STEP)
     }
 #define STORE(i)                                                                                 \
-    if (mr > i) {                                                                                \
-        if (!first) {                                                                            \
-            c##i##0 = _mm256_add_ps(_mm256_loadu_ps(acc + i * lda), c##i##0);                    \
-            c##i##1 = _mm256_add_ps(_mm256_loadu_ps(acc + i * lda + 8), c##i##1);                \
-        }                                                                                        \
-        if (bias) {                                                                              \
-            c##i##0 = _mm256_add_ps(c##i##0, _mm256_loadu_ps(bias));                             \
-            c##i##1 = _mm256_add_ps(c##i##1, _mm256_loadu_ps(bias + 8));                         \
-        }                                                                                        \
-        _mm256_storeu_ps(acc + i * lda, c##i##0);                                                \
-        _mm256_storeu_ps(acc + i * lda + 8, c##i##1);                                            \
-    }
+    if (mr > i) finish(fmt, first, c##i##0, c##i##1, acc + i * lda, scale, bias, res ? res + i * ldr : 0);
     ROWS(STORE)
 }
 
-typedef void (*tile_fn)(const float *, int64_t, const float *, int64_t, int64_t, float *, int64_t,
-                        int, const float *, const char *, int64_t);
-#define TILE_FN(R, PF)                                                                           \
-    static void tile##R##_##PF(const float *x, int64_t ldx, const float *w, int64_t k0,          \
+/* A wide tile for one or two rows: `np` consecutive panels at once (mr = 1: 4 panels, mr = 2: 2),
+ * so 8 independent FMA chains are in flight where a one-panel tile would have 2 or 4 and wait on
+ * the FMA latency. Each output element is summed exactly as `tile` sums it. w[j], acc[j], scale[j]
+ * are panel j's; bias and res cover the np * 16 columns. */
+#define PANELS(X) X(0) X(1) X(2) X(3)
+static inline __attribute__((always_inline)) void wtile(
+    const int fmt, const int mr, const int np, const int prefetch, const float *x, int64_t ldx,
+    const char *const *w, int64_t k0, int64_t k1, float *acc, int64_t lda, int first,
+    const float *bias, const float *res, int64_t ldr, const float *const *scale, const char *const *pf,
+    int64_t bpk)
+{
+#define WDECL(j)                                                                                 \
+    __m256 a##j##0 = _mm256_setzero_ps(), a##j##1 = _mm256_setzero_ps();                         \
+    __m256 b##j##0 = _mm256_setzero_ps(), b##j##1 = _mm256_setzero_ps();
+    PANELS(WDECL)
+    const float *x1 = x + (mr > 1 ? ldx : 0);
+    for (int64_t k = k0; k < k1; k++) {
+        const __m256 u = _mm256_broadcast_ss(x + k), v = _mm256_broadcast_ss(x1 + k);
+#define WSTEP(j)                                                                                 \
+        if (np > j) {                                                                            \
+            if (prefetch && ((k - k0) & (PF_EVERY(fmt) - 1)) == 0)                                \
+                _mm_prefetch(pf[j] + (k - k0) * bpk, _MM_HINT_T1);                               \
+            __m256 w0, w1;                                                                       \
+            load16(fmt, w[j], fmt == SP_Q8 ? k - k0 : k, &w0, &w1);                              \
+            a##j##0 = _mm256_fmadd_ps(u, w0, a##j##0);                                           \
+            a##j##1 = _mm256_fmadd_ps(u, w1, a##j##1);                                           \
+            if (mr > 1) {                                                                        \
+                b##j##0 = _mm256_fmadd_ps(v, w0, b##j##0);                                       \
+                b##j##1 = _mm256_fmadd_ps(v, w1, b##j##1);                                       \
+            }                                                                                    \
+        }
+        PANELS(WSTEP)
+    }
+#define WSTORE(j)                                                                                \
+    if (np > j) {                                                                                \
+        finish(fmt, first, a##j##0, a##j##1, acc + j * NR, scale[j], bias ? bias + j * NR : 0,    \
+               res ? res + j * NR : 0);                                                          \
+        if (mr > 1)                                                                              \
+            finish(fmt, first, b##j##0, b##j##1, acc + lda + j * NR, scale[j],                    \
+                   bias ? bias + j * NR : 0, res ? res + ldr + j * NR : 0);                      \
+    }
+    PANELS(WSTORE)
+}
+
+typedef void (*tile_fn)(const float *, int64_t, const char *, int64_t, int64_t, float *, int64_t,
+                        int, const float *, const float *, int64_t, const float *, const char *,
+                        int64_t);
+#define TILE_FN(F, R, PF)                                                                        \
+    static void tile##F##_##R##_##PF(const float *x, int64_t ldx, const char *w, int64_t k0,     \
+                                     int64_t k1, float *acc, int64_t lda, int first,             \
+                                     const float *bias, const float *res, int64_t ldr,           \
+                                     const float *scale, const char *pf, int64_t pfstep)         \
+    { tile(F, R, PF, x, ldx, w, k0, k1, acc, lda, first, bias, res, ldr, scale, pf, pfstep); }
+#define TILES_OF(F)                                                                              \
+    TILE_FN(F, 1, 0) TILE_FN(F, 2, 0) TILE_FN(F, 3, 0) TILE_FN(F, 4, 0) TILE_FN(F, 5, 0)          \
+    TILE_FN(F, 6, 0) TILE_FN(F, 1, 1) TILE_FN(F, 2, 1) TILE_FN(F, 3, 1) TILE_FN(F, 4, 1)          \
+    TILE_FN(F, 5, 1) TILE_FN(F, 6, 1)
+TILES_OF(0) TILES_OF(1) TILES_OF(2) TILES_OF(3)
+#define TABLE(F)                                                                                 \
+    {{0, tile##F##_1_0, tile##F##_2_0, tile##F##_3_0, tile##F##_4_0, tile##F##_5_0, tile##F##_6_0}, \
+     {0, tile##F##_1_1, tile##F##_2_1, tile##F##_3_1, tile##F##_4_1, tile##F##_5_1, tile##F##_6_1}}
+static const tile_fn TILES[4][2][MR_MAX + 1] = {TABLE(0), TABLE(1), TABLE(2), TABLE(3)};
+
+typedef void (*wtile_fn)(const float *, int64_t, const char *const *, int64_t, int64_t, float *,
+                         int64_t, int, const float *, const float *, int64_t, const float *const *,
+                         const char *const *, int64_t);
+#define WTILE_FN(F, R)                                                                           \
+    static void wtile##F##_##R(const float *x, int64_t ldx, const char *const *w, int64_t k0,    \
                                int64_t k1, float *acc, int64_t lda, int first, const float *bias, \
-                               const char *pf, int64_t pfstep)                                   \
-    { tile(R, PF, x, ldx, w, k0, k1, acc, lda, first, bias, pf, pfstep); }
-TILE_FN(1, 0) TILE_FN(2, 0) TILE_FN(3, 0) TILE_FN(4, 0) TILE_FN(5, 0) TILE_FN(6, 0)
-TILE_FN(1, 1) TILE_FN(2, 1) TILE_FN(3, 1) TILE_FN(4, 1) TILE_FN(5, 1) TILE_FN(6, 1)
-static const tile_fn TILES[2][MR_MAX + 1] = {
-    {0, tile1_0, tile2_0, tile3_0, tile4_0, tile5_0, tile6_0},
-    {0, tile1_1, tile2_1, tile3_1, tile4_1, tile5_1, tile6_1},
-};
+                               const float *res, int64_t ldr, const float *const *scale,          \
+                               const char *const *pf, int64_t bpk)                               \
+    { wtile(F, R, R == 1 ? 4 : 2, 1, x, ldx, w, k0, k1, acc, lda, first, bias, res, ldr, scale, pf, bpk); }
+WTILE_FN(0, 1) WTILE_FN(0, 2) WTILE_FN(1, 1) WTILE_FN(1, 2) WTILE_FN(2, 1) WTILE_FN(2, 2)
+WTILE_FN(3, 1) WTILE_FN(3, 2)
+static const wtile_fn WTILES[4][3] = {{0, wtile0_1, wtile0_2}, {0, wtile1_1, wtile1_2},
+                                      {0, wtile2_1, wtile2_2}, {0, wtile3_1, wtile3_2}};
 
 typedef struct {
-    const float *x, *w, *bias;
+    const float *x, *bias, *res;
+    const char *w;
     float *y;
-    int64_t M, N, K, ldx, ldy;
+    int64_t M, N, K, ldx, ldy, ldr, panel_bytes, group;
+    int fmt;
 } job_t;
 
-/* All M rows times one panel. Rows go in ceil(M/6) balanced tiles (8 rows: 4 + 4, so each tile
- * keeps >= 8 FMA chains in flight), over k-blocks of KB: every tile reuses the block from L1, so
- * the panel is read from memory once. */
-static void panel(const void *job, int64_t p, float *scratch)
+/* Panels per work item. 4: slabs of one or two rows go through wide tiles (`wtile`); 1: every
+ * panel alone. Either gives the same bits; which is faster depends on the machine (tuned at
+ * first load, see kernels/tuning.py). */
+static int group_panels = 4;
+
+/* Bytes of one k of a panel (the stream rate per k). */
+static int64_t k_bytes(int fmt) { return fmt == SP_F32 ? 64 : fmt == SP_Q8 ? Q8_BLOCK_BYTES / Q8_BLOCK : 32; }
+
+int64_t sp_panel_bytes(int fmt, int64_t K)
 {
-    const job_t *j = job;
+    if (fmt == SP_Q8) return (K + Q8_BLOCK - 1) / Q8_BLOCK * Q8_BLOCK_BYTES;
+    return K * NR * (fmt == SP_F32 ? 4 : 2);
+}
+
+/* The summation blocks: KB for the float formats, the scale blocks for int8. Tiles run over
+ * these blocks (a block of KB k stays in L1 while every tile reuses it). */
+static int64_t block_k(int fmt) { return fmt == SP_Q8 ? Q8_BLOCK : KB; }
+
+/* Where block [k0, ..) of a panel starts, and its int8 scales (NULL for the float formats). */
+static const char *block_at(int fmt, const char *w, int64_t k0, const float **scale)
+{
+    if (fmt != SP_Q8) {
+        *scale = 0;
+        return w;
+    }
+    const char *blk = w + k0 / Q8_BLOCK * Q8_BLOCK_BYTES;
+    *scale = (const float *)blk;
+    return blk + NR * 4;
+}
+
+/* Rows [m0, m0 + ms) (ms <= 16) times panel p. Rows go in ceil(ms/6) balanced tiles (8 rows: 4 +
+ * 4, so each tile keeps >= 8 FMA chains in flight), over the summation k-blocks: every tile reuses
+ * the block from L1, so the panel is read from memory once. */
+static void panel_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms, float *scratch)
+{
     const int64_t K = j->K, n0 = p * NR, cols = j->N - n0 < NR ? j->N - n0 : NR;
-    const float *w = j->w + p * K * NR;
+    const char *w = j->w + p * j->panel_bytes;
     const int full = cols == NR;
     const int64_t lda = full ? j->ldy : NR; /* a partial panel goes through scratch [16][16] */
     float bias16[NR] = {0};
     if (j->bias) memcpy(bias16, j->bias + n0, cols * sizeof(float));
     /* the same k-blocks for every M: a row's sums do not depend on how many rows there are */
-    const int64_t kb = KB, nblocks = K > 0 ? (K + kb - 1) / kb : 1;
-    for (int64_t m0 = 0; m0 < j->M; m0 += 16) { /* rows in slabs of 16 so scratch stays small */
-        const int64_t ms = j->M - m0 < 16 ? j->M - m0 : 16;
-        const int64_t ntiles = (ms + MR_MAX - 1) / MR_MAX;
-        float *acc = full ? j->y + m0 * j->ldy + n0 : scratch;
-        for (int64_t b = 0; b < nblocks; b++) {
-            const int64_t k0 = b * kb, k1 = k0 + kb < K ? k0 + kb : K;
-            for (int64_t t = 0, r = 0; t < ntiles; t++) {
-                const int64_t mr = (ms - r) / (ntiles - t);
-                /* the tiles share prefetching the line `prefetch_dist` ahead of each k of the
-                 * block, so memory requests flow while any tile computes */
-                const char *pf = (const char *)(w + k0 * NR) + prefetch_dist * 64
-                                 + t * (k1 - k0) * 64 / ntiles;
-                TILES[prefetch_dist > 0][mr](j->x + (m0 + r) * j->ldx, j->ldx, w, k0, k1,
-                    acc + r * lda, lda, k0 == 0, k1 == K && j->bias ? bias16 : 0, pf,
-                    (64 + ntiles - 1) / ntiles);
-                r += mr;
-            }
+    const int64_t kb = block_k(j->fmt), nblocks = K > 0 ? (K + kb - 1) / kb : 1;
+    const int64_t bpk = k_bytes(j->fmt), ntiles = (ms + MR_MAX - 1) / MR_MAX;
+    float *acc = full ? j->y + m0 * j->ldy + n0 : scratch;
+    /* the residual goes in at the last block; a partial panel adds it when copying out */
+    const float *res = full && j->res ? j->res + m0 * j->ldr + n0 : 0;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t k0 = b * kb, k1 = k0 + kb < K ? k0 + kb : K;
+        const float *scale;
+        const char *wb = block_at(j->fmt, w, k0, &scale);
+        const int last = k1 == K;
+        for (int64_t t = 0, r = 0; t < ntiles; t++) {
+            const int64_t mr = (ms - r) / (ntiles - t);
+            /* the tiles share prefetching the line `prefetch_dist` ahead of each k of the block,
+             * so memory requests flow while any tile computes */
+            const char *pf = w + k0 * bpk + prefetch_dist * 64 + t * (k1 - k0) * bpk / ntiles;
+            TILES[j->fmt][prefetch_dist > 0][mr](j->x + (m0 + r) * j->ldx, j->ldx, wb, k0, k1,
+                acc + r * lda, lda, k0 == 0, last && j->bias ? bias16 : 0,
+                last && res ? res + r * j->ldr : 0, j->ldr, scale, pf, (bpk + ntiles - 1) / ntiles);
+            r += mr;
         }
-        if (!full)
-            for (int64_t i = m0; i < m0 + ms; i++)
-                memcpy(j->y + i * j->ldy + n0, scratch + (i - m0) * NR, cols * sizeof(float));
+    }
+    if (!full)
+        for (int64_t i = m0; i < m0 + ms; i++) {
+            float *yi = j->y + i * j->ldy + n0;
+            const float *si = scratch + (i - m0) * NR;
+            if (j->res)
+                for (int64_t c = 0; c < cols; c++) yi[c] = j->res[i * j->ldr + n0 + c] + si[c];
+            else
+                memcpy(yi, si, cols * sizeof(float));
+        }
+}
+
+/* Rows [m0, m0 + ms) (ms = 1 or 2) times the four full panels from p0, in wide tiles. */
+static void wide_rows(const job_t *j, int64_t p0, int64_t m0, int64_t ms)
+{
+    const int64_t K = j->K, n0 = p0 * NR, kb = block_k(j->fmt), bpk = k_bytes(j->fmt);
+    const int64_t nblocks = K > 0 ? (K + kb - 1) / kb : 1;
+    float *acc = j->y + m0 * j->ldy + n0;
+    const float *res = j->res ? j->res + m0 * j->ldr + n0 : 0, *bias = j->bias ? j->bias + n0 : 0;
+    const float *x = j->x + m0 * j->ldx;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t k0 = b * kb, k1 = k0 + kb < K ? k0 + kb : K;
+        const char *w[4], *pf[4];
+        const float *scale[4];
+        for (int q = 0; q < 4; q++) {
+            const char *wp = j->w + (p0 + q) * j->panel_bytes;
+            w[q] = block_at(j->fmt, wp, k0, &scale[q]);
+            pf[q] = wp + k0 * bpk + prefetch_dist * 64;
+        }
+        const int last = k1 == K;
+        const float *bl = last ? bias : 0, *rl = last ? res : 0;
+        if (ms == 1) {
+            WTILES[j->fmt][1](x, j->ldx, w, k0, k1, acc, j->ldy, k0 == 0, bl, rl, j->ldr, scale, pf, bpk);
+        } else {
+            WTILES[j->fmt][2](x, j->ldx, w, k0, k1, acc, j->ldy, k0 == 0, bl, rl, j->ldr, scale, pf, bpk);
+            WTILES[j->fmt][2](x, j->ldx, w + 2, k0, k1, acc + 2 * NR, j->ldy, k0 == 0,
+                              bl ? bl + 2 * NR : 0, rl ? rl + 2 * NR : 0, j->ldr, scale + 2, pf + 2, bpk);
+        }
+    }
+}
+
+/* Work item g: panels [g * group, (g + 1) * group), every row, in slabs of 16 rows (so scratch
+ * stays small). */
+static void group(const void *job, int64_t g, float *scratch)
+{
+    const job_t *j = job;
+    const int64_t P = (j->N + NR - 1) / NR, p0 = g * j->group;
+    const int64_t p1 = p0 + j->group < P ? p0 + j->group : P;
+    const int wide = j->group == 4 && p1 - p0 == 4 && p1 * NR <= j->N;
+    for (int64_t m0 = 0; m0 < j->M; m0 += 16) {
+        const int64_t ms = j->M - m0 < 16 ? j->M - m0 : 16;
+        if (wide && ms <= 2)
+            wide_rows(j, p0, m0, ms);
+        else
+            for (int64_t p = p0; p < p1; p++) panel_rows(j, p, m0, ms, scratch);
     }
 }
 
 /* ---------------------------------------------------------------- API */
 
-int sp_abi_version(void) { return 2; }
+int sp_abi_version(void) { return 3; }
 
 void sp_set_prefetch(int lines) { prefetch_dist = lines; }
 
-/* y[M,N] (row stride ldy) = x[M,K] (row stride ldx) @ W^T + bias, W packed as above. */
-void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const float *w, int64_t N,
-               const float *bias, float *y, int64_t ldy, int nthreads)
+void sp_set_group(int panels) { group_panels = panels == 4 ? 4 : 1; }
+
+/* y[M,N] (row stride ldy) = res + (x[M,K] (row stride ldx) @ W^T + bias), W packed as above in
+ * format `fmt`; bias (N) and res (row stride ldr) may be NULL. y must not overlap x or res. */
+void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int fmt, int64_t N,
+               const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads)
 {
-    if (M <= 0 || N <= 0) return;
-    const job_t job = {x, w, bias, y, M, N, K, ldx, ldy};
-    const int64_t chunk = CHUNK_BYTES / ((K > 0 ? K : 1) * NR * 4);
-    sp_parallel(panel, &job, (N + NR - 1) / NR, chunk, nthreads);
+    if (M <= 0 || N <= 0 || fmt < SP_F32 || fmt > SP_Q8) return;
+    const int64_t pb = sp_panel_bytes(fmt, K);
+    const int64_t G = group_panels, P = (N + NR - 1) / NR;
+    const job_t job = {x, bias, res, w, y, M, N, K, ldx, ldy, ldr, pb > 0 ? pb : 0, G, fmt};
+    const int64_t chunk = CHUNK_BYTES / ((pb > 0 ? pb : NR * 4) * G);
+    sp_parallel(group, &job, (P + G - 1) / G, chunk, nthreads);
 }

@@ -1,20 +1,25 @@
-"""Fast fp32 linear layer for a few rows (speculative verification), in C with AVX2/FMA.
+"""Fast linear layer for a few rows (speculative verification), in C with AVX2/FMA/F16C.
 
-`pack(weight)` lays the weight out once, at load time, as K-major panels of 16 output columns;
-`PackedLinear(x)` then streams every weight byte once whatever the number of rows M, so verifying 8
-drafted tokens costs about what decoding one does. Where the kernel cannot run (no compiler, no
-AVX2, a failed build, or `SPECPACK_KERNELS=0`), `pack` keeps the weight and calls `F.linear`.
+`pack(weight, weights=...)` lays the weight out once, at load time, as K-major panels of 16 output
+columns, in one of four formats: fp32 (as given), fp16 or bf16 (rounded to nearest, half the
+bytes), or int8 (llama.cpp's Q8_0 blocks: one fp32 scale per 32 k and column, a quarter of the
+bytes plus 1/8 for the scales). `PackedLinear(x)` then streams every weight byte once whatever the
+number of rows M, widening the weights to fp32 in registers; activations and sums stay fp32.
+Where the kernel cannot run (no compiler, no AVX2/F16C, a failed build, or `SPECPACK_KERNELS=0`),
+`pack` keeps an fp32 copy of the (rounded or dequantized) weight and calls `F.linear`.
 
 Determinism: every output element is summed in the same fixed k-blocks, one FMA chain per block
 (see linear.c), so results do not depend on M, on the thread count or on the machine's core count:
-row i of an M-row product is bit-identical to the product of row i alone. Speculative and plain
-greedy decoding therefore see the same logits. The values differ from `F.linear`'s in the last
+row i of an M-row product is bit-identical to the product of row i alone, in every format.
+Speculative and plain greedy decoding therefore see the same logits. fp16/bf16 results are
+bit-identical to the fp32 kernel on the rounded weights; they differ from `F.linear`'s in the last
 bits (another summation order).
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import sys
 
 import torch
@@ -24,11 +29,18 @@ from torch import Tensor
 from specpack.runtime.kernels._lib import (  # noqa: F401 - re-exported for callers and tests
     SPIN_US, _library, _log_once, available, default_threads, unavailable_reason)
 
+log = logging.getLogger(__name__)
 NR = 16  # output columns per panel (linear.c)
+Q8_BLOCK = 32  # k per int8 scale block (linear.c)
+Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
+# weight format name -> linear.c's code
+FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3}
+_HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
 MIN_PARALLEL_BYTES = 256 * 1024
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
+PACK_PANELS = 512  # panels quantized at a time: bounds the temporaries for a large head
 
 
 def _advise_huge_pages(t: Tensor) -> None:
@@ -36,17 +48,18 @@ def _advise_huge_pages(t: Tensor) -> None:
     "madvise" mode): streaming the 113 MB head then runs ~8% faster (fewer TLB misses, and the
     hardware prefetchers stop at page ends). Best effort: nothing happens where unsupported."""
     start = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    end = (t.data_ptr() + t.numel() * 4) // HUGE_PAGE * HUGE_PAGE
+    end = (t.data_ptr() + t.numel() * t.element_size()) // HUGE_PAGE * HUGE_PAGE
     if end > start and sys.platform == "linux":
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_HUGEPAGE)
 
 
-def pack_panels(weight: Tensor) -> Tensor:
-    """[N, K] -> [ceil(N/16), K, 16]: panel p, row k holds W[16p:16p+16, k], zero-padded past N."""
+def pack_panels(weight: Tensor, dtype=torch.float32) -> Tensor:
+    """[N, K] -> [ceil(N/16), K, 16] of `dtype` (fp32, fp16 or bf16, rounded to nearest): panel p,
+    row k holds W[16p:16p+16, k], zero-padded past N."""
     N, K = weight.shape
     P = -(-N // NR)
-    panels = torch.empty(P, K, NR, dtype=torch.float32)
+    panels = torch.empty(P, K, NR, dtype=dtype)
     _advise_huge_pages(panels)
     full = N // NR
     panels[:full] = weight[: full * NR].reshape(full, NR, K).transpose(1, 2)
@@ -56,42 +69,106 @@ def pack_panels(weight: Tensor) -> Tensor:
     return panels
 
 
+def pack_q8(weight: Tensor) -> Tensor:
+    """[N, K] -> [ceil(N/16), ceil(K/32), 576] bytes: per panel and block of 32 k, the 16 columns'
+    scales (fp32, amax / 127) then the 32 x 16 int8 values round(W / scale), k-major."""
+    N, K = weight.shape
+    P, B = -(-N // NR), -(-K // Q8_BLOCK)
+    out = torch.empty(P, B, Q8_BLOCK_BYTES, dtype=torch.uint8)
+    _advise_huge_pages(out)
+    scales = out[..., : NR * 4].view(torch.float32)  # [P, B, 16]
+    q = out[..., NR * 4:].view(torch.int8).view(P, B, Q8_BLOCK, NR)
+    for p0 in range(0, P, PACK_PANELS):
+        p1 = min(P, p0 + PACK_PANELS)
+        w = torch.zeros((p1 - p0) * NR, B * Q8_BLOCK)
+        w[: max(0, min(N, p1 * NR) - p0 * NR), :K] = weight[p0 * NR: p1 * NR].float()
+        w = w.view(p1 - p0, NR, B, Q8_BLOCK).permute(0, 2, 3, 1)  # [p, B, 32 (k), 16 (column)]
+        d = w.abs().amax(dim=2) / 127  # [p, B, 16]
+        scales[p0:p1] = d
+        q[p0:p1] = torch.where(d[:, :, None] > 0, w / d[:, :, None], 0).round().clamp(-127, 127)
+    return out
+
+
+def unpack(panels: Tensor, weights: str, N: int, K: int) -> Tensor:
+    """The fp32 [N, K] weight the kernel computes with (rounded or dequantized): the inverse of
+    `pack_panels` / `pack_q8`."""
+    if weights != "int8":
+        return panels.float().transpose(1, 2).reshape(-1, K)[:N]
+    P, B, _ = panels.shape
+    scales = panels[..., : NR * 4].view(torch.float32)
+    q = panels[..., NR * 4:].view(torch.int8).view(P, B, Q8_BLOCK, NR).float()
+    w = (q * scales[:, :, None]).permute(0, 3, 1, 2).reshape(P * NR, B * Q8_BLOCK)
+    return w[:N, :K].contiguous()
+
+
+def _packed(weight: Tensor, weights: str) -> Tensor:
+    if weights == "int8":
+        return pack_q8(weight)
+    return pack_panels(weight, _HALF.get(weights, torch.float32))
+
+
 class PackedLinear:
     """`y = x @ W.T + bias` for fp32 CPU x of shape [..., K], for inference (no autograd); made by
     `pack`.
 
-    `threads` is the kernel's thread count (default: `default_threads()`); it changes speed only,
-    never results. `backend` is "avx2" or "torch" (the fallback, which keeps the weight as given).
-    Any number of rows works; the kernel is built for 1..16 (speculative verification).
+    `weights` is the format the weight is kept in (fp32, fp16, bf16, int8); `threads` is the
+    kernel's thread count (default: `default_threads()`); it changes speed only, never results.
+    `backend` is "avx2" or "torch" (the fallback, which keeps an fp32 weight). Any number of rows
+    works; the kernel is built for 1..16 (speculative verification).
     """
 
-    def __init__(self, weight: Tensor, bias: Tensor | None = None, threads: int | None = None):
-        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise TypeError(f"pack() needs a 2-D fp32 CPU weight, got {tuple(weight.shape)} "
+    def __init__(self, weight: Tensor, bias: Tensor | None = None, threads: int | None = None,
+                 weights: str = "fp32"):
+        if weight.dim() != 2 or not weight.is_floating_point() or weight.device.type != "cpu":
+            raise TypeError(f"pack() needs a 2-D floating-point CPU weight, got {tuple(weight.shape)} "
                             f"{weight.dtype} on {weight.device}")
+        if weights not in FORMATS:
+            raise TypeError(f"unknown weight format {weights!r}: use one of {', '.join(FORMATS)}")
         self.out_features, self.in_features = weight.shape
         if bias is not None and bias.shape != (self.out_features,):
             raise TypeError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
         self.threads = threads or default_threads()
+        self.weights = weights
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.backend = "avx2" if available() else "torch"
         with torch.no_grad():
-            self.weight = pack_panels(weight.detach()) if self.backend == "avx2" else weight.detach()
-        self._parallel = self.weight.numel() * 4 >= MIN_PARALLEL_BYTES
+            self.weight = self._layout(weight.detach())
+        self._parallel = self.weight.numel() * self.weight.element_size() >= MIN_PARALLEL_BYTES
         if self.backend == "avx2":  # looked up once: a call costs a few microseconds in all
             self._fn = _library()[0].sp_linear
+            self._fmt = FORMATS[weights]
             self._wptr = self.weight.data_ptr()
             self._bptr = None if self.bias is None else self.bias.data_ptr()
 
-    def __call__(self, x: Tensor, out: Tensor | None = None) -> Tensor:
+    def _layout(self, weight: Tensor) -> Tensor:
+        if self.backend == "avx2":
+            return _packed(weight, self.weights)
+        if weight.dtype == torch.float32 and self.weights == "fp32":
+            return weight  # as before: torch's path on the weight as given
+        packed = _packed(weight, self.weights)  # the same rounding as the kernel's
+        return unpack(packed, self.weights, self.out_features, self.in_features)
+
+    def dense(self) -> Tensor:
+        """The fp32 [out, in] weight this layer computes with (rounded or dequantized)."""
+        if self.backend == "torch":
+            return self.weight
+        return unpack(self.weight, self.weights, self.out_features, self.in_features)
+
+    def __call__(self, x: Tensor, out: Tensor | None = None, residual: Tensor | None = None) -> Tensor:
+        """x @ W.T + bias, plus `residual` (same shape as the output) when given, added last:
+        `residual + (x @ W.T + bias)` bit for bit, in one pass."""
         K, N = self.in_features, self.out_features
         if x.dtype != torch.float32 or x.shape[-1] != K or not x.is_cpu:
             raise TypeError(f"expected fp32 CPU input [..., {K}], got {tuple(x.shape)} {x.dtype} "
                             f"on {x.device}")
+        lead = x.shape[:-1]
+        if residual is not None and (residual.shape != (*lead, N) or residual.dtype != torch.float32):
+            raise TypeError(f"residual must be an fp32 tensor of shape {(*lead, N)}")
         if self.backend == "torch":
             y = F.linear(x, self.weight, self.bias)
+            if residual is not None:
+                y = residual + y
             return y if out is None else out.copy_(y)
-        lead = x.shape[:-1]
         M = lead.numel()
         if x.dim() != 2 or not x.is_contiguous():
             x = x.reshape(M, K)
@@ -102,20 +179,28 @@ class PackedLinear:
         elif (out.shape != (*lead, N) or out.dtype != torch.float32 or not out.is_contiguous()
               or not out.is_cpu):
             raise TypeError(f"out must be a contiguous fp32 tensor of shape {(*lead, N)}")
-        self._fn(x.data_ptr(), M, K, x.stride(0), self._wptr, N, self._bptr, out.data_ptr(), N,
-                 self.threads if self._parallel else 1)
+        rptr, ldr = None, 0
+        if residual is not None:
+            residual = residual.reshape(M, N)
+            if residual.stride(-1) != 1 or (M > 1 and residual.stride(0) < N):
+                residual = residual.contiguous()
+            rptr, ldr = residual.data_ptr(), residual.stride(0)
+        self._fn(x.data_ptr(), M, K, x.stride(0), self._wptr, self._fmt, N, self._bptr, rptr, ldr,
+                 out.data_ptr(), N, self.threads if self._parallel else 1)
         return out
 
     def __repr__(self) -> str:
-        return (f"PackedLinear(in={self.in_features}, out={self.out_features}, "
+        return (f"PackedLinear(in={self.in_features}, out={self.out_features}, weights={self.weights}, "
                 f"backend={self.backend}, threads={self.threads})")
 
 
-def pack(weight: Tensor, bias: Tensor | None = None, threads: int | None = None) -> PackedLinear:
-    """Lay out `weight` [N, K] (fp32) for the kernel, once, at load time.
+def pack(weight: Tensor, bias: Tensor | None = None, threads: int | None = None,
+         weights: str = "fp32") -> PackedLinear:
+    """Lay out `weight` [N, K] for the kernel, once, at load time, in format `weights` (fp32,
+    fp16, bf16 or int8; see the module docstring).
 
-    The packed copy is ~1x the weight (N rounded up to 16); drop your reference to `weight`
-    afterwards to release it. Falls back to `F.linear` on the same weight when `available()` is
-    False.
+    The packed copy is ~1x the weight's bytes in that format (N rounded up to 16); drop your
+    reference to `weight` afterwards to release it. Falls back to `F.linear` on an fp32 copy of
+    the same (rounded) weight when `available()` is False.
     """
-    return PackedLinear(weight, bias, threads)
+    return PackedLinear(weight, bias, threads, weights)
