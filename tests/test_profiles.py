@@ -177,6 +177,24 @@ def test_select_profile_for_run_and_serve(tuned):
         select_profile(manifest, dtype="bfloat16", wanted=p.name, machine=_machine())
 
 
+def test_profiles_are_per_weight_precision(tuned):
+    """A profile measured with fp32 weights is not picked for an int8 run, and one measured with
+    int8 weights (`tune --weights int8`) only for int8 runs; profiles from before the field stay valid."""
+    art, result = tuned
+    manifest, p = read_manifest(art), result.profile
+    old = {k: v for k, v in p.model_dump(mode="json").items() if k != "weights"}  # as written before the field
+    assert p.weights is None and p.id == profile_id(old) and check_profile(old, manifest, _machine()).status == RUNNABLE
+    assert select_profile(manifest, "cpu", "float32", machine=_machine(), weights="int8").profile is None
+    int8 = _variant(p, weights="int8")
+    assert int8["id"] != p.id and check_profile(int8, manifest, _machine()).status == RUNNABLE
+    both = manifest.model_copy(update={"profiles": [p.model_dump(mode="json"), int8]})
+    assert select_profile(both, "cpu", "float32", machine=_machine(), weights="int8").profile.id == int8["id"]
+    assert select_profile(both, "cpu", "float32", machine=_machine()).profile == p
+    with pytest.raises(InputError, match="with int8 weights, this run uses torch/cpu/float32"):
+        select_profile(both, wanted=int8["id"], machine=_machine())
+
+
+
 @pytest.mark.parametrize("text, message, problems", [
     ("", "is empty: no prompts", []),
     ("\n  \n", "is empty: no prompts", []),

@@ -34,6 +34,20 @@ def test_run_json_greedy_equals_no_spec(ngram_artifact, cli):
     assert plain["acceptance_length"] == 1.0
 
 
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_run_weights_speculative_equals_plain(ngram_artifact, cli, weights):
+    spec = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "30", "--weights", weights)
+    plain = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "30", "--no-spec",
+                      "--weights", weights)
+    assert spec["token_ids"] == plain["token_ids"] and spec["weights"] == weights
+
+
+def test_run_weights_needs_the_torch_cpu_path(ngram_artifact, cli):
+    code, out, err = cli("run", ngram_artifact, "--prompt", "x", "--weights", "int8", "--dtype", "bfloat16")
+    assert code == 2 and "--weights int8 needs the torch backend on the CPU in float32" in err
+    assert "dtype bfloat16" in err and "Traceback" not in err
+
+
 def test_run_streams_text_and_reports_figures(ngram_artifact, cli):
     code, out, err = cli("run", ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "12")
     assert code == 0, err

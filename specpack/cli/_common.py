@@ -42,6 +42,11 @@ def cli(verbose: int) -> None:
 DTYPE = click.option("--dtype", default="float32", show_default=True,
                      type=click.Choice(["float32", "float16", "bfloat16"]))
 DEVICE = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+WEIGHTS = click.option("--weights", default="fp32", show_default=True,
+                       type=click.Choice(["fp32", "fp16", "bf16", "int8"]),
+                       help="Precision the CPU kernels keep the linear weights in: fp16/bf16 stream half the bytes "
+                            "(exact for a checkpoint stored so), int8 a quarter (per-block scales, like Q8_0); "
+                            "activations stay fp32, speculation stays lossless (torch backend, cpu, float32).")
 
 
 def int_list(value: str | None, option: str) -> list[int] | None:

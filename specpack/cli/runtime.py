@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from specpack._output import emit, progress_enabled
-from specpack.cli._common import DEVICE, DTYPE, JSON, PUBKEY, cli, int_list
+from specpack.cli._common import DEVICE, DTYPE, JSON, PUBKEY, WEIGHTS, cli, int_list
 
 
 @cli.command()
@@ -30,10 +30,11 @@ from specpack.cli._common import DEVICE, DTYPE, JSON, PUBKEY, cli, int_list
                    "tensorrt (cuda, engines built and cached on first use).")
 @DEVICE
 @DTYPE
+@WEIGHTS
 @PUBKEY
 @JSON
 def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
-        no_spec, stop, profile, backend, device, dtype, public_key, json_mode):
+        no_spec, stop, profile, backend, device, dtype, weights, public_key, json_mode):
     """Verify ARTIFACT, then generate with single-model speculative decoding.
 
     Text streams to stdout as it is accepted; the figures (tokens/s, acceptance length, per-position
@@ -45,6 +46,7 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
       specpack run my-artifact --chat --prompt "Summarise this: ..." --json
       specpack run my-artifact --prompt-file story.txt --temperature 0.8 --seed 1
       specpack run my-artifact --backend onnxruntime --prompt "def fib(n):"
+      specpack run my-artifact --weights bf16 --prompt "def fib(n):"
     """
     from specpack.serving.generate import GenerateRequest, generate_text
 
@@ -57,7 +59,7 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
                               profile=profile)
     writer = None if json_mode else (lambda s: click.echo(s, nl=False))
     result = generate_text(artifact, request, public_key=public_key, device=device, dtype=dtype,
-                           write=writer, progress=progress_enabled(json_mode), backend=backend)
+                           write=writer, progress=progress_enabled(json_mode), backend=backend, weights=weights)
     if json_mode:
         emit(result, True)
     else:
@@ -83,6 +85,7 @@ def _run_summary(r: dict) -> str:
               type=click.Choice(["torch", "onnxruntime", "tensorrt"]), help="Backend to measure.")
 @DEVICE
 @DTYPE
+@WEIGHTS
 @click.option("--concurrency", default="1,2,4,8,16", show_default=True,
               help="Concurrent clients to measure through the serve queue, comma-separated.")
 @click.option("--draft-lens", help="Draft lengths to measure, e.g. 2,4,6 [default: search from the heuristic start].")
@@ -96,7 +99,7 @@ def _run_summary(r: dict) -> str:
 @click.option("--public-key", type=click.Path(path_type=Path), envvar="SPECPACK_PUBLIC_KEY",
               help="Public key (PEM) to check the signature with before tuning [env: SPECPACK_PUBLIC_KEY].")
 @JSON
-def tune(artifact, workload, backend, device, dtype, concurrency, draft_lens, max_new_tokens, repeats, key,
+def tune(artifact, workload, backend, device, dtype, weights, concurrency, draft_lens, max_new_tokens, repeats, key,
          plot_dir, public_key, json_mode):
     """Measure ARTIFACT on a workload and store the best settings as a validated profile.
 
@@ -113,7 +116,7 @@ def tune(artifact, workload, backend, device, dtype, concurrency, draft_lens, ma
     from specpack.tuning.tune import tune as do_tune
     from specpack.tuning.report import summary
 
-    result = do_tune(artifact, workload, backend=backend, device=device, dtype=dtype,
+    result = do_tune(artifact, workload, backend=backend, device=device, dtype=dtype, weights=weights,
                      concurrency=int_list(concurrency, "--concurrency"),
                      draft_lens=int_list(draft_lens, "--draft-lens"), max_new_tokens=max_new_tokens,
                      repeats=repeats, key=key, public_key=public_key, progress=progress_enabled(json_mode),
@@ -162,9 +165,10 @@ def profiles(artifact, json_mode):
               help="Prompt tokens one engine step takes, so long prompts do not stall the others.")
 @DEVICE
 @DTYPE
+@WEIGHTS
 @PUBKEY
 def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, api_key, max_body_bytes, max_seqs,
-          max_model_len, max_queue, prefill_chunk, device, dtype, public_key):
+          max_model_len, max_queue, prefill_chunk, device, dtype, weights, public_key):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     /v1/models, /v1/completions and /v1/chat/completions (streaming or not), /health, and /metrics
@@ -184,7 +188,7 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
     """
     from specpack.serving.serve import prepare, run as run_server
 
-    plan = prepare(artifact, profile=profile, device=device, dtype=dtype, public_key=public_key,
+    plan = prepare(artifact, profile=profile, device=device, dtype=dtype, weights=weights, public_key=public_key,
                    model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
                    progress=progress_enabled(False), api_key=api_key, max_body_bytes=max_body_bytes,
                    max_seqs=max_seqs, max_model_len=max_model_len, max_queue=max_queue, prefill_chunk=prefill_chunk)

@@ -126,6 +126,9 @@ class Profile(_Strict):
     backend: Literal["torch", "onnxruntime", "tensorrt"] = Field(description="Runtime backend.")
     device: Literal["cpu", "cuda"] = Field(description="Device type.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(description="Compute dtype of the weights.")
+    weights: Optional[Literal["fp16", "bf16", "int8"]] = Field(
+        None, description="Precision the CPU kernels kept the linear layers' weights in (`--weights`); "
+                          "absent: as loaded, in `dtype`.")
     drafter: str = Field(description="Drafter kind the profile uses (the manifest's), or `none`.")
     settings: ProfileSettings = Field(description="What run and serve apply when they pick this profile.")
     memory: ProfileMemory = Field(description="Memory this profile needs.")
@@ -137,8 +140,10 @@ def profile_name(backend: str, device: str, dtype: str, drafter: str, draft_len:
 
 
 def profile_id(data: dict) -> str:
-    """The id a profile (as JSON data) should have: a hash of all its fields but `id`."""
-    body = {k: v for k, v in data.items() if k != "id"}
+    """The id a profile (as JSON data) should have: a hash of all its fields but `id`. A top-level
+    field left unset (None: `weights`, added later) is left out, so profiles written before it
+    existed keep their id."""
+    body = {k: v for k, v in data.items() if k != "id" and v is not None}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 

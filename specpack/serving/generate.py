@@ -35,7 +35,7 @@ def _engine_settings(chosen) -> dict:
 
 def generate_text(artifact, req: GenerateRequest, public_key=None, device: str = "cpu",
                   dtype: str = "float32", write: Callable[[str], None] | None = None,
-                  progress: bool = False, model=None, backend: str = "torch") -> dict:
+                  progress: bool = False, model=None, backend: str = "torch", weights: str = "fp32") -> dict:
     """Generate for `req` from the artifact (or an already loaded `model`) and return the text,
     token ids and figures as plain data (the `--json` shape of `specpack run`)."""
     from specpack.errors import InputError
@@ -46,11 +46,11 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     if req.temperature < 0:
         raise InputError(f"temperature {req.temperature} is negative", hint="use 0 (greedy) or more")
     model = model or load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress,
-                          backend=backend)
+                          backend=backend, weights=weights)
     tok = model.tokenizer
     ids = encode_prompt(tok, req.prompt, req.chat)
     stream = TextStream(tok, write or (lambda s: None), stops=list(req.stop))
-    chosen = select_profile(model.manifest, device, dtype, wanted=req.profile, backend=backend)
+    chosen = select_profile(model.manifest, device, dtype, wanted=req.profile, backend=backend, weights=weights)
     draft_len = req.draft_len if req.draft_len is not None else chosen.draft_len
     speculative = req.speculative and (chosen.speculative or req.draft_len is not None)
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,
@@ -62,7 +62,7 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
             "finish_reason": result.finish_reason, "speculative": speculative,
             "profile": chosen.profile.name if chosen.profile else None,
             "profile_id": chosen.profile.id if chosen.profile else None, "profile_message": chosen.message,
-            "drafter": model.manifest.drafter.kind, "draft_len": draft_len, "steps": s.steps,
+            "drafter": model.manifest.drafter.kind, "weights": weights, "draft_len": draft_len, "steps": s.steps,
             "accepted": s.accepted, "acceptance_length": s.acceptance_length,
             "per_position_acceptance": s.position_acceptance, "tokens_per_s": s.tokens_per_s,
             "decode_tokens_per_s": s.decode_tokens_per_s, "seconds": s.total_s,

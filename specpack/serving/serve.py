@@ -67,7 +67,7 @@ class ServerPlan:
 
 
 def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype: str = "float32",
-            public_key=None, model_name: Optional[str] = None, max_concurrency: Optional[int] = None,
+            weights: str = "fp32", public_key=None, model_name: Optional[str] = None, max_concurrency: Optional[int] = None,
             draft_len: Optional[int] = None, progress: bool = False, api_key: Optional[str] = None,
             max_body_bytes: int = MAX_BODY_BYTES, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
             max_queue: Optional[int] = None, prefill_chunk: int = 64, measure_cost: bool = True) -> ServerPlan:
@@ -82,8 +82,8 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     require("fastapi", "serve")
     _check_options(max_concurrency, draft_len, api_key, max_body_bytes, max_seqs, max_model_len, max_queue,
                    prefill_chunk)
-    model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress)
-    selection = select_profile(model.manifest, device, dtype, wanted=profile)
+    model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights)
+    selection = select_profile(model.manifest, device, dtype, wanted=profile, weights=weights)
     draft_len = draft_len or selection.draft_len
     if selection.speculative and hasattr(model.drafter, "check_draft_len"):  # MTP: refuse at start, not per request
         model.drafter.check_draft_len(draft_len)

@@ -124,7 +124,10 @@ class ProfileStatus:
 
     @property
     def label(self) -> str:
-        return self.profile.name if self.profile else str(self.raw.get("name", "?"))
+        if not self.profile:
+            return str(self.raw.get("name", "?"))
+        w = self.profile.weights
+        return self.profile.name + (f" ({w} weights)" if w else "")
 
     def to_dict(self) -> dict:
         p = self.profile
@@ -254,20 +257,20 @@ class Selection:
 
 
 def select_profile(manifest, device: str = "cpu", dtype: str = "float32", wanted: Optional[str] = None,
-                   backend: str = "torch", machine: Optional[Machine] = None) -> Selection:
-    """The best runnable profile for backend/device/dtype (or the one named `wanted`, by name or id),
-    else the artifact's defaults. Best: measured on this hardware first, then the highest speedup."""
+                   backend: str = "torch", machine: Optional[Machine] = None, weights: str = "fp32") -> Selection:
+    """The best runnable profile for backend/device/dtype/weights (or the one named `wanted`, by name
+    or id), else the artifact's defaults. Best: measured on this hardware first, then the highest
+    speedup."""
     device = device.split(":")[0]
     if not manifest.profiles and wanted is None:
         return _defaults(manifest, "no validated profiles in the artifact")
     machine = machine or this_machine(gpus=device == "cuda" or wanted is not None)
     checked = [check_profile(_raw(p), manifest, machine) for p in manifest.profiles]
     if wanted is not None:
-        return _chosen(_find(checked, wanted), backend, device, dtype)
-    fits = [c for c in checked if c.status == RUNNABLE and
-            (c.profile.backend, c.profile.device, c.profile.dtype) == (backend, device, dtype)]
+        return _chosen(_find(checked, wanted), backend, device, dtype, weights)
+    fits = [c for c in checked if c.status == RUNNABLE and _setup(c.profile) == (backend, device, dtype, weights)]
     if not fits:
-        return _defaults(manifest, f"no runnable validated profile for {backend}/{device}/{dtype} "
+        return _defaults(manifest, f"no runnable validated profile for {_describe(backend, device, dtype, weights)} "
                                    f"(`specpack profiles` says why)")
     best = max(fits, key=lambda c: (not c.notes, c.profile.evidence.speedup, c.profile.evidence.measured_at))
     return _from_profile(best.profile, "picked")
@@ -283,14 +286,24 @@ def _find(checked: list[ProfileStatus], wanted: str) -> ProfileStatus:
     return min(named, key=lambda c: (order[c.status], bool(c.notes), -c.profile.evidence.speedup))
 
 
-def _chosen(c: ProfileStatus, backend: str, device: str, dtype: str) -> Selection:
+def _describe(backend: str, device: str, dtype: str, weights: str) -> str:
+    return f"{backend}/{device}/{dtype}" + (f" with {weights} weights" if weights != "fp32" else "")
+
+
+def _setup(p: Profile) -> tuple[str, str, str, str]:
+    """(backend, device, dtype, weights) a profile was measured with."""
+    return p.backend, p.device, p.dtype, p.weights or "fp32"
+
+
+def _chosen(c: ProfileStatus, backend: str, device: str, dtype: str, weights: str = "fp32") -> Selection:
     p = c.profile
     if c.status != RUNNABLE:
         raise InputError(f"profile {p.name} ({p.id}) cannot run here: {c.status}", problems=c.reasons,
                          hint="`specpack profiles ARTIFACT` lists the ones that can")
-    if (p.backend, p.device, p.dtype) != (backend, device, dtype):
-        raise InputError(f"profile {p.name} is for {p.backend}/{p.device}/{p.dtype}, this run uses "
-                         f"{backend}/{device}/{dtype}", hint=f"pass --device {p.device} --dtype {p.dtype}")
+    if _setup(p) != (backend, device, dtype, weights):
+        raise InputError(f"profile {p.name} is for {_describe(*_setup(p))}, this run uses "
+                         f"{_describe(backend, device, dtype, weights)}",
+                         hint=f"pass --device {p.device} --dtype {p.dtype} --weights {p.weights or 'fp32'}")
     return _from_profile(p, "using")
 
 
@@ -338,8 +351,8 @@ def check_writable(artifact: Path, key) -> None:
 
 def _slot(data: dict) -> tuple:
     hw = data.get("evidence", {}).get("hardware", {})
-    return (data.get("backend"), data.get("device"), data.get("dtype"), hw.get("cpu_model"), hw.get("gpu"),
-            data.get("evidence", {}).get("workload", {}).get("sha256"))
+    return (data.get("backend"), data.get("device"), data.get("dtype"), data.get("weights"), hw.get("cpu_model"),
+            hw.get("gpu"), data.get("evidence", {}).get("workload", {}).get("sha256"))
 
 
 def kv_and_weight_bytes(manifest, dtype: str, context: int) -> tuple[int, int]:

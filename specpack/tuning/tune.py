@@ -214,28 +214,30 @@ def sweep_draft_len(measure, start: int, lengths: Optional[Sequence[int]] = None
 
 
 def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype: str = "float32",
-         concurrency: Sequence[int] = (1, 2, 4, 8, 16), draft_lens: Optional[Sequence[int]] = None,
+         weights: str = "fp32", concurrency: Sequence[int] = (1, 2, 4, 8, 16),
+         draft_lens: Optional[Sequence[int]] = None,
          max_new_tokens: int = 128, repeats: int = 2, key=None, public_key=None, progress: bool = False,
          plot_dir=None, machine: Optional[Machine] = None) -> TuneResult:
     """Measure `artifact` on `workload` and write the best setting as a validated profile into its
     manifest (re-signed with `key`; a signed artifact without `key` is refused before any work).
     Each setting is measured `repeats` times and its fastest pass kept (less noise)."""
-    from specpack.runtime.api import load
+    from specpack.runtime.api import check_weights, load
 
     if backend != "torch":
         raise UnsupportedError(f"tune measures the torch backend only, not {backend!r}", hint="use --backend torch")
     _check_options(concurrency, draft_lens, max_new_tokens, repeats)
+    check_weights(weights, backend, device, dtype)
     wl = read_workload(workload)
     check_writable(Path(artifact), key)  # every option is checked before the first write
     recover(Path(artifact))
     start = time.perf_counter()
-    model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress)
+    model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights)
     prompts = encode_workload(model, wl, max_new_tokens)
     with _Progress(progress) as bar:
         figures = _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar)
     machine = machine or this_machine(gpus=device.startswith("cuda"))
     profile = _profile(model, wl, max_new_tokens, backend, device.split(":")[0], dtype, figures, machine,
-                       time.perf_counter() - start)
+                       time.perf_counter() - start, weights)
     path = store_profile(artifact, profile, key)
     result = TuneResult(profile, figures["baseline"], figures["sweep"], path, key is not None)
     if plot_dir is not None:
@@ -342,10 +344,10 @@ def _concurrency_limit(points: list[ConcurrencyPoint]) -> int:
 
 
 def _profile(model, wl: Workload, max_new_tokens, backend, device, dtype, f: dict, machine: Machine,
-             seconds: float) -> Profile:
+             seconds: float, weights: str = "fp32") -> Profile:
     base, best, pays = f["baseline"], f["best"], f["pays"]
     chosen = best if pays else base
-    weights, kv = kv_and_weight_bytes(model.manifest, dtype, model.context_length)
+    weight_bytes, kv = kv_and_weight_bytes(model.manifest, dtype, model.context_length)
     evidence = Evidence(
         workload=WorkloadInfo(name=wl.name, sha256=wl.sha256, prompts=len(wl.items), max_new_tokens=max_new_tokens,
                               new_tokens=base.stats.new_tokens),
@@ -361,9 +363,9 @@ def _profile(model, wl: Workload, max_new_tokens, backend, device, dtype, f: dic
         measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), seconds=seconds)
     settings = ProfileSettings(speculative=pays, draft_len=best.draft_len if pays else 0,
                                max_concurrency=f["limit"], cost_curve=CostCurve(**f["cost"].to_dict()))
-    memory = ProfileMemory(weights_bytes=weights, kv_cache_bytes=kv, context_tokens=model.context_length,
-                           required_bytes=weights + kv, measured_peak_bytes=f["peak"])
-    return make_profile(backend=backend, device=device, dtype=dtype,
+    memory = ProfileMemory(weights_bytes=weight_bytes, kv_cache_bytes=kv, context_tokens=model.context_length,
+                           required_bytes=weight_bytes + kv, measured_peak_bytes=f["peak"])
+    return make_profile(backend=backend, device=device, dtype=dtype, weights=None if weights == "fp32" else weights,
                         drafter=model.manifest.drafter.kind if pays else "none",
                         settings=settings, memory=memory, evidence=evidence)
 
