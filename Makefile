@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -c constraints.txt -e '.[test]'

@@ -1,10 +1,15 @@
 import json
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 import tiny
+
+# Kernel settings stay at their defaults (they change speed, never results): no half-second
+# measurement per weight format in a test run. tests/test_kernels.py measures on its own.
+os.environ.setdefault("SPECPACK_KERNEL_TUNE", "0")
 
 
 @pytest.fixture(scope="session")

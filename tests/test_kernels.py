@@ -1,6 +1,7 @@
 """The small-M linear kernel at every weight precision (fp32, fp16, bf16, int8): a linear layer,
 rows independent bit for bit, and a clean fallback."""
 
+import json
 import logging
 import multiprocessing
 import threading
@@ -16,6 +17,7 @@ from specpack.runtime.kernels import linear as kl
 def _fresh_state(monkeypatch):
     """Each test sees the environment it sets, and leaves the loaded library as it found it."""
     monkeypatch.delenv("SPECPACK_KERNELS", raising=False)
+    monkeypatch.delenv("SPECPACK_KERNELS_PREBUILT", raising=False)
     monkeypatch.delenv("SPECPACK_KERNEL_THREADS", raising=False)
     yield
     kl._library.cache_clear()
@@ -55,22 +57,17 @@ def test_rows_bit_identical_for_every_m_and_thread_count(kernel, weights):
     """Row i of an M-row product == the 1-row product of row i, bit for bit, at any thread count
     and panel grouping: what makes verifying 8 drafts give the same logits as decoding them one by one."""
     torch.manual_seed(0)
-    lib = kernel._library()[0]
     for N, K in [(1000, 576), (576, 1536), (83, 40), (64, 33)]:
         w = torch.randn(N, K)
         x = torch.randn(16, K)
         packed = kernel.pack(w, threads=1, weights=weights)
         single = torch.cat([packed(x[i:i + 1]) for i in range(16)])
-        for threads, group in ((1, 1), (2, 4), (3, 1), (2, 1)):
-            packed.threads = threads
+        for threads, group, prefetch in ((1, 1, 0), (2, 4, 64), (3, 1, 256), (2, 1, 128)):
+            packed.threads, packed.group, packed.prefetch = threads, group, prefetch
             packed._parallel = True  # force the pool even on small weights
-            lib.sp_set_group(group)
-            try:
-                for M in range(1, 17):
-                    assert torch.equal(packed(x[:M]), single[:M]), (N, K, M, threads, group)
-                    assert torch.equal(packed(x[16 - M:]), single[16 - M:]), (N, K, M, threads, group)
-            finally:
-                lib.sp_set_group(4)
+            for M in range(1, 17):
+                assert torch.equal(packed(x[:M]), single[:M]), (N, K, M, threads, group)
+                assert torch.equal(packed(x[16 - M:]), single[16 - M:]), (N, K, M, threads, group)
 
 
 @pytest.mark.parametrize("weights, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
@@ -206,6 +203,7 @@ def test_fallback_keeps_the_precision(monkeypatch, weights):
 
 
 def test_build_failure_is_logged_and_falls_back(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("SPECPACK_KERNELS_PREBUILT", "0")  # as on a machine where pip built none
     monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     kl._library.cache_clear()
@@ -219,9 +217,29 @@ def test_build_failure_is_logged_and_falls_back(monkeypatch, tmp_path, caplog):
 
 
 def test_missing_compiler(monkeypatch):
+    monkeypatch.setenv("SPECPACK_KERNELS_PREBUILT", "0")
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
     kl._library.cache_clear()
     assert not kl.available() and "no C compiler" in kl.unavailable_reason()
+
+
+@pytest.mark.skipif(kl._lib.prebuilt_path() is None, reason="pip built no kernels here (setup.py)")
+def test_install_time_build_serves_a_machine_without_a_compiler(monkeypatch):
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    kl._library.cache_clear()
+    assert kl.available() and kl._library()[0]._name == str(kl._lib.prebuilt_path())
+
+
+def test_a_stale_install_time_build_is_not_used(kernel, monkeypatch, tmp_path):
+    """A library built from other sources (an editable install edited since) is compiled anew."""
+    stale = tmp_path / "_native.so"
+    kl._lib._compile(kl._lib.shutil.which("cc"), stale)  # SP_SOURCE_HASH of these sources...
+    stale.write_bytes(stale.read_bytes().replace(kl._lib.source_hash().encode(), b"0" * 16))  # ...but older
+    monkeypatch.setattr(kl._lib, "prebuilt_path", lambda: stale)
+    monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path / "cache"))
+    kl._library.cache_clear()
+    assert kl.available() and kl._library()[0]._name != str(stale)
+    assert list((tmp_path / "cache").rglob("specpack_kernels.so"))
 
 
 def _build_in_child(q):
@@ -232,6 +250,7 @@ def _build_in_child(q):
 
 def test_concurrent_first_builds_agree(kernel, tmp_path, monkeypatch):
     """Processes compiling into an empty cache at once all load a whole library (temp + rename)."""
+    monkeypatch.setenv("SPECPACK_KERNELS_PREBUILT", "0")
     monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path))
     ctx = multiprocessing.get_context("fork")
     q = ctx.Queue()
@@ -247,3 +266,60 @@ def test_concurrent_first_builds_agree(kernel, tmp_path, monkeypatch):
     torch.manual_seed(0)
     w, x = torch.randn(70, 30), torch.randn(3, 30)
     assert within_tolerance(kl.pack(w)(x), x, w)  # the library they built works here too
+
+
+def test_settings_are_measured_once_per_cpu_model_and_cached(kernel, tmp_path, monkeypatch):
+    """The first pack of a format on a machine measures the candidate settings (a short stream
+    here), caches the fastest per CPU model, and later processes read it back; results never change."""
+    from specpack.runtime.kernels import tuning
+
+    monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECPACK_KERNEL_TUNE", "1")
+    monkeypatch.setattr(tuning, "SHAPE", (256, 128))
+    monkeypatch.setattr(tuning, "_l3_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(tuning, "REPS", 1)
+    tuning._tuned.cache_clear()
+    try:
+        torch.manual_seed(7)
+        w, x = torch.randn(100, 64), torch.randn(3, 64)
+        want = kernel.pack(w, weights="bf16", threads=1)
+        want.group, want.prefetch = 4, 128
+        packed = kernel.pack(w, weights="bf16")  # measures now
+        cache = (tmp_path / "kernels" / "tuning.json").read_text()
+        entry = next(v for k, v in json.loads(cache).items() if k.endswith("|bf16"))
+        assert tuning._valid(entry["settings"]) and entry["ms_one_row"] > 0
+        assert (packed.group, packed.prefetch) == (entry["settings"]["group"], entry["settings"]["prefetch"])
+        assert torch.equal(packed(x), want(x))
+        tuning._tuned.cache_clear()
+        monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured again"))
+        assert tuning.settings("bf16") == entry["settings"]  # read back from the cache
+    finally:
+        tuning._tuned.cache_clear()
+        tuning._lib.set_tuned_threads(None)
+
+
+def test_tuning_off_keeps_the_defaults(kernel, monkeypatch):
+    from specpack.runtime.kernels import tuning
+
+    monkeypatch.setenv("SPECPACK_KERNEL_TUNE", "0")
+    assert tuning.settings("int8") == dict(tuning.DEFAULTS, threads=tuning._lib.cores())
+
+
+def test_a_cpu_without_avx2_is_told_which_path_runs_and_how_fast(monkeypatch, caplog):
+    """No AVX2/F16C (ARM, old x86): a warning names torch's F.linear and its measured rate here;
+    int8 weights still compute with the int8-rounded values there."""
+    from specpack.runtime.kernels import tuning
+    from specpack.runtime.kernels.accelerate import use_cpu_kernels
+
+    monkeypatch.setattr(kl._lib, "_cpu_problem", lambda: "CPU lacks avx2, f16c")
+    monkeypatch.setattr(tuning, "SHAPE", (256, 128))
+    kl._library.cache_clear()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 48))
+    threads = torch.get_num_threads()
+    with caplog.at_level(logging.WARNING):
+        assert use_cpu_kernels(model) == 0 and isinstance(model[0], torch.nn.Linear)
+        assert use_cpu_kernels(model, "int8") == 1
+    torch.set_num_threads(threads)
+    assert "CPU lacks avx2, f16c" in caplog.text and "run torch's F.linear" in caplog.text
+    assert "GB/s of fp32 weights at one row here" in caplog.text
+    assert model[0].packed.backend == "torch"

@@ -1,9 +1,13 @@
-"""Building and loading the CPU kernels' library (pool.c, linear.c, attention.c), once per process.
+"""Building and loading the CPU kernels' library (pool.c, linear.c, attention.c, layers.c), once per process.
 
-The library is compiled on first use with the system C compiler into
+`pip install` builds the library as part of the package (setup.py: `_native*.so` beside these
+sources), so a machine without a C compiler still gets it. A missing or stale one (the sources
+changed since: an editable install) is compiled on first use with the system C compiler into
 `$SPECPACK_CACHE/kernels/<hash>/` (default `~/.cache/specpack`), atomically, so concurrent
-processes are safe. Where it cannot be (no compiler, no AVX2, a failed build, or
-`SPECPACK_KERNELS=0`), `available()` is False and every kernel's caller keeps torch's path.
+processes are safe. Where neither works (no AVX2/FMA/F16C, not Linux, no library and no compiler,
+a failed build, or `SPECPACK_KERNELS=0`), `available()` is False and every kernel's caller keeps
+torch's path (kernels/tuning.py's `fallback_message` says which, and how fast it is here).
+`SPECPACK_KERNELS_PREBUILT=0` ignores the install-time build.
 """
 
 from __future__ import annotations
@@ -21,15 +25,27 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "linear.c", "attention.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "linear.c", "attention.c", "layers.c")]
 HEADERS = [Path(__file__).with_name("kernels.h")]
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=gnu11", "-fPIC", "-shared", "-pthread"]
+COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=gnu11", "-pthread"]
+CFLAGS = [*COMPILE_FLAGS, "-fPIC", "-shared"]
+PREBUILT = "_native"  # the install-time build: specpack/runtime/kernels/_native<extension suffix>
 # Idle pool threads spin this long after a job before sleeping, so the next layer's matmul finds
 # them awake. Measured on SmolLM2 (idle 2-vCPU machine, decode loop): 0 us -> 34-35 tokens/s plain,
 # 300 us -> 38-40 (T=1 forward 29 -> 26 ms), though a spinning worker costs its SMT sibling some FMA
 # throughput in the torch ops between matmuls. On a machine busy with other work, spinning takes
 # cycles from it: SPECPACK_KERNEL_SPIN_US=0 there.
 SPIN_US = int(os.environ.get("SPECPACK_KERNEL_SPIN_US", 300))
+
+
+def source_hash() -> str:
+    """16 hex digits of the kernels' sources: a library built from other sources is not used."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:16]
+
+
+def cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def _cache_root() -> Path:
@@ -57,7 +73,8 @@ def _compile(cc: str, out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", prefix=".build-", dir=out.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([cc, *CFLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
+        define = f'-DSP_SOURCE_HASH="{source_hash()}"'
+        proc = subprocess.run([cc, *CFLAGS, define, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True)
         if proc.returncode != 0:
             raise RuntimeError(f"{cc} failed:\n{proc.stderr.strip()}")
         os.replace(tmp, out)  # atomic; a racing process renames an identical file
@@ -68,29 +85,38 @@ def _compile(cc: str, out: Path) -> None:
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    lib.sp_linear.argtypes = [p, i64, i64, i64, p, ctypes.c_int, i64, p, p, i64, p, i64, ctypes.c_int]
+    c_int = ctypes.c_int
+    lib.sp_linear.argtypes = [p, i64, i64, i64, p, c_int, i64, p, p, i64, p, i64, c_int, c_int, c_int]
     lib.sp_linear.restype = None
     lib.sp_attention.argtypes = [p, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, p, p, p, p, i64,
                                  ctypes.c_float, p, i64, ctypes.c_int]
     lib.sp_attention.restype = None
+    f = ctypes.c_float
+    lib.sp_rmsnorm.argtypes = [p, i64, i64, i64, p, f, p, i64]
+    lib.sp_silu_mul.argtypes = [p, i64, i64, i64, p, i64]
+    lib.sp_rope_cache.argtypes = [p, i64, i64, i64, i64, i64, p, p, i64, p, p, f, p, p, i64, i64, i64, p, p]
+    for fn in (lib.sp_rmsnorm, lib.sp_silu_mul, lib.sp_rope_cache):
+        fn.restype = None
     lib.sp_set_spin_us.argtypes = [ctypes.c_long]
-    lib.sp_set_prefetch.argtypes = [ctypes.c_int]
-    lib.sp_set_group.argtypes = [ctypes.c_int]
+    lib.sp_source_hash.restype = ctypes.c_char_p
     lib.sp_set_spin_us(SPIN_US)
     return lib
 
 
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, str]:
-    """(library, "") once built and loaded, else (None, why not). Built at most once per process."""
+    """(library, "") once loaded (the install-time build, else one compiled now), else (None, why
+    not). Built at most once per process."""
     problem = _cpu_problem()
-    cc = shutil.which(os.environ.get("CC", "cc"))
-    if problem is None and cc is None:
-        problem = "no C compiler found (set CC or install gcc/clang)"
     if problem is not None:
         return None, problem
-    text = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    key = hashlib.sha256(text + " ".join([cc, *CFLAGS]).encode()).hexdigest()[:16]
+    lib = _prebuilt()
+    if lib is not None:
+        return lib, ""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    if cc is None:
+        return None, "no C compiler found (set CC or install gcc/clang) and no kernels built at install"
+    key = hashlib.sha256((source_hash() + " ".join([cc, *CFLAGS])).encode()).hexdigest()[:16]
     path = _cache_root() / "kernels" / key / "specpack_kernels.so"
     try:
         if not path.exists():
@@ -99,6 +125,32 @@ def _library() -> tuple[ctypes.CDLL | None, str]:
         return _declare(ctypes.CDLL(str(path))), ""
     except (OSError, RuntimeError) as exc:
         return None, f"building the kernel failed: {exc}"
+
+
+def prebuilt_path() -> Path | None:
+    """The library `pip install` built beside the sources, if any."""
+    from importlib.machinery import EXTENSION_SUFFIXES
+
+    here = Path(__file__).parent
+    return next((here / (PREBUILT + s) for s in EXTENSION_SUFFIXES if (here / (PREBUILT + s)).is_file()), None)
+
+
+def _prebuilt() -> ctypes.CDLL | None:
+    """The install-time library when it exists, loads and was built from these sources."""
+    path = prebuilt_path()
+    if path is None or os.environ.get("SPECPACK_KERNELS_PREBUILT", "1") == "0":
+        return None
+    try:
+        lib = ctypes.CDLL(str(path))
+        lib.sp_source_hash.restype = ctypes.c_char_p
+        built_from = lib.sp_source_hash().decode()
+    except (OSError, AttributeError) as exc:
+        log.info("ignoring the install-time kernels %s: %s", path, exc)
+        return None
+    if built_from != source_hash():
+        log.info("the install-time kernels %s are stale (sources changed since): compiling", path)
+        return None
+    return _declare(lib)
 
 
 def _disabled() -> bool:
@@ -125,7 +177,19 @@ def available() -> bool:
     return reason is None
 
 
+_tuned_threads: int | None = None
+
+
+def set_tuned_threads(n: int | None) -> None:
+    """The thread count the tuning measurement chose (kernels/tuning.py), or None."""
+    global _tuned_threads
+    _tuned_threads = n
+
+
 def default_threads() -> int:
-    """Kernel threads: $SPECPACK_KERNEL_THREADS, else the cores this process may run on."""
+    """Kernel threads: $SPECPACK_KERNEL_THREADS, else the tuned count (capped at the cores this
+    process may run on), else those cores."""
     env = os.environ.get("SPECPACK_KERNEL_THREADS")
-    return max(1, int(env)) if env else len(os.sched_getaffinity(0))
+    if env:
+        return max(1, int(env))
+    return min(_tuned_threads, cores()) if _tuned_threads else cores()

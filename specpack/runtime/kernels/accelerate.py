@@ -59,11 +59,11 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32") -> int:
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weight format {weights!r}: use one of {', '.join(WEIGHTS)}")
     if not available():
+        _say_why(unavailable_reason())
         if weights == "fp32":
-            log.info("CPU kernels off: %s", unavailable_reason())
             return 0
-        log.warning("CPU kernels off (%s): %s weights run torch's F.linear on fp32 copies of the rounded "
-                    "weights (same values, no memory or speed gain)", unavailable_reason(), weights)
+        log.warning("%s weights run torch's F.linear on fp32 copies of the rounded weights (same values as "
+                    "the kernel's, no memory or speed gain)", weights)
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -72,8 +72,21 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32") -> int:
                 swapped += 1
     if swapped and available():
         torch.set_num_threads(1)
-        log.info("CPU kernels: %d linear layers packed (%s weights); torch ops on 1 thread", swapped, weights)
+        fused = sum(m.fuse_layers() for m in model.modules() if hasattr(m, "fuse_layers"))
+        log.info("CPU kernels: %d linear layers packed (%s weights), %d decoders fused; torch ops on 1 thread",
+                 swapped, weights, fused)
     return swapped
+
+
+def _say_why(reason: str) -> None:
+    """Log which path runs instead of the kernels, and how fast it is here (a warning, unless the
+    user turned the kernels off)."""
+    from specpack.runtime.kernels import tuning
+
+    if reason.startswith("disabled by"):
+        log.info("CPU kernels off: %s", reason)
+    else:
+        log.warning("%s", tuning.fallback_message(reason))
 
 
 def _eligible(m: nn.Module) -> bool:

@@ -44,10 +44,10 @@ enum { SP_F32 = 0, SP_F16 = 1, SP_BF16 = 2, SP_Q8 = 3 };
 
 #define KB 128          /* k-block: 8 KB of fp32 panel, stays in L1; the summation's block too */
 
-/* Software prefetch into L2 (T1), 8 KB ahead of the k being computed. Measured on the 113 MB
- * fp32 head at M = 8: ratio to M = 1 of 1.06 with T1 against 1.29 with T0 (L1 fill buffers run
- * out) and 1.9 without prefetching, M = 1 alike. */
-static int prefetch_dist = 128; /* cache lines (of 64 bytes) ahead; 0 disables */
+/* Software prefetch into L2 (T1), `prefetch` cache lines (default 128 = 8 KB) ahead of the k being
+ * computed. Measured on the 113 MB fp32 head at M = 8: ratio to M = 1 of 1.06 with T1 against
+ * 1.29 with T0 (L1 fill buffers run out) and 1.9 without prefetching, M = 1 alike. The distance
+ * is a per-call argument, tuned per machine (kernels/tuning.py); 0 disables. */
 
 /* Prefetch at every PF_EVERY-th k: about once per 64-byte line of the stream. */
 #define PF_EVERY(fmt) ((fmt) == SP_F32 ? 1 : (fmt) == SP_Q8 ? 4 : 2)
@@ -215,14 +215,13 @@ typedef struct {
     const float *x, *bias, *res;
     const char *w;
     float *y;
-    int64_t M, N, K, ldx, ldy, ldr, panel_bytes, group;
+    int64_t M, N, K, ldx, ldy, ldr, panel_bytes;
+    int64_t group; /* panels per work item. 4: slabs of one or two rows go through wide tiles
+                    * (`wtile`); 1: every panel alone. Either gives the same bits; which is faster
+                    * depends on the machine (tuned at first load, see kernels/tuning.py). */
+    int64_t prefetch;
     int fmt;
 } job_t;
-
-/* Panels per work item. 4: slabs of one or two rows go through wide tiles (`wtile`); 1: every
- * panel alone. Either gives the same bits; which is faster depends on the machine (tuned at
- * first load, see kernels/tuning.py). */
-static int group_panels = 4;
 
 /* Bytes of one k of a panel (the stream rate per k). */
 static int64_t k_bytes(int fmt) { return fmt == SP_F32 ? 64 : fmt == SP_Q8 ? Q8_BLOCK_BYTES / Q8_BLOCK : 32; }
@@ -273,10 +272,10 @@ static void panel_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms, float 
         const int last = k1 == K;
         for (int64_t t = 0, r = 0; t < ntiles; t++) {
             const int64_t mr = (ms - r) / (ntiles - t);
-            /* the tiles share prefetching the line `prefetch_dist` ahead of each k of the block,
-             * so memory requests flow while any tile computes */
-            const char *pf = w + k0 * bpk + prefetch_dist * 64 + t * (k1 - k0) * bpk / ntiles;
-            TILES[j->fmt][prefetch_dist > 0][mr](j->x + (m0 + r) * j->ldx, j->ldx, wb, k0, k1,
+            /* the tiles share prefetching the line `prefetch` ahead of each k of the block, so
+             * memory requests flow while any tile computes */
+            const char *pf = w + k0 * bpk + j->prefetch * 64 + t * (k1 - k0) * bpk / ntiles;
+            TILES[j->fmt][j->prefetch > 0][mr](j->x + (m0 + r) * j->ldx, j->ldx, wb, k0, k1,
                 acc + r * lda, lda, k0 == 0, last && j->bias ? bias16 : 0,
                 last && res ? res + r * j->ldr : 0, j->ldr, scale, pf, (bpk + ntiles - 1) / ntiles);
             r += mr;
@@ -308,7 +307,7 @@ static void wide_rows(const job_t *j, int64_t p0, int64_t m0, int64_t ms)
         for (int q = 0; q < 4; q++) {
             const char *wp = j->w + (p0 + q) * j->panel_bytes;
             w[q] = block_at(j->fmt, wp, k0, &scale[q]);
-            pf[q] = wp + k0 * bpk + prefetch_dist * 64;
+            pf[q] = wp + k0 * bpk + j->prefetch * 64;
         }
         const int last = k1 == K;
         const float *bl = last ? bias : 0, *rl = last ? res : 0;
@@ -324,7 +323,7 @@ static void wide_rows(const job_t *j, int64_t p0, int64_t m0, int64_t ms)
 
 /* Work item g: panels [g * group, (g + 1) * group), every row, in slabs of 16 rows (so scratch
  * stays small). */
-static void group(const void *job, int64_t g, float *scratch)
+static void panel_group(const void *job, int64_t g, float *scratch)
 {
     const job_t *j = job;
     const int64_t P = (j->N + NR - 1) / NR, p0 = g * j->group;
@@ -343,19 +342,19 @@ static void group(const void *job, int64_t g, float *scratch)
 
 int sp_abi_version(void) { return 3; }
 
-void sp_set_prefetch(int lines) { prefetch_dist = lines; }
-
-void sp_set_group(int panels) { group_panels = panels == 4 ? 4 : 1; }
 
 /* y[M,N] (row stride ldy) = res + (x[M,K] (row stride ldx) @ W^T + bias), W packed as above in
- * format `fmt`; bias (N) and res (row stride ldr) may be NULL. y must not overlap x or res. */
+ * format `fmt`; bias (N) and res (row stride ldr) may be NULL. y must not overlap x or res.
+ * `group` (1 or 4 panels per work item) and `prefetch` (lines ahead) change speed only. */
 void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int fmt, int64_t N,
-               const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads)
+               const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads,
+               int group, int prefetch)
 {
     if (M <= 0 || N <= 0 || fmt < SP_F32 || fmt > SP_Q8) return;
     const int64_t pb = sp_panel_bytes(fmt, K);
-    const int64_t G = group_panels, P = (N + NR - 1) / NR;
-    const job_t job = {x, bias, res, w, y, M, N, K, ldx, ldy, ldr, pb > 0 ? pb : 0, G, fmt};
+    const int64_t G = group == 4 ? 4 : 1, P = (N + NR - 1) / NR;
+    const job_t job = {x, bias, res, w, y, M, N, K, ldx, ldy, ldr, pb > 0 ? pb : 0, G,
+                       prefetch > 0 ? prefetch : 0, fmt};
     const int64_t chunk = CHUNK_BYTES / ((pb > 0 ? pb : NR * 4) * G);
-    sp_parallel(group, &job, (P + G - 1) / G, chunk, nthreads);
+    sp_parallel(panel_group, &job, (P + G - 1) / G, chunk, nthreads);
 }

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from specpack.runtime.kernels import _lib  # noqa: F401 - for tests
 from specpack.runtime.kernels._lib import (  # noqa: F401 - re-exported for callers and tests
     SPIN_US, _library, _log_once, available, default_threads, unavailable_reason)
 
@@ -112,7 +113,9 @@ class PackedLinear:
     `pack`.
 
     `weights` is the format the weight is kept in (fp32, fp16, bf16, int8); `threads` is the
-    kernel's thread count (default: `default_threads()`); it changes speed only, never results.
+    kernel's thread count (default: the machine's tuned count, kernels/tuning.py), `group` and
+    `prefetch` the panel grouping and prefetch distance (tuned alike); they change speed only,
+    never results.
     `backend` is "avx2" or "torch" (the fallback, which keeps an fp32 weight). Any number of rows
     works; the kernel is built for 1..16 (speculative verification).
     """
@@ -127,10 +130,12 @@ class PackedLinear:
         self.out_features, self.in_features = weight.shape
         if bias is not None and bias.shape != (self.out_features,):
             raise TypeError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
-        self.threads = threads or default_threads()
         self.weights = weights
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.backend = "avx2" if available() else "torch"
+        tuned = _settings(weights) if self.backend == "avx2" else {}
+        self.threads = threads or tuned.get("threads") or default_threads()
+        self.group, self.prefetch = tuned.get("group", 4), tuned.get("prefetch", 128)
         with torch.no_grad():
             self.weight = self._layout(weight.detach())
         self._parallel = self.weight.numel() * self.weight.element_size() >= MIN_PARALLEL_BYTES
@@ -186,12 +191,18 @@ class PackedLinear:
                 residual = residual.contiguous()
             rptr, ldr = residual.data_ptr(), residual.stride(0)
         self._fn(x.data_ptr(), M, K, x.stride(0), self._wptr, self._fmt, N, self._bptr, rptr, ldr,
-                 out.data_ptr(), N, self.threads if self._parallel else 1)
+                 out.data_ptr(), N, self.threads if self._parallel else 1, self.group, self.prefetch)
         return out
 
     def __repr__(self) -> str:
         return (f"PackedLinear(in={self.in_features}, out={self.out_features}, weights={self.weights}, "
                 f"backend={self.backend}, threads={self.threads})")
+
+
+def _settings(weights: str) -> dict:
+    from specpack.runtime.kernels import tuning
+
+    return tuning.settings(weights)
 
 
 def pack(weight: Tensor, bias: Tensor | None = None, threads: int | None = None,

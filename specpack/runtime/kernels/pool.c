@@ -125,6 +125,12 @@ static void install_fork_handler(void) { pthread_atfork(NULL, NULL, after_fork_c
 
 void sp_set_spin_us(long us) { pool.spin_ns = us * 1000; }
 
+/* The hash of the sources this library was built from (kernels/_lib.py's source_hash). */
+#ifndef SP_SOURCE_HASH
+#define SP_SOURCE_HASH ""
+#endif
+const char *sp_source_hash(void) { return SP_SOURCE_HASH; }
+
 void sp_parallel(item_fn fn, const void *job, int64_t n_items, int64_t chunk, int nthreads)
 {
     if (n_items <= 0) return;

@@ -155,6 +155,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.cache = None
+        self.fused = None  # kernels.layers.FusedLayers when the layers run as C calls (see fuse_layers)
         self.register_buffer("cos", None, persistent=False)  # [max_len, rope dims] RoPE tables, with the cache
         self.register_buffer("sin", None, persistent=False)
 
@@ -197,13 +198,18 @@ class Decoder(nn.Module):
         """The new tokens [R] of every segment of `rows` in one pass; logits of `logits_rows` (all
         when None). Each segment must fit its slot: start + T <= max_len."""
         self._check_fits(rows)
-        cos, sin = self.cos[rows.pos, None], self.sin[rows.pos, None]  # [R, 1, rope dims]
+        step = self.fused.step(rows, self.cos, self.sin) if self.fused is not None else None
+        if step is None:
+            cos, sin = self.cos[rows.pos, None], self.sin[rows.pos, None]  # [R, 1, rope dims]
         x = self.embed_tokens(tokens)  # [R, H]
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in capture:
                 captured[i] = x
-            x = self._layer(i, layer, x, cos, sin, rows)
+            if step is None:
+                x = self._layer(i, layer, x, cos, sin, rows)
+            else:
+                x = self.fused.layer(i, x, step, self.cache.k[i], self.cache.v[i])
         captured[len(self.layers)] = x
         if logits_rows is not None:
             x = x[torch.as_tensor(logits_rows, dtype=torch.long, device=x.device)]
@@ -235,6 +241,14 @@ class Transformer(Decoder):
     def __init__(self, spec: TargetSpec):
         super().__init__(spec)
         self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
+
+    def fuse_layers(self) -> bool:
+        """Run each layer as a few C calls (kernels/layers.py) when every linear layer of the model
+        runs on the packed CPU kernel; True when it now does."""
+        from specpack.runtime.kernels.layers import FusedLayers
+
+        self.fused = FusedLayers.of(self)
+        return self.fused is not None
 
     def new_cache(self, layers: int, max_len: int, slots: int = 1) -> KVCache:
         s = self.spec

@@ -1,0 +1,205 @@
+"""Kernel settings chosen from a short measurement on this machine, once per CPU model.
+
+Which panel grouping (1 or 4 panels per work item; 4 runs one or two rows through wide tiles),
+prefetch distance and thread count stream weights fastest depends on the machine: its memory
+system, its L3, whether its cores are SMT siblings. The first time a format's weights are packed on
+a CPU model, `apply` times a stream of weights larger than the L3 at one and nine rows under each
+candidate setting (about half a second), keeps the fastest (one row weighs double: decoding), and
+caches it in `$SPECPACK_CACHE/kernels/tuning.json`, keyed by CPU model, cores and kernel source.
+Every setting gives the same bits: only speed changes. The same run times torch's `F.linear` at
+one row on the fp32 stream and logs a warning if the kernel is slower there.
+
+`SPECPACK_KERNEL_TUNE=0` keeps the built-in defaults; `=force` measures again.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from specpack.runtime.kernels import _lib
+
+log = logging.getLogger(__name__)
+DEFAULTS = {"group": 4, "prefetch": 128}
+PREFETCH = (0, 64, 128, 256)  # cache lines ahead
+GROUPS = (1, 4)
+SHAPE = (4096, 1024)  # one matrix of the stream; as many as exceed the L3
+REPS = 3
+
+
+def _setting() -> str:
+    return os.environ.get("SPECPACK_KERNEL_TUNE", "1").strip().lower()
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _l3_bytes() -> int:
+    try:
+        text = Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        return int(text[:-1]) * {"K": 1 << 10, "M": 1 << 20}[text[-1]] if text[-1] in "KM" else int(text)
+    except (OSError, ValueError, KeyError):
+        return 32 << 20
+
+
+def _key(weights: str) -> str:
+    return f"{cpu_model()}|{_lib.cores()} cores|{_lib.source_hash()}|{weights}"
+
+
+def _cache_path() -> Path:
+    return _lib._cache_root() / "kernels" / "tuning.json"
+
+
+def _read_cache() -> dict:
+    try:
+        data = json.loads(_cache_path().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(key: str, entry: dict) -> None:
+    path = _cache_path()
+    data = _read_cache()
+    data[key] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)  # atomic: a racing process writes its own whole file
+
+
+_measuring = False  # packing the measurement's own stream uses the defaults
+
+
+def settings(weights: str = "fp32") -> dict:
+    """{"group", "prefetch", "threads"} for `weights` on this machine: cached, else measured now
+    (once per format and process), else the defaults."""
+    if _measuring or _setting() in ("0", "false", "no", "off") or not _lib.available():
+        return dict(DEFAULTS, threads=_lib.cores())
+    return _tuned(weights)["settings"]
+
+
+@functools.cache
+def _tuned(weights: str) -> dict:
+    key = _key(weights)
+    entry = _read_cache().get(key)
+    if not entry or _setting() == "force" or not _valid(entry.get("settings")):
+        entry = measure(weights)
+        try:
+            _write_cache(key, entry)
+        except OSError as exc:
+            log.warning("cannot cache the kernel settings in %s: %s", _cache_path(), exc)
+    _lib.set_tuned_threads(entry["settings"]["threads"])  # attention's too
+    return entry
+
+
+def _valid(s) -> bool:
+    return (isinstance(s, dict) and s.get("group") in GROUPS and isinstance(s.get("prefetch"), int)
+            and isinstance(s.get("threads"), int) and s["threads"] >= 1)
+
+
+def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> dict:
+    """Time each candidate setting on a stream of `stream_bytes` of fp32 weights (default: 1.5x the
+    L3, at least 48 MB) packed as `weights`; return the fastest and what was measured."""
+    global _measuring
+    from specpack.runtime.kernels.linear import pack
+
+    n = _lib.cores()
+    N, K = SHAPE
+    count = max(1, -(-(stream_bytes or max(48 << 20, _l3_bytes() * 3 // 2)) // (N * K * 4)))
+    log.info("measuring the CPU kernels' settings for %s weights on %s (once per CPU model)", weights, cpu_model())
+    start = time.perf_counter()
+    _measuring = True
+    try:
+        with torch.no_grad():
+            dense = [torch.randn(N, K) * 0.02 for _ in range(count)]
+            stream = [pack(w, weights=weights) for w in dense]
+    finally:
+        _measuring = False
+    x1, x9 = torch.randn(1, K), torch.randn(9, K)
+    candidates = [{"group": g, "prefetch": p, "threads": t}
+                  for g in GROUPS for p in PREFETCH for t in sorted({n, max(1, n // 2)})]
+    times = {i: [] for i in range(len(candidates))}
+    for _ in range(reps):  # interleaved, so a busy moment hits every candidate alike
+        for i, c in enumerate(candidates):
+            _use(stream, c)
+            times[i].append(_pass(stream, x1) + _pass(stream, x9) / 2)
+    chosen = candidates[min(times, key=lambda i: min(times[i]))]
+    _use(stream, chosen)
+    one_row = min(_pass(stream, x1) for _ in range(reps)) * 1e3
+    torch_ms = _torch_ms(dense, x1, reps) if weights == "fp32" else None
+    entry = {"settings": chosen, "ms_one_row": round(one_row, 3), "stream_mb": round(count * N * K * 4 / 2**20),
+             "torch_ms_one_row": None if torch_ms is None else round(torch_ms, 3),
+             "seconds": round(time.perf_counter() - start, 2)}
+    log.info("kernel settings for %s weights on %s: %s", weights, cpu_model(), entry)
+    if torch_ms is not None and one_row > torch_ms:
+        log.warning("the packed kernel streams fp32 weights slower than torch's F.linear at one row here "
+                    "(%.2f vs %.2f ms over %d MB): report it with `specpack --version` and your CPU model",
+                    one_row, torch_ms, entry["stream_mb"])
+    return entry
+
+
+def _pass(stream, x) -> float:
+    t = time.perf_counter()
+    for p in stream:
+        p(x)
+    return time.perf_counter() - t
+
+
+def _use(stream, s: dict) -> None:
+    for p in stream:
+        p.threads, p.group, p.prefetch = s["threads"], s["group"], s["prefetch"]
+
+
+def _torch_ms(dense, x, reps: int) -> float:
+    import torch.nn.functional as F
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(_lib.cores())
+    try:
+        best = float("inf")
+        for _ in range(reps):
+            t = time.perf_counter()
+            for w in dense:
+                F.linear(x, w)
+            best = min(best, time.perf_counter() - t)
+        return best * 1e3
+    finally:
+        torch.set_num_threads(threads)
+
+
+@functools.cache
+def fallback_message(reason: str) -> str:
+    """What runs where the kernels cannot (no AVX2/F16C, ARM, no library), and how fast it streams
+    weights here: one short measurement of torch's `F.linear` at one row, once per process."""
+    import torch.nn.functional as F
+
+    N, K = SHAPE
+    with torch.no_grad():
+        stream = [torch.randn(N, K) for _ in range(3)]
+        x, best = torch.randn(1, K), float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
+            for w in stream:
+                F.linear(x, w)
+            best = min(best, time.perf_counter() - t)
+    rate = 3 * N * K * 4 / best / 1e9
+    return (f"specpack's CPU kernels are off ({reason}): linear layers run torch's F.linear on "
+            f"{torch.get_num_threads()} threads instead, {rate:.1f} GB/s of fp32 weights at one row here "
+            f"(the packed kernel streams about 2-3x that on AVX2 machines; fp16/bf16/int8 weights save no time "
+            f"on this path), and a row's logits may then depend on the rows batched with it")

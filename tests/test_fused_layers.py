@@ -1,0 +1,88 @@
+"""Fused decoder layers (kernels/layers.c): the same model, a few C calls per layer. RoPE and the
+cache write give torch's bits; RMSNorm and SiLU stay within fp32 rounding of torch's; the whole
+forward stays within 1e-5 of the module path for every dense family and is row-exact."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tiny
+from eagle_fixtures import one_thread  # noqa: F401
+from specpack.runtime import kernels
+from specpack.runtime.kernels import layers as kf
+from specpack.runtime.kernels._lib import _library
+from specpack.runtime.kernels.accelerate import use_cpu_kernels
+from specpack.runtime.models.dense import RMSNorm, apply_rope, rope_tables, rope_inv_freq
+from specpack.runtime.models.weights import load_target
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernel: {kernels.unavailable_reason()}")
+
+
+def test_rope_and_cache_write_are_torchs_bits():
+    torch.manual_seed(0)
+    R, H, KVH, hd, S, L = 5, 4, 2, 16, 3, 12
+    cos, sin = rope_tables(rope_inv_freq(hd, 10000.0, None), L, torch.float32, "cpu")
+    qkv = torch.randn(R, (H + 2 * KVH) * hd)
+    pos, slot, write = torch.tensor([3, 0, 7, 11, 4]), torch.tensor([0, 2, 1, 1, 2]), torch.tensor([2, 9, 0, 5, 1])
+    kc, vc = torch.zeros(S, KVH, L, hd), torch.zeros(S, KVH, L, hd)
+    q, k, v = qkv.clone().split([H * hd, KVH * hd, KVH * hd], -1)
+    c, s = cos[pos][:, None], sin[pos][:, None]
+    want_q, want_k = apply_rope(q.reshape(R, H, hd), c, s), apply_rope(k.reshape(R, KVH, hd), c, s)
+    cr, sr = cos[pos].contiguous(), sin[pos].contiguous()
+    _library()[0].sp_rope_cache(qkv.data_ptr(), R, qkv.shape[1], H, KVH, hd, cr.data_ptr(), sr.data_ptr(), hd,
+                                None, None, 0.0, kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], slot.data_ptr(),
+                                write.data_ptr())
+    assert torch.equal(qkv[:, : H * hd].reshape(R, H, hd), want_q)
+    assert torch.equal(kc[slot, :, write], want_k) and torch.equal(vc[slot, :, write], v.reshape(R, KVH, hd))
+    untouched = torch.ones(S, L, dtype=torch.bool)
+    untouched[slot, write] = False
+    assert not kc.permute(0, 2, 1, 3)[untouched].any()
+
+
+def test_rmsnorm_and_silu_mul_within_rounding_of_torch():
+    torch.manual_seed(1)
+    lib = _library()[0]
+    for n in (576, 64, 37):
+        x, w = torch.randn(7, n) * 3, torch.randn(n)
+        norm = RMSNorm(n, 1e-5)
+        norm.weight.data = w
+        y = torch.empty_like(x)
+        lib.sp_rmsnorm(x.data_ptr(), 7, n, n, w.data_ptr(), 1e-5, y.data_ptr(), n)
+        torch.testing.assert_close(y, norm(x), rtol=3e-7, atol=1e-7)
+        gu = torch.randn(7, 2 * n) * 4
+        gu[0, 0], gu[0, 1] = -200.0, 200.0  # exp over- and underflow stay finite
+        m = torch.empty(7, n)
+        lib.sp_silu_mul(gu.data_ptr(), 7, n, 2 * n, m.data_ptr(), n)
+        g, u = gu.chunk(2, -1)
+        torch.testing.assert_close(m, F.silu(g) * u, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
+def test_fused_forward_matches_the_module_path(tmp_path, family):
+    """Same weights, same cache positions: fused logits within 1e-5 of the module path's, and a
+    verify block of rows bit-identical to decoding them one at a time."""
+    model = load_target(tiny.make_target(tmp_path / family, family))
+    threads = torch.get_num_threads()
+    use_cpu_kernels(model)
+    torch.set_num_threads(threads)
+    assert isinstance(model.fused, kf.FusedLayers)
+    fused, ids = model.fused, torch.tensor([5, 17, 99, 3, 250, 7, 42, 11, 300, 12])
+    model.setup_cache(32)
+    got = model(ids).logits
+    model.fused, model.cache.length = None, 0
+    want = model(ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    model.fused, model.cache.length = fused, 0
+    model(ids[:4])
+    block = model(ids[4:]).logits
+    model.cache.length = 4
+    assert torch.equal(block, torch.cat([model(ids[i: i + 1]).logits for i in range(4, len(ids))]))
+
+
+def test_fused_layers_can_be_turned_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPACK_FUSED", "0")
+    model = load_target(tiny.make_target(tmp_path / "t", "llama"))
+    threads = torch.get_num_threads()
+    assert use_cpu_kernels(model) > 0
+    torch.set_num_threads(threads)
+    assert model.fused is None
