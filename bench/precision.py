@@ -1,0 +1,221 @@
+"""Each weight precision on the embedded SmolLM2-135M, side by side in one run.
+
+For every `--weights` (fp32, fp16, bf16, int8: `specpack.load(..., weights=...)`):
+
+  distance from fp32   the largest |logit difference| to fp32 over every position of the benchmark
+                       prompts followed by fp32's greedy continuation (one teacher-forced forward),
+                       and greedy agreement: prompts whose greedy tokens equal fp32's, and the mean
+                       number of leading tokens that do
+  forward cost         one target forward over 1, 9, 16, 32 new rows after 100 cached positions
+                       (median ms), and t(9)/t(1): what verifying a draft of 8 costs
+  decode               tokens/s plain and with the n-gram drafter (and EAGLE-3 when the shipped head
+                       is in heads/), and whether speculative output equals plain output
+  llama.cpp            (with llama-cpp-python installed, the bench extra) the same weights as F32, F16
+                       and Q8_0 GGUFs: plain tokens/s and prompt lookup, beside fp32, fp16 and int8
+
+It prints the CPU model, the memory bandwidth one copy reaches and how busy the CPUs were before
+each phase: figures from a shared machine are only comparable within one run.
+
+    python bench/precision.py [--weights fp32,fp16,bf16,int8] [--max-new-tokens 64] [--per-workload 2]
+                              [--no-decode] [--no-llama] [--rows 1,9,16,32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from decode import WORKLOADS, LlamaCpp, _copy_field, chat_ids, f32_gguf, humaneval_prompts  # noqa: E402
+from kernels import busy_fraction, median_ms  # noqa: E402
+
+GGUF_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "F16", "int8": "Q8_0"}  # llama.cpp's nearest precision
+
+
+def machine() -> str:
+    from specpack.runtime.kernels import tuning
+
+    big = torch.empty(64 << 20, dtype=torch.float32)  # 256 MB: past any L3
+    dst = torch.empty_like(big)
+    dst.copy_(big)
+    t = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(big)
+    gbs = 3 * 2 * big.numel() * 4 / (time.perf_counter() - t) / 1e9
+    mem = Path("/proc/meminfo").read_text().split("\n", 1)[0].split()[1]
+    return (f"{tuning.cpu_model()}, {torch.get_num_threads()} threads, {int(mem) / 2**20:.0f} GiB; "
+            f"memory copy {gbs:.1f} GB/s (read + write, torch {torch.__version__})")
+
+
+def busy() -> str:
+    b = busy_fraction(0.5)
+    return f"CPUs {b:.0%} busy before this phase" + (" (contended: compare within the run only)" if b > 0.1 else "")
+
+
+def prompts(tok, per_workload: int) -> dict[str, list[list[int]]]:
+    out = {name: [chat_ids(tok, p) for p in ps[:per_workload]] for name, ps in WORKLOADS.items()}
+    he = humaneval_prompts(per_workload)
+    if he:
+        out["humaneval"] = [tok(p).input_ids for p in he]
+    return out
+
+
+def load(artifact, pub, weights: str):
+    import specpack
+
+    return specpack.load(artifact, public_key=pub, weights=weights)
+
+
+def distance(models: dict, ids_list: list[list[int]], max_new: int) -> dict:
+    """{weights: (max |logit diff| to fp32, prompts greedy-equal, mean equal prefix)}."""
+    ref = models["fp32"]
+    out = {}
+    for ids in ids_list:
+        want = ref.generate(ids, max_new, speculative=False).tokens
+        seq = torch.tensor(ids + want)
+        logits = {}
+        for w, m in models.items():
+            m.target.setup_cache(len(seq) + 1)
+            logits[w] = m.target(seq).logits[len(ids) - 1:]
+            got = want if w == "fp32" else m.generate(ids, max_new, speculative=False).tokens
+            same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            d, eq, pre = out.get(w, (0.0, 0, []))
+            out[w] = (max(d, float((logits[w] - logits["fp32"]).abs().max())), eq + (got == want), pre + [same])
+    return {w: (d, eq, statistics.mean(pre)) for w, (d, eq, pre) in out.items()}
+
+
+def forward_ms(model, rows: list[int]) -> dict[int, float]:
+    t = model.target
+    t.setup_cache(512)
+    t(torch.arange(100))
+
+    def fwd(n):
+        t.cache.length = 100
+        t(torch.arange(n))
+
+    return {n: median_ms(lambda: fwd(n), 15) for n in rows}
+
+
+def decode(model, ids_list, max_new: int, spec: bool, draft_len: int, adaptive: bool = True):
+    toks, tps = [], []
+    for ids in ids_list:
+        r = model.generate(ids, max_new, speculative=spec, draft_len=draft_len, adaptive=adaptive)
+        toks.append(r.tokens)
+        tps.append(r.stats.tokens_per_s)
+    return toks, statistics.mean(tps)
+
+
+def gguf_as(src_f32: Path, dst: Path, qtype: str) -> Path:
+    """The F32 GGUF's weights as `qtype` (F16 or Q8_0) for llama.cpp: 2-D tensors converted, norms
+    kept F32 (as llama.cpp's converter does)."""
+    if dst.is_file():
+        return dst
+    import gguf
+    import numpy as np
+
+    kind = getattr(gguf.GGMLQuantizationType, qtype)
+    reader = gguf.GGUFReader(src_f32)
+    writer = gguf.GGUFWriter(str(dst) + ".tmp", reader.fields["general.architecture"].contents())
+    for name, field in reader.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            _copy_field(writer, name, field, gguf)
+    for t in reader.tensors:
+        data = np.asarray(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        if data.ndim == 2:
+            q = data.astype(np.float16) if qtype == "F16" else gguf.quants.quantize(data, kind)
+            writer.add_tensor(t.name, q, raw_dtype=kind)  # Q8_0: byte rows, the shape follows from the type
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    Path(str(dst) + ".tmp").rename(dst)
+    return dst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--weights", default="fp32,fp16,bf16,int8")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--per-workload", type=int, default=2)
+    ap.add_argument("--draft-len", type=int, default=8)
+    ap.add_argument("--rows", default="1,9,16,32")
+    ap.add_argument("--no-decode", action="store_true", help="distance and forward cost only")
+    ap.add_argument("--no-llama", action="store_true")
+    args = ap.parse_args()
+    from specpack.demo import cache_dir, prepare, prepare_eagle3
+
+    weights = args.weights.split(",")
+    if "fp32" not in weights:
+        weights.insert(0, "fp32")
+    rows = [int(r) for r in args.rows.split(",")]
+    artifact, pub = prepare(cache_dir(), lambda s: print(s, file=sys.stderr))
+    eagle3 = prepare_eagle3(cache_dir(), lambda s: print(s, file=sys.stderr))
+    print(machine())
+    models = {w: load(artifact, pub, w) for w in weights}
+    tok = models["fp32"].tokenizer
+    by_workload = prompts(tok, args.per_workload)
+    every = [ids for ps in by_workload.values() for ids in ps]
+
+    print(f"\n## distance from fp32 ({len(every)} prompts, {args.max_new_tokens} greedy tokens each)")
+    for w, (d, eq, pre) in distance(models, every, args.max_new_tokens).items():
+        print(f"{w:5s} max |logit diff| {d:.2e}; greedy equal on {eq}/{len(every)} prompts; "
+              f"mean equal prefix {pre:.1f} tokens")
+
+    print(f"\n## target forward, ms (median of 15) after 100 cached positions; {busy()}")
+    for w, m in models.items():
+        ms = forward_ms(m, rows)
+        print(f"{w:5s} " + "  ".join(f"{n} rows {ms[n]:6.2f}" for n in rows)
+              + (f"  t(9)/t(1) {ms[9] / ms[1]:.2f}" if 9 in ms and 1 in ms else ""))
+
+    if not args.no_decode:
+        run_decode(args, models, eagle3, pub, by_workload)
+
+
+def run_decode(args, models, eagle3, pub, by_workload) -> None:
+    print(f"\n## decode, tokens/s (mean over prompts, {args.max_new_tokens} new tokens, prefill included); {busy()}")
+    eagles = {w: load(eagle3, pub, w) for w in models} if eagle3 else {}
+    llama = {} if args.no_llama else llama_engines(models)
+    eos = set(models["fp32"].target.spec.eos_token_ids)
+    for wl, ids_list in by_workload.items():
+        for w, m in models.items():
+            plain, p = decode(m, ids_list, args.max_new_tokens, False, 1)
+            spec, s = decode(m, ids_list, args.max_new_tokens, True, args.draft_len)
+            line = f"{wl:16s} {w:5s} plain {p:6.1f}  n-gram {s:6.1f} ({s / p:.2f}x, same: {spec == plain})"
+            if w in eagles:
+                e_out, e = decode(eagles[w], ids_list, args.max_new_tokens, True, 3, adaptive=False)
+                line += f"  EAGLE-3 {e:6.1f} ({e / p:.2f}x, same: {e_out == plain})"
+            if w in llama:
+                name, lc = llama[w]
+                lp = statistics.mean(lc.run(ids, args.max_new_tokens, eos)[1] for ids in ids_list)
+                ll = statistics.mean(lc.run(ids, args.max_new_tokens, eos, lookup=True)[1] for ids in ids_list)
+                line += f"  | llama.cpp {name} {lp:6.1f} (ours {p / lp:.2f}x), lookup {ll:6.1f} (n-gram {s / ll:.2f}x)"
+            print(line, flush=True)
+
+
+def llama_engines(models) -> dict:
+    from specpack.demo import cache_dir, find_gguf
+
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        print("llama.cpp: llama-cpp-python is not installed (pip install llama-cpp-python): skipped")
+        return {}
+    f32 = f32_gguf(find_gguf(), cache_dir() / "SmolLM2-135M-Instruct.F32.gguf")
+    out = {}
+    for w in models:
+        q = GGUF_TYPES[w]
+        path = f32 if q == "F32" else gguf_as(f32, cache_dir() / f"SmolLM2-135M-Instruct.{q}.gguf", q)
+        out[w] = (q, LlamaCpp(path))
+    return out
+
+
+if __name__ == "__main__":
+    main()
