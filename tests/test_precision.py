@@ -96,3 +96,30 @@ def test_weights_option_is_checked_before_loading(options, problem):
     with pytest.raises(InputError) as err:
         specpack.load(artifact("ngram"), **options)
     assert problem in str(err.value) + " ".join(err.value.problems)
+
+
+@needs_kernel
+def test_a_bf16_checkpoint_loads_as_stored_and_bf16_weights_are_exact(tmp_path):
+    """A checkpoint stored in bf16 with `weights="bf16"`: the linear layers are packed from the
+    stored values (no fp32 copy of the model), the rest is widened to fp32, and the logits are
+    bit-identical to running the fp32 kernel on the same (widened) weights."""
+    import specpack
+    import tiny
+    from specpack.packager import BuildOptions, NgramParams, build
+
+    src = tmp_path / "bf16-target"
+    tiny.build_model("llama").to(torch.bfloat16).save_pretrained(src, safe_serialization=True)
+    tiny.make_tokenizer(src, tiny.VOCAB)
+    art = build(BuildOptions(target=src, drafter="ngram", out=tmp_path / "art", ngram=NgramParams(1, 3, 4))).out
+    half, full = specpack.load(art, weights="bf16"), specpack.load(art)
+    packed = [m for m in half.target.modules() if isinstance(m, PackedLinearModule)]
+    assert packed and all(m.packed.weights == "bf16" and m.weight.dtype == torch.bfloat16 for m in packed)
+    rest = [t for m in half.target.modules() if not isinstance(m, PackedLinearModule)
+            for t in [*m._parameters.values(), *m._buffers.values()] if t is not None and t.is_floating_point()]
+    assert rest and all(t.dtype == torch.float32 for t in rest) and half.target.fused is not None
+    ids = torch.tensor([5, 17, 99, 3, 250, 7, 42])
+    for m in (half, full):
+        m.target.setup_cache(32)
+    assert torch.equal(half.target(ids).logits, full.target(ids).logits)
+    prompt = [5, 17, 99, 3, 5, 17, 99, 3]
+    assert half.generate(prompt, 16, draft_len=3).tokens == full.generate(prompt, 16, speculative=False).tokens

@@ -11,17 +11,24 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", cpu_ke
          weights: str = "fp32"):
     """(Transformer, drafter module) of the verified `artifact`, memory-mapped, on `device`/`dtype`.
     On the CPU in fp32 the linear layers run on specpack's packed kernel (`cpu_kernels=False`, or
-    SPECPACK_KERNELS=0, keeps torch's), their weights kept in `weights` (fp32, fp16, bf16, int8)."""
+    SPECPACK_KERNELS=0, keeps torch's), their weights kept in `weights` (fp32, fp16, bf16, int8).
+
+    With `weights` other than fp32 and a checkpoint stored in 16 bits, the models load as stored
+    (views of the mapped files, no fp32 copy of the whole model), the linear layers are packed from
+    those, and only the rest (embeddings, norms) is widened to fp32: the peak memory of loading is
+    about the stored size, not twice it."""
     from specpack.runtime.kernels.accelerate import use_cpu_kernels
     from specpack.runtime.api import _device, _dtype
     from specpack.runtime.spec_model import load_drafter, load_target
 
-    target = load_target(artifact, _device(device), _dtype(dtype))
+    as_stored = (weights != "fp32" and dtype == "float32" and device == "cpu"
+                 and manifest.target.dtype in ("float16", "bfloat16"))
+    target = load_target(artifact, _device(device), _dtype(manifest.target.dtype if as_stored else dtype))
     entry = manifest.drafter
     params = entry.model_dump(exclude={"kind"}) if entry.kind == "ngram" else None
     drafter_dir = Path(artifact) / "drafter" if entry.kind != "ngram" else None
     drafter = load_drafter(entry.kind, params, drafter_dir, target)
     if cpu_kernels or weights != "fp32":
-        use_cpu_kernels(target, weights)
-        use_cpu_kernels(drafter, weights)
+        use_cpu_kernels(target, weights, widen=as_stored)
+        use_cpu_kernels(drafter, weights, widen=as_stored)
     return target, drafter

@@ -43,9 +43,11 @@ class PackedLinearModule(nn.Module):
         return self.packed.dense()
 
 
-def use_cpu_kernels(model: nn.Module, weights: str = "fp32") -> int:
+def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False) -> int:
     """Replace every fp32 CPU nn.Linear in `model` by the packed kernel, its weight kept in
-    `weights` (fp32, fp16, bf16, int8); return how many.
+    `weights` (fp32, fp16, bf16, int8); return how many. With `widen` (a model loaded in 16 bits
+    as stored, `weights` not fp32) its 16-bit linear layers are packed too, straight from the
+    stored values, and every other floating-point tensor is then widened to fp32.
 
     With fp32 weights this does nothing (returns 0) when the kernel is unavailable (no compiler or
     AVX2, or SPECPACK_KERNELS=0) or the model is not fp32 on the CPU. With other weights and no
@@ -67,9 +69,11 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32") -> int:
     swapped = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if _eligible(child):
+            if _eligible(child, widen and weights != "fp32"):
                 setattr(parent, name, PackedLinearModule(child, weights))
                 swapped += 1
+    if widen and weights != "fp32":
+        _widen(model)
     if swapped and available():
         torch.set_num_threads(1)
         fused = sum(m.fuse_layers() for m in model.modules() if hasattr(m, "fuse_layers"))
@@ -89,5 +93,20 @@ def _say_why(reason: str) -> None:
         log.warning("%s", tuning.fallback_message(reason))
 
 
-def _eligible(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+def _eligible(m: nn.Module, any_float: bool = False) -> bool:
+    return (isinstance(m, nn.Linear) and m.weight.device.type == "cpu"
+            and (m.weight.dtype == torch.float32 or any_float and m.weight.is_floating_point()))
+
+
+def _widen(model: nn.Module) -> None:
+    """Every floating-point parameter and buffer outside the packed layers to fp32, in place (the
+    same module objects, so a drafter holding the target's embedding sees the widened table)."""
+    for m in model.modules():
+        if isinstance(m, PackedLinearModule):
+            continue
+        for name, p in m._parameters.items():
+            if p is not None and p.is_floating_point() and p.dtype != torch.float32:
+                m._parameters[name] = nn.Parameter(p.detach().float(), requires_grad=False)
+        for name, b in m._buffers.items():
+            if b is not None and b.is_floating_point() and b.dtype != torch.float32:
+                m._buffers[name] = b.float()

@@ -1,4 +1,4 @@
-"""A dense decoder layer (Llama / Mistral / Qwen2 / Qwen3) as seven C calls over every row of a
+"""A dense decoder layer (Llama / Mistral / Qwen2 / Qwen3) as nine C calls over every row of a
 batched forward, instead of ~40 torch ops and nine module calls.
 
     RMSNorm ─ q/k/v ─ RoPE + KV-cache write ─ attention ─ o_proj + residual

@@ -135,7 +135,7 @@ class PackedLinear:
         self.backend = "avx2" if available() else "torch"
         tuned = _settings(weights) if self.backend == "avx2" else {}
         self.threads = threads or tuned.get("threads") or default_threads()
-        self.group, self.prefetch = tuned.get("group", 4), tuned.get("prefetch", 128)
+        self.group, self.prefetch = tuned.get("group", 1), tuned.get("prefetch", 128)
         with torch.no_grad():
             self.weight = self._layout(weight.detach())
         self._parallel = self.weight.numel() * self.weight.element_size() >= MIN_PARALLEL_BYTES

@@ -26,7 +26,7 @@ import torch
 from specpack.runtime.kernels import _lib
 
 log = logging.getLogger(__name__)
-DEFAULTS = {"group": 4, "prefetch": 128}
+DEFAULTS = {"group": 1, "prefetch": 128}
 PREFETCH = (0, 64, 128, 256)  # cache lines ahead
 GROUPS = (1, 4)
 SHAPE = (4096, 1024)  # one matrix of the stream; as many as exceed the L3
