@@ -277,6 +277,7 @@ def test_settings_are_measured_once_per_cpu_model_and_cached(kernel, tmp_path, m
     monkeypatch.setenv("SPECPACK_KERNEL_TUNE", "1")
     monkeypatch.setattr(tuning, "SHAPE", (256, 128))
     monkeypatch.setattr(tuning, "_l3_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(tuning, "MIN_STREAM", 1 << 20)
     monkeypatch.setattr(tuning, "REPS", 1)
     tuning._tuned.cache_clear()
     try:

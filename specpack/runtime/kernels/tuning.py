@@ -3,9 +3,9 @@
 Which panel grouping (1 or 4 panels per work item; 4 runs one or two rows through wide tiles),
 prefetch distance and thread count stream weights fastest depends on the machine: its memory
 system, its L3, whether its cores are SMT siblings. The first time a format's weights are packed on
-a CPU model, `apply` times a stream of weights larger than the L3 at one and nine rows under each
-candidate setting (about half a second), keeps the fastest (one row weighs double: decoding), and
-caches it in `$SPECPACK_CACHE/kernels/tuning.json`, keyed by CPU model, cores and kernel source.
+a CPU model, `settings` times a stream of packed weights twice the L3's size at one and nine rows
+under each candidate setting (under a second), keeps the fastest (one row weighs double: decoding),
+and caches it in `$SPECPACK_CACHE/kernels/tuning.json`, keyed by CPU model, cores and kernel source.
 Every setting gives the same bits: only speed changes. The same run times torch's `F.linear` at
 one row on the fp32 stream and logs a warning if the kernel is slower there.
 
@@ -14,6 +14,7 @@ one row on the fp32 stream and logs a warning if the kernel is slower there.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
@@ -30,6 +31,7 @@ DEFAULTS = {"group": 1, "prefetch": 128}
 PREFETCH = (0, 64, 128, 256)  # cache lines ahead
 GROUPS = (1, 4)
 SHAPE = (4096, 1024)  # one matrix of the stream; as many as exceed the L3
+MIN_STREAM = 64 << 20  # bytes, at least twice the L3
 REPS = 3
 
 
@@ -114,24 +116,15 @@ def _valid(s) -> bool:
 
 
 def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> dict:
-    """Time each candidate setting on a stream of `stream_bytes` of fp32 weights (default: 1.5x the
-    L3, at least 48 MB) packed as `weights`; return the fastest and what was measured."""
-    global _measuring
-    from specpack.runtime.kernels.linear import pack
-
+    """Time each candidate setting on a stream of `stream_bytes` of weights packed as `weights`
+    (default: twice the L3, at least 64 MB: read from memory, as a model's are each token); return
+    the fastest and what was measured."""
     n = _lib.cores()
-    N, K = SHAPE
-    count = max(1, -(-(stream_bytes or max(48 << 20, _l3_bytes() * 3 // 2)) // (N * K * 4)))
+    total = stream_bytes or max(MIN_STREAM, 2 * _l3_bytes())
     log.info("measuring the CPU kernels' settings for %s weights on %s (once per CPU model)", weights, cpu_model())
     start = time.perf_counter()
-    _measuring = True
-    try:
-        with torch.no_grad():
-            dense = [torch.randn(N, K) * 0.02 for _ in range(count)]
-            stream = [pack(w, weights=weights) for w in dense]
-    finally:
-        _measuring = False
-    x1, x9 = torch.randn(1, K), torch.randn(9, K)
+    stream = _random_stream(weights, total)
+    x1, x9 = torch.randn(1, SHAPE[1]), torch.randn(9, SHAPE[1])
     candidates = [{"group": g, "prefetch": p, "threads": t}
                   for g in GROUPS for p in PREFETCH for t in sorted({n, max(1, n // 2)})]
     times = {i: [] for i in range(len(candidates))}
@@ -142,8 +135,8 @@ def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> 
     chosen = candidates[min(times, key=lambda i: min(times[i]))]
     _use(stream, chosen)
     one_row = min(_pass(stream, x1) for _ in range(reps)) * 1e3
-    torch_ms = _torch_ms(dense, x1, reps) if weights == "fp32" else None
-    entry = {"settings": chosen, "ms_one_row": round(one_row, 3), "stream_mb": round(count * N * K * 4 / 2**20),
+    torch_ms = _torch_ms(len(stream), x1, reps) if weights == "fp32" else None
+    entry = {"settings": chosen, "ms_one_row": round(one_row, 3), "stream_mb": round(total / 2**20),
              "torch_ms_one_row": None if torch_ms is None else round(torch_ms, 3),
              "seconds": round(time.perf_counter() - start, 2)}
     log.info("kernel settings for %s weights on %s: %s", weights, cpu_model(), entry)
@@ -152,6 +145,33 @@ def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> 
                     "(%.2f vs %.2f ms over %d MB): report it with `specpack --version` and your CPU model",
                     one_row, torch_ms, entry["stream_mb"])
     return entry
+
+
+def _random_stream(weights: str, total: int) -> list:
+    """Packed layers of SHAPE holding `total` bytes of small random weights in format `weights`,
+    written straight into the packed layout (their values do not matter to the timing)."""
+    global _measuring
+    from specpack.runtime.kernels.linear import pack
+
+    N, K = SHAPE
+    _measuring = True
+    try:
+        template = pack(torch.zeros(N, K), weights=weights)  # its layout, with the default settings
+    finally:
+        _measuring = False
+    per = template.weight.numel() * template.weight.element_size()
+    stream = []
+    for _ in range(max(1, -(-total // per))):
+        w = torch.empty_like(template.weight)
+        if weights == "int8":
+            w.random_(0, 256)
+            w[..., : 16 * 4].view(torch.float32).fill_(1e-3)  # the blocks' scales
+        else:
+            w.uniform_(-0.02, 0.02)
+        layer = copy.copy(template)
+        layer.weight, layer._wptr = w, w.data_ptr()
+        stream.append(layer)
+    return stream
 
 
 def _pass(stream, x) -> float:
@@ -166,9 +186,11 @@ def _use(stream, s: dict) -> None:
         p.threads, p.group, p.prefetch = s["threads"], s["group"], s["prefetch"]
 
 
-def _torch_ms(dense, x, reps: int) -> float:
+def _torch_ms(count: int, x, reps: int) -> float:
+    """torch's F.linear at one row over `count` fp32 matrices of SHAPE, on all cores."""
     import torch.nn.functional as F
 
+    dense = [torch.empty(SHAPE).uniform_(-0.02, 0.02) for _ in range(count)]
     threads = torch.get_num_threads()
     torch.set_num_threads(_lib.cores())
     try:
