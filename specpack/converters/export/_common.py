@@ -8,6 +8,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specpack.converters.export._schedule import Crossover
 from specpack.schemas import Manifest
 
 README = "README.md"
@@ -21,7 +22,7 @@ class ExportContext:
     final_out: Path  # absolute path the export will have once renamed (used in commands)
     draft_len: int
     tensor_parallel: int
-    crossover: object | None = None  # _schedule.Crossover: a profile's draft length up to its max concurrency
+    crossover: Crossover | None = None  # a validated profile's draft length up to its max concurrency
     schedule_notes: tuple[str, ...] = ()  # README lines on a profile found but not written
 
 

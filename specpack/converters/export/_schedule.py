@@ -9,7 +9,7 @@ Sources followed (read with the search tool):
   14b450ca590cbff96e7004bdb147a5d3acf5a4f6 (`validate_and_normalize_dynamic_sd_schedule`: ranges
   positive, sorted, non-overlapping, the first starting at 1, K >= 0; the lookup clamps K to
   `num_speculative_tokens` and lets gaps and the tail inherit the previous K);
-  docs/features/speculative_decoding/dynamic_speculative_decoding.md @ 015a47e1 (K <= 
+  docs/features/speculative_decoding/dynamic_speculative_decoding.md @ 015a47e1 (K <=
   num_speculative_tokens, K = 0 drafts nothing; tested with Eagle, Eagle-3 and DFlash, a DSpark
   example; ignored with --data-parallel-size > 1).
 - TensorRT-LLM: tensorrt_llm/llmapi/llm_args.py `DecodingBaseConfig.draft_len_schedule:
