@@ -12,10 +12,11 @@ Sources followed (read with the search tool):
   docs/features/speculative_decoding/dynamic_speculative_decoding.md @ 015a47e1 (K <=
   num_speculative_tokens, K = 0 drafts nothing; tested with Eagle, Eagle-3 and DFlash, a DSpark
   example; ignored with --data-parallel-size > 1).
-- TensorRT-LLM: tensorrt_llm/llmapi/llm_args.py `DecodingBaseConfig.draft_len_schedule:
-  dict[int, int]` (batch size -> draft length for batch sizes up to that key, 0 above the
-  largest; keys >= 1; the smallest key's value must equal `max_draft_len`; exclusive with
-  `max_concurrency`); _torch/speculative/utils.py @ 011d0933dcb5e592f5fa2626beaf42a96324c578
+- TensorRT-LLM: tensorrt_llm/llmapi/llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412
+  `DecodingBaseConfig.draft_len_schedule: dict[int, int]` (batch size -> draft length for batch
+  sizes up to that key, 0 above the largest; exclusive with `max_concurrency`) and, in another
+  stored revision, its validator (keys >= 1, lengths >= 0 and <= `max_draft_len`, the smallest
+  key's value equal to `max_draft_len`); _torch/speculative/utils.py @ 011d0933dcb5e592f5fa2626beaf42a96324c578
   (`get_draft_len_for_batch_size`: draft lengths floored at `min_runtime_draft_len`, 1 for
   one-engine modes in that revision; the schedule is ignored for vanilla MTP with several
   layers); _torch/speculative/interface.py @ 00b6d5a25c30b4382d24fbdf52956d601b3ffd24
