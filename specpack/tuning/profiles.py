@@ -274,13 +274,13 @@ def select_profile(manifest, device: str = "cpu", dtype: str = "float32", wanted
     return _from_profile(best.profile, "picked")
 
 
-def profile_for_export(manifest, wanted: Optional[str] = None, device: str = "cuda") -> tuple[Optional[Profile], str]:
+def profile_for_export(manifest, wanted: Optional[str] = None, device: str = "cuda") -> Optional[Profile]:
     """The validated profile whose measured concurrency crossover an engine export writes: the one
     named `wanted` (name, id or id prefix; "none": no profile), else the speculative one measured
-    on `device` with the highest speedup (then the newest). Unlike `select_profile` nothing is
-    checked against this machine: the engine runs elsewhere. Returns (profile or None, why)."""
+    on `device` with the highest speedup (then the newest), if any. Unlike `select_profile` nothing
+    is checked against this machine: the engine runs elsewhere."""
     if wanted == "none":
-        return None, "--profile none"
+        return None
     entries = []
     for raw in map(_raw, manifest.profiles):
         try:
@@ -289,12 +289,9 @@ def profile_for_export(manifest, wanted: Optional[str] = None, device: str = "cu
             continue
         entries.append((p, _validity(p, raw, manifest)))
     if wanted is not None:
-        return _named_for_export(entries, wanted), f"profile {wanted}, as asked"
+        return _named_for_export(entries, wanted)
     fits = [p for p, reasons in entries if not reasons and p.device == device and p.settings.speculative]
-    if not fits:
-        return None, f"no valid profile with speculation on, measured on {device}"
-    best = max(fits, key=lambda p: (p.evidence.speedup, p.evidence.measured_at))
-    return best, f"the fastest valid profile measured on {device}"
+    return max(fits, key=lambda p: (p.evidence.speedup, p.evidence.measured_at), default=None)
 
 
 def _named_for_export(entries: list, wanted: str) -> Profile:

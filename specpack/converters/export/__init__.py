@@ -91,7 +91,7 @@ def _draft_len_and_crossover(module, manifest, draft_len: int | None, profile: s
 
     # MTP: one token per step unless asked, the one setting every engine runs as trained
     default = draft_len or (1 if manifest.drafter.kind == "mtp" else default_draft_len(manifest))
-    chosen, _ = profile_for_export(manifest, profile)
+    chosen = profile_for_export(manifest, profile)
     if chosen is None:
         return default, None, []
     c = _schedule.Crossover.of(chosen)
