@@ -16,7 +16,7 @@ from specpack.runtime.engine import Engine, Request, SamplingParams
 from specpack.runtime.engine.cost import Acceptance, CostModel, choose
 from specpack.runtime.spec_model import SpecModel
 
-KINDS = ["ngram", "eagle3", "draft_model", "mtp-1", "mtp-2"]
+KINDS = ["ngram", "eagle3", "draft_model", "mtp-1", "mtp-2", "block"]
 
 
 @functools.cache
@@ -34,10 +34,23 @@ def artifact(kind: str):
     elif kind.startswith("mtp"):
         n = int(kind[-1])
         target, drafter = ml.make_target(tmp / "mtp", "mtp-mimo" if n == 2 else "mtp-deepseek", n).path, "mtp"
+    elif kind == "block":
+        drafter = str(_dspark_head(tmp / "dspark", target))
     out = build(BuildOptions(target=target, drafter=drafter, out=tmp / "art", ngram=NgramParams(1, 3, 4),
                              mtp_allow_reuse=kind == "mtp-1")).out
     export_onnx(out, progress=False)
     return out
+
+
+def _dspark_head(out, target):
+    """A DSpark head in DeepSpec's layout (a published one) whose Markov correction follows the
+    target's greedy continuations of the test prompts: blocks get accepted."""
+    import block_layouts as bl
+
+    hf = tiny.build_model("llama")
+    seqs = [ef.greedy_sequences(hf, torch.tensor([p]), 12)[0].tolist() for p in _prompts(tiny.VOCAB)]
+    bigrams = {(a, b) for s in seqs for a, b in zip(s, s[1:])}
+    return bl.bigram_dspark(out, target, bigrams, ids_out=(0, 2, 4))
 
 
 def _sglang_trained_head(out):
@@ -58,8 +71,11 @@ def model(kind: str, backend: str) -> SpecModel:
 
 
 def prompts(m: SpecModel, n: int = 6) -> list[list[int]]:
+    return _prompts(m.target.spec.vocab_size, n)
+
+
+def _prompts(vocab: int, n: int = 6) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
-    vocab = m.target.spec.vocab_size
     base = torch.randint(3, vocab, (8,), generator=g).tolist()
     # repeats give the n-gram drafter something to copy; lengths differ
     return [(base + torch.randint(3, vocab, (2 + i,), generator=g).tolist()) * (1 + i % 2) for i in range(n)]

@@ -2,6 +2,7 @@
 
     list_profiles(artifact)                  every profile with its status here and the reasons
     select_profile(manifest, device, dtype)  the settings run/serve use, and which profile they came from
+    profile_for_export(manifest, wanted)     the profile whose concurrency crossover an engine export writes
     store_profile(artifact, profile, key)    write a profile into specpack.json (re-signed with a key)
 
 Statuses: `runnable` (compatible and fits in memory), `low-memory` (compatible but the memory it
@@ -271,6 +272,42 @@ def select_profile(manifest, device: str = "cpu", dtype: str = "float32", wanted
                                    f"(`specpack profiles` says why)")
     best = max(fits, key=lambda c: (not c.notes, c.profile.evidence.speedup, c.profile.evidence.measured_at))
     return _from_profile(best.profile, "picked")
+
+
+def profile_for_export(manifest, wanted: Optional[str] = None, device: str = "cuda") -> Optional[Profile]:
+    """The validated profile whose measured concurrency crossover an engine export writes: the one
+    named `wanted` (name, id or id prefix; "none": no profile), else the speculative one measured
+    on `device` with the highest speedup (then the newest), if any. Unlike `select_profile` nothing
+    is checked against this machine: the engine runs elsewhere."""
+    if wanted == "none":
+        return None
+    entries = []
+    for raw in map(_raw, manifest.profiles):
+        try:
+            p = Profile.model_validate(raw)
+        except ValidationError:
+            continue
+        entries.append((p, _validity(p, raw, manifest)))
+    if wanted is not None:
+        return _named_for_export(entries, wanted)
+    fits = [p for p, reasons in entries if not reasons and p.device == device and p.settings.speculative]
+    return max(fits, key=lambda p: (p.evidence.speedup, p.evidence.measured_at), default=None)
+
+
+def _named_for_export(entries: list, wanted: str) -> Profile:
+    named = [(p, r) for p, r in entries if wanted in (p.name, p.id)]
+    named = named or [(p, r) for p, r in entries if len(wanted) >= 4 and p.id.startswith(wanted)]
+    if not named:
+        known = ", ".join(f"{p.name} ({p.id})" for p, _ in entries) or "none"
+        raise InputError(f"the artifact has no profile named '{wanted}'", hint=f"profiles: {known}")
+    p, reasons = min(named, key=lambda e: (bool(e[1]), -e[0].evidence.speedup))
+    if reasons:
+        raise InputError(f"profile {p.name} ({p.id}) is not valid", problems=reasons,
+                         hint="`specpack profiles ARTIFACT` lists them; re-tune, or pass --profile none")
+    if not p.settings.speculative:
+        raise InputError(f"profile {p.name} ({p.id}) found that speculation never paid on its workload: there is no "
+                         "concurrency crossover to export", hint="pass --profile none (or serve without speculation)")
+    return p
 
 
 def _find(checked: list[ProfileStatus], wanted: str) -> ProfileStatus:

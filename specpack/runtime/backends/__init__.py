@@ -12,7 +12,8 @@ Output(logits, aux)` over the new rows of many sequences (runtime.rows), and the
 `.draft(jobs) -> [Draft]`. So `SpecModel(target, drafter)` and the engine run unchanged on every
 backend.
 
-The graph backends (onnxruntime, tensorrt) share `GraphTarget` / `GraphEagle3` / `GraphMtp` below:
+The graph backends (onnxruntime, tensorrt) share `GraphTarget` / `GraphEagle3` / `GraphMtp` below
+(and `graph_block.GraphBlock` for block drafters):
 the exported graphs (converters/onnx_export) read the P cached slots of each layer and write the T
 new ones, one sequence per call, and these adapters keep one cache per sequence slot, the length
 pointers and the masks exactly as the torch model does. The drafters' own loops (`draft`) are the
