@@ -12,6 +12,7 @@ import mtp_layouts as ml
 import tiny
 from eagle_fixtures import one_thread  # noqa: F401
 from specpack.packager import BuildOptions, NgramParams, build
+from specpack.runtime.drafters.base import TreeShape
 from specpack.runtime.engine import Engine, Request, SamplingParams
 from specpack.runtime.engine.cost import Acceptance, CostModel, choose
 from specpack.runtime.spec_model import SpecModel
@@ -121,6 +122,32 @@ def test_batched_greedy_equals_single_requests(kind, backend):
         for i, tokens in got.items():
             assert tokens == want[i], (kind, backend, slots, i)
         assert engine.free and len(engine.free) == slots  # every slot came back
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_tree_drafts_are_lossless_alone_and_batched(kind, backend, monkeypatch):
+    """Trees (and chains beside them in the same steps) give the tokens of plain decoding; the
+    training prompts make the trained head's (and the draft model's) paths run through siblings,
+    whose cache rows are then compacted."""
+    m = model(kind, backend)
+    reqs = requests(m)
+    vocab = m.target.spec.vocab_size
+    reqs += [Request([t % vocab for t in p], 10, eos=(), draft_len=reqs[0].draft_len)
+             for p in ef.training_prompts()[:2].tolist()]
+    for i, r in enumerate(reqs):
+        r.tree = TreeShape(3, 8) if i % 3 else None
+    want = [alone(m, r) for r in reqs]
+    moved = []
+    monkeypatch.setattr(m.target, "compact", lambda slot, src, dst, f=m.target.compact: moved.append(src) or
+                        f(slot, src, dst), raising=False)
+    for slots in (1, 3):
+        engine = Engine(m.target, m.drafter, slots=slots, max_len=64, prefill_chunk=5)
+        got = drive(engine, {0: reqs[:3], 1: reqs[3:5], 3: reqs[5:]}, cancel={3: 1})
+        assert set(got) == set(range(len(reqs))) - {3}
+        for i, tokens in got.items():
+            assert tokens == want[i], (kind, backend, slots, i)
+    assert moved or kind not in ("eagle3", "draft_model")
 
 
 @pytest.mark.parametrize("kind", ["ngram", "eagle3", "mtp-2"])

@@ -249,3 +249,6 @@ def add_stats(total: GenerationStats, s: GenerationStats) -> None:
             total.position_accepted.append(0)
         total.position_tried[k] += t
         total.position_accepted[k] += a
+    total.depth_steps += [0] * (len(s.depth_steps) - len(total.depth_steps))
+    for d, n in enumerate(s.depth_steps):
+        total.depth_steps[d] += n

@@ -84,6 +84,15 @@ class KVCache(nn.Module):
     def slots(self) -> int:
         return self.k.shape[1]
 
+    @torch.inference_mode()
+    def compact(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move `slot`'s rows at positions `src` to `dst` in every layer (a verified tree's accepted
+        path to the positions after the committed prefix; src >= dst, both ascending)."""
+        s, d = torch.as_tensor(src, device=self.k.device), torch.as_tensor(dst, device=self.k.device)
+        for cache in (self.k, self.v):
+            if cache is not None:  # MLA's latent cache has no values
+                cache[:, slot, :, d] = cache[:, slot, :, s]
+
 
 class Attention(nn.Module):
     """Multi-head attention with GQA, fused q/k/v, optional q/k RMSNorm (Qwen3) and RoPE."""
@@ -210,6 +219,10 @@ class Decoder(nn.Module):
         logits = self.lm_head(self.norm(x)).float()
         aux = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return Output(logits, aux)
+
+    def compact(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move cache rows of `slot` from positions `src` to `dst` (KVCache.compact)."""
+        self.cache.compact(slot, src, dst)
 
     def _check_fits(self, rows: Rows) -> None:
         c = self.cache
