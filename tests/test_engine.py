@@ -191,11 +191,26 @@ def test_acceptance_follows_the_record_and_drifts_back_to_the_prior():
 def test_engine_with_a_cost_model_stays_lossless(kind):
     m = model(kind, "torch")
     reqs = requests(m)
+    for r in reqs[::2]:
+        r.tree = TreeShape(3, 8)
     want = [alone(m, r) for r in reqs]
     cost = CostModel((1, 4, 8, 16), (10.0, 10.5, 11.5, 20.0))
     engine = Engine(m.target, m.drafter, slots=4, max_len=64, cost=cost)
     got = drive(engine, {0: reqs[:4], 3: reqs[4:]})
     assert [got[i] for i in range(len(reqs))] == want
+
+
+def test_the_cost_model_verifies_the_tree_nodes_worth_their_rows():
+    """The trained head is sure of its first choices: with rows priced, a tree of 12 is cut to the
+    few nodes likely to survive, and the output stays the same."""
+    m = model("eagle3", "torch")
+    reqs = [Request(p, 24, eos=(), draft_len=4, tree=TreeShape(3, 12)) for p in ef.training_prompts()[:2].tolist()]
+    want = [alone(m, r) for r in reqs]
+    for cost, fewer in ((None, False), (CostModel((1, 2, 4, 8, 16), (10.0, 12.0, 16.0, 24.0, 40.0)), True)):
+        for r, w in zip(reqs, want):
+            seq = Engine(m.target, m.drafter, slots=1, max_len=64, cost=cost).generate_all([r])[0]
+            assert seq.new == w and seq.stats.accepted > seq.stats.steps
+            assert (seq.stats.proposed < 6 * seq.stats.steps) == fewer
 
 
 def test_a_request_that_can_never_fit_is_refused():

@@ -210,3 +210,17 @@ def test_the_cost_model_keeps_likely_nodes_with_their_ancestors():
         c.update([1, 2, 1, 3], [0.8, 0.5, 0.1, 0.4], accepted=i % 2)
     est = c.estimate(parents, [0.8, 0.5, 0.1, 0.4])
     assert est[0] == pytest.approx(0.8 * 0.5 / 0.9, rel=0.1) and est[3] <= est[1] <= est[0]
+
+
+def test_the_scheduler_serves_trees():
+    from specpack.runtime.engine.scheduler import Job, Scheduler
+
+    m = model("eagle3", "torch")
+    prompts = [p[:6] for p in ef.training_prompts()[:4].tolist()]
+    want = [m.generate(p, 10, speculative=False, eos_ids=()).tokens for p in prompts]
+    with Scheduler(m, slots=3, max_len=32, draft_len=3, tree=TreeShape(3, 8)) as sch:
+        got = [sch.submit(Job(p, 10)).result() for p in prompts]
+        gauges = sch.gauges()
+    assert [r.tokens for r in got] == [w[: len(r.tokens)] for w, r in zip(want, got)]
+    assert sum(r.stats.accepted for r in got) > 0
+    assert gauges["specpack_draft_tree_topk"][0] == 3 and gauges["specpack_draft_tree_nodes"][0] == 8

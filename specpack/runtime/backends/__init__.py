@@ -6,7 +6,8 @@ Every backend module exposes `NAME` and
 
 `target` quacks like `runtime.model.Decoder` as far as the engine needs: `.spec`, `.device`,
 `.dtype`, `.setup_cache(max_len, slots)`, `.forward_rows(tokens, rows, capture, logits_rows) ->
-Output(logits, aux)` over the new rows of many sequences (runtime.rows), and the single-sequence
+Output(logits, aux)` over the new rows of many sequences (runtime.rows), `.compact(slot, src, dst)`
+(a verified draft tree's accepted rows moved after the prefix), and the single-sequence
 `target(tokens, positions=None, mask=None, capture=(), last_only=False)` with `.cache.length`.
 `drafter` has `.kind`, `.capture_layers`, `.reserve(slots, max_len)`, `.start(slot)` and
 `.draft(jobs) -> [Draft]`. So `SpecModel(target, drafter)` and the engine run unchanged on every

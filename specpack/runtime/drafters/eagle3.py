@@ -210,8 +210,7 @@ class Eagle3Drafter(nn.Module):
         trees = [Tree() for _ in jobs]
         states = [{-1: h[i]} for i in range(len(jobs))]  # node -> the head's state after it
         fed: list[list[int]] = [[] for _ in jobs]  # the node of each draft row, per job
-        for i, j in enumerate(jobs):
-            self._branch(trees[i], -1, logits[i], j, 0)
+        self._branch(trees, [-1] * len(jobs), logits, jobs, 0)
         for depth in range(1, max(j.k for j in jobs)):
             plan = [(i, trees[i].best(depth, min(j.tree.topk if branching(j) else 1,
                                                  self.cache.max_len - self.lengths[j.slot] - len(fed[i]))))
@@ -230,22 +229,25 @@ class Eagle3Drafter(nn.Module):
                 fed[i] += nodes
             out, lg = self._forward(torch.stack(hs), torch.tensor(tokens, device=dev), Rows.of(segments, dev),
                                     list(range(len(tokens))))
-            r = 0
-            for i, nodes in plan:
-                for n in nodes:
-                    states[i][n] = out[r]
-                    self._branch(trees[i], n, lg[r], jobs[i], depth)
-                    r += 1
+            owners = [i for i, nodes in plan for _ in nodes]
+            fed_now = [n for _, nodes in plan for n in nodes]
+            for r, (i, n) in enumerate(zip(owners, fed_now)):
+                states[i][n] = out[r]
+            self._branch([trees[i] for i in owners], fed_now, lg, [jobs[i] for i in owners], depth)
         return [t.draft(j.tree.nodes if branching(j) else j.k) for t, j in zip(trees, jobs)]
 
-    def _branch(self, tree: Tree, parent: int, logits: Tensor, job: DraftJob, step: int) -> None:
-        """Add `parent`'s children from its draft-vocab logits [Vd]: the top-k (a sampled job's
-        race winner first, as its chain would draft)."""
-        probs = draft_probs(logits, job)
-        first = None if job.sampler is None else \
-            job.sampler.race_index(probs, len(job.context) + step, self.draft_to_target)
-        for d, p in children(probs, job.tree.topk if branching(job) else 1, first):
-            tree.add(parent, int(self.draft_to_target[d]), p)
+    def _branch(self, trees: list[Tree], parents: list[int], logits: Tensor, jobs: list[DraftJob],
+                step: int) -> None:
+        """Row r of draft-vocab logits [R, Vd] gives trees[r] the children of node parents[r] (-1:
+        the root): the top-k (a sampled job's race winner first, as its chain would draft)."""
+        probs = draft_probs(logits, jobs)
+        firsts = [None if j.sampler is None else
+                  j.sampler.race_index(probs[r], len(j.context) + step, self.draft_to_target)
+                  for r, j in enumerate(jobs)]
+        ks = [j.tree.topk if branching(j) else 1 for j in jobs]
+        for tree, parent, kids in zip(trees, parents, children(probs, ks, firsts, self.draft_to_target)):
+            for token, p in kids:
+                tree.add(parent, token, p)
 
     def reset(self, max_len: int) -> None:
         """One sequence (slot 0), for `propose`."""

@@ -55,16 +55,19 @@ def fed_block(parents: Sequence[int], fed: Sequence[int], nodes: Sequence[int]) 
     return block
 
 
-def children(probs: Tensor, k: int, first: int | None = None) -> list[tuple[int, float]]:
-    """Up to `k` (index, probability) pairs from probs [V]: `first` (a sampled choice) when given,
-    then the most probable others; zero-probability ones are left out."""
-    top = torch.topk(probs, min(k + 1, probs.shape[0]))
-    out = [] if first is None else [(first, float(probs[first]))]
-    for p, i in zip(top.values.tolist(), top.indices.tolist()):
-        if len(out) >= k or p <= 0:
-            break
-        if i != first:
-            out.append((i, p))
+def children(probs: Tensor, ks: Sequence[int], firsts: Sequence[int | None],
+             ids: Tensor | None = None) -> list[list[tuple[int, float]]]:
+    """For every row of probs [R, V]: up to ks[r] (token, probability) pairs, firsts[r] (a sampled
+    choice) first when given, then the most probable others; zero-probability ones are left out.
+    Tokens are `ids[index]` (a drafter's sub-vocabulary; None: the index)."""
+    top = torch.topk(probs, min(max(ks) + 1, probs.shape[-1]))
+    values, index = top.values.tolist(), top.indices.tolist()
+    name = (lambda i: i) if ids is None else ids.tolist().__getitem__
+    out = []
+    for r, (k, first) in enumerate(zip(ks, firsts)):
+        kids = [] if first is None else [(first, float(probs[r, first]))]
+        kids += [(i, p) for p, i in zip(values[r], index[r]) if p > 0 and i != first][: k - len(kids)]
+        out.append([(name(i), p) for i, p in kids])
     return out
 
 
@@ -120,10 +123,14 @@ def branching(job: DraftJob) -> bool:
     return job.tree is not None and job.tree.topk > 1
 
 
-def draft_probs(logits: Tensor, job: DraftJob) -> Tensor:
-    """The drafter's distribution [V] from one row of logits: the sequence's sampling settings, or
-    the softmax when greedy."""
-    return job.sampler.probs(logits[None])[0] if job.sampler is not None else logits.float().softmax(-1)
+def draft_probs(logits: Tensor, jobs: Sequence[DraftJob]) -> Tensor:
+    """The drafter's distributions [R, V] from logits [R, V], row r drafting for jobs[r]: its
+    sampling settings, or the softmax when greedy."""
+    probs = logits.float().softmax(-1)
+    for r, j in enumerate(jobs):
+        if j.sampler is not None:
+            probs[r] = j.sampler.probs(logits[r : r + 1])[0]
+    return probs
 
 
 class Branches:
@@ -141,9 +148,9 @@ class Branches:
         tree, job = self.trees[i], self.jobs[i]
         if tree is None or step >= job.k:
             return
-        probs = draft_probs(logits, job)
+        probs = draft_probs(logits[None], [job])
         parent = self.tips[i]
-        for n, (t, p) in enumerate(children(probs, job.tree.topk, token)):
+        for n, (t, p) in enumerate(children(probs, [job.tree.topk], [token])[0]):
             node = tree.add(parent, t, p)
             if n == 0:
                 self.tips[i] = node

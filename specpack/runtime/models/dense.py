@@ -4,7 +4,8 @@ One forward runs the new tokens of one or many sequences (`rows.Rows`) against a
 with one slot per sequence; each row attends its own sequence's committed positions plus a chain or
 a tree among its new rows, so drafts of every sequence in a batch are verified in one pass.
 Rolling back after a rejection only lowers a sequence's length: positions past it are never
-attended and get overwritten by the next forward.
+attended and get overwritten by the next forward (a draft tree's accepted path is first moved next
+to the prefix: `KVCache.compact`).
 """
 
 from __future__ import annotations
