@@ -149,11 +149,10 @@ TREE = TreeShape(2, 5)  # two children per node, five nodes: siblings at both de
 
 def first_child(tokens, parents, target):
     """A deliberately wrong tree rule: follow the first child whatever the target's token."""
-    path, node = [], -1
-    while node + 1 < len(parents) and (node + 1) in [i for i, p in enumerate(parents) if p == node]:
-        node = next(i for i, p in enumerate(parents) if p == node)
-        path.append(node)
-    return path, [tokens[n] for n in path] + [target(node)]
+    path = []
+    while kids := [i for i, p in enumerate(parents) if p == (path[-1] if path else -1)]:
+        path.append(kids[0])
+    return path, [tokens[n] for n in path] + [target(path[-1] if path else -1)]
 
 
 @pytest.fixture(scope="module", params=["eagle3", "ngram", "draft_model"])
