@@ -233,13 +233,15 @@ def _raw(entry) -> dict:
 
 @dataclass(frozen=True)
 class Selection:
-    """What run/serve apply: speculation, draft length, concurrency limit (None: no limit)."""
+    """What run/serve apply: speculation, draft length, concurrency limit (None: no limit), draft
+    tree shape (a runtime.drafters.base.TreeShape; None: chains)."""
 
     profile: Optional[Profile]
     speculative: bool
     draft_len: int
     max_concurrency: Optional[int]
     message: str
+    tree: Optional[tuple] = None
 
     @property
     def cost_curve(self) -> Optional[dict]:
@@ -332,11 +334,15 @@ def _chosen(c: ProfileStatus, backend: str, device: str, dtype: str) -> Selectio
 
 
 def _from_profile(p: Profile, verb: str) -> Selection:
+    from specpack.runtime.drafters.base import TreeShape
+
     s, e = p.settings, p.evidence
     limit = f"speculation up to {s.max_concurrency} concurrent requests" if s.speculative else "speculation off"
+    tree = TreeShape(s.tree_topk, s.tree_nodes) if s.speculative and s.draft_shape == "tree" else None
+    shape = f", draft trees of top-k {tree.topk} and {tree.nodes} nodes" if tree else ""
     message = (f"{verb} profile {p.name} ({p.id}): {e.speedup:.2f}x on workload '{e.workload.name}', "
-               f"acceptance length {e.acceptance_length:.2f}, {limit}")
-    return Selection(p, s.speculative, s.draft_len if s.speculative else 1, s.max_concurrency, message)
+               f"acceptance length {e.acceptance_length:.2f}, {limit}{shape}")
+    return Selection(p, s.speculative, s.draft_len if s.speculative else 1, s.max_concurrency, message, tree)
 
 
 def _defaults(manifest, why: str) -> Selection:
