@@ -25,6 +25,8 @@ class CostCurve(_Strict):
     rows: list[int] = Field(min_length=1, description="Rows in one target forward, ascending.")
     ms: list[float] = Field(min_length=1, description="Milliseconds one target forward over that many rows took "
                                                       "(median after a warm-up).")
+    key_ms: Optional[float] = Field(None, ge=0, description="Milliseconds each row adds per key it attends "
+                                                            "(measured at 512 positions of context).")
 
 
 class ProfileSettings(_Strict):

@@ -140,7 +140,9 @@ def _cost(model, selection, slots: int, measure: bool) -> dict:
     if curve:
         out["cost"] = CostModel.from_dict(curve)
     elif measure and selection.speculative and model.drafter is not None:
-        model.target.setup_cache(64, 1)
+        from specpack.runtime.engine.cost import KEY_PROBE
+
+        model.target.setup_cache(max(64, sum(KEY_PROBE)), 1)
         out["cost"] = measure_cost(model.target, [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * slots])
         log.info("cost curve measured: %s", out["cost"].to_dict())
     if "cost" in out and not getattr(model.drafter, "free_drafts", False):

@@ -25,7 +25,7 @@ from specpack import __version__
 from specpack.errors import InputError, SpecpackError, UnsupportedError
 from specpack.packager.update import recover
 from specpack.runtime.drafters.base import TreeShape
-from specpack.runtime.engine.cost import measure as measure_cost
+from specpack.runtime.engine.cost import KEY_PROBE, measure as measure_cost
 from specpack.runtime.engine.scheduler import Job, Scheduler, add_stats
 from specpack.runtime.engine.stats import MAX_DRAFT_LEN, MAX_TREE_NODES, MAX_TREE_TOPK, GenerationStats
 from specpack.schemas.profile import (ConcurrencyPoint, CostCurve, DraftLenPoint, Evidence, Profile, ProfileMemory,
@@ -373,6 +373,7 @@ def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, 
     best = max([*sweep.values(), *trees.values()], key=lambda p: p.tokens_per_s)
     pays = best.tokens_per_s > baseline.tokens_per_s
     bar.phase("cost curve")
+    model.target.setup_cache(max(64, sum(KEY_PROBE)), 1)
     cost = measure_cost(model.target, [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * max(concurrency)])
     bar.phase("concurrency")
     prior = best.stats.position_acceptance or None

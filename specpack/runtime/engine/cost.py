@@ -36,7 +36,8 @@ class CostModel:
     rows: tuple[int, ...]
     ms: tuple[float, ...]
     draft_ratio: float = 0.0
-    key_ms: float = 0.0  # per row per attended key (learned online)
+    key_ms: float = 0.0  # per row per attended key (measured at start when possible, then learned online)
+    key_ms_measured: float = 0.0  # the start-up measurement: online learning stays within a factor 4 of it
 
     def step_ms(self, rows: int) -> float:
         """Piecewise-linear in the rows; past the last point, the last slope."""
@@ -73,37 +74,55 @@ class CostModel:
         seen = max(0.0, (ms - self.step_ms(rows)) / keys)
         if self.key_ms:  # one slow step (a page fault, a busy neighbour) moves the estimate a little only
             seen = min(seen, 4 * self.key_ms)
-        return replace(self, key_ms=seen if self.key_ms == 0 else (1 - weight) * self.key_ms + weight * seen)
+        learned = seen if self.key_ms == 0 else (1 - weight) * self.key_ms + weight * seen
+        if self.key_ms_measured:  # other processes' load is not attention: stay near what was measured
+            learned = min(max(learned, self.key_ms_measured / 4), 4 * self.key_ms_measured)
+        return replace(self, key_ms=learned)
 
     def to_dict(self) -> dict:
-        return {"rows": list(self.rows), "ms": [round(m, 3) for m in self.ms]}
+        out = {"rows": list(self.rows), "ms": [round(m, 3) for m in self.ms]}
+        return {**out, "key_ms": self.key_ms_measured} if self.key_ms_measured else out
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
-        return cls(tuple(d["rows"]), tuple(d["ms"]))
+        key = float(d.get("key_ms") or 0.0)
+        return cls(tuple(d["rows"]), tuple(d["ms"]), key_ms=key, key_ms_measured=key)
+
+
+KEY_PROBE = (8, 512)  # rows, context: the attention probe
 
 
 @torch.inference_mode()
 def measure(target, rows: Sequence[int] = DEFAULT_ROWS, repeats: int = 3, slot: int = 0) -> CostModel:
     """Time one target forward over R rows (one sequence, empty cache) for each R: the median of
-    `repeats` after a warm-up. Uses `slot` of the target's cache, which must be free."""
+    `repeats` after a warm-up; and, when the cache holds KEY_PROBE's context, the cost per attended
+    key (the same rows after that many positions). Uses `slot` of the target's cache, which must be free."""
+    rows = [r for r in rows if r <= target.cache.max_len]
+    ms = [_time_forward(target, slot, 0, r, repeats) for r in rows]
+    probe_rows, context = KEY_PROBE
+    key_ms = 0.0
+    if context + probe_rows <= target.cache.max_len:
+        extra = _time_forward(target, slot, context, probe_rows, repeats) - _time_forward(target, slot, 0, probe_rows,
+                                                                                          repeats)
+        key_ms = max(extra, 0.0) / (probe_rows * context)
+    return CostModel(tuple(rows), tuple(ms), key_ms=key_ms, key_ms_measured=key_ms)
+
+
+def _time_forward(target, slot: int, start: int, rows: int, repeats: int) -> float:
+    """Median milliseconds of a forward over `rows` rows after `start` positions (logits for every row)."""
     from specpack.runtime.models.rows import Rows, Segment
 
-    rows = [r for r in rows if r <= target.cache.max_len]
-    tokens = torch.randint(0, target.spec.vocab_size, (max(rows),), generator=torch.Generator().manual_seed(0))
-    ms = []
-    for r in rows:
-        layout = Rows.of([Segment(slot, 0, r)], target.device)
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            target.forward_rows(tokens[:r].to(target.device), layout, logits_rows=list(range(r)))
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            if i:
-                times.append((time.perf_counter() - t0) * 1e3)
-        ms.append(sorted(times)[len(times) // 2])
-    return CostModel(tuple(rows), tuple(ms))
+    tokens = torch.randint(0, target.spec.vocab_size, (rows,), generator=torch.Generator().manual_seed(0))
+    layout = Rows.of([Segment(slot, start, rows)], target.device)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        target.forward_rows(tokens.to(target.device), layout, logits_rows=list(range(rows)))
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 class Acceptance:
