@@ -92,7 +92,7 @@ def test_export_layout_and_training_record(trained, work):
 
     cfg = read_json(trained / "config.json")
     assert cfg["architectures"] == ["Qwen3DSparkModel"] and cfg["target_layer_ids"] == [1, 3, 4]  # output of
-    assert (cfg["block_size"], cfg["num_hidden_layers"], cfg["markov_rank"]) == (5, 2, 64)
+    assert (cfg["block_size"], cfg["num_hidden_layers"], cfg["markov_rank"]) == (5, 3, 64)
     assert (cfg["vocab_size"], cfg["draft_vocab_size"]) == (tiny.VOCAB, 256)
     feats = Features.load(next(work["cache"].glob("*/features.safetensors")))
     mask = cfg["mask_token_id"]
@@ -181,3 +181,26 @@ def test_cli_dspark_flags(tiny_target, work, tmp_path, cli):
     assert code == 0, err
     config = read_json(tmp_path / "h" / "config.json")
     assert (config["block_size"], config["num_hidden_layers"], config["markov_rank"]) == (3, 1, 8)
+
+
+def test_demo_shows_the_dspark_head_when_there_is_one(trained, tiny_target, tmp_path, monkeypatch):
+    """`make demo` builds and signs heads/smollm2-135m-dspark beside the other drafters, and skips it
+    with a note when it is missing."""
+    import shutil
+
+    import specpack
+    from specpack import demo
+    from specpack.packager import keygen
+
+    cache = tmp_path / "demo"
+    shutil.copytree(tiny_target, cache / "smollm2-135m-instruct-f32")
+    keygen(cache / "demo-signer", force=True)
+    notes = []
+    monkeypatch.setitem(demo.SHIPPED, "DSpark", (tmp_path / "missing", "bench/distill_smollm2_dspark.sh"))
+    assert demo.prepare_head(cache, "DSpark", notes.append) is None
+    assert "no DSpark head" in notes[-1] and "bench/distill_smollm2_dspark.sh" in notes[-1]
+    monkeypatch.setitem(demo.SHIPPED, "DSpark", (trained, "bench/distill_smollm2_dspark.sh"))
+    model = specpack.load(demo.prepare_head(cache, "DSpark", notes.append), public_key=cache / "demo-signer.pub")
+    assert model.manifest.drafter.algorithm == "dspark"
+    prompt = [5, 9, 14, 3, 22, 7, 40]
+    assert model.generate(prompt, 16).tokens == model.generate(prompt, 16, speculative=False).tokens

@@ -17,7 +17,7 @@ from specpack.cli._common import JSON, cli
 @click.option("--head", "head", type=click.Choice(["eagle3", "dspark"]), default="eagle3", show_default=True,
               help="eagle3: an EAGLE-3 head (SGLang layout); dspark: a DSpark block drafter (DeepSpec layout).")
 @click.option("--block-size", type=int, help="DSpark: draft slots per block [default: 5].")
-@click.option("--draft-layers", type=int, help="DSpark: backbone layers [default: 2].")
+@click.option("--draft-layers", type=int, help="DSpark: backbone layers [default: 3].")
 @click.option("--markov-rank", type=int, help="DSpark: rank of the Markov head [default: 64].")
 @click.option("--data", type=click.Path(path_type=Path),
               help='JSONL of {"text"}, {"messages"} or {"prompt"[, "completion"]} lines.')

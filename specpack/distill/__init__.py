@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from specpack.errors import InputError, UnsupportedError

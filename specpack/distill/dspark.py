@@ -32,11 +32,12 @@ CONFIDENCE_TARGETS = ("greedy", "overlap")
 class DSparkOptions:
     """DeepSpec's recipe (config/dspark/dspark_qwen3_4b.py: block 7, 5 layers for a 36-layer target,
     Markov rank 256, loss_decay_gamma 4, CE 0.1 + L1 0.9, confidence 1.0, 512 anchors per 4096
-    tokens) sized for a CPU: 2 layers and a block of 5 (at the acceptance a 135M target's head
-    reaches, slots past 5 are rarely reached; every slot is a row of training compute)."""
+    tokens) sized for a CPU: 3 layers (one block forward costs about what EAGLE-3's chain of 3
+    one-layer steps does) and a block of 5 (at the acceptance a 135M target's head reaches, slots
+    past 5 are rarely reached, and every slot is a row of training compute)."""
 
     block_size: int = 5  # B draft slots (anchor-first: N = B)
-    layers: int = 2  # K DFlash-backbone (Qwen3) layers
+    layers: int = 3  # K DFlash-backbone (Qwen3) layers
     markov_rank: int = 64  # r of the vanilla Markov head
     anchors: int = 64  # blocks sampled per window of seq_len positions per step
     loss_decay_gamma: float = 4.0  # slot q's loss weight exp(-q / gamma)
@@ -51,7 +52,8 @@ class DSparkOptions:
         """(options, problems): unknown keys are problems, not errors one at a time."""
         options = dict(options or {})
         known = {f.name for f in fields(cls)}
-        problems = [f"unknown DSpark option {k!r} (known: {', '.join(sorted(known))})" for k in options if k not in known]
+        problems = [f"unknown DSpark option {k!r} (known: {', '.join(sorted(known))})"
+                    for k in options if k not in known]
         return cls(**{k: v for k, v in options.items() if k in known}), problems
 
     def problems(self, vocab_size: int) -> list[str]:

@@ -120,5 +120,6 @@ def _tally(hit: Tensor, confidence: Tensor, valid: Tensor) -> Tally:
     run = hit.long().cumprod(-1).sum(-1)
     c = torch.sigmoid(confidence) * valid
     B = hit.shape[-1]
-    return Tally(hits=[float(hit[..., q].sum()) for q in range(B)], counts=[float(valid[..., q].sum()) for q in range(B)],
-                 run=float(run[full].sum()), bases=float(full.sum()), confidence=[float(c[..., q].sum()) for q in range(B)])
+    per_slot = [(float(hit[..., q].sum()), float(valid[..., q].sum()), float(c[..., q].sum())) for q in range(B)]
+    hits, counts, confidences = (list(x) for x in zip(*per_slot))
+    return Tally(hits=hits, counts=counts, run=float(run[full].sum()), bases=float(full.sum()), confidence=confidences)
