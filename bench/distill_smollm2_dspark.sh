@@ -8,15 +8,16 @@
 # head, the EAGLE-3 head's 4096-token draft vocabulary (target lm_head rows, frozen); DeepSpec's losses
 # (0.1 CE + 0.9 L1, decay exp(-q/4), confidence BCE), 64 anchor blocks per window of 256 positions.
 #
-# Time on the idle 2-core dev machine, 2 threads (estimated; the full run has not been made yet):
-#   data: as the EAGLE-3 run, 1808 sequences at ~1.45 sequences/s: ~21 min (0 with its cache)
-#   training: 2000 steps of 4 windows x 64 blocks x 5 slots; measured 0.7x an EAGLE-3 step side by side
-#             (on the shared, loaded machine), i.e. ~0.55 s/step idle: ~19 min; validation ~1 min
-#   evaluation (5 prompts per workload, 4 modes): ~3 min; total ~44 min (~23 min with the EAGLE-3 cache)
+# Time on the idle 2-core dev machine, 2 threads (estimated from short runs; the full run has not been made yet):
+#   data: as the EAGLE-3 run, 1808 sequences at ~1.45 sequences/s: ~21 min (none with its cache)
+#   training: 1500 steps of 4 windows x 64 blocks x 5 slots, ~0.75 s/step: ~19 min. A step is ~61 G multiply-adds
+#             against ~65 G for an EAGLE-3 step (0.8 s idle); side by side on the shared, loaded
+#             machine it took 0.7-1.4x an EAGLE-3 step (2.3-4.1 s). Validation (88 held-out sequences) ~1 min
+#   evaluation (5 prompts per workload, 4 modes): ~3 min; total ~44 min (~23 min after the EAGLE-3 run)
 #
 #   bash bench/distill_smollm2_dspark.sh [OUT_DIR]        (default OUT_DIR: heads/smollm2-135m-dspark)
 #
-# All cores (SPECPACK_THREADS to change). STEPS=N sets the training steps (default 2000). Generated data
+# All cores (SPECPACK_THREADS to change). STEPS=N sets the training steps (default 1500). Generated data
 # and features are cached under $SPECPACK_CACHE/distill and training checkpoints into OUT_DIR, so a re-run
 # after Ctrl-C resumes. SKIP_EVAL=1 skips the measurement; PER_WORKLOAD=N sets how many held-out prompts of
 # each workload it decodes (default 5); MAX_NEW=N the new tokens per prompt (default 128).
@@ -29,7 +30,7 @@ export SPECPACK_THREADS=${SPECPACK_THREADS:-$(nproc)}
 export SPECPACK_KERNEL_THREADS=${SPECPACK_KERNEL_THREADS:-$SPECPACK_THREADS}
 CACHE=${SPECPACK_CACHE:-$HOME/.cache/specpack}
 
-STEPS=${STEPS:-2000} "$PY" - "$OUT" "$CACHE" <<'PYTHON'
+STEPS=${STEPS:-1500} "$PY" - "$OUT" "$CACHE" <<'PYTHON'
 import json, os, sys, time
 from pathlib import Path
 

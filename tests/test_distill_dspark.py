@@ -164,6 +164,8 @@ def test_bad_dspark_options_are_reported_together(tiny_target, work, tmp_path):
     for part in ("block_size 0", "layers -1", "markov_rank 1.5", "confidence_target 'sampled'",
                  f"mask token id {tiny.VOCAB}", "unknown DSpark option 'anchor'"):
         assert part in text, part
+    with pytest.raises(InputError, match=r"aux layer ids \[5, 2, 4\]: DeepSpec's layout needs them in increasing"):
+        run(tiny_target, tmp_path / "h", work, steps=1, aux_layer_ids=(5, 2, 4))
     with pytest.raises(InputError, match="head 'medusa'"):
         run(tiny_target, tmp_path / "h", work, steps=1, head="medusa")
     assert not (tmp_path / "h").exists()

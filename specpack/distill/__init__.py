@@ -192,7 +192,7 @@ def check_options(spec, draft_vocab, self_generate, data, cfg, dtype: str, gen_t
     if head not in FAMILIES:
         problems.append(f"head {head!r} (use one of {', '.join(FAMILIES)})")
     else:
-        problems += FAMILIES[head](dspark).problems(spec)
+        problems += FAMILIES[head](dspark).problems(spec, ids)
     if problems:
         raise InputError("distill options are not usable", problems=problems,
                          hint=f"the draft vocab must lie in 1..{vocab_size}" if any("vocab" in p for p in problems)

@@ -19,7 +19,7 @@ class Eagle3:
     def __init__(self, options: dict | None = None):
         self.given = dict(options or {})
 
-    def problems(self, spec) -> list[str]:
+    def problems(self, spec, aux_ids) -> list[str]:
         return [f"DSpark option {k}{FLAGS.get(k, '')} given for an EAGLE-3 head (it applies to --head dspark)"
                 for k in self.given]
 
@@ -54,8 +54,11 @@ class DSpark:
 
         self.options, self.unknown = DSparkOptions.from_dict(options)
 
-    def problems(self, spec) -> list[str]:
-        return self.unknown + self.options.problems(spec.vocab_size)
+    def problems(self, spec, aux_ids) -> list[str]:
+        """DeepSpec's layout lists the target layers in increasing order (validate_target_layer_ids)."""
+        order = [] if list(aux_ids) == sorted(aux_ids) else [
+            f"aux layer ids {list(aux_ids)}: DeepSpec's layout needs them in increasing order"]
+        return self.unknown + self.options.problems(spec.vocab_size) + order
 
     def config(self, spec, draft_vocab: int, aux_ids, feats):
         from specpack.distill.dspark import DSparkConfig, unused_token
