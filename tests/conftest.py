@@ -54,3 +54,41 @@ def keypair(tmp_path_factory):
 
 def read_json(path):
     return json.loads(Path(path).read_text())
+
+
+def measured_profile(drafter: str, draft_len: int = 3, max_concurrency: int = 8, concurrency=(1, 4, 8, 16),
+                     device: str = "cuda", backend: str = "tensorrt", speedup: float = 1.7, gpu: str = "NVIDIA H100",
+                     speculative: bool = True):
+    """A validated profile as `specpack tune` writes it (figures made up, id derived), for tests that
+    read profiles without measuring: speculation pays up to `max_concurrency` concurrent requests."""
+    from specpack.schemas.profile import make_profile
+
+    sweep = [{"concurrency": c, "baseline_tokens_per_s": 100.0 * c,
+              "speculative_tokens_per_s": 100.0 * c * (1.5 if c <= max_concurrency else 0.8)} for c in concurrency]
+    hardware = {"cpu_model": "Test CPU", "cpu_cores": 8, "memory_bytes": 2**34,
+                "gpu": gpu if device == "cuda" else None, "gpu_memory_bytes": 2**36 if device == "cuda" else None}
+    evidence = {"workload": {"name": "chat", "sha256": "0" * 64, "prompts": 4, "max_new_tokens": 32, "new_tokens": 128},
+                "baseline_tokens_per_s": 100.0, "speculative_tokens_per_s": 100.0 * speedup, "speedup": speedup,
+                "acceptance_length": 2.5, "position_acceptance": [0.8, 0.6, 0.4], "greedy_equal": True,
+                "prompts_checked": 4, "draft_len_sweep": [], "concurrency_sweep": sweep if speculative else [],
+                "hardware": hardware, "software": {"specpack": "0", "python": "3", "platform": "test", "packages": {}},
+                "measured_at": "2026-01-01T00:00:00+00:00", "seconds": 1.0}
+    settings = {"speculative": speculative, "draft_len": draft_len if speculative else 0,
+                "max_concurrency": max_concurrency if speculative else 0}
+    memory = {"weights_bytes": 1, "kv_cache_bytes": 1, "context_tokens": 64, "required_bytes": 2,
+              "measured_peak_bytes": 2}
+    return make_profile(backend=backend, device=device, dtype="float16" if device == "cuda" else "float32",
+                        drafter=drafter if speculative else "none", settings=settings, memory=memory,
+                        evidence=evidence)
+
+
+def with_profiles(art: Path, out: Path, *profiles) -> Path:
+    """A copy of the artifact `art` at `out` holding `profiles` (stored as `specpack tune` does)."""
+    import shutil
+
+    from specpack.tuning.profiles import store_profile
+
+    shutil.copytree(art, out)
+    for p in profiles:
+        store_profile(out, p)
+    return out

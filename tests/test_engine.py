@@ -12,11 +12,12 @@ import mtp_layouts as ml
 import tiny
 from eagle_fixtures import one_thread  # noqa: F401
 from specpack.packager import BuildOptions, NgramParams, build
+from specpack.runtime.drafters.base import TreeShape
 from specpack.runtime.engine import Engine, Request, SamplingParams
 from specpack.runtime.engine.cost import Acceptance, CostModel, choose
 from specpack.runtime.spec_model import SpecModel
 
-KINDS = ["ngram", "eagle3", "draft_model", "mtp-1", "mtp-2"]
+KINDS = ["ngram", "eagle3", "draft_model", "mtp-1", "mtp-2", "block"]
 
 
 @functools.cache
@@ -34,10 +35,23 @@ def artifact(kind: str):
     elif kind.startswith("mtp"):
         n = int(kind[-1])
         target, drafter = ml.make_target(tmp / "mtp", "mtp-mimo" if n == 2 else "mtp-deepseek", n).path, "mtp"
+    elif kind == "block":
+        drafter = str(_dspark_head(tmp / "dspark", target))
     out = build(BuildOptions(target=target, drafter=drafter, out=tmp / "art", ngram=NgramParams(1, 3, 4),
                              mtp_allow_reuse=kind == "mtp-1")).out
     export_onnx(out, progress=False)
     return out
+
+
+def _dspark_head(out, target):
+    """A DSpark head in DeepSpec's layout (a published one) whose Markov correction follows the
+    target's greedy continuations of the test prompts: blocks get accepted."""
+    import block_layouts as bl
+
+    hf = tiny.build_model("llama")
+    seqs = [ef.greedy_sequences(hf, torch.tensor([p]), 12)[0].tolist() for p in _prompts(tiny.VOCAB)]
+    bigrams = {(a, b) for s in seqs for a, b in zip(s, s[1:])}
+    return bl.bigram_dspark(out, target, bigrams, ids_out=(0, 2, 4))
 
 
 def _sglang_trained_head(out):
@@ -58,8 +72,11 @@ def model(kind: str, backend: str) -> SpecModel:
 
 
 def prompts(m: SpecModel, n: int = 6) -> list[list[int]]:
+    return _prompts(m.target.spec.vocab_size, n)
+
+
+def _prompts(vocab: int, n: int = 6) -> list[list[int]]:
     g = torch.Generator().manual_seed(3)
-    vocab = m.target.spec.vocab_size
     base = torch.randint(3, vocab, (8,), generator=g).tolist()
     # repeats give the n-gram drafter something to copy; lengths differ
     return [(base + torch.randint(3, vocab, (2 + i,), generator=g).tolist()) * (1 + i % 2) for i in range(n)]
@@ -123,6 +140,32 @@ def test_batched_greedy_equals_single_requests(kind, backend):
         assert engine.free and len(engine.free) == slots  # every slot came back
 
 
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_tree_drafts_are_lossless_alone_and_batched(kind, backend, monkeypatch):
+    """Trees (and chains beside them in the same steps) give the tokens of plain decoding; the
+    training prompts make the trained head's (and the draft model's) paths run through siblings,
+    whose cache rows are then compacted."""
+    m = model(kind, backend)
+    reqs = requests(m)
+    vocab = m.target.spec.vocab_size
+    reqs += [Request([t % vocab for t in p], 10, eos=(), draft_len=reqs[0].draft_len)
+             for p in ef.training_prompts()[:2].tolist()]
+    for i, r in enumerate(reqs):
+        r.tree = TreeShape(3, 8) if i % 3 else None
+    want = [alone(m, r) for r in reqs]
+    moved = []
+    monkeypatch.setattr(m.target, "compact", lambda slot, src, dst, f=m.target.compact: moved.append(src) or
+                        f(slot, src, dst), raising=False)
+    for slots in (1, 3):
+        engine = Engine(m.target, m.drafter, slots=slots, max_len=64, prefill_chunk=5)
+        got = drive(engine, {0: reqs[:3], 1: reqs[3:5], 3: reqs[5:]}, cancel={3: 1})
+        assert set(got) == set(range(len(reqs))) - {3}
+        for i, tokens in got.items():
+            assert tokens == want[i], (kind, backend, slots, i)
+    assert moved or kind not in ("eagle3", "draft_model")
+
+
 @pytest.mark.parametrize("kind", ["ngram", "eagle3", "mtp-2"])
 def test_seeded_sampling_is_the_same_in_any_batch(kind):
     m = model(kind, "torch")
@@ -164,11 +207,26 @@ def test_acceptance_follows_the_record_and_drifts_back_to_the_prior():
 def test_engine_with_a_cost_model_stays_lossless(kind):
     m = model(kind, "torch")
     reqs = requests(m)
+    for r in reqs[::2]:
+        r.tree = TreeShape(3, 8)
     want = [alone(m, r) for r in reqs]
     cost = CostModel((1, 4, 8, 16), (10.0, 10.5, 11.5, 20.0))
     engine = Engine(m.target, m.drafter, slots=4, max_len=64, cost=cost)
     got = drive(engine, {0: reqs[:4], 3: reqs[4:]})
     assert [got[i] for i in range(len(reqs))] == want
+
+
+def test_the_cost_model_verifies_the_tree_nodes_worth_their_rows():
+    """The trained head is sure of its first choices: with rows priced, a tree of 12 is cut to the
+    few nodes likely to survive, and the output stays the same."""
+    m = model("eagle3", "torch")
+    reqs = [Request(p, 24, eos=(), draft_len=4, tree=TreeShape(3, 12)) for p in ef.training_prompts()[:2].tolist()]
+    want = [alone(m, r) for r in reqs]
+    for cost, fewer in ((None, False), (CostModel((1, 2, 4, 8, 16), (10.0, 12.0, 16.0, 24.0, 40.0)), True)):
+        for r, w in zip(reqs, want):
+            seq = Engine(m.target, m.drafter, slots=1, max_len=64, cost=cost).generate_all([r])[0]
+            assert seq.new == w and seq.stats.accepted > seq.stats.steps
+            assert (seq.stats.proposed < 6 * seq.stats.steps) == fewer
 
 
 def test_a_request_that_can_never_fit_is_refused():

@@ -164,3 +164,33 @@ def test_causal_windowed_drafter_exports_to_vllm_only(tmp_path, tiny_target):
         with pytest.raises(UnsupportedError) as err:
             export_engine(art, engine, tmp_path / engine)
         assert "causal within the block" in " ".join(err.value.problems)
+
+
+def test_profile_crossover_schedules(arts, tmp_path):
+    """vLLM takes the schedule for every block method; TensorRT-LLM's DFlash path takes it and its
+    DSpark mode does not (the README says so); a profile whose draft length the block cannot run is
+    left out, with the reason."""
+    from conftest import measured_profile, with_profiles
+
+    dflash = with_profiles(arts["zlab-dflash"], tmp_path / "dflash", measured_profile("block", 2, 4))
+    v = export_engine(dflash, "vllm", tmp_path / "dflash-vllm").config["speculative_config"]
+    assert v["method"] == "dflash" and v["num_speculative_tokens"] == 2
+    assert v["num_speculative_tokens_per_batch_size"] == [[1, 4, 2], [5, 1 << 16, 0]]
+    export_engine(dflash, "trtllm", tmp_path / "dflash-trt")
+    spec = yaml.safe_load((tmp_path / "dflash-trt/extra-llm-api-config.yml").read_text())["speculative_config"]
+    assert spec["decoding_type"] == "DFlash" and spec["draft_len_schedule"] == {4: 2} and spec["max_draft_len"] == 2
+
+    dspark = with_profiles(arts["deepspec-dspark"], tmp_path / "dspark", measured_profile("block", 4, 8))
+    v = export_engine(dspark, "vllm", tmp_path / "dspark-vllm").config["speculative_config"]
+    assert v["method"] == "dspark" and v["num_speculative_tokens_per_batch_size"] == [[1, 8, 4], [9, 1 << 16, 0]]
+    export_engine(dspark, "trtllm", tmp_path / "dspark-trt")
+    spec = yaml.safe_load((tmp_path / "dspark-trt/extra-llm-api-config.yml").read_text())["speculative_config"]
+    assert spec["decoding_type"] == "DSpark" and "draft_len_schedule" not in spec
+    assert "No `draft_len_schedule` written: TensorRT-LLM's DSpark mode" in (tmp_path / "dspark-trt/README.md").read_text()
+
+    too_long = with_profiles(arts["zlab-dflash"], tmp_path / "long", measured_profile("block", 5, 8))
+    v = export_engine(too_long, "vllm", tmp_path / "long-vllm").config["speculative_config"]
+    assert v["num_speculative_tokens"] == 3 and "num_speculative_tokens_per_batch_size" not in v  # its 3 slots
+    assert "cannot run this drafter with its 5 draft tokens" in (tmp_path / "long-vllm/README.md").read_text()
+    with pytest.raises(InputError, match="5 draft tokens asked for"):
+        export_engine(too_long, "vllm", tmp_path / "x", profile=measured_profile("block", 5, 8).name)

@@ -233,3 +233,106 @@ def test_vllm_config_validates_with_speculators(artifact, tmp_path):
     cfg = config_mod.Eagle3SpeculatorConfig.model_validate(read_json(tmp_path / "vllm/config.json"))
     assert cfg.eagle_aux_hidden_state_layer_ids == AUX_IN and cfg.draft_vocab_size == 256
     assert cfg.speculators_config.proposal_methods[0].speculative_tokens >= 1
+
+
+# ---- the measured concurrency crossover as the engines' batch-size schedules ----
+
+def _yaml_spec(out):
+    return yaml.safe_load((out / "extra-llm-api-config.yml").read_text())["speculative_config"]
+
+
+def test_profile_crossover_becomes_the_engines_schedules(artifact, tmp_path):
+    """The fastest valid cuda profile: its draft length up to its max concurrency, none above (vLLM's
+    inclusive ranges from 1; TensorRT-LLM's batch-size keys, the smallest equal to max_draft_len)."""
+    from conftest import measured_profile, with_profiles
+
+    cpu = measured_profile("eagle3", 5, 2, device="cpu", backend="torch", speedup=3.0)  # faster, but not on cuda
+    never = measured_profile("eagle3", speculative=False, backend="onnxruntime", speedup=4.0)
+    slower = measured_profile("eagle3", 2, 4, gpu="NVIDIA A100", speedup=1.2)
+    best = measured_profile("eagle3", 3, 8, concurrency=(1, 4, 8, 16))
+    art = with_profiles(artifact, tmp_path / "art", cpu, never, slower, best)
+    v = export_engine(art, "vllm", tmp_path / "vllm")
+    assert v.config["speculative_config"]["num_speculative_tokens"] == 3  # the profile's draft length
+    assert v.config["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 8, 3], [9, 1 << 16, 0]]
+    assert '"num_speculative_tokens_per_batch_size":[[1,8,3],[9,65536,0]]' in v.command
+    readme = (tmp_path / "vllm/README.md").read_text()
+    assert "## Draft length by concurrency" in readme and best.id in readme and "up to 8 concurrent" in readme
+    t = export_engine(art, "trtllm", tmp_path / "trtllm")
+    spec = _yaml_spec(tmp_path / "trtllm")
+    assert spec["draft_len_schedule"] == {8: 3} and spec["max_draft_len"] == 3 and "max_concurrency" not in spec
+    assert t.config["speculative_config"]["draft_len_schedule"] == {8: 3}
+    assert "min_runtime_draft_len" in (tmp_path / "trtllm/README.md").read_text()
+    s = export_engine(art, "sglang", tmp_path / "sglang")
+    assert "per_batch" not in s.command and "has no batch-size draft-length setting" in \
+        (tmp_path / "sglang/README.md").read_text()
+
+
+def test_choosing_the_profile_and_the_draft_length(artifact, tmp_path):
+    from conftest import measured_profile, with_profiles
+
+    cpu = measured_profile("eagle3", 4, 2, concurrency=(1, 2), device="cpu", backend="torch")
+    best = measured_profile("eagle3", 3, 16, concurrency=(1, 4, 16))
+    never = measured_profile("eagle3", speculative=False, backend="onnxruntime")
+    art = with_profiles(artifact, tmp_path / "art", cpu, best, never)
+    spec = export_engine(art, "vllm", tmp_path / "none", profile="none").config["speculative_config"]
+    assert "num_speculative_tokens_per_batch_size" not in spec
+    # a draft length of its own: the default profile is left out, and the README says why
+    r = export_engine(art, "vllm", tmp_path / "own", draft_len=2)
+    assert "num_speculative_tokens_per_batch_size" not in r.config["speculative_config"]
+    assert "was not used (it measured 3 draft tokens, not the 2 asked for)" in (tmp_path / "own/README.md").read_text()
+    # a named profile, even a cpu one, brings its draft length; the README warns where it was measured
+    r = export_engine(art, "vllm", tmp_path / "cpu", profile=cpu.name)
+    assert r.config["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 2, 4], [3, 1 << 16, 0]]
+    readme = (tmp_path / "cpu/README.md").read_text()
+    assert "not measured on cuda" in readme and "highest concurrency measured" in readme  # 2 was the top level
+    with pytest.raises(InputError, match="--draft-len 2 differs") as e:
+        export_engine(art, "vllm", tmp_path / "x", draft_len=2, profile=best.id[:6])
+    assert "--profile none" in e.value.hint
+    with pytest.raises(InputError, match="never paid"):
+        export_engine(art, "vllm", tmp_path / "x", profile=never.name)
+    with pytest.raises(InputError, match="no profile named 'nope'") as e:
+        export_engine(art, "trtllm", tmp_path / "x", profile="nope")
+    assert best.name in e.value.hint and not (tmp_path / "x").exists()
+
+
+def test_edited_profiles_are_not_used(artifact, tmp_path):
+    from conftest import measured_profile, with_profiles
+
+    from specpack.packager.artifact import read_manifest
+
+    art = with_profiles(artifact, tmp_path / "art", measured_profile("eagle3", 3, 8))
+    manifest_path = art / "specpack.json"
+    data = json.loads(manifest_path.read_text())
+    data["profiles"][0]["settings"]["max_concurrency"] = 64  # an edit after tuning: its id no longer matches
+    manifest_path.write_text(json.dumps(data))
+    assert read_manifest(art).profiles[0].settings.max_concurrency == 64
+    r = export_engine(art, "vllm", tmp_path / "vllm")
+    assert "num_speculative_tokens_per_batch_size" not in r.config["speculative_config"]
+    with pytest.raises(InputError, match="not valid") as e:
+        export_engine(art, "vllm", tmp_path / "named", profile=data["profiles"][0]["name"])
+    assert any("edited" in p for p in e.value.problems)
+
+
+def test_ngram_schedules(tmp_path, tiny_target):
+    from conftest import measured_profile, with_profiles
+
+    art = build(BuildOptions(target=tiny_target, drafter="ngram", out=tmp_path / "base",
+                             ngram=NgramParams(2, 5, 6))).out
+    art = with_profiles(art, tmp_path / "art", measured_profile("ngram", 4, 2, concurrency=(1, 2, 4)))
+    v = export_engine(art, "vllm", tmp_path / "vllm").config["speculative_config"]
+    assert v["num_speculative_tokens"] == 4 and v["num_speculative_tokens_per_batch_size"] == [[1, 2, 4], [3, 1 << 16, 0]]
+    assert read_json(tmp_path / "vllm/speculative_config.json") == v
+    export_engine(art, "trtllm", tmp_path / "trtllm")
+    assert _yaml_spec(tmp_path / "trtllm")["draft_len_schedule"] == {2: 4}
+
+
+def test_cli_export_with_a_profile(artifact, tmp_path, cli):
+    from conftest import measured_profile, with_profiles
+
+    p = measured_profile("eagle3", 3, 8)
+    art = with_profiles(artifact, tmp_path / "art", p)
+    code, out, err = cli("export", art, "--to", "trtllm", "-o", tmp_path / "t", "--profile", p.name, "--json")
+    assert code == 0, err
+    assert json.loads(out)["config"]["speculative_config"]["draft_len_schedule"] == {"8": 3}
+    code, out, err = cli("export", art, "--to", "vllm", "-o", tmp_path / "v", "--profile", "nope")
+    assert code == 2 and "error: the artifact has no profile named 'nope'" in err and "Traceback" not in err

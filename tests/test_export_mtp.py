@@ -238,3 +238,25 @@ def test_what_an_engine_cannot_run_is_refused_naming_who_can(name, draft_len, re
         problems += err.value.problems
     for text in says:
         assert any(text in p for p in problems), (text, problems)
+
+
+def test_profile_crossover_schedules(arts, tmp_path):
+    """One MTP layer (repeated: TensorRT-LLM's MTP-Eagle) takes the schedule on both engines; several
+    layers run as TensorRT-LLM's vanilla MTP, which ignores it: the README says so instead."""
+    from conftest import measured_profile, with_profiles
+
+    one = with_profiles(arts["deepseek-reuse"], tmp_path / "one", measured_profile("mtp", 2, 4))
+    v = export_engine(one, "vllm", tmp_path / "one-vllm").config["speculative_config"]
+    assert v == {"method": "mtp", "num_speculative_tokens": 2,
+                 "num_speculative_tokens_per_batch_size": [[1, 4, 2], [5, 1 << 16, 0]]}
+    one = with_profiles(arts["deepseek"], tmp_path / "one-layer", measured_profile("mtp", 1, 4))
+    export_engine(one, "trtllm", tmp_path / "one-trt")
+    assert yaml.safe_load((tmp_path / "one-trt/extra-llm-api-config.yml").read_text())["speculative_config"] == {
+        "decoding_type": "MTP", "max_draft_len": 1, "draft_len_schedule": {4: 1}}
+    ds2 = ml.make_target(tmp_path / "ds2", "mtp-deepseek", 2)
+    two = build(BuildOptions(target=ds2.path, drafter="mtp", out=tmp_path / "base2")).out
+    two = with_profiles(two, tmp_path / "two", measured_profile("mtp", 1, 4))
+    export_engine(two, "trtllm", tmp_path / "two-trt")
+    spec = yaml.safe_load((tmp_path / "two-trt/extra-llm-api-config.yml").read_text())["speculative_config"]
+    assert spec == {"decoding_type": "MTP", "max_draft_len": 1}
+    assert "these 2 MTP layers as vanilla MTP" in (tmp_path / "two-trt/README.md").read_text()

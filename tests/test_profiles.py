@@ -14,7 +14,7 @@ from specpack.packager import BuildOptions, NgramParams, build, sign_artifact, v
 from specpack.packager.artifact import read_manifest
 from specpack.tuning.profiles import (INCOMPATIBLE, LOW_MEMORY, RUNNABLE, Machine, check_profile,
                                        list_profiles, select_profile, this_machine)
-from specpack.tuning.tune import heuristic_draft_len, remeasure, sweep_draft_len, tune
+from specpack.tuning.tune import heuristic_draft_len, remeasure, sweep_draft_len, sweep_tree, tree_start, tune
 from specpack.tuning.workload import read_workload
 from specpack.schemas.profile import Profile, make_profile, profile_id
 
@@ -23,7 +23,7 @@ WORKLOAD = [
     {"prompt": "The quick brown fox jumps over the lazy dog. The quick brown", "max_tokens": 10},
     {"messages": [{"role": "user", "content": "for i in range(10):\n    print(i * i)\n"}]},
 ]
-TUNE = dict(concurrency=[1, 2], draft_lens=[2, 4], max_new_tokens=16, repeats=1)
+TUNE = dict(concurrency=[1, 2], draft_lens=[2, 4], max_new_tokens=16, repeats=1, tree_shapes=[(3, 2, 5)])
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +60,14 @@ def test_tune_writes_a_profile_whose_evidence_remeasures(tuned, workload):
     stored = read_manifest(art).profiles
     assert len(stored) == 1 and Profile.model_validate(stored[0]) == p
     assert p.id == profile_id(p.model_dump(mode="json"))
-    assert p.name == f"torch-cpu-float32-{p.drafter}-d{p.settings.draft_len}"
+    s = p.settings
+    tree = f"-t{s.tree_topk}x{s.tree_nodes}" if s.draft_shape == "tree" else ""
+    assert p.name == f"torch-cpu-float32-{p.drafter}-d{s.draft_len}{tree}"
     e = p.evidence
     assert e.greedy_equal and e.prompts_checked == 3 and e.workload.name == "tiny-code"
-    assert [pt.draft_len for pt in e.draft_len_sweep] == [2, 4]
+    # the draft lengths, then the tree shapes (the n-gram drafter branches)
+    assert [(pt.draft_len, pt.tree_topk, pt.tree_nodes) for pt in e.draft_len_sweep] == [(2, 1, 0), (4, 1, 0),
+                                                                                         (3, 2, 5)]
     assert e.hardware.cpu_cores >= 1 and e.software.packages["torch"]
     assert p.memory.required_bytes == p.memory.weights_bytes + p.memory.kv_cache_bytes > 0
     curve = p.settings.cost_curve  # the engine's step-time curve, measured on this machine
@@ -234,8 +238,8 @@ def test_bad_tune_inputs_fail_before_measuring(artifact, workload, tmp_path):
     with pytest.raises(UnsupportedError, match="torch backend only"):
         tune(artifact, workload, backend="onnxruntime")
     with pytest.raises(InputError, match="invalid tune options") as err:
-        tune(artifact, workload, concurrency=[0], draft_lens=[0, 17], max_new_tokens=0)
-    assert len(err.value.problems) == 4
+        tune(artifact, workload, concurrency=[0], draft_lens=[0, 17], max_new_tokens=0, tree_shapes=[(3, 1, 5)])
+    assert len(err.value.problems) == 5 and "tree shape (3, 1, 5)" in err.value.problems[1]
     with pytest.raises(InputError, match="does not exist"):
         tune(artifact, tmp_path / "missing.jsonl")
     long = tmp_path / "long.jsonl"
@@ -264,6 +268,21 @@ def test_draft_length_heuristic_and_search(artifact):
     assert sorted(sweep_draft_len(lambda d: Fake(d), 4, [3, 1, 3])) == [1, 3]
     capped = sweep_draft_len(lambda d: Fake(d), 4, longest=5)  # e.g. MTP with 5 layers, no reuse
     assert max(capped) == 5 and max(capped, key=lambda d: capped[d].tokens_per_s) == 5
+
+
+def test_tree_shape_search():
+    class Fake:
+        def __init__(self, s):  # best at depth 6, top-k 4, 32 nodes
+            d, k, m = s
+            self.tokens_per_s = 100 - (d - 6) ** 2 - 4 * abs(k - 4) - abs(m - 32) / 4
+
+    assert tree_start(4, 16) == (5, 4, 20) and tree_start(16, 5) == (5, 4, 20)
+    measured = []
+    found = sweep_tree(lambda s: measured.append(s) or Fake(s), (5, 4, 16), limit=20)
+    assert max(found, key=lambda s: found[s].tokens_per_s) == (6, 4, 32)
+    assert len(measured) == len(set(measured)) and all(1 <= d and 2 <= k <= 8 and d <= m <= 64 for d, k, m in found)
+    assert len(sweep_tree(lambda s: Fake(s), (5, 4, 16), limit=3)) == 3  # a bounded search
+    assert sorted(sweep_tree(lambda s: Fake(s), (5, 4, 16), [(2, 2, 4), (2, 2, 4)])) == [(2, 2, 4)]
 
 
 def test_drafter_draft_length_limit():

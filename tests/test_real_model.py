@@ -48,3 +48,24 @@ def test_shipped_eagle3_head_builds_drafts_and_is_lossless(demo_artifact):
     spec = model.generate(prompt, max_new_tokens=64, draft_len=3)
     assert spec.tokens == plain.tokens
     assert spec.stats.acceptance_length > 1.4, spec.stats  # an untrained head stays near 1.0
+
+
+def test_shipped_dspark_head_builds_drafts_and_is_lossless(demo_artifact):
+    """heads/smollm2-135m-dspark (bash bench/distill_smollm2_dspark.sh), when it is there: it binds
+    to the embedded target through the DeepSpec converter and drafts far better than chance."""
+    import specpack
+    from specpack import demo
+
+    _, pub = demo_artifact
+    built = demo.prepare_head(demo.cache_dir(), "DSpark", lambda s: None)
+    if built is None:
+        pytest.skip("no heads/smollm2-135m-dspark (bash bench/distill_smollm2_dspark.sh trains it)")
+    model = specpack.load(built, public_key=pub)
+    drafter = model.manifest.drafter
+    assert (drafter.kind, drafter.algorithm, drafter.source_layout) == ("block", "dspark", "deepspec-dspark")
+    tok = model.tokenizer
+    prompt = tok('def count_vowels(text: str) -> int:\n    """Return the number of vowels in text."""\n').input_ids
+    plain = model.generate(prompt, max_new_tokens=64, speculative=False)
+    spec = model.generate(prompt, max_new_tokens=64, draft_len=drafter.draft_slots)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.acceptance_length > 1.4, spec.stats  # an untrained head stays near 1.0

@@ -48,6 +48,16 @@ def test_run_weights_needs_the_torch_cpu_path(ngram_artifact, cli):
     assert "dtype bfloat16" in err and "Traceback" not in err
 
 
+def test_run_with_draft_trees_equals_no_spec(ngram_artifact, cli):
+    tree = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "40", "--draft-tree", "3x8")
+    plain = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "40", "--no-spec")
+    assert tree["token_ids"] == plain["token_ids"] and tree["draft_tree"] == [3, 8]
+    assert sum(tree["accepted_depth_steps"]) == tree["steps"]
+    assert sum(d * n for d, n in enumerate(tree["accepted_depth_steps"])) == tree["accepted"]
+    chain = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "8", "--draft-tree", "chain")
+    assert chain["draft_tree"] is None and chain["token_ids"] == plain["token_ids"][:8]
+
+
 def test_run_streams_text_and_reports_figures(ngram_artifact, cli):
     code, out, err = cli("run", ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "12")
     assert code == 0, err
@@ -76,6 +86,8 @@ def test_stop_string_cuts_text(ngram_artifact, cli):
     (["--prompt", "x", "--draft-len", "0"], "draft length 0"),
     (["--prompt", "x", "--draft-len", "99"], "draft length 99"),
     (["--prompt", "x", "--temperature", "-1"], "temperature -1.0 is negative"),
+    (["--prompt", "x", "--draft-tree", "4x99"], "draft tree of top-k 4 with 99 nodes is out of range"),
+    (["--prompt", "x", "--draft-tree", "four"], "expected TOPKxNODES"),
     (["--prompt", "word " * 600], "but the context holds 512"),
 ])
 def test_bad_run_inputs(ngram_artifact, cli, args, text):

@@ -13,6 +13,8 @@ from specpack.runtime.engine import engine
 from specpack.runtime.models.config import target_spec_from_config
 from specpack.runtime.drafters.eagle3 import Eagle3Drafter, eagle3_spec_from_config
 from specpack.runtime.models.dense import Transformer
+from specpack.runtime.drafters.base import TreeShape
+from specpack.runtime.drafters.draft_model import DraftModelDrafter
 from specpack.runtime.drafters.ngram import NgramDrafter
 from specpack.runtime.engine.sampling import SamplingParams, process_logits
 from specpack.runtime.spec_model import SpecModel
@@ -59,14 +61,15 @@ def exact_distribution(target, params):
     return p.flatten()
 
 
-def chi_square(model, params, exact, speculative_on=True):
+def chi_square(model, params, exact, speculative_on=True, tree=None):
     """Pearson's statistic of RUNS seeded samples against `exact` (cells expecting < 5 pooled),
     and the critical value at significance 1e-3 (Wilson–Hilferty)."""
     counts = torch.zeros(V, V, V)
-    for seed in range(RUNS):
-        r = model.generate(PROMPT, 3, draft_len=2, temperature=params.temperature, top_k=params.top_k,
-                           top_p=params.top_p, seed=seed, eos_ids=(), speculative=speculative_on)
-        counts[tuple(r.tokens)] += 1
+    for seed in range(RUNS):  # a tree run generates one token more, so that its second step drafts 2 deep
+        r = model.generate(PROMPT, 3 + (tree is not None), draft_len=2, temperature=params.temperature,
+                           top_k=params.top_k, top_p=params.top_p, seed=seed, eos_ids=(), speculative=speculative_on,
+                           tree=tree)
+        counts[tuple(r.tokens[:3])] += 1
     expected, counts = exact * RUNS, counts.flatten()
     small = expected < 5
     expected = torch.cat([expected[~small], expected[small].sum()[None]])
@@ -137,3 +140,47 @@ def test_sampling_is_reproducible(target, eagle):
     model = SpecModel(target, eagle)
     runs = [model.generate(PROMPT, 12, draft_len=3, temperature=1.0, seed=7, eos_ids=()).tokens for _ in range(2)]
     assert runs[0] == runs[1]
+
+
+# ---- draft trees: the keyed-sample rule over siblings ----
+
+TREE = TreeShape(2, 5)  # two children per node, five nodes: siblings at both depths
+
+
+def first_child(tokens, parents, target):
+    """A deliberately wrong tree rule: follow the first child whatever the target's token."""
+    path = []
+    while kids := [i for i, p in enumerate(parents) if p == (path[-1] if path else -1)]:
+        path.append(kids[0])
+    return path, [tokens[n] for n in path] + [target(path[-1] if path else -1)]
+
+
+@pytest.fixture(scope="module", params=["eagle3", "ngram", "draft_model"])
+def tree_drafter(request, eagle, target):
+    if request.param == "draft_model":
+        torch.manual_seed(2)
+        return DraftModelDrafter(Transformer(target.spec).requires_grad_(False), V)
+    return eagle if request.param == "eagle3" else NgramDrafter(1, 3)
+
+
+def test_tree_sampling_keeps_the_distribution(target, tree_drafter):
+    params = PARAMS["t0.7-k3-p0.9"] if isinstance(tree_drafter, Eagle3Drafter) else PARAMS["t1"]
+    stat, critical = chi_square(SpecModel(target, tree_drafter), params, exact_distribution(target, params),
+                                tree=TREE)
+    assert stat < critical
+
+
+def test_the_bound_rejects_a_wrong_tree_rule(target, eagle, monkeypatch):
+    monkeypatch.setattr(engine, "accept_tree", first_child)
+    stat, critical = chi_square(SpecModel(target, eagle), PARAMS["t1"], exact_distribution(target, PARAMS["t1"]),
+                                tree=TREE)
+    assert stat > 5 * critical
+
+
+def test_trees_branch_and_sample_the_same_tokens_as_plain_decoding(target, eagle):
+    """Seeded sampling: the same tokens with trees, chains or no speculation; and the trees branch."""
+    model = SpecModel(target, eagle)
+    runs = [model.generate(PROMPT, 12, draft_len=3, temperature=1.0, seed=s, eos_ids=(), **kw)
+            for s in range(8) for kw in ({"tree": TREE}, {}, {"speculative": False})]
+    assert all(runs[i].tokens == runs[i + 1].tokens == runs[i + 2].tokens for i in range(0, len(runs), 3))
+    assert sum(r.stats.proposed for r in runs[::3]) > sum(r.stats.proposed for r in runs[1::3])

@@ -49,6 +49,34 @@ WEIGHTS = click.option("--weights", default="fp32", show_default=True,
                             "activations stay fp32, speculation stays lossless (torch backend, cpu, float32).")
 
 
+def tree_shape(value: str | None, option: str):
+    """Parse a draft tree 'KxM' (top-k K, M nodes) into a TreeShape; 'chain' is top-k 1 (chains);
+    None stays None (the profile's)."""
+    from specpack.runtime.drafters.base import TreeShape
+
+    if value is None:
+        return None
+    if value.strip().lower() == "chain":
+        return TreeShape(1, 1)
+    parts = value.lower().split("x")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise click.BadParameter(f"expected TOPKxNODES (e.g. 4x24) or 'chain', got {value!r}", param_hint=option)
+    return TreeShape(int(parts[0]), int(parts[1]))
+
+
+def tree_shapes(value: str | None, option: str) -> list[tuple[int, int, int]] | None:
+    """Parse 'DxKxM,...' (depth, top-k, nodes) into tuples; 'none' is an empty list (no trees)."""
+    if value is None:
+        return None
+    if value.strip().lower() == "none":
+        return []
+    shapes = [tuple(v.strip().lower().split("x")) for v in value.split(",") if v.strip()]
+    if not all(len(s) == 3 and all(x.isdigit() for x in s) for s in shapes):
+        raise click.BadParameter(f"expected DEPTHxTOPKxNODES,... (e.g. 5x4x20) or 'none', got {value!r}",
+                                 param_hint=option)
+    return [tuple(int(x) for x in s) for s in shapes]
+
+
 def int_list(value: str | None, option: str) -> list[int] | None:
     """Parse '1,2,4' into [1, 2, 4] (None stays None)."""
     if value is None:

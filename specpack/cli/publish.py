@@ -102,7 +102,10 @@ def pull(source, out, revision, public_key, allow_unsigned, force, endpoint, pla
 @click.option("-o", "--out", type=click.Path(path_type=Path), help="Directory to create (vllm, sglang, trtllm).")
 @click.option("--tp", "tensor_parallel", default=1, show_default=True,
               help="Tensor-parallel size written into the serve command.")
-@click.option("--draft-len", type=int, help="Draft tokens per step [default: the artifact's].")
+@click.option("--draft-len", type=int, help="Draft tokens per step [default: the profile's, else the artifact's].")
+@click.option("--profile", help="vllm/trtllm: validated profile (name or id) whose measured concurrency crossover "
+                                "becomes the engine's batch-size draft-length schedule [default: the fastest measured "
+                                "on cuda; `none`: no schedule].")
 @click.option("--force", is_flag=True, help="Replace OUT (or an existing ONNX export) if it exists.")
 @click.option("--signing-key", type=click.Path(path_type=Path), envvar="SPECPACK_SIGNING_KEY",
               help="onnx/tensorrt: private key (PEM) to re-sign ARTIFACT [env: SPECPACK_SIGNING_KEY].")
@@ -111,18 +114,21 @@ def pull(source, out, revision, public_key, allow_unsigned, force, endpoint, pla
               type=click.Choice(["float16", "bfloat16", "float32"]), help="tensorrt: engine precision.")
 @PUBKEY
 @JSON
-def export(artifact, engine, out, tensor_parallel, draft_len, force, signing_key, drop_signature,
+def export(artifact, engine, out, tensor_parallel, draft_len, profile, force, signing_key, drop_signature,
            engine_dtype, public_key, json_mode):
     """Write ARTIFACT's drafter in the layout ENGINE loads (with its config and serve command), or
     store ONNX graphs / TensorRT engines of the whole model inside ARTIFACT.
 
     Aux layer ids are converted to the engine's own convention; a drafter the engine cannot
-    represent is refused with the engines that can. OUT/README.md holds the exact command.
+    represent is refused with the engines that can. OUT/README.md holds the exact command. With a
+    validated profile, vLLM and TensorRT-LLM get its measured concurrency crossover as their
+    batch-size draft-length schedule.
 
     \b
     Examples:
       specpack export llama-eagle3 --to vllm -o llama-eagle3-vllm --tp 4
       specpack export llama-eagle3 --to trtllm -o llama-eagle3-trtllm --tp 8 --draft-len 3
+      specpack export llama-eagle3 --to vllm -o llama-eagle3-vllm --profile tensorrt-cuda-float16-eagle3-d4
       specpack export llama-eagle3 --to onnx --signing-key signer.pem
     """
     if engine in ("onnx", "tensorrt"):
@@ -134,7 +140,7 @@ def export(artifact, engine, out, tensor_parallel, draft_len, force, signing_key
     from specpack.converters.export import export_engine
 
     r = export_engine(artifact, engine, out, draft_len=draft_len, tensor_parallel=tensor_parallel,
-                      force=force, public_key=public_key, progress=progress_enabled(json_mode))
+                      force=force, public_key=public_key, progress=progress_enabled(json_mode), profile=profile)
     data = {"out": str(r.out), "engine": r.engine, "drafter": r.kind, "files": r.files,
             "aux_layer_ids": r.aux_layer_ids, "aux_convention": r.aux_convention,
             "config": r.config, "command": r.command}

@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from specpack._output import emit, progress_enabled
-from specpack.cli._common import DEVICE, DTYPE, JSON, PUBKEY, WEIGHTS, cli, int_list
+from specpack.cli._common import DEVICE, DTYPE, JSON, PUBKEY, WEIGHTS, cli, int_list, tree_shape
+from specpack.cli._common import tree_shapes as parse_tree_shapes
 
 
 @cli.command()
@@ -21,6 +22,8 @@ from specpack.cli._common import DEVICE, DTYPE, JSON, PUBKEY, WEIGHTS, cli, int_
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--seed", type=int, help="Seed for sampling (reproducible runs).")
 @click.option("--draft-len", type=int, help="Draft tokens per step [default: the artifact's].")
+@click.option("--draft-tree", help="Draft trees of TOPKxNODES (e.g. 4x24, draft-len deep) or 'chain' "
+                                   "[default: the profile's].")
 @click.option("--no-spec", is_flag=True, help="Decode without speculation (the baseline).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--profile", help="Profile name or id [default: the best runnable validated profile].")
@@ -34,7 +37,7 @@ from specpack.cli._common import DEVICE, DTYPE, JSON, PUBKEY, WEIGHTS, cli, int_
 @PUBKEY
 @JSON
 def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
-        no_spec, stop, profile, backend, device, dtype, weights, public_key, json_mode):
+        draft_tree, no_spec, stop, profile, backend, device, dtype, weights, public_key, json_mode):
     """Verify ARTIFACT, then generate with single-model speculative decoding.
 
     Text streams to stdout as it is accepted; the figures (tokens/s, acceptance length, per-position
@@ -56,7 +59,7 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
     request = GenerateRequest(prompt=text, chat=chat, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                               draft_len=draft_len, speculative=not no_spec, stop=list(stop),
-                              profile=profile)
+                              profile=profile, draft_tree=tree_shape(draft_tree, "--draft-tree"))
     writer = None if json_mode else (lambda s: click.echo(s, nl=False))
     result = generate_text(artifact, request, public_key=public_key, device=device, dtype=dtype,
                            write=writer, progress=progress_enabled(json_mode), backend=backend, weights=weights)
@@ -69,7 +72,8 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
 
 def _run_summary(r: dict) -> str:
     pos = ", ".join(f"{p:.2f}" for p in r["per_position_acceptance"]) or "-"
-    mode = f"speculative, draft length {r['draft_len']}" if r["speculative"] else "no speculation"
+    tree = f", trees {r['draft_tree'][0]}x{r['draft_tree'][1]}" if r.get("draft_tree") else ""
+    mode = f"speculative, draft length {r['draft_len']}{tree}" if r["speculative"] else "no speculation"
     return (f"--- {len(r['token_ids'])} tokens in {r['seconds']:.2f}s: {r['tokens_per_s']:.1f} tokens/s "
             f"({mode}); finish: {r['finish_reason']}\n"
             f"    acceptance length {r['acceptance_length']:.2f} over {r['steps']} steps; per position: {pos}\n"
@@ -89,6 +93,8 @@ def _run_summary(r: dict) -> str:
 @click.option("--concurrency", default="1,2,4,8,16", show_default=True,
               help="Concurrent clients to measure through the serve queue, comma-separated.")
 @click.option("--draft-lens", help="Draft lengths to measure, e.g. 2,4,6 [default: search from the heuristic start].")
+@click.option("--tree-shapes", help="Draft trees to measure, DEPTHxTOPKxNODES,... (e.g. 5x4x20) or 'none' "
+                                    "[default: search from the best draft length, for drafters that branch].")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int,
               help="New tokens per prompt when a workload line sets no max_tokens.")
 @click.option("--repeats", default=2, show_default=True, type=int, help="Passes per setting; the fastest is kept.")
@@ -99,12 +105,13 @@ def _run_summary(r: dict) -> str:
 @click.option("--public-key", type=click.Path(path_type=Path), envvar="SPECPACK_PUBLIC_KEY",
               help="Public key (PEM) to check the signature with before tuning [env: SPECPACK_PUBLIC_KEY].")
 @JSON
-def tune(artifact, workload, backend, device, dtype, weights, concurrency, draft_lens, max_new_tokens, repeats, key,
-         plot_dir, public_key, json_mode):
+def tune(artifact, workload, backend, device, dtype, weights, concurrency, draft_lens, tree_shapes, max_new_tokens,
+         repeats, key, plot_dir, public_key, json_mode):
     """Measure ARTIFACT on a workload and store the best settings as a validated profile.
 
     Measures tokens/s without speculation, sweeps the draft length (from D = 128/G - 1 on GPUs, the
-    artifact's default on CPUs), checks greedy output is identical on every prompt, finds the
+    artifact's default on CPUs) and, for drafters that branch, draft tree shapes (depth, top-k,
+    nodes), checks greedy output is identical on every prompt, finds the
     concurrency above which speculation stops paying, and writes the profile with its evidence into
     specpack.json (re-signed with --key).
 
@@ -120,7 +127,7 @@ def tune(artifact, workload, backend, device, dtype, weights, concurrency, draft
                      concurrency=int_list(concurrency, "--concurrency"),
                      draft_lens=int_list(draft_lens, "--draft-lens"), max_new_tokens=max_new_tokens,
                      repeats=repeats, key=key, public_key=public_key, progress=progress_enabled(json_mode),
-                     plot_dir=plot_dir)
+                     plot_dir=plot_dir, tree_shapes=parse_tree_shapes(tree_shapes, "--tree-shapes"))
     emit(result.to_dict(), json_mode, lambda d: summary(result))
 
 
@@ -153,6 +160,8 @@ def profiles(artifact, json_mode):
 @click.option("--max-concurrency", type=int,
               help="Requests in flight up to which speculation stays on [default: the profile's; none: no limit].")
 @click.option("--draft-len", type=int, help="Draft tokens per step [default: the profile's].")
+@click.option("--draft-tree", help="Draft trees of TOPKxNODES (e.g. 4x24, draft-len deep) or 'chain' "
+                                   "[default: the profile's].")
 @click.option("--api-key", envvar="SPECPACK_API_KEY",
               help="Require 'Authorization: Bearer KEY' on every route but /health [env: SPECPACK_API_KEY].")
 @click.option("--max-body-bytes", type=int, default=2**20, show_default=True,
@@ -167,8 +176,8 @@ def profiles(artifact, json_mode):
 @DTYPE
 @WEIGHTS
 @PUBKEY
-def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, api_key, max_body_bytes, max_seqs,
-          max_model_len, max_queue, prefill_chunk, device, dtype, weights, public_key):
+def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, draft_tree, api_key, max_body_bytes,
+          max_seqs, max_model_len, max_queue, prefill_chunk, device, dtype, weights, public_key):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     /v1/models, /v1/completions and /v1/chat/completions (streaming or not), /health, and /metrics
@@ -190,6 +199,7 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
 
     plan = prepare(artifact, profile=profile, device=device, dtype=dtype, weights=weights, public_key=public_key,
                    model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
+                   draft_tree=tree_shape(draft_tree, "--draft-tree"),
                    progress=progress_enabled(False), api_key=api_key, max_body_bytes=max_body_bytes,
                    max_seqs=max_seqs, max_model_len=max_model_len, max_queue=max_queue, prefill_chunk=prefill_chunk)
     click.echo(plan.selection.message, err=True)

@@ -1,4 +1,4 @@
-"""Training commands: distill an EAGLE-3 head for a target that ships none."""
+"""Training commands: distill an EAGLE-3 or DSpark head for a target that ships none."""
 
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from specpack.cli._common import JSON, cli
 @cli.command()
 @click.argument("target", type=click.Path(path_type=Path))
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path),
-              help="Head directory to write (SGLang/SpecForge layout; `specpack build --drafter OUT`).")
+              help="Head directory to write (a published layout; `specpack build --drafter OUT`).")
+@click.option("--head", "head", type=click.Choice(["eagle3", "dspark"]), default="eagle3", show_default=True,
+              help="eagle3: an EAGLE-3 head (SGLang layout); dspark: a DSpark block drafter (DeepSpec layout).")
+@click.option("--block-size", type=int, help="DSpark: draft slots per block [default: 5].")
+@click.option("--draft-layers", type=int, help="DSpark: backbone layers [default: 3].")
+@click.option("--markov-rank", type=int, help="DSpark: rank of the Markov head [default: 64].")
 @click.option("--data", type=click.Path(path_type=Path),
               help='JSONL of {"text"}, {"messages"} or {"prompt"[, "completion"]} lines.')
 @click.option("--self-generate", type=int,
@@ -35,22 +40,25 @@ from specpack.cli._common import JSON, cli
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Continue from OUT's checkpoint.")
 @JSON
-def distill(target, out, data, self_generate, samples, temperature, gen_tokens, draft_vocab, steps, seq_len, lr,
-            batch_size, train_lm_head, dtype, seed, resume, json_mode):
-    """Train an EAGLE-3 head for TARGET against its own outputs (CPU-capable, resumable, seeded).
+def distill(target, out, head, block_size, draft_layers, markov_rank, data, self_generate, samples, temperature,
+            gen_tokens, draft_vocab, steps, seq_len, lr, batch_size, train_lm_head, dtype, seed, resume, json_mode):
+    """Train an EAGLE-3 or DSpark head for TARGET against its own outputs (CPU-capable, resumable, seeded).
 
     \b
     Examples:
       specpack distill smollm2-135m -o smollm2-eagle3 --self-generate 512 --samples-per-prompt 4
+      specpack distill smollm2-135m -o smollm2-dspark --self-generate 512 --head dspark
       specpack distill ./target -o head --data chats.jsonl --draft-vocab 16384
       specpack build smollm2-135m --drafter smollm2-eagle3 -o smollm2-eagle3-artifact
     """
     from specpack.distill import distill as do_distill
 
+    given = {"block_size": block_size, "layers": draft_layers, "markov_rank": markov_rank}
+    dspark = {k: v for k, v in given.items() if v is not None}
     result = do_distill(target, out, data=data, self_generate=self_generate, samples=samples, temperature=temperature,
                         gen_tokens=gen_tokens, draft_vocab=draft_vocab,
                         steps=steps, seq_len=seq_len, lr=lr, batch_size=batch_size, train_lm_head=train_lm_head,
-                        dtype=dtype, seed=seed, resume=resume,
+                        dtype=dtype, seed=seed, resume=resume, head=head, dspark=dspark,
                         progress=progress_enabled(json_mode))
     data = {"out": str(result.out), "finished": result.finished, "record": result.record}
     emit(data, json_mode, lambda d: f"wrote {d['out']} ({'finished' if d['finished'] else 'partial: resume'})")

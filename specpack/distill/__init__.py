@@ -1,12 +1,14 @@
-"""`distill`: train an EAGLE-3 head for a target that has none, on the target's own outputs.
+"""`distill`: train a head for a target that has none, on the target's own outputs.
 
-    distill(target_dir, out_dir, self_generate=200)      the target writes its own training text
-    distill(target_dir, out_dir, data="chats.jsonl")     or train on given text
+    distill(target_dir, out_dir, self_generate=200)                 the target writes its own training text
+    distill(target_dir, out_dir, data="chats.jsonl")                or train on given text
+    distill(target_dir, out_dir, self_generate=200, head="dspark")  a DSpark block drafter (default: EAGLE-3)
 
 The pipeline reads as it runs: check inputs -> sequences (given or self-generated, cached) ->
 teacher-forced target features (cached) -> draft vocabulary from token frequencies -> train with
-EAGLE-3's training-time test (resumable) -> export in the SGLang layout + training.json. The result
-is a directory `specpack build TARGET --drafter OUT` accepts.
+the family's objective (EAGLE-3's training-time test, DSpark's anchor blocks; resumable) -> export
+in a published layout (SGLang EAGLE-3, DeepSpec DSpark) + training.json. Both families read the
+same cached features. The result is a directory `specpack build TARGET --drafter OUT` accepts.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from specpack.errors import InputError, UnsupportedError
@@ -42,8 +44,10 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
             seed: int = 0, ttt_steps: int = 3, gen_tokens: int = 256, samples: int = 1, temperature: float = 0.7,
             resume: bool = True, progress: bool = True,
             dtype: str = "float32", cache_dir=None, checkpoint_every: int = 100, stop_after: int | None = None,
-            command: str | None = None, **train_options) -> DistillResult:
-    """Train an EAGLE-3 head for the target at `target_dir` and write it to `out_dir`.
+            command: str | None = None, head: str = "eagle3", dspark: dict | None = None,
+            **train_options) -> DistillResult:
+    """Train a head (`head`: "eagle3" or "dspark", with `dspark` the DSparkOptions fields) for the
+    target at `target_dir` and write it to `out_dir`.
 
     Data: `data` (JSONL of {"text"}, {"messages"} or {"prompt"[, "completion"]} lines) used as is, or,
     with `self_generate=N`, the target's greedy continuations of the first N prompts of `data` (or of
@@ -59,8 +63,8 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
     import torch
 
     from specpack.distill.data import Sampling
-    from specpack.distill.export import write_head
-    from specpack.distill.head import HeadConfig, TrainableHead
+    from specpack.distill.families import FAMILIES
+    from specpack.distill.head import default_aux_ids
     from specpack.distill.train import CHECKPOINT, TrainConfig, fingerprint, train
     from specpack.distill.vocab import build_vocab
 
@@ -69,14 +73,18 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
     draft_vocab = min(DEFAULT_DRAFT_VOCAB, spec.vocab_size) if draft_vocab is None else draft_vocab
     cfg = TrainConfig(steps=steps, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed, ttt_steps=ttt_steps,
                       checkpoint_every=checkpoint_every, **train_options)
-    check_options(spec, draft_vocab, self_generate, data, cfg, dtype, gen_tokens, aux_layer_ids, samples, temperature)
-    head_cfg = HeadConfig.for_target(spec, draft_vocab, aux_layer_ids)
+    check_options(spec, draft_vocab, self_generate, data, cfg, dtype, gen_tokens, aux_layer_ids, samples, temperature,
+                  head, dspark)
+    family = FAMILIES[head](dspark)
+    capture = tuple(aux_layer_ids or default_aux_ids(spec.num_layers))  # EAGLE-3's by default: one feature cache
 
     sampling = Sampling(samples, temperature, seed) if self_generate and samples > 1 else Sampling()
-    target, feats, data_info = _data(target_dir, spec, data, self_generate, gen_tokens, sampling,
-                                     head_cfg.aux_layer_ids, cache_dir, progress)
+    target, feats, data_info = _data(target_dir, spec, data, self_generate, gen_tokens, sampling, capture, cache_dir,
+                                     progress)
     vocab = build_vocab(feats.pred, feats.tokens, spec.vocab_size, draft_vocab)
-    extra = {"data": data_info["cache_key"], "head": head_cfg.to_dict(), "steps": steps}
+    head_cfg = family.config(spec, draft_vocab, capture, feats)
+    objective = family.objective(head_cfg, vocab)
+    extra = {"data": data_info["cache_key"], "head": head_cfg.to_dict(), "steps": steps, **objective.extra()}
     fp = fingerprint(cfg, extra)
     done = _finished_record(out_dir, fp) if resume else None
     if done is not None:
@@ -84,26 +92,25 @@ def distill(target_dir, out_dir, data=None, self_generate: int | None = None, dr
         return DistillResult(out_dir, True, done)
 
     torch.manual_seed(seed)
-    head = TrainableHead(head_cfg, target.embed_tokens.weight)
-    head.init_from_target(target, vocab.ids, feats.aux)
+    model = family.model(head_cfg, target, vocab, feats)
     teacher_w = target.lm_head.weight[vocab.ids].detach().float()
     out_dir.mkdir(parents=True, exist_ok=True)
-    result = train(head, feats, vocab, teacher_w, cfg, out_dir, resume, progress, extra, stop_after)
+    result = train(model, feats, vocab, teacher_w, cfg, out_dir, resume, progress, extra, stop_after, objective)
     record = {
         "specpack_version": _version(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "fingerprint": fp, "command": command,
         "target": {"path": str(target_dir), "architecture": spec.architecture, "digest": data_info.pop("target_digest"),
                    "layers": spec.num_layers, "hidden_size": spec.hidden_size, "vocab_size": spec.vocab_size},
-        "head": {**head_cfg.to_dict(), "aux_convention": "input_of_layer", "export_layout": "eagle3-sglang",
-                 "dtype": dtype},
+        "head": {"family": family.name, **head_cfg.to_dict(), "aux_convention": "input_of_layer",
+                 "export_layout": family.layout, "dtype": dtype},
         "data": data_info,
         "vocab": {"size": vocab.size, "coverage": round(vocab.coverage, 4), "built_from": "target argmax frequencies"},
-        "training": asdict(cfg), "result": result,
+        "training": objective.record(cfg), "result": result,
         "torch": {"version": torch.__version__, "threads": torch.get_num_threads()},
     }
     if result["steps_done"] < steps:
         return DistillResult(out_dir, False, record)
-    write_head(out_dir, head_cfg, head.canonical_state(), vocab, record, dtype)
+    family.write(out_dir, head_cfg, model.canonical_state(), vocab, record, dtype)
     (out_dir / CHECKPOINT).unlink(missing_ok=True)
     return DistillResult(out_dir, True, record)
 
@@ -146,9 +153,11 @@ def check_target(target_dir: Path):
 
 
 def check_options(spec, draft_vocab, self_generate, data, cfg, dtype: str, gen_tokens: int,
-                  aux_layer_ids=None, samples: int = 1, temperature: float = 0.7) -> None:
+                  aux_layer_ids=None, samples: int = 1, temperature: float = 0.7, head: str = "eagle3",
+                  dspark: dict | None = None) -> None:
     """Every bad option at once, before any expensive work."""
     from specpack.distill.export import DTYPES
+    from specpack.distill.families import FAMILIES
     from specpack.distill.head import default_aux_ids
 
     vocab_size, L = spec.vocab_size, spec.num_layers
@@ -180,6 +189,10 @@ def check_options(spec, draft_vocab, self_generate, data, cfg, dtype: str, gen_t
         problems.append(f"temperature {temperature} must be positive")
     if dtype not in DTYPES:
         problems.append(f"dtype {dtype!r} (use one of {', '.join(DTYPES)})")
+    if head not in FAMILIES:
+        problems.append(f"head {head!r} (use one of {', '.join(FAMILIES)})")
+    else:
+        problems += FAMILIES[head](dspark).problems(spec, ids)
     if problems:
         raise InputError("distill options are not usable", problems=problems,
                          hint=f"the draft vocab must lie in 1..{vocab_size}" if any("vocab" in p for p in problems)

@@ -111,14 +111,36 @@ class HeadLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class TrainableHead(nn.Module):
-    """The head's parameters under their canonical names; the target's embedding stays outside
-    (frozen, not part of the state dict).
+class FromTarget:
+    """What every distilled head shares (EAGLE-3's and DSpark's): `fc` over the target's features,
+    a final `norm` and an `lm_head` on the draft vocabulary, started in the target's space.
 
     `aux_scale` preconditions fc: target hidden states carry a few huge channels (~1e4 in
     SmolLM2), and Adam moves every weight by about the learning rate, so fc columns on those
     channels would swing h wildly. Training sees aux / scale; export folds the scale into fc.weight,
     so the exported head reads raw features exactly as the published architecture does."""
+
+    @torch.no_grad()
+    def init_from_target(self, target, vocab_ids: Tensor, aux: Tensor) -> None:
+        """Start the output side in the target's space (its final norm and lm_head rows), and set
+        `aux_scale` to each feature channel's RMS over `aux` [N, n_aux·Ht]."""
+        self.norm.weight.copy_(target.norm.weight.float())
+        self.lm_head.weight.copy_(target.lm_head.weight[vocab_ids].float())
+        sq = torch.zeros_like(self.aux_scale, dtype=torch.float64)
+        for chunk in aux.split(4096):
+            sq += chunk.double().pow(2).sum(0)
+        self.aux_scale.copy_((sq / max(len(aux), 1)).sqrt().clamp(min=1e-2).float())
+
+    def canonical_state(self) -> dict[str, Tensor]:
+        """The weights as the runtime reads them: aux_scale folded into fc.weight."""
+        state = {k: v.detach() for k, v in self.state_dict().items() if k != "aux_scale"}
+        state["fc.weight"] = state["fc.weight"] / self.aux_scale
+        return state
+
+
+class TrainableHead(FromTarget, nn.Module):
+    """The head's parameters under their canonical names; the target's embedding stays outside
+    (frozen, not part of the state dict). Feature scaling and the start from the target: FromTarget."""
 
     def __init__(self, c: HeadConfig, embed: Tensor):
         super().__init__()
@@ -145,20 +167,3 @@ class TrainableHead(nn.Module):
             h = self.layers[0](F.embedding(tok, self.embed), h, self.cos[pos, None], self.sin[pos, None], past)
             logits.append(self.lm_head(self.norm(h)).float())
         return logits
-
-    @torch.no_grad()
-    def init_from_target(self, target, vocab_ids: Tensor, aux: Tensor) -> None:
-        """Start the output side in the target's space (its final norm and lm_head rows), and set
-        `aux_scale` to each feature channel's RMS over `aux` [N, n_aux·Ht]."""
-        self.norm.weight.copy_(target.norm.weight.float())
-        self.lm_head.weight.copy_(target.lm_head.weight[vocab_ids].float())
-        sq = torch.zeros_like(self.aux_scale, dtype=torch.float64)
-        for chunk in aux.split(4096):
-            sq += chunk.double().pow(2).sum(0)
-        self.aux_scale.copy_((sq / max(len(aux), 1)).sqrt().clamp(min=1e-2).float())
-
-    def canonical_state(self) -> dict[str, Tensor]:
-        """The weights as the runtime reads them: aux_scale folded into fc.weight."""
-        state = {k: v.detach() for k, v in self.state_dict().items() if k != "aux_scale"}
-        state["fc.weight"] = state["fc.weight"] / self.aux_scale
-        return state

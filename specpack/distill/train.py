@@ -1,6 +1,7 @@
-"""The training loop: windows of cached features -> TTT forward -> soft cross-entropy against the
-target's distribution on the draft vocab -> AdamW. Resumable and deterministic: batch order and
-learning rate are functions of (seed, step); checkpoints hold weights, optimizer and RNG state.
+"""The training loop: windows of cached features -> a head family's objective (EAGLE-3's here: TTT
+forward -> soft cross-entropy against the target's distribution on the draft vocab; DSpark's in
+dspark_train.py) -> AdamW. Resumable and deterministic: batch order and learning rate are functions
+of (seed, step); checkpoints hold weights, optimizer and RNG state.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class Tally:
     counts: list[float] = field(default_factory=list)
     run: float = 0.0
     bases: float = 0.0
+    confidence: list[float] = field(default_factory=list)  # summed predicted acceptance per step (DSpark)
 
     def add(self, other: "Tally", keep: float = 1.0) -> None:
         """self = keep * self + other (keep < 1: a running average that forgets old batches)."""
@@ -66,6 +68,9 @@ class Tally:
             self.hits, self.counts = [0.0] * len(other.hits), [0.0] * len(other.hits)
         self.hits = [keep * a + b for a, b in zip(self.hits, other.hits)]
         self.counts = [keep * a + b for a, b in zip(self.counts, other.counts)]
+        if other.confidence:
+            mine = self.confidence or [0.0] * len(other.confidence)
+            self.confidence = [keep * a + b for a, b in zip(mine, other.confidence)]
         self.run, self.bases = keep * self.run + other.run, keep * self.bases + other.bases
 
     @property
@@ -77,8 +82,11 @@ class Tally:
         return 1 + self.run / self.bases if self.bases else 1.0
 
     def to_dict(self) -> dict:
-        return {"agreement": [round(a, 4) for a in self.agreement], "drafted_positions": int(self.counts[0]),
-                "estimated_acceptance_length": round(self.acceptance_length, 3), "draft_len": len(self.hits)}
+        out = {"agreement": [round(a, 4) for a in self.agreement], "drafted_positions": int(self.counts[0]),
+               "estimated_acceptance_length": round(self.acceptance_length, 3), "draft_len": len(self.hits)}
+        if self.confidence:  # calibration: the mean predicted acceptance beside the observed agreement
+            out["mean_confidence"] = [round(c / n, 4) if n else 0.0 for c, n in zip(self.confidence, self.counts)]
+        return out
 
 
 def tally(logits: list[Tensor], b: dict, draft_ids: Tensor) -> Tally:
@@ -139,7 +147,7 @@ class Batches:
             out.append(self._perm[1][i])
         return out
 
-    def batch(self, wins: list[Window]) -> dict:
+    def batch(self, wins: list[Window], step: int | None = None) -> dict:
         """Tensors [B, T(, ·)] for a list of windows, zero-padded; `valid` marks real bases, `drafted`
         the bases the runtime drafts from (the last prompt position on: the agreement figures)."""
         f, T = self.feats, self.cfg.seq_len
@@ -183,6 +191,30 @@ def step_losses(head: TrainableHead, b: dict, cfg: TrainConfig, draft_ids: Tenso
     return total, tally([lg.detach() for lg in logits], b, draft_ids)
 
 
+class Objective:
+    """What a head family trains: `batches(feats, windows, teacher_w, cfg)` (its Batches), `losses(head,
+    batch, cfg, draft_ids) -> (loss, Tally)` and `tally(head, batch, cfg, draft_ids)`; `extra()` joins the
+    fingerprint, `record(cfg)` is training.json's "training". This one is EAGLE-3's."""
+
+    def batches(self, feats: Features, wins: list[Window], teacher_w: Tensor, cfg: TrainConfig) -> Batches:
+        return Batches(feats, wins, teacher_w, cfg)
+
+    def losses(self, head, b: dict, cfg: TrainConfig, draft_ids: Tensor) -> tuple[Tensor, Tally]:
+        return step_losses(head, b, cfg, draft_ids)
+
+    def tally(self, head, b: dict, cfg: TrainConfig, draft_ids: Tensor) -> Tally:
+        return tally(head(b["aux"], b["tokens"], b["positions"], cfg.ttt_steps), b, draft_ids)
+
+    def extra(self) -> dict:
+        return {}
+
+    def record(self, cfg: TrainConfig) -> dict:
+        return asdict(cfg)
+
+
+EAGLE3 = Objective()
+
+
 # ---- the loop ----
 
 def fingerprint(cfg: TrainConfig, extra: dict) -> str:
@@ -191,12 +223,13 @@ def fingerprint(cfg: TrainConfig, extra: dict) -> str:
     return hashlib.sha256(json.dumps({**keep, **extra}, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def train(head: TrainableHead, feats: Features, vocab: DraftVocab, teacher_w: Tensor, cfg: TrainConfig,
-          work: Path, resume: bool, progress: bool, extra: dict, stop_after: int | None = None) -> dict:
-    """Train `head` in place up to `cfg.steps` (or `stop_after`) and return the training record.
-    teacher_w: [Vd, H] the target's lm_head rows of the draft vocab (its soft labels)."""
+def train(head: torch.nn.Module, feats: Features, vocab: DraftVocab, teacher_w: Tensor, cfg: TrainConfig,
+          work: Path, resume: bool, progress: bool, extra: dict, stop_after: int | None = None,
+          objective: Objective = EAGLE3) -> dict:
+    """Train `head` in place up to `cfg.steps` (or `stop_after`) with `objective` and return the
+    training record. teacher_w: [Vd, H] the target's lm_head rows of the draft vocab (its soft labels)."""
     train_seqs, val_seqs = split(feats, cfg.val_fraction, cfg.seed)
-    data = Batches(feats, windows(feats, train_seqs, cfg.seq_len), teacher_w, cfg)
+    data = objective.batches(feats, windows(feats, train_seqs, cfg.seq_len), teacher_w, cfg)
     head.lm_head.weight.requires_grad_(cfg.train_lm_head)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -206,19 +239,19 @@ def train(head: TrainableHead, feats: Features, vocab: DraftVocab, teacher_w: Te
         state.load(ckpt, head, opt)
         log.info("resumed from %s at step %d", ckpt, state.step)
     end = min(cfg.steps, cfg.steps if stop_after is None else stop_after)
-    _loop(head, opt, params, data, cfg, state, end, ckpt, progress, vocab.ids)
+    _loop(head, opt, params, data, cfg, state, end, ckpt, progress, vocab.ids, objective)
     head.eval()
     record = {"steps_done": state.step, "train_seconds": round(state.seconds, 1),
               "train_sequences": len(train_seqs), "train_windows": len(data.wins),
               "final_running_loss": round(state.loss, 4), "running": state.running.to_dict()}
     if state.step == cfg.steps and val_seqs:
         record["validation"] = {"sequences": len(val_seqs),
-                                **evaluate(head, feats, val_seqs, vocab, teacher_w, cfg).to_dict()}
+                                **evaluate(head, feats, val_seqs, vocab, teacher_w, cfg, objective).to_dict()}
     return record
 
 
 def _loop(head, opt, params, data: Batches, cfg: TrainConfig, state: "_State", end: int, ckpt: Path,
-          progress: bool, draft_ids: Tensor) -> None:
+          progress: bool, draft_ids: Tensor, objective: Objective) -> None:
     from tqdm import tqdm
 
     bar = tqdm(total=cfg.steps, initial=state.step, desc="distill", unit="step", disable=not progress,
@@ -228,7 +261,8 @@ def _loop(head, opt, params, data: Batches, cfg: TrainConfig, state: "_State", e
     for step in range(state.step, end):
         for group in opt.param_groups:
             group["lr"] = cfg.lr_at(step)
-        loss, batch_tally = step_losses(head, data.batch([data.wins[i] for i in data.indices(step)]), cfg, draft_ids)
+        batch = data.batch([data.wins[i] for i in data.indices(step)], step)
+        loss, batch_tally = objective.losses(head, batch, cfg, draft_ids)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
@@ -243,14 +277,13 @@ def _loop(head, opt, params, data: Batches, cfg: TrainConfig, state: "_State", e
 
 
 @torch.no_grad()
-def evaluate(head: TrainableHead, feats: Features, seqs: list[int], vocab: DraftVocab, teacher_w: Tensor,
-             cfg: TrainConfig) -> Tally:
+def evaluate(head: torch.nn.Module, feats: Features, seqs: list[int], vocab: DraftVocab, teacher_w: Tensor,
+             cfg: TrainConfig, objective: Objective = EAGLE3) -> Tally:
     """The tally of `head` over the sequences `seqs` (held out from training)."""
-    data = Batches(feats, windows(feats, seqs, cfg.seq_len), teacher_w, cfg)
+    data = objective.batches(feats, windows(feats, seqs, cfg.seq_len), teacher_w, cfg)
     total = Tally()
     for i in range(0, len(data.wins), cfg.batch_size):
-        b = data.batch(data.wins[i : i + cfg.batch_size])
-        total.add(tally(head(b["aux"], b["tokens"], b["positions"], cfg.ttt_steps), b, vocab.ids))
+        total.add(objective.tally(head, data.batch(data.wins[i : i + cfg.batch_size]), cfg, vocab.ids))
     return total
 
 

@@ -21,9 +21,10 @@ class TensorInfo(_Strict):
 
 
 class OnnxGraph(_Strict):
-    role: Literal["target_step", "eagle3_step", "draft_model_step", "mtp_step"] = Field(
+    role: Literal["target_step", "eagle3_step", "draft_model_step", "mtp_step", "block_context", "block_step"] = Field(
         description="What the graph computes (converters/onnx_export); a draft model's graph is a target_step "
-                    "graph; mtp_step: one graph per MTP layer.")
+                    "graph; mtp_step: one graph per MTP layer; block_context / block_step: a block drafter's "
+                    "context K/V of new committed positions, and its query block over them.")
     path: str = Field(description="The .onnx file, relative to the artifact.")
     inputs: list[TensorInfo] = Field(description="Inputs in order.")
     outputs: list[TensorInfo] = Field(description="Outputs in order.")
@@ -63,7 +64,7 @@ class OnnxExport(_Strict):
 
 class TensorrtEngine(_Strict):
     path: str = Field(description="engines/<sm_XX>/<role>[.<layer>]-<dtype>.plan, relative to the artifact.")
-    role: Literal["target_step", "eagle3_step", "draft_model_step", "mtp_step"] = Field(
+    role: Literal["target_step", "eagle3_step", "draft_model_step", "mtp_step", "block_context", "block_step"] = Field(
         description="Graph it was built from.")
     layer: Optional[int] = Field(None, ge=0, description="mtp_step: the MTP layer; else None.")
     tensorrt_version: str = Field(description="TensorRT version that built it.")

@@ -10,11 +10,11 @@ import hashlib
 import json
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PROFILE_VERSION = 1
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
-NAME_PATTERN = r"^[a-z0-9]+-[a-z0-9]+-[a-z0-9]+-[a-z0-9_]+-d[0-9]+$"
+NAME_PATTERN = r"^[a-z0-9]+-[a-z0-9]+-[a-z0-9]+-[a-z0-9_]+-d[0-9]+(-t[0-9]+x[0-9]+)?$"
 
 
 class _Strict(BaseModel):
@@ -25,13 +25,19 @@ class CostCurve(_Strict):
     rows: list[int] = Field(min_length=1, description="Rows in one target forward, ascending.")
     ms: list[float] = Field(min_length=1, description="Milliseconds one target forward over that many rows took "
                                                       "(median after a warm-up).")
+    key_ms: Optional[float] = Field(None, ge=0, description="Milliseconds each row adds per key it attends "
+                                                            "(measured at 512 positions of context).")
 
 
 class ProfileSettings(_Strict):
     speculative: bool = Field(description="Drafter on (speculative decoding) or off (the target alone).")
-    draft_len: int = Field(ge=0, le=16, description="Draft tokens proposed per step; 0 when speculation is off.")
-    draft_shape: Literal["chain"] = Field(
-        "chain", description="Shape of a draft: one chain of tokens (trees are not supported yet).")
+    draft_len: int = Field(ge=0, le=16, description="Draft tokens proposed per step (a tree: its depth); 0 when "
+                                                    "speculation is off.")
+    draft_shape: Literal["chain", "tree"] = Field(
+        "chain", description="Shape of a draft: one chain of tokens, or a tree of `tree_topk` children per node "
+                             "and at most `tree_nodes` nodes, `draft_len` deep, verified in one target forward.")
+    tree_topk: int = Field(1, ge=1, le=8, description="Children per draft tree node (1 for a chain).")
+    tree_nodes: int = Field(0, ge=0, le=64, description="Draft tree nodes verified per step at most (0 for a chain).")
     max_concurrency: int = Field(
         ge=0, description="Highest number of requests in flight at which speculation still beat decoding "
                           "without it on the workload; above it, `serve` turns speculation off. "
@@ -39,6 +45,13 @@ class ProfileSettings(_Strict):
     cost_curve: Optional[CostCurve] = Field(
         None, description="Target step time vs rows measured on the profile's hardware: the batched engine "
                           "chooses each step's draft lengths from it (absent in profiles from before the engine).")
+
+    @model_validator(mode="after")
+    def _tree_fields_match_the_shape(self):
+        tree = self.draft_shape == "tree"
+        if tree != (self.tree_topk > 1) or tree != (self.tree_nodes > 0):
+            raise ValueError("a tree has tree_topk > 1 and tree_nodes > 0; a chain has tree_topk 1 and tree_nodes 0")
+        return self
 
 
 class ProfileMemory(_Strict):
@@ -61,7 +74,9 @@ class WorkloadInfo(_Strict):
 
 
 class DraftLenPoint(_Strict):
-    draft_len: int = Field(ge=1, description="Draft length measured.")
+    draft_len: int = Field(ge=1, description="Draft length measured (a tree: its depth).")
+    tree_topk: int = Field(1, ge=1, le=8, description="Children per draft tree node (1: a chain).")
+    tree_nodes: int = Field(0, ge=0, le=64, description="Draft tree nodes at most (0: a chain).")
     tokens_per_s: float = Field(ge=0, description="Speculative tokens/s over the workload at this length.")
     acceptance_length: float = Field(ge=1, description="1 + accepted / steps over the workload.")
     speedup: float = Field(ge=0, description="tokens_per_s / the baseline's tokens/s.")
@@ -107,7 +122,8 @@ class Evidence(_Strict):
     greedy_equal: bool = Field(description="Greedy speculative output was token-identical to decoding "
                                            "without speculation on every prompt of the workload.")
     prompts_checked: int = Field(ge=0, description="Prompts whose greedy outputs were compared.")
-    draft_len_sweep: list[DraftLenPoint] = Field(description="Every draft length measured, ascending.")
+    draft_len_sweep: list[DraftLenPoint] = Field(description="Every draft length measured, ascending, then every "
+                                                             "tree shape.")
     concurrency_sweep: list[ConcurrencyPoint] = Field(description="Every concurrency measured, ascending.")
     hardware: Hardware = Field(description="The machine the figures were measured on.")
     software: Software = Field(description="The software the figures were measured with.")
@@ -122,7 +138,9 @@ class Profile(_Strict):
                                 "its id (see `profile_id`): changes when anything in it changes.")
     name: str = Field(pattern=NAME_PATTERN,
                       description="Readable name backend-device-dtype-drafter-dD, e.g. torch-cpu-float32-ngram-d5 "
-                                  "(drafter `none`, d0 when speculation is off). Not unique across machines.")
+                                  "(drafter `none`, d0 when speculation is off), with -tKxM for draft trees of "
+                                  "top-k K and M nodes (torch-cpu-float32-eagle3-d6-t4x24). Not unique across "
+                                  "machines.")
     backend: Literal["torch", "onnxruntime", "tensorrt"] = Field(description="Runtime backend.")
     device: Literal["cpu", "cuda"] = Field(description="Device type.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(description="Compute dtype of the weights.")
@@ -135,8 +153,11 @@ class Profile(_Strict):
     evidence: Evidence = Field(description="What the settings were validated with.")
 
 
-def profile_name(backend: str, device: str, dtype: str, drafter: str, draft_len: int) -> str:
-    return f"{backend}-{device}-{dtype}-{drafter}-d{draft_len}"
+def profile_name(backend: str, device: str, dtype: str, drafter: str, draft_len: int, tree_topk: int = 1,
+                 tree_nodes: int = 0) -> str:
+    """backend-device-dtype-drafter-dD, with -tKxM for trees of top-k K and M nodes."""
+    tree = f"-t{tree_topk}x{tree_nodes}" if tree_topk > 1 else ""
+    return f"{backend}-{device}-{dtype}-{drafter}-d{draft_len}{tree}"
 
 
 def profile_id(data: dict) -> str:
@@ -153,6 +174,7 @@ def make_profile(**fields) -> Profile:
     s = fields["settings"]
     s = s if isinstance(s, ProfileSettings) else ProfileSettings.model_validate(s)
     draft_len = s.draft_len if s.speculative else 0
-    name = profile_name(fields["backend"], fields["device"], fields["dtype"], fields["drafter"], draft_len)
+    topk, nodes = (s.tree_topk, s.tree_nodes) if s.speculative else (1, 0)
+    name = profile_name(fields["backend"], fields["device"], fields["dtype"], fields["drafter"], draft_len, topk, nodes)
     body = Profile.model_validate({**fields, "id": "0" * 16, "name": name}).model_dump(mode="json")
     return Profile.model_validate({**body, "id": profile_id(body)})

@@ -18,6 +18,7 @@ class GenerateRequest:
     speculative: bool = True
     stop: list[str] = field(default_factory=list)
     profile: str | None = None  # validated profile name or id; None: the best runnable one, else defaults
+    draft_tree: tuple | None = None  # drafters.base.TreeShape (top-k 1: chains); None: the profile's
 
 
 def _engine_settings(chosen) -> dict:
@@ -52,18 +53,22 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     stream = TextStream(tok, write or (lambda s: None), stops=list(req.stop))
     chosen = select_profile(model.manifest, device, dtype, wanted=req.profile, backend=backend, weights=weights)
     draft_len = req.draft_len if req.draft_len is not None else chosen.draft_len
-    speculative = req.speculative and (chosen.speculative or req.draft_len is not None)
+    speculative = req.speculative and (chosen.speculative or req.draft_len is not None or req.draft_tree is not None)
+    tree = req.draft_tree if req.draft_tree is not None else chosen.tree
+    tree = tree if tree is not None and tree.topk > 1 else None
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,
                             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                             seed=req.seed, stop=stop_sequences(tok, req.stop),
-                            speculative=speculative, on_tokens=stream, **_engine_settings(chosen))
+                            speculative=speculative, on_tokens=stream, tree=tree, **_engine_settings(chosen))
     s = result.stats
     return {"text": stream.flush(), "token_ids": result.tokens, "prompt_tokens": len(ids),
             "finish_reason": result.finish_reason, "speculative": speculative,
             "profile": chosen.profile.name if chosen.profile else None,
             "profile_id": chosen.profile.id if chosen.profile else None, "profile_message": chosen.message,
-            "drafter": model.manifest.drafter.kind, "weights": weights, "draft_len": draft_len, "steps": s.steps,
+            "drafter": model.manifest.drafter.kind, "weights": weights, "draft_len": draft_len,
+            "draft_tree": list(tree) if tree and speculative else None, "steps": s.steps,
             "accepted": s.accepted, "acceptance_length": s.acceptance_length,
+            "accepted_depth_steps": s.depth_steps,
             "per_position_acceptance": s.position_acceptance, "tokens_per_s": s.tokens_per_s,
             "decode_tokens_per_s": s.decode_tokens_per_s, "seconds": s.total_s,
             "draft_s": s.draft_s, "verify_s": s.verify_s, "prefill_s": s.prefill_s}

@@ -16,6 +16,7 @@ log = logging.getLogger("specpack.serving.requests")
 SECONDS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LENGTHS = (1.0, 1.25, 1.5, 2.0, 2.5, 3.0, 4.0, 6.0, 8.0)
+DEPTHS = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16)
 
 
 class Histogram:
@@ -112,6 +113,8 @@ class Metrics:
             out += _family("specpack_position_tried_total", "counter", "Verifications of each draft position.",
                            [(f'position="{k}"', t) for k, t in enumerate(self.spec.position_tried)])
             for name, hist, help_ in [
+                ("specpack_accepted_depth", _depths(self.spec.depth_steps),
+                 "Depth of the accepted draft path (a chain's accepted drafts) per verification step."),
                 ("specpack_time_to_first_token_seconds", self.ttft, "Seconds from arrival to the first token."),
                 ("specpack_time_per_output_token_seconds", self.per_token, "Seconds per token after the first."),
                 ("specpack_rows_per_step", self.rows, "Rows in each engine step's target forward."),
@@ -121,6 +124,18 @@ class Metrics:
         for name, (value, help_) in gauges.items():
             out += _family(name, "gauge", help_, [("", value)])
         return out
+
+
+def _depths(depth_steps: list[int]) -> Histogram:
+    """The histogram of accepted depths from per-depth step counts."""
+    hist = Histogram(DEPTHS)
+    for d, n in enumerate(depth_steps):
+        i = bisect.bisect_left(hist.bounds, d)
+        for j in range(i, len(hist.bounds)):
+            hist.counts[j] += n
+        hist.sum += d * n
+        hist.count += n
+    return hist
 
 
 def _family(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> str:

@@ -69,14 +69,17 @@ class ServerPlan:
 def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype: str = "float32",
             weights: str = "fp32", public_key=None, model_name: Optional[str] = None, max_concurrency: Optional[int] = None,
             draft_len: Optional[int] = None, progress: bool = False, api_key: Optional[str] = None,
+            draft_tree=None,
             max_body_bytes: int = MAX_BODY_BYTES, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
             max_queue: Optional[int] = None, prefill_chunk: int = 64, measure_cost: bool = True) -> ServerPlan:
     """Verify and load `artifact`, pick its best runnable profile (or `profile`), plan the KV cache
     (`max_seqs` slots of `max_model_len` positions, fewer when memory is short), build the app.
-    `max_concurrency` / `draft_len` override what the profile says; `api_key` is required from
+    `max_concurrency` / `draft_len` / `draft_tree` (a TreeShape; top-k 1: chains) override what the
+    profile says; `api_key` is required from
     clients on every route but /health; with `measure_cost` the engine's cost curve is measured at
     start when the profile has none."""
     from specpack.runtime.api import load, require
+    from specpack.runtime.engine.engine import check_tree
     from specpack.tuning.profiles import select_profile
 
     require("fastapi", "serve")
@@ -85,13 +88,17 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights)
     selection = select_profile(model.manifest, device, dtype, wanted=profile, weights=weights)
     draft_len = draft_len or selection.draft_len
+    tree = draft_tree if draft_tree is not None else selection.tree
+    if tree is not None:
+        check_tree(tree)
     if selection.speculative and hasattr(model.drafter, "check_draft_len"):  # MTP: refuse at start, not per request
         model.drafter.check_draft_len(draft_len)
     slots, max_len = plan_kv(model, dtype, max_seqs, max_model_len)
     scheduler = Scheduler(model, slots, max_len, draft_len, speculative=selection.speculative,
                           max_queue=max_queue if max_queue is not None else 4 * slots, prefill_chunk=prefill_chunk,
                           max_concurrency=max_concurrency if max_concurrency is not None else selection.max_concurrency,
-                          listener=Metrics(), **_cost(model, selection, slots, measure_cost))
+                          listener=Metrics(), tree=tree if tree is not None and tree.topk > 1 else None,
+                          **_cost(model, selection, slots, measure_cost))
     name = model_name or model.manifest.name
     log.info("%s", selection.message)
     log.info("engine: %d slots of %d positions, queue %d, prefill chunk %d", slots, max_len,
@@ -133,7 +140,9 @@ def _cost(model, selection, slots: int, measure: bool) -> dict:
     if curve:
         out["cost"] = CostModel.from_dict(curve)
     elif measure and selection.speculative and model.drafter is not None:
-        model.target.setup_cache(64, 1)
+        from specpack.runtime.engine.cost import KEY_PROBE
+
+        model.target.setup_cache(max(64, sum(KEY_PROBE)), 1)
         out["cost"] = measure_cost(model.target, [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * slots])
         log.info("cost curve measured: %s", out["cost"].to_dict())
     if "cost" in out and not getattr(model.drafter, "free_drafts", False):

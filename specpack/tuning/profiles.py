@@ -2,6 +2,7 @@
 
     list_profiles(artifact)                  every profile with its status here and the reasons
     select_profile(manifest, device, dtype)  the settings run/serve use, and which profile they came from
+    profile_for_export(manifest, wanted)     the profile whose concurrency crossover an engine export writes
     store_profile(artifact, profile, key)    write a profile into specpack.json (re-signed with a key)
 
 Statuses: `runnable` (compatible and fits in memory), `low-memory` (compatible but the memory it
@@ -235,13 +236,15 @@ def _raw(entry) -> dict:
 
 @dataclass(frozen=True)
 class Selection:
-    """What run/serve apply: speculation, draft length, concurrency limit (None: no limit)."""
+    """What run/serve apply: speculation, draft length, concurrency limit (None: no limit), draft
+    tree shape (a runtime.drafters.base.TreeShape; None: chains)."""
 
     profile: Optional[Profile]
     speculative: bool
     draft_len: int
     max_concurrency: Optional[int]
     message: str
+    tree: Optional[tuple] = None
 
     @property
     def cost_curve(self) -> Optional[dict]:
@@ -276,6 +279,42 @@ def select_profile(manifest, device: str = "cpu", dtype: str = "float32", wanted
     return _from_profile(best.profile, "picked")
 
 
+def profile_for_export(manifest, wanted: Optional[str] = None, device: str = "cuda") -> Optional[Profile]:
+    """The validated profile whose measured concurrency crossover an engine export writes: the one
+    named `wanted` (name, id or id prefix; "none": no profile), else the speculative one measured
+    on `device` with the highest speedup (then the newest), if any. Unlike `select_profile` nothing
+    is checked against this machine: the engine runs elsewhere."""
+    if wanted == "none":
+        return None
+    entries = []
+    for raw in map(_raw, manifest.profiles):
+        try:
+            p = Profile.model_validate(raw)
+        except ValidationError:
+            continue
+        entries.append((p, _validity(p, raw, manifest)))
+    if wanted is not None:
+        return _named_for_export(entries, wanted)
+    fits = [p for p, reasons in entries if not reasons and p.device == device and p.settings.speculative]
+    return max(fits, key=lambda p: (p.evidence.speedup, p.evidence.measured_at), default=None)
+
+
+def _named_for_export(entries: list, wanted: str) -> Profile:
+    named = [(p, r) for p, r in entries if wanted in (p.name, p.id)]
+    named = named or [(p, r) for p, r in entries if len(wanted) >= 4 and p.id.startswith(wanted)]
+    if not named:
+        known = ", ".join(f"{p.name} ({p.id})" for p, _ in entries) or "none"
+        raise InputError(f"the artifact has no profile named '{wanted}'", hint=f"profiles: {known}")
+    p, reasons = min(named, key=lambda e: (bool(e[1]), -e[0].evidence.speedup))
+    if reasons:
+        raise InputError(f"profile {p.name} ({p.id}) is not valid", problems=reasons,
+                         hint="`specpack profiles ARTIFACT` lists them; re-tune, or pass --profile none")
+    if not p.settings.speculative:
+        raise InputError(f"profile {p.name} ({p.id}) found that speculation never paid on its workload: there is no "
+                         "concurrency crossover to export", hint="pass --profile none (or serve without speculation)")
+    return p
+
+
 def _find(checked: list[ProfileStatus], wanted: str) -> ProfileStatus:
     named = [c for c in checked if c.profile and wanted in (c.profile.name, c.profile.id)]
     named = named or [c for c in checked if c.profile and len(wanted) >= 4 and c.profile.id.startswith(wanted)]
@@ -308,11 +347,15 @@ def _chosen(c: ProfileStatus, backend: str, device: str, dtype: str, weights: st
 
 
 def _from_profile(p: Profile, verb: str) -> Selection:
+    from specpack.runtime.drafters.base import TreeShape
+
     s, e = p.settings, p.evidence
     limit = f"speculation up to {s.max_concurrency} concurrent requests" if s.speculative else "speculation off"
+    tree = TreeShape(s.tree_topk, s.tree_nodes) if s.speculative and s.draft_shape == "tree" else None
+    shape = f", draft trees of top-k {tree.topk} and {tree.nodes} nodes" if tree else ""
     message = (f"{verb} profile {p.name} ({p.id}): {e.speedup:.2f}x on workload '{e.workload.name}', "
-               f"acceptance length {e.acceptance_length:.2f}, {limit}")
-    return Selection(p, s.speculative, s.draft_len if s.speculative else 1, s.max_concurrency, message)
+               f"acceptance length {e.acceptance_length:.2f}, {limit}{shape}")
+    return Selection(p, s.speculative, s.draft_len if s.speculative else 1, s.max_concurrency, message, tree)
 
 
 def _defaults(manifest, why: str) -> Selection:

@@ -10,16 +10,16 @@ def summary(result) -> str:
     p, e = result.profile, result.profile.evidence
     rows = [f"{'setting':<18}{'tokens/s':>10}{'speedup':>9}{'accept len':>12}",
             f"{'no speculation':<18}{e.baseline_tokens_per_s:>10.1f}{1.0:>9.2f}{1.0:>12.2f}"]
-    rows += [f"{'draft length ' + str(d.draft_len):<18}{d.tokens_per_s:>10.1f}{d.speedup:>9.2f}"
-             f"{d.acceptance_length:>12.2f}" + ("  <- best" if p.settings.speculative and
-                                                d.draft_len == p.settings.draft_len else "")
+    best = (p.settings.draft_len, p.settings.tree_topk, p.settings.tree_nodes) if p.settings.speculative else None
+    rows += [f"{_setting(d):<18}{d.tokens_per_s:>10.1f}{d.speedup:>9.2f}{d.acceptance_length:>12.2f}"
+             + ("  <- best" if (d.draft_len, d.tree_topk, d.tree_nodes) == best else "")
              for d in e.draft_len_sweep]
     if e.concurrency_sweep:
         rows += ["", f"{'concurrency':<18}{'off tok/s':>10}{'on tok/s':>10}"]
         rows += [f"{c.concurrency:<18}{c.baseline_tokens_per_s:>10.1f}{c.speculative_tokens_per_s:>10.1f}"
                  for c in e.concurrency_sweep]
     pos = ", ".join(f"{r:.2f}" for r in e.position_acceptance) or "-"
-    mode = (f"speculation on, draft length {p.settings.draft_len}, up to {p.settings.max_concurrency} "
+    mode = (f"speculation on, {_setting(p.settings)}, up to {p.settings.max_concurrency} "
             f"concurrent requests" if p.settings.speculative else "speculation off (it did not pay)")
     rows += ["", f"profile {p.name} ({p.id}): {mode}",
              f"  greedy output identical on all {e.prompts_checked} prompts; per-position acceptance: {pos}",
@@ -27,6 +27,11 @@ def summary(result) -> str:
              f"({'re-signed' if result.signed else 'unsigned: digests still verify'})"]
     rows += [f"  {x}" for x in result.plots] + result.notes
     return "\n".join(rows)
+
+
+def _setting(d) -> str:
+    """'draft length D', or 'tree DxKxM' (depth, top-k, nodes), of a sweep point or profile settings."""
+    return f"tree {d.draft_len}x{d.tree_topk}x{d.tree_nodes}" if d.tree_topk > 1 else f"draft length {d.draft_len}"
 
 
 def save_plots(result, out: Path) -> tuple[list[Path], list[str]]:
@@ -41,8 +46,11 @@ def save_plots(result, out: Path) -> tuple[list[Path], list[str]]:
     out.mkdir(parents=True, exist_ok=True)
     e, name = result.profile.evidence, result.profile.name
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([p.draft_len for p in e.draft_len_sweep], [p.tokens_per_s for p in e.draft_len_sweep], "o-",
-            label="speculative")
+    chains = [p for p in e.draft_len_sweep if p.tree_topk == 1]
+    ax.plot([p.draft_len for p in chains], [p.tokens_per_s for p in chains], "o-", label="speculative")
+    trees = [p for p in e.draft_len_sweep if p.tree_topk > 1]
+    if trees:
+        ax.plot([p.draft_len for p in trees], [p.tokens_per_s for p in trees], "^", label="draft trees (depth)")
     ax.axhline(e.baseline_tokens_per_s, color="grey", ls="--", label="no speculation")
     ax.set(xlabel="draft length", ylabel="tokens/s", title=f"{name} on {e.workload.name}")
     ax.legend()

@@ -1,7 +1,8 @@
 """`specpack tune`: measure settings on a workload and store them as a validated profile.
 
     baseline (no speculation) → sweep draft length from a heuristic start, checking greedy
-    equality on every prompt → concurrency sweep through the serve queue → profile → manifest → sign
+    equality on every prompt → sweep draft tree shapes (depth, top-k, nodes) from the best length,
+    for drafters that branch → concurrency sweep through the serve queue → profile → manifest → sign
 
 Figures are measured, never assumed; the draft-length heuristic only chooses where to start.
 """
@@ -23,9 +24,10 @@ from typing import Optional, Sequence
 from specpack import __version__
 from specpack.errors import InputError, SpecpackError, UnsupportedError
 from specpack.packager.update import recover
-from specpack.runtime.engine.cost import measure as measure_cost
+from specpack.runtime.drafters.base import TreeShape
+from specpack.runtime.engine.cost import KEY_PROBE, measure as measure_cost
 from specpack.runtime.engine.scheduler import Job, Scheduler, add_stats
-from specpack.runtime.engine.stats import MAX_DRAFT_LEN, GenerationStats
+from specpack.runtime.engine.stats import MAX_DRAFT_LEN, MAX_TREE_NODES, MAX_TREE_TOPK, GenerationStats
 from specpack.schemas.profile import (ConcurrencyPoint, CostCurve, DraftLenPoint, Evidence, Profile, ProfileMemory,
                                       ProfileSettings, Software, WorkloadInfo, make_profile)
 from specpack.tuning.profiles import (Machine, check_writable, kv_and_weight_bytes, package_version,
@@ -34,6 +36,7 @@ from specpack.tuning.workload import Workload, encode_request, read_workload
 
 log = logging.getLogger(__name__)
 MIN_GAIN = 1.02  # a longer/shorter draft must beat the best so far by 2% to be taken (noise)
+TREE_SEARCH = 8  # tree shapes one search measures at most
 
 
 @dataclass(frozen=True)
@@ -51,6 +54,7 @@ class Pass:
     draft_len: int
     stats: GenerationStats
     outputs: list[list[int]]
+    tree: Optional[TreeShape] = None  # draft trees of this shape, `draft_len` deep; None: chains
 
     @property
     def tokens_per_s(self) -> float:
@@ -102,23 +106,24 @@ def encode_workload(model, workload: Workload, max_new_tokens: int) -> list[Prom
 
 
 def measure_workload(model, prompts: Sequence[Prompt], draft_len: int, speculative: bool,
-                     reference: Optional[Pass] = None, tick=None) -> Pass:
-    """Greedy generation of every prompt, one at a time; with `reference`, check token equality
-    on every prompt and raise naming each line that differs."""
+                     reference: Optional[Pass] = None, tick=None, tree: Optional[TreeShape] = None) -> Pass:
+    """Greedy generation of every prompt, one at a time (draft trees of shape `tree`, or chains);
+    with `reference`, check token equality on every prompt and raise naming each line that differs."""
     stats, outputs = [], []
     for p in prompts:
         r = model.generate(p.ids, max_new_tokens=p.max_new_tokens, draft_len=draft_len,
-                           speculative=speculative)
+                           speculative=speculative, tree=tree)
         stats.append(r.stats)
         outputs.append(r.tokens)
         if tick:
             tick()
-    result = Pass(speculative, draft_len, merge_stats(stats), outputs)
+    result = Pass(speculative, draft_len, merge_stats(stats), outputs, tree)
     if reference is not None:
         bad = [p.line for p, a, b in zip(prompts, outputs, reference.outputs) if a != b]
         if bad:
-            raise SpecpackError(f"speculative output at draft length {draft_len} differs from decoding without "
-                                f"speculation on workload lines {bad}: no profile was written",
+            shape = f", trees {tree.topk}x{tree.nodes}" if tree else ""
+            raise SpecpackError(f"speculative output at draft length {draft_len}{shape} differs from decoding "
+                                f"without speculation on workload lines {bad}: no profile was written",
                                 hint="this is a bug in the runtime or the drafter binding; please report it")
     return result
 
@@ -131,7 +136,7 @@ class LoadPoint:
 
 
 def measure_concurrency(model, prompts: Sequence[Prompt], clients: int, draft_len: int, speculative: bool,
-                        tick=None, cost=None, prior=None) -> LoadPoint:
+                        tick=None, cost=None, prior=None, tree: Optional[TreeShape] = None) -> LoadPoint:
     """Aggregate tokens/s and request latency of `clients` concurrent closed-loop clients sending the
     workload through the batched engine `serve` runs (its scheduler with `clients` slots and the
     `cost` model; max(clients, prompts) requests in all)."""
@@ -151,7 +156,8 @@ def measure_concurrency(model, prompts: Sequence[Prompt], clients: int, draft_le
         return tokens
 
     max_len = max(len(p.ids) + p.max_new_tokens for p in prompts)
-    with Scheduler(model, clients, max_len, draft_len, speculative=speculative, cost=cost, prior=prior) as sch, \
+    with Scheduler(model, clients, max_len, draft_len, speculative=speculative, cost=cost, prior=prior,
+                   tree=tree) as sch, \
             ThreadPoolExecutor(clients) as pool:
         start = time.perf_counter()
         tokens = sum(pool.map(client, range(clients)))
@@ -213,19 +219,67 @@ def sweep_draft_len(measure, start: int, lengths: Optional[Sequence[int]] = None
     return results
 
 
+Shape = tuple[int, int, int]  # a draft tree: (depth, top-k, nodes)
+
+
+def tree_start(depth: int, longest: int) -> Shape:
+    """Where the tree search starts: the best chain's depth plus one, four children per node, four
+    nodes per level (EAGLE-2's dynamic trees keep about as many)."""
+    d = max(1, min(depth + 1, longest))
+    return d, 4, min(MAX_TREE_NODES, 4 * d)
+
+
+def sweep_tree(measure, start: Shape, shapes: Optional[Sequence[Shape]] = None, longest: int = MAX_DRAFT_LEN,
+               limit: int = TREE_SEARCH) -> dict[Shape, Pass]:
+    """Measure the given `shapes`, or search from `start`: try one step along each of depth (±1),
+    top-k (x2, /2) and nodes (x2, /2), move to the first that beats the best by MIN_GAIN, stop when
+    none does or after `limit` shapes (each measured once)."""
+    results: dict[Shape, Pass] = {}
+
+    def at(s: Shape) -> Pass:
+        if s not in results:
+            results[s] = measure(s)
+        return results[s]
+
+    if shapes:
+        for s in sorted(set(shapes)):
+            at(s)
+        return results
+    best, moved = start, True
+    at(best)
+    while moved and len(results) < limit:
+        d, k, m = best
+        steps = [(d + 1, k, m), (d - 1, k, m), (d, 2 * k, m), (d, k // 2, m), (d, k, 2 * m), (d, k, m // 2)]
+        steps = [s for s in steps if _valid_shape(s, longest) and s not in results]
+        moved = False
+        for s in steps[: limit - len(results)]:
+            if at(s).tokens_per_s > at(best).tokens_per_s * MIN_GAIN:
+                best, moved = s, True
+                break
+    return results
+
+
+def _valid_shape(s: Shape, longest: int = MAX_DRAFT_LEN) -> bool:
+    d, k, m = s
+    return 1 <= d <= longest and 2 <= k <= MAX_TREE_TOPK and d <= m <= MAX_TREE_NODES
+
+
 def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype: str = "float32",
          weights: str = "fp32", concurrency: Sequence[int] = (1, 2, 4, 8, 16),
          draft_lens: Optional[Sequence[int]] = None,
          max_new_tokens: int = 128, repeats: int = 2, key=None, public_key=None, progress: bool = False,
-         plot_dir=None, machine: Optional[Machine] = None) -> TuneResult:
+         plot_dir=None, machine: Optional[Machine] = None,
+         tree_shapes: Optional[Sequence[Shape]] = None) -> TuneResult:
     """Measure `artifact` on `workload` and write the best setting as a validated profile into its
     manifest (re-signed with `key`; a signed artifact without `key` is refused before any work).
-    Each setting is measured `repeats` times and its fastest pass kept (less noise)."""
+    Each setting is measured `repeats` times and its fastest pass kept (less noise). Drafters that
+    branch also get draft trees measured: `tree_shapes` (depth, top-k, nodes) when given (empty:
+    none), else a search from the best draft length."""
     from specpack.runtime.api import check_weights, load
 
     if backend != "torch":
         raise UnsupportedError(f"tune measures the torch backend only, not {backend!r}", hint="use --backend torch")
-    _check_options(concurrency, draft_lens, max_new_tokens, repeats)
+    _check_options(concurrency, draft_lens, max_new_tokens, repeats, tree_shapes)
     check_weights(weights, backend, device, dtype)
     wl = read_workload(workload)
     check_writable(Path(artifact), key)  # every option is checked before the first write
@@ -234,7 +288,7 @@ def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype:
     model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights)
     prompts = encode_workload(model, wl, max_new_tokens)
     with _Progress(progress) as bar:
-        figures = _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar)
+        figures = _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, tree_shapes)
     machine = machine or this_machine(gpus=device.startswith("cuda"))
     profile = _profile(model, wl, max_new_tokens, backend, device.split(":")[0], dtype, figures, machine,
                        time.perf_counter() - start, weights)
@@ -259,8 +313,9 @@ def remeasure(model, profile: Profile, workload) -> dict:
                               f"{profile.evidence.workload.sha256[:12]}…)")
     prompts = encode_workload(model, wl, profile.evidence.workload.max_new_tokens)
     s = profile.settings
+    tree = TreeShape(s.tree_topk, s.tree_nodes) if s.draft_shape == "tree" else None
     base = measure_workload(model, prompts, 1, False)
-    spec = measure_workload(model, prompts, s.draft_len, True, base) if s.speculative else base
+    spec = measure_workload(model, prompts, s.draft_len, True, base, tree=tree) if s.speculative else base
     return {"baseline_tokens_per_s": base.tokens_per_s, "speculative_tokens_per_s": spec.tokens_per_s,
             "acceptance_length": spec.stats.acceptance_length,
             "position_acceptance": spec.stats.position_acceptance, "new_tokens": base.stats.new_tokens,
@@ -268,9 +323,13 @@ def remeasure(model, profile: Profile, workload) -> dict:
             and spec.stats.position_acceptance == profile.evidence.position_acceptance}
 
 
-def _check_options(concurrency, draft_lens, max_new_tokens, repeats) -> None:
+def _check_options(concurrency, draft_lens, max_new_tokens, repeats, tree_shapes=None) -> None:
     problems = [f"concurrency {c!r} must be a positive integer" for c in concurrency
                 if not (isinstance(c, int) and c >= 1)]
+    problems += [f"tree shape {s!r} is not depth 1..{MAX_DRAFT_LEN} x top-k 2..{MAX_TREE_TOPK} x nodes "
+                 f"depth..{MAX_TREE_NODES}" for s in tree_shapes or ()
+                 if not (isinstance(s, tuple) and len(s) == 3 and all(isinstance(x, int) for x in s)
+                         and _valid_shape(s))]
     problems += [f"draft length {d!r} is outside 1..{MAX_DRAFT_LEN}" for d in draft_lens or ()
                  if not (isinstance(d, int) and 1 <= d <= MAX_DRAFT_LEN)]
     if not concurrency:
@@ -283,7 +342,7 @@ def _check_options(concurrency, draft_lens, max_new_tokens, repeats) -> None:
         raise InputError("invalid tune options", problems=problems)
 
 
-def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar) -> dict:
+def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, tree_shapes=None) -> dict:
     import torch
 
     if model.drafter is None:
@@ -297,8 +356,9 @@ def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar) 
         torch.cuda.reset_peak_memory_stats()
     for spec in (False, True):  # warm up: first calls pay for allocation and kernel setup
         model.generate(prompts[0].ids, max_new_tokens=4, speculative=spec)
-    def fastest(draft_len: int, speculative: bool, reference=None) -> Pass:
-        runs = [measure_workload(model, prompts, draft_len, speculative, reference, bar.tick) for _ in range(repeats)]
+    def fastest(draft_len: int, speculative: bool, reference=None, tree=None) -> Pass:
+        runs = [measure_workload(model, prompts, draft_len, speculative, reference, bar.tick, tree)
+                for _ in range(repeats)]
         return max(runs, key=lambda p: p.tokens_per_s)
 
     bar.phase("baseline")
@@ -306,25 +366,31 @@ def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar) 
     bar.phase("draft length")
     sweep = sweep_draft_len(lambda d: fastest(d, True, baseline),
                             heuristic_draft_len(model.manifest, device.split(":")[0]), draft_lens, longest)
-    best = max(sweep.values(), key=lambda p: p.tokens_per_s)
+    chain = max(sweep.values(), key=lambda p: p.tokens_per_s)
+    trees = {}
+    if getattr(model.drafter, "tree_drafts", False) and (tree_shapes is None or tree_shapes):
+        bar.phase("draft trees")
+        trees = sweep_tree(lambda s: fastest(s[0], True, baseline, TreeShape(s[1], s[2])),
+                           tree_start(chain.draft_len, longest), tree_shapes, longest)
+    best = max([*sweep.values(), *trees.values()], key=lambda p: p.tokens_per_s)
     pays = best.tokens_per_s > baseline.tokens_per_s
     bar.phase("cost curve")
+    model.target.setup_cache(max(64, sum(KEY_PROBE)), 1)
     cost = measure_cost(model.target, [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * max(concurrency)])
     bar.phase("concurrency")
     prior = best.stats.position_acceptance or None
-    points = _concurrency_sweep(model, prompts, sorted(set(concurrency)), best.draft_len, bar, cost, prior) \
-        if pays else []
+    points = _concurrency_sweep(model, prompts, sorted(set(concurrency)), best, bar, cost, prior) if pays else []
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {"baseline": baseline, "sweep": sweep, "best": best, "pays": pays, "points": points, "peak": peak,
-            "limit": _concurrency_limit(points) if pays else 0, "cost": cost}
+    return {"baseline": baseline, "sweep": sweep, "trees": trees, "best": best, "pays": pays, "points": points,
+            "peak": peak, "limit": _concurrency_limit(points) if pays else 0, "cost": cost}
 
 
-def _concurrency_sweep(model, prompts, levels, draft_len, bar, cost, prior) -> list[ConcurrencyPoint]:
+def _concurrency_sweep(model, prompts, levels, best: Pass, bar, cost, prior) -> list[ConcurrencyPoint]:
     points = []
     for n in levels:
-        base = measure_concurrency(model, prompts, n, draft_len, False, bar.tick)
-        spec = measure_concurrency(model, prompts, n, draft_len, True, bar.tick, cost, prior)
+        base = measure_concurrency(model, prompts, n, best.draft_len, False, bar.tick)
+        spec = measure_concurrency(model, prompts, n, best.draft_len, True, bar.tick, cost, prior, best.tree)
         points.append(ConcurrencyPoint(concurrency=n, baseline_tokens_per_s=base.tokens_per_s,
                                        speculative_tokens_per_s=spec.tokens_per_s, baseline_p50_s=base.p50_s,
                                        baseline_p95_s=base.p95_s, speculative_p50_s=spec.p50_s,
@@ -355,19 +421,27 @@ def _profile(model, wl: Workload, max_new_tokens, backend, device, dtype, f: dic
         speedup=chosen.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0,
         acceptance_length=chosen.stats.acceptance_length, position_acceptance=chosen.stats.position_acceptance,
         greedy_equal=True, prompts_checked=len(base.outputs),
-        draft_len_sweep=[DraftLenPoint(draft_len=d, tokens_per_s=p.tokens_per_s,
-                                       acceptance_length=p.stats.acceptance_length,
-                                       speedup=p.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
-                         for d, p in sorted(f["sweep"].items())],
+        draft_len_sweep=[_point(p, base) for _, p in sorted(f["sweep"].items())]
+        + [_point(p, base) for _, p in sorted(f["trees"].items())],
         concurrency_sweep=f["points"], hardware=machine.hardware(device), software=_software(backend),
         measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), seconds=seconds)
+    tree = best.tree if pays else None
     settings = ProfileSettings(speculative=pays, draft_len=best.draft_len if pays else 0,
+                               draft_shape="tree" if tree else "chain", tree_topk=tree.topk if tree else 1,
+                               tree_nodes=tree.nodes if tree else 0,
                                max_concurrency=f["limit"], cost_curve=CostCurve(**f["cost"].to_dict()))
     memory = ProfileMemory(weights_bytes=weight_bytes, kv_cache_bytes=kv, context_tokens=model.context_length,
                            required_bytes=weight_bytes + kv, measured_peak_bytes=f["peak"])
     return make_profile(backend=backend, device=device, dtype=dtype, weights=None if weights == "fp32" else weights,
                         drafter=model.manifest.drafter.kind if pays else "none",
                         settings=settings, memory=memory, evidence=evidence)
+
+
+def _point(p: Pass, base: Pass) -> DraftLenPoint:
+    t = p.tree
+    return DraftLenPoint(draft_len=p.draft_len, tree_topk=t.topk if t else 1, tree_nodes=t.nodes if t else 0,
+                         tokens_per_s=p.tokens_per_s, acceptance_length=p.stats.acceptance_length,
+                         speedup=p.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
 
 
 def _software(backend: str) -> Software:

@@ -7,6 +7,9 @@ it cannot represent this drafter at this draft length; empty when it can) and `K
 → writer). A drafter kind is one writer per engine plus its entry in `KINDS`; `export_engine` and the
 "which engines can" hint need no change.
 
+With a validated profile (the fastest measured on cuda, or `--profile NAME`), vLLM's and TensorRT-LLM's
+batch-size draft-length schedules follow its measured concurrency crossover (_schedule.py).
+
 Every export is written atomically into OUT: the drafter in the engine's layout (aux layer ids in
 the engine's own convention; MTP bindings checked, _mtp.py; block drafters, _block.py), the engine
 config, and a README with the exact serve command (tensor-parallel flag included). The target is the
@@ -17,11 +20,11 @@ target, as the draft model); the artifact is verified before anything is exporte
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specpack._atomic import staging_dir
-from specpack.converters.export import _block, _mtp, sglang, trtllm, vllm
+from specpack.converters.export import _block, _mtp, _schedule, sglang, trtllm, vllm
 from specpack.converters.export._common import ExportContext, load_head, write_readme
 from specpack.errors import InputError, UnsupportedError
 
@@ -49,29 +52,72 @@ def capable_engines(manifest, draft_len: int = 1) -> list[str]:
 
 def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None = None,
                   tensor_parallel: int = 1, force: bool = False, public_key: Path | None = None,
-                  progress: bool = False) -> ExportResult:
-    """Verify `artifact`, then write its drafter for `engine` into `out` (atomically)."""
+                  progress: bool = False, profile: str | None = None) -> ExportResult:
+    """Verify `artifact`, then write its drafter for `engine` into `out` (atomically). With a
+    validated profile (`profile`: a name or id, "none" for no profile; default: the fastest one
+    measured on cuda) the engine's batch-size schedule follows its measured concurrency crossover
+    (_schedule.py), at the profile's draft length."""
     from specpack.packager.verify import verify
-    from specpack.schemas.manifest import default_draft_len
 
     module = _engine(engine)
     _check_positive(draft_len=draft_len, tensor_parallel=tensor_parallel)
     manifest = verify(artifact, public_key=public_key, progress=progress).manifest
-    # MTP: one token per step unless asked, the one setting every engine runs as trained
-    draft_len = draft_len or (1 if manifest.drafter.kind == "mtp" else default_draft_len(manifest))
+    draft_len, crossover, notes = _draft_len_and_crossover(module, manifest, draft_len, profile)
     _mtp.check_draft_len(manifest, draft_len)
     _block.check_draft_len(manifest, draft_len)
     _check_representable(module, manifest, draft_len)
     artifact = Path(artifact).absolute()
     head, tensors = load_head(artifact) if manifest.drafter.kind in ("eagle3", "block") else (None, None)
     with staging_dir(Path(out), force) as tmp:
-        ctx = ExportContext(artifact, manifest, tmp, Path(out).absolute(), draft_len, tensor_parallel)
+        ctx = ExportContext(artifact, manifest, tmp, Path(out).absolute(), draft_len, tensor_parallel, crossover,
+                            tuple(notes))
         export = module.KINDS[manifest.drafter.kind](ctx, head, tensors)
+        if crossover is not None and not export.schedule:
+            export = replace(export, schedule=_schedule.measured_lines(crossover) + [
+                f"{module.NAME} has no batch-size draft-length setting: the crossover is not written."])
         write_readme(ctx, engine, export)
         files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
     log.info("exported %s for %s into %s", artifact, engine, out)
     return ExportResult(Path(out), engine, manifest.drafter.kind, export.command,
                         export.config_summary, export.aux_layer_ids, export.aux_convention, files)
+
+
+def _draft_len_and_crossover(module, manifest, draft_len: int | None, profile: str | None):
+    """(the draft length to export, the profile crossover written with it or None, README lines on a
+    profile found but not used). An asked-for profile brings its own draft length; the default one
+    is used only when its draft length is the one asked for (or none is) and this export can run it."""
+    from specpack.schemas.manifest import default_draft_len
+    from specpack.tuning.profiles import profile_for_export
+
+    # MTP: one token per step unless asked, the one setting every engine runs as trained
+    default = draft_len or (1 if manifest.drafter.kind == "mtp" else default_draft_len(manifest))
+    chosen = profile_for_export(manifest, profile)
+    if chosen is None:
+        return default, None, []
+    c = _schedule.Crossover.of(chosen)
+    if profile is not None:
+        if draft_len is not None and draft_len != c.draft_len:
+            raise InputError(f"--draft-len {draft_len} differs from the {c.draft_len} draft tokens profile {c.profile} "
+                             "measured its crossover with", hint="omit --draft-len, or pass --profile none")
+        return c.draft_len, c, []
+    why = None
+    if draft_len is not None and draft_len != c.draft_len:
+        why = f"it measured {c.draft_len} draft tokens, not the {draft_len} asked for"
+    elif not _runs(module, manifest, c.draft_len):
+        why = f"{module.NAME} cannot run this drafter with its {c.draft_len} draft tokens"
+    if why:
+        return default, None, [f"Validated profile {c.profile} was not used ({why}): no schedule written. "
+                               "Pass --profile NAME to use one."]
+    return c.draft_len, c, []
+
+
+def _runs(module, manifest, draft_len: int) -> bool:
+    try:
+        _mtp.check_draft_len(manifest, draft_len)
+        _block.check_draft_len(manifest, draft_len)
+    except InputError:
+        return False
+    return not module.limits(manifest, draft_len)
 
 
 def _engine(engine: str):

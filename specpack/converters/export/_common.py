@@ -8,6 +8,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specpack.converters.export._schedule import Crossover
 from specpack.schemas import Manifest
 
 README = "README.md"
@@ -21,6 +22,8 @@ class ExportContext:
     final_out: Path  # absolute path the export will have once renamed (used in commands)
     draft_len: int
     tensor_parallel: int
+    crossover: Crossover | None = None  # a validated profile's draft length up to its max concurrency
+    schedule_notes: tuple[str, ...] = ()  # README lines on a profile found but not written
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,7 @@ class EngineExport:
     aux_layer_ids: list[int] | None = None
     aux_convention: str | None = None
     bindings: list[str] = field(default_factory=list)  # README "Bindings" lines (MTP)
+    schedule: list[str] = field(default_factory=list)  # README lines on the draft length by concurrency
 
 
 def load_head(artifact: Path) -> tuple[dict, dict]:
@@ -131,6 +135,9 @@ def write_readme(ctx: ExportContext, engine: str, export: EngineExport) -> None:
                   f"artifact states {d.aux_hidden_states.layer_ids} as input of layer i).", ""]
     if export.bindings:
         lines += ["## Bindings", ""] + [f"- {b}" for b in export.bindings] + [""]
+    schedule = list(ctx.schedule_notes) + export.schedule
+    if schedule:
+        lines += ["## Draft length by concurrency", ""] + [f"- {s}" for s in schedule] + [""]
     lines += ["## Scale-out", "",
               f"`{ctx.tensor_parallel}` is the tensor-parallel size used above; set it to the GPUs "
               "per replica (it must divide the target's attention heads and KV heads). The drafter "

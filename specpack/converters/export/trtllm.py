@@ -37,6 +37,7 @@ Sources followed (NVIDIA/TensorRT-LLM main; the commit each file was read at is 
   `mtp.fc`, `mtp.norm`, `mtp.pre_fc_norm_{embedding,hidden}` and `mtp.layers.{i}.*` from the target.
   These bind as the artifact's canonical Qwen3-Next MTP does; docs/source/models/supported-models.md
   (00b6d5a25c30) still marks MTP "No" for Qwen3NextForCausalLM (the README says so).
+- The batch-size schedule `draft_len_schedule`, and the decoding modes that read it: export/_schedule.py.
 - Block drafters (draft dir: export/_block.py). llm_args.py (0004396720054fd8e205cbf616f21f0b57c6b412):
   `DFlashDecodingConfig` (`decoding_type: DFlash`, `max_draft_len` = K draft tokens, K + 1 per step,
   `mask_token_id`, `target_layer_ids` read like dflash_config.target_layer_ids: output of layer i) and
@@ -52,7 +53,7 @@ Sources followed (NVIDIA/TensorRT-LLM main; the commit each file was read at is 
 
 from __future__ import annotations
 
-from specpack.converters.export import _block, _mtp
+from specpack.converters.export import _block, _mtp, _schedule
 from specpack.converters.export._common import (EngineExport, ExportContext, aux_problems,
                                                 embedding_problems, hf_draft_config, midlayer_names,
                                                 output_of_layer, quote, save_tensors, write_json)
@@ -102,10 +103,11 @@ def write_eagle3(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
     spec = {"decoding_type": "Eagle3", "max_draft_len": ctx.draft_len,
             "speculative_model_dir": str(ctx.final_out / DRAFT_DIR), "eagle3_one_model": True,
             "eagle3_layers_to_capture": ids}
+    schedule = _with_schedule(ctx, spec)
     _write_yaml(ctx, spec)
     notes = ["`eagle3_layers_to_capture` counts *output of layer i* and is a set: TensorRT-LLM "
              "concatenates the captured states in layer order, as the head was trained."]
-    return EngineExport(_serve(ctx), {"speculative_config": spec}, notes, ids, "output_of_layer")
+    return EngineExport(_serve(ctx), {"speculative_config": spec}, notes, ids, "output_of_layer", schedule=schedule)
 
 
 BLOCK = {("dflash", "fill_in"): None, ("lilicorr", "fill_in"): None, ("dspark", "anchor_first"): None,
@@ -132,6 +134,8 @@ def write_block(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
     if dspark:
         spec.update(block_size=d.block_size, markov_rank=d.markov.rank if d.markov else 0,
                     markov_head_type=d.markov.type if d.markov else "vanilla")
+    schedule = _with_schedule(ctx, spec, "TensorRT-LLM's DSpark mode takes no dynamic draft length (interface.py "
+                                         "support_dynamic_draft_len leaves DSPARK out)" if dspark else None)
     _write_yaml(ctx, spec)
     count = f"max_draft_len {ctx.draft_len} (draft tokens; TensorRT-LLM verifies max_draft_len + 1)"
     notes = ["`target_layer_ids` count *output of layer i*, as in the draft's dflash_config.",
@@ -140,22 +144,26 @@ def write_block(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
         notes.append("The confidence head is carried in the draft weights; TensorRT-LLM releases before "
                      "1.4.0rc4 do not use it (outputs are unchanged, only the verified length is not adapted).")
     return EngineExport(_serve(ctx), {"speculative_config": spec}, notes, ids, "output_of_layer",
-                        bindings=_block.bindings(ctx, "TensorRT-LLM", count, ids, "output_of_layer"))
+                        bindings=_block.bindings(ctx, "TensorRT-LLM", count, ids, "output_of_layer"), schedule=schedule)
 
 
 def write_ngram(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
     d = ctx.manifest.drafter
     spec = {"decoding_type": "NGram", "max_draft_len": ctx.draft_len,
             "max_matching_ngram_size": d.max_n}
+    schedule = _with_schedule(ctx, spec)
     _write_yaml(ctx, spec)
     notes = [f"TensorRT-LLM matches n-grams from {d.max_n} tokens down to 1; the artifact's "
              f"minimum n ({d.min_n}) has no TensorRT-LLM setting. Outputs stay lossless; only the "
              "proposals, and so the speed, can differ."]
-    return EngineExport(_serve(ctx), {"speculative_config": spec}, notes)
+    return EngineExport(_serve(ctx), {"speculative_config": spec}, notes, schedule=schedule)
 
 
 def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
     spec = {"decoding_type": "MTP", "max_draft_len": ctx.draft_len}
+    layers = ctx.manifest.drafter.num_layers
+    schedule = _with_schedule(ctx, spec, f"TensorRT-LLM runs these {layers} MTP layers as vanilla MTP, which ignores "
+                                         "it (speculative/utils.py)" if layers > 1 else None)
     _write_yaml(ctx, spec)
     reads = _mtp.check_reads(ctx, "TensorRT-LLM")
     notes = ["No weights are written: TensorRT-LLM builds the MTP module from the target checkpoint "
@@ -169,7 +177,18 @@ def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
                      "bindings stated above: validate acceptance on your workload before relying on it.")
     how = MTP[ctx.manifest.drafter.source_layout]
     return EngineExport(_serve(ctx, _mtp.remote_code(ctx)), {"speculative_config": spec}, notes,
-                        bindings=_mtp.bindings(ctx, "TensorRT-LLM", how, reads))
+                        bindings=_mtp.bindings(ctx, "TensorRT-LLM", how, reads), schedule=schedule)
+
+
+def _with_schedule(ctx: ExportContext, spec: dict, unsupported: str | None = None) -> list[str]:
+    """The profile's crossover as `draft_len_schedule` where this decoding mode reads one; README lines."""
+    c = ctx.crossover
+    if c is None:
+        return []
+    if unsupported:
+        return _schedule.measured_lines(c) + [f"No `draft_len_schedule` written: {unsupported}."]
+    spec["draft_len_schedule"] = _schedule.trtllm(c)
+    return _schedule.trtllm_lines(c)
 
 
 def _write_yaml(ctx: ExportContext, spec: dict) -> None:

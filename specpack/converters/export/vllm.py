@@ -29,6 +29,7 @@ Sources followed (read with the search tool, not guessed):
   `input_proj(cat(hidden_layernorm(h), token_layernorm(emb)))`, returns `final_layernorm(..)`;
   mimo.py's model returns the last layer output before the norm. qwen3_next_mtp.py: `mtp.*`
   (`fc(cat(pre_fc_norm_embedding(emb), pre_fc_norm_hidden(h)))`), returns `norm(..)`.
+- The batch-size schedule `num_speculative_tokens_per_batch_size`: export/_schedule.py.
 - Block drafters (config and ids: export/_block.py). `method: dflash` for fill-in DFlash
   (`DFlashDraftModel`) and LiLiCorr (`LiLiCorrDraftModel`), N = num_speculative_tokens <= B - 1;
   `method: dspark` (`Qwen3DSparkModel`), N <= B anchor-first, <= B - 1 fill-in
@@ -50,7 +51,7 @@ from __future__ import annotations
 
 import json
 
-from specpack.converters.export import _block, _mtp
+from specpack.converters.export import _block, _mtp, _schedule
 from specpack.converters.export._common import (EngineExport, ExportContext, aux_problems,
                                                 embedding_problems, quote, write_json)
 from specpack.packager.hashing import place_file
@@ -120,8 +121,9 @@ def write_block(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
                      "`draft_sample_method: probabilistic` samples the correlator's walk.")
     if d.confidence:
         notes.append("The confidence head is loaded; vLLM uses it for `enable_adaptive_verification` (PR #47808).")
+    schedule = _with_schedule(ctx, spec)
     return EngineExport(_serve(ctx, spec), {"speculative_config": spec}, notes, ids, "input_of_layer",
-                        bindings=_block.bindings(ctx, "vLLM", count, ids, "input_of_layer"))
+                        bindings=_block.bindings(ctx, "vLLM", count, ids, "input_of_layer"), schedule=schedule)
 
 
 def write_eagle3(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
@@ -138,22 +140,25 @@ def write_eagle3(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
     if ctx.manifest.drafter.embedding_source == "drafter":
         notes.append("The head carries its own `embed_tokens` (it differs from the target's); "
                      "vLLM releases that compare the two keep it, older ones share the target's.")
+    schedule = _with_schedule(ctx, spec)
     return EngineExport(_serve(ctx, spec), {"speculative_config": spec}, notes, ids,
-                        "input_of_layer")
+                        "input_of_layer", schedule=schedule)
 
 
 def write_ngram(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
     d = ctx.manifest.drafter
     spec = {"method": "ngram", "num_speculative_tokens": ctx.draft_len,
             "prompt_lookup_min": d.min_n, "prompt_lookup_max": d.max_n}
+    schedule = _with_schedule(ctx, spec)
     write_json(ctx.out / "speculative_config.json", spec)
     return EngineExport(_serve(ctx, spec), {"speculative_config": spec},
-                        ["No weights: vLLM's ngram proposer looks the context up itself."])
+                        ["No weights: vLLM's ngram proposer looks the context up itself."], schedule=schedule)
 
 
 def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
     d, arch = ctx.manifest.drafter, ctx.manifest.target.architecture
     spec = {"method": "mtp", "num_speculative_tokens": ctx.draft_len}
+    schedule = _with_schedule(ctx, spec)
     write_json(ctx.out / "speculative_config.json", spec)
     reads = _mtp.check_reads(ctx, "vLLM", _deepseek_copies(ctx.manifest)[0])
     notes = [f"No weights are written: with no `model` in the speculative config vLLM reads the MTP "
@@ -162,7 +167,16 @@ def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
              f"`{MTP_ALIASES.get(arch, 'mtp')}`, and some of those feed draft steps 2.. the target's "
              "hidden state instead of the MTP output (v1/spec_decode/eagle.py)."]
     return EngineExport(_serve(ctx, spec, _mtp.remote_code(ctx)), {"speculative_config": spec}, notes,
-                        bindings=_mtp.bindings(ctx, "vLLM", MTP[d.source_layout], reads))
+                        bindings=_mtp.bindings(ctx, "vLLM", MTP[d.source_layout], reads), schedule=schedule)
+
+
+def _with_schedule(ctx: ExportContext, spec: dict) -> list[str]:
+    """The profile's crossover as `num_speculative_tokens_per_batch_size` (vLLM's scheduler applies it
+    to every method); README lines."""
+    if ctx.crossover is None:
+        return []
+    spec["num_speculative_tokens_per_batch_size"] = _schedule.vllm(ctx.crossover)
+    return _schedule.vllm_lines(ctx.crossover)
 
 
 def _deepseek_copies(manifest) -> tuple[list[str], list[str]]:

@@ -1,7 +1,8 @@
 """Export an artifact's target and drafter as the ONNX graphs the speculative loop runs.
 
     export_onnx(ART, key=...)  ->  ART/exports/onnx/{target.onnx, eagle3.onnx | draft_model.onnx |
-                                                     mtp.{k}.onnx..., weights.bin, index.json}
+                                       mtp.{k}.onnx... | block_context.onnx + block_step.onnx,
+                                       weights.bin, index.json}
 
 Graphs (fp32, opset 17, weights in one external data file shared by all graphs):
 
@@ -22,8 +23,12 @@ Graphs (fp32, opset 17, weights in one external data file shared by all graphs):
   inputs and the layer's own cache (`past_key`/`past_value` or `past_latent`); outputs
   `hidden_out [T, H]`, `logits [K, V]` and the new slots (module `mtp`).
 
-n-gram needs no drafter graph. One module per graph family: `target`, `eagle3`, `mtp` over the
-layer families `dense` and `deepseek` (`layers` holds what they share), `pipeline` the export.
+- `block_context` and `block_step`, a block drafter's (DFlash, DSpark, LiLiCorr): the per-layer
+  context K/V of newly committed positions (written into the drafter's own cache as `new_*`), and
+  one query block over that cache; the algorithms' heads run on the host (module `block`).
+
+n-gram needs no drafter graph. One module per graph family: `target`, `eagle3`, `mtp`, `block` over
+the layer families `dense` and `deepseek` (`layers` holds what they share), `pipeline` the export.
 
 Why the cache is slot-major `[slots, ...]` per layer with only the new slots out: the runtime keeps
 one preallocated buffer per layer, passes its first P slots as `past` (a contiguous prefix: no copy)

@@ -36,14 +36,18 @@ class Attention(nn.Module):
         self.q_norm = param(attn.q_norm.weight if attn.q_norm is not None else None, seen)
         self.k_norm = param(attn.k_norm.weight if attn.k_norm is not None else None, seen)
 
-    def forward(self, x, cos, sin, mask, past):
-        past_k, past_v = past
+    def project(self, x, cos, sin):
+        """x [T, H] -> q [T, heads, hd], k and v [T, kv_heads, hd] (normed and roped as the runtime does)."""
         T, hd = x.shape[0], self.head_dim
         q, k, v = F.linear(x, self.qkv_w, self.qkv_b).split(
             [self.heads * hd, self.kv_heads * hd, self.kv_heads * hd], -1)
         q, k, v = q.reshape(T, self.heads, hd), k.reshape(T, self.kv_heads, hd), v.reshape(T, self.kv_heads, hd)
         if self.q_norm is not None:
             q, k = rms(q, self.q_norm, self.eps), rms(k, self.k_norm, self.eps)
-        q, k = rope(q, cos, sin), rope(k, cos, sin)
+        return rope(q, cos, sin), rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, mask, past):
+        past_k, past_v = past
+        q, k, v = self.project(x, cos, sin)
         y = attend(q, k, v, past_k, past_v, mask)
         return F.linear(y, self.o_w, self.o_b), [k, v]

@@ -26,6 +26,7 @@ class Graph(NamedTuple):
     io: tuple[list[tuple], list[tuple]]  # (inputs, outputs) as (name, dtype, shape) with symbolic dims
     num_layers: int
     layer: int | None = None  # mtp_step: which MTP layer
+    examples: dict | None = None  # example sizes of symbolic dims for tracing, where the defaults do not fit
 
 
 @dataclass(frozen=True)
@@ -114,22 +115,27 @@ class Rope(nn.Module):
         return emb.cos() * self.factor, emb.sin() * self.factor
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor,
-           scale: float | None = None) -> Tensor:
+def attend(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor | None,
+           scale: float | None = None, new_mask: Tensor | None = None) -> Tensor:
     """GQA attention of T new queries over P cached and T new keys, without concatenating the cache.
 
     q: [T, heads, hd]; k: [T, kv, hd]; v: [T, kv, vd]; past_k, past_v: [P, kv, hd | vd];
-    mask: [T, P+T] -> [T, heads*vd]. `scale` defaults to 1/sqrt(hd)."""
+    mask: [T, P+T], or None with `new_mask` [T, T] (or None): every cached key visible, the new
+    ones as `new_mask` says -> [T, heads*vd]. `scale` defaults to 1/sqrt(hd)."""
     T, heads, hd = q.shape
     kv, vd = k.shape[1], v.shape[-1]
     G = heads // kv
     scale = 1.0 / math.sqrt(hd) if scale is None else scale
     # query head h uses key head h // G: group the queries as [kv, G*T, hd]
     qg = q.reshape(T, kv, G, hd).permute(1, 2, 0, 3).reshape(kv, G * T, hd) * scale
-    scores = torch.cat([qg @ past_k.permute(1, 2, 0), qg @ k.permute(1, 2, 0)], dim=-1)  # [kv, G*T, P+T]
+    new = qg @ k.permute(1, 2, 0)  # [kv, G*T, T]
+    if new_mask is not None:
+        new = new.reshape(kv, G, T, T).masked_fill(~new_mask, float("-inf")).reshape(kv, G * T, T)
+    scores = torch.cat([qg @ past_k.permute(1, 2, 0), new], dim=-1)  # [kv, G*T, P+T]
     S = scores.shape[-1]
-    scores = scores.reshape(kv, G, T, S).masked_fill(~mask, float("-inf"))
-    p = scores.softmax(-1).reshape(kv, G * T, S)
+    if mask is not None:
+        scores = scores.reshape(kv, G, T, S).masked_fill(~mask, float("-inf")).reshape(kv, G * T, S)
+    p = scores.softmax(-1)
     P = past_k.shape[0]
     y = p[..., :P] @ past_v.permute(1, 0, 2) + p[..., P:] @ v.permute(1, 0, 2)  # [kv, G*T, vd]
     return y.reshape(kv, G, T, vd).permute(2, 0, 1, 3).reshape(T, heads * vd)

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from specpack.converters.onnx_export import eagle3, mtp, target
+from specpack.converters.onnx_export import block, eagle3, mtp, target
 from specpack.errors import OutputError
 from specpack.schemas.exports import ONNX_DIR, Exports, OnnxExport, OnnxGraph, TensorInfo
 from specpack.schemas.exports import ONNX_INDEX_NAME as INDEX_NAME
@@ -68,7 +68,16 @@ def export_onnx(artifact: Path, key: Path | None = None, public_key: Path | None
 
 # drafter kind -> its graphs, from the drafter module the runtime loads (n-gram needs none)
 DRAFTER_GRAPHS = {"ngram": lambda drafter: [], "eagle3": eagle3.graphs, "draft_model": target.draft_graphs,
-                  "mtp": mtp.graphs}
+                  "mtp": mtp.graphs, "block": block.graphs}
+
+
+def _aux_layers(drafter) -> tuple[int, ...]:
+    """The target layers whose input hidden states the drafter reads (the target graph's `aux`)."""
+    if drafter.kind == "eagle3":
+        return tuple(drafter.aux_hidden_states.layer_ids)
+    if drafter.kind == "block":
+        return tuple(drafter.target_features.layer_ids)
+    return ()
 
 
 def _export_graphs(artifact: Path, manifest, out: Path, progress: bool) -> OnnxExport:
@@ -81,20 +90,27 @@ def _export_graphs(artifact: Path, manifest, out: Path, progress: bool) -> OnnxE
                                hint="supported: " + ", ".join(DRAFTER_GRAPHS))
     model = load_target(artifact)
     drafter = None if kind == "ngram" else load_drafter(kind, None, artifact / "drafter", model)
-    aux = tuple(manifest.drafter.aux_hidden_states.layer_ids) if kind == "eagle3" else ()
+    aux = _aux_layers(manifest.drafter)
     hidden = drafter.spec.target_hidden_state if kind == "mtp" else None
+    entries = write_graphs([target.graph(model, aux, hidden), *DRAFTER_GRAPHS[kind](drafter)], out)
+    return OnnxExport(opset=OPSET, data_file=f"{ONNX_DIR}/{DATA_NAME}", max_verify_tokens=MAX_DRAFT_LEN + 1,
+                      aux_layer_ids=list(aux) or None, target_hidden=hidden, drafter_kind=kind,
+                      exporter=f"torch.onnx (TorchScript) {torch.__version__}", graphs=entries)
+
+
+def write_graphs(graphs: list, out: Path, prefix: str = ONNX_DIR) -> list[OnnxGraph]:
+    """Trace `graphs` (layers.Graph) into `out` with one shared weights file, check them, and
+    return their index entries (paths `prefix/file`)."""
     protos, entries = {}, []
-    for g in [target.graph(model, aux, hidden), *DRAFTER_GRAPHS[kind](drafter)]:
+    for g in graphs:
         log.info("exporting the %s graph %s (%d layers)", g.role, g.file, g.num_layers)
-        protos[g.file], io = _trace(g.module, g.io, out / f"raw-{g.file}")
-        entries.append(OnnxGraph(role=g.role, path=f"{ONNX_DIR}/{g.file}", num_layers=g.num_layers, layer=g.layer,
+        protos[g.file], io = _trace(g.module, g.io, out / f"raw-{g.file}", g.examples)
+        entries.append(OnnxGraph(role=g.role, path=f"{prefix}/{g.file}", num_layers=g.num_layers, layer=g.layer,
                                  **io))
     _save_graphs(protos, out, DATA_NAME)
     for name in protos:
         _check(out / name)
-    return OnnxExport(opset=OPSET, data_file=f"{ONNX_DIR}/{DATA_NAME}", max_verify_tokens=MAX_DRAFT_LEN + 1,
-                      aux_layer_ids=list(aux) or None, target_hidden=hidden, drafter_kind=kind,
-                      exporter=f"torch.onnx (TorchScript) {torch.__version__}", graphs=entries)
+    return entries
 
 
 # ---- tracing ----
@@ -104,8 +120,8 @@ _EXAMPLE = {"T": 5, "P": 3, "K": 4, "R": 2, "U": 3, "P+T": 8}
 _TORCH = {"int64": torch.long, "bool": torch.bool, "float32": torch.float32}
 
 
-def _example(name: str, dtype: str, shape: list) -> Tensor:
-    dims = [_EXAMPLE.get(d, d) for d in shape]
+def _example(name: str, dtype: str, shape: list, sizes: dict) -> Tensor:
+    dims = [sizes.get(d, d) for d in shape]
     if name == "mask":
         return torch.ones(dims, dtype=torch.bool).tril(_EXAMPLE["P"])
     if name == "positions":
@@ -117,14 +133,15 @@ def _example(name: str, dtype: str, shape: list) -> Tensor:
     return torch.randn(dims)
 
 
-def _trace(module: nn.Module, io, raw: Path):
+def _trace(module: nn.Module, io, raw: Path, examples: dict | None = None):
     """torch.onnx.export (TorchScript: robust for this static-shape-free code) -> (ModelProto, io dict)."""
     import warnings
 
     import onnx
 
     inputs, outputs = io
-    args = tuple(_example(*i) for i in inputs)
+    sizes = {**_EXAMPLE, **(examples or {})}
+    args = tuple(_example(*i, sizes) for i in inputs)
     dynamic = {n: {k: d for k, d in enumerate(shape) if isinstance(d, str)} for n, _, shape in inputs + outputs}
     raw.mkdir(parents=True)
     with warnings.catch_warnings(), torch.no_grad():

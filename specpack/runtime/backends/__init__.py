@@ -6,13 +6,15 @@ Every backend module exposes `NAME` and
 
 `target` quacks like `runtime.model.Decoder` as far as the engine needs: `.spec`, `.device`,
 `.dtype`, `.setup_cache(max_len, slots)`, `.forward_rows(tokens, rows, capture, logits_rows) ->
-Output(logits, aux)` over the new rows of many sequences (runtime.rows), and the single-sequence
+Output(logits, aux)` over the new rows of many sequences (runtime.rows), `.compact(slot, src, dst)`
+(a verified draft tree's accepted rows moved after the prefix), and the single-sequence
 `target(tokens, positions=None, mask=None, capture=(), last_only=False)` with `.cache.length`.
 `drafter` has `.kind`, `.capture_layers`, `.reserve(slots, max_len)`, `.start(slot)` and
 `.draft(jobs) -> [Draft]`. So `SpecModel(target, drafter)` and the engine run unchanged on every
 backend.
 
-The graph backends (onnxruntime, tensorrt) share `GraphTarget` / `GraphEagle3` / `GraphMtp` below:
+The graph backends (onnxruntime, tensorrt) share `GraphTarget` / `GraphEagle3` / `GraphMtp` below
+(and `graph_block.GraphBlock` for block drafters):
 the exported graphs (converters/onnx_export) read the P cached slots of each layer and write the T
 new ones, one sequence per call, and these adapters keep one cache per sequence slot, the length
 pointers and the masks exactly as the torch model does. The drafters' own loops (`draft`) are the
@@ -73,6 +75,12 @@ class SlotCache:
         """Views of the T slots after the committed ones, in the same order."""
         return list(self.store[:, self.length : self.length + T].unbind(0))
 
+    @torch.inference_mode()
+    def compact(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move the slots at positions `src` to `dst` in every entry (as `KVCache.compact`)."""
+        s, d = torch.as_tensor(src, device=self.store.device), torch.as_tensor(dst, device=self.store.device)
+        self.store[:, d] = self.store[:, s]
+
 
 def cache_layout(graph) -> tuple[int, list[int]]:
     """(entries, slot shape) of a step graph's cache: one entry per `past_*` input [P, *slot]."""
@@ -119,11 +127,13 @@ def segment_calls(cache: SlotCache, seg, wanted: Sequence[int], size: int | None
 
 
 def full_mask(start: int, T: int, block: Tensor | None, device) -> Tensor:
-    """[T, start+T] bool: every cached slot plus `block` [T, T] among the new tokens (causal when None),
-    the same rule as `KVCache.mask` but always materialised (the graphs take a mask input)."""
+    """[T, start+T] bool: every cached slot before `block` [T, W] (the last W positions, the new
+    tokens last; causal [T, T] when None), the rule of `rows.Segment` always materialised (the
+    graphs take a mask input)."""
     if block is None:
         block = torch.ones(T, T, dtype=torch.bool, device=device).tril()
-    return torch.cat([torch.ones(T, start, dtype=torch.bool, device=device), block.to(device, torch.bool)], 1)
+    seen = torch.ones(T, start + T - block.shape[1], dtype=torch.bool, device=device)
+    return torch.cat([seen, block.to(device, torch.bool)], 1)
 
 
 class GraphTarget:
@@ -157,6 +167,10 @@ class GraphTarget:
         for c in self.caches:
             c.length = 0
         self.cache = self.caches[0]
+
+    def compact(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move cache rows of `slot` from positions `src` to `dst` (the contract of `Decoder.compact`)."""
+        self.caches[slot].compact(src, dst)
 
     def _output_of(self, capture: Sequence[int]) -> str | None:
         if not capture:
@@ -236,6 +250,7 @@ class GraphEagle3:
 
     kind = "eagle3"
     draft, _choose, start = Eagle3Drafter.draft, Eagle3Drafter._choose, Eagle3Drafter.start
+    _grow, _branch, tree_drafts = Eagle3Drafter._grow, Eagle3Drafter._branch, True
     reset, propose = Eagle3Drafter.reset, Eagle3Drafter.propose
     max_tokens_per_call: int | None = None
 
@@ -293,6 +308,7 @@ class GraphMtp:
     kind = "mtp"
     draft, check_draft_len, start = MtpDrafter.draft, MtpDrafter.check_draft_len, MtpDrafter.start
     _absorb, _reuse, _choose = MtpDrafter._absorb, MtpDrafter._reuse, MtpDrafter._choose
+    tree_drafts = True
     reset, propose = MtpDrafter.reset, MtpDrafter.propose
     max_tokens_per_call: int | None = None
 

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from specpack.errors import InputError, UnsupportedError
 from specpack.runtime.backends import GraphEagle3, GraphMtp, GraphTarget, eagle3_files, mtp_files
+from specpack.runtime.backends.graph_block import GraphBlock, block_files
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", thread
         return target, DraftModelDrafter(draft, target.spec.vocab_size)
     if kind == "mtp":
         return target, OrtMtp(artifact, index, mtp_files(artifact), target, threads)
+    if kind == "block":
+        return target, OrtBlock(artifact, index, *block_files(artifact / "drafter"), threads)
     return target, load_drafter(kind, manifest.drafter.model_dump(exclude={"kind"}), None, None)
 
 
@@ -169,3 +172,25 @@ class OrtMtp(GraphMtp):
         inputs = dict(zip(self.names[k], [hidden, tokens, positions, mask, rows, *cache.past()]))
         self.binders[k].run(inputs, {**out, **dict(zip(self.new_names[k], cache.new(T)))})
         return out["hidden_out"], out["logits"]
+
+
+class OrtBlock(GraphBlock):
+    """The block drafter's context and step graphs on ONNX Runtime, drafting exactly as `BlockDrafter`."""
+
+    def __init__(self, artifact: Path, index, spec, heads: dict, threads: int = DEFAULT_THREADS):
+        context, step = index.graph("block_context"), index.graph("block_step")
+        super().__init__(spec, heads, context, step, torch.device("cpu"), torch.float32)
+        self.context_binder = _Binder(session(artifact / context.path, threads))
+        self.step_binder = _Binder(session(artifact / step.path, threads))
+
+    def _run_context(self, cache, feats, positions):
+        T = feats.shape[0]
+        out = torch.empty(T, self.spec.hidden_size)
+        self.context_binder.run({"feats": feats, "positions": positions},
+                                {"context": out, **dict(zip(self.new_names, cache.new(T)))})
+        return out
+
+    def _run_step(self, cache, tokens, positions, rows):
+        outputs = self._step_outputs(rows.shape[0])
+        self.step_binder.run(dict(zip(self.step_names, [tokens, positions, rows, *cache.past()])), outputs)
+        return outputs

@@ -1,7 +1,8 @@
 """TensorRT backend (NVIDIA GPU): engines built from the artifact's ONNX export, run on CUDA buffers.
 
     engines/<sm_XX>/<role>-<dtype>.plan   the serialized engine (role: target_step | eagle3_step |
-                                          draft_model_step | mtp_step.<layer>)
+                                          draft_model_step | mtp_step.<layer> | block_context |
+                                          block_step)
     engines/<sm_XX>/<role>-<dtype>.json   what it was built for: TensorRT version, GPU, dtype,
                                           optimization profiles, digest of the ONNX graph + weights
 
@@ -35,6 +36,7 @@ from torch import Tensor
 
 from specpack.errors import ConversionError, InputError, MissingDependencyError, UnsupportedError
 from specpack.runtime.backends import GraphEagle3, GraphMtp, GraphTarget, cache_layout, eagle3_files, mtp_files
+from specpack.runtime.backends.graph_block import GraphBlock, block_files
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +64,8 @@ def import_tensorrt():
 class EngineKey(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    role: str = Field(description="Graph role: target_step, eagle3_step, draft_model_step or mtp_step.")
+    role: str = Field(description="Graph role: target_step, eagle3_step, draft_model_step, mtp_step, block_context "
+                                  "or block_step.")
     layer: int | None = Field(None, description="mtp_step: the MTP layer of the graph; else None.")
     tensorrt_version: str = Field(description="TensorRT that built the engine (engines do not move across versions).")
     gpu_name: str = Field(description="GPU model the engine was tuned on.")
@@ -101,12 +104,14 @@ def onnx_digest(manifest, graph_path: str, data_path: str) -> str:
 # ---- optimization profiles ----
 
 def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: int,
-                   max_context: int) -> list[dict[str, tuple[int, int, int]]]:
+                   max_context: int, block_len: int | None = None) -> list[dict[str, tuple[int, int, int]]]:
     """(min, opt, max) of each symbolic dimension, for the decode and the prefill profile.
 
     T: new tokens; P: cached slots; K: logits rows; R/U: feature/hidden rows of the head (R+U = T).
     An MTP layer asks for one row's logits and, after each verification, runs over the few newly
-    committed rows (after the prefill: the whole prompt, in the prefill profile)."""
+    committed rows (after the prefill: the whole prompt, in the prefill profile). A block drafter's
+    context graph runs over the newly committed rows too; its step graph has one profile: a
+    `block_len`-row block (a fixed size in the graph) asking for up to `block_len` rows' logits."""
     def one(t_max, t_opt, k_opt, r_opt, u_opt):
         p_max = max_context - 1
         p_opt = max_context // 2
@@ -118,6 +123,10 @@ def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: i
         return [one(max_verify, 1, 1, 0, 1), one(prefill_chunk, prefill_chunk, 1, prefill_chunk, 0)]
     if role == "mtp_step":
         return [one(max_verify, opt, 1, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
+    if role == "block_context":
+        return [one(max_verify, opt, 1, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
+    if role == "block_step":
+        return [one(block_len, block_len, min(opt, block_len), 0, 0)]
     return [one(max_verify, opt, opt, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
 
 
@@ -361,6 +370,34 @@ class TrtMtp(GraphMtp):
         return out["hidden_out"], out["logits"]
 
 
+class TrtBlock(GraphBlock):
+    """The block drafter's context and step engines, drafting exactly as `BlockDrafter`."""
+
+    def __init__(self, engines: tuple[_Engine, _Engine], graphs: tuple, spec, heads, device, kv_dtype,
+                 prefill_chunk: int):
+        super().__init__(spec, heads, *graphs, device, kv_dtype)
+        (self.context_engine, self.step_engine), self.max_tokens_per_call = engines, prefill_chunk
+        self.staging: _Staging | None = None
+
+    def reserve(self, slots: int, max_len: int) -> None:
+        super().reserve(slots, _padded_len(max_len, self.step_graph, self.dtype))
+        self.staging = _Staging(self.caches[0], self.max_tokens_per_call)
+
+    def _run_context(self, cache, feats, positions):
+        T = feats.shape[0]
+        out = torch.empty(T, self.spec.hidden_size, device=self.device)
+        self.context_engine.run(T, {"feats": feats.float(), "positions": positions},
+                                {"context": out, **dict(zip(self.new_names, self.staging.outputs(T)))})
+        self.staging.commit(cache, T)
+        return out
+
+    def _run_step(self, cache, tokens, positions, rows):
+        outputs = self._step_outputs(rows.shape[0])
+        self.step_engine.run(tokens.shape[0], dict(zip(self.step_names, [tokens, positions, rows, *cache.past()])),
+                             outputs)
+        return outputs
+
+
 def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: Path | None = None,
          max_context: int | None = None, opt_tokens: int = 8, prefill_chunk: int = 256):
     """(target, drafter) running TensorRT engines of the verified `artifact` on `device`.
@@ -385,7 +422,8 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
     kv_dtype = getattr(torch, dtype)
 
     def engine_for(graph) -> _Engine:
-        ranges = profile_ranges(graph.role, index.max_verify_tokens, opt_tokens, prefill_chunk, max_context)
+        block_len = graph.inputs[0].shape[0] if graph.role == "block_step" else None  # tokens [block_len]
+        ranges = profile_ranges(graph.role, index.max_verify_tokens, opt_tokens, prefill_chunk, max_context, block_len)
         name, arch = gpu(dev)
         trt = import_tensorrt()
         wanted = EngineKey(role=graph.role, layer=graph.layer, tensorrt_version=trt.__version__, gpu_name=name,
@@ -412,6 +450,10 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
         graphs = index.graphs_of("mtp_step")
         return target, TrtMtp([engine_for(g) for g in graphs], graphs, mtp_files(artifact), target, dev, kv_dtype,
                               prefill_chunk)
+    if kind == "block":
+        graphs = index.graph("block_context"), index.graph("block_step")
+        return target, TrtBlock(tuple(engine_for(g) for g in graphs), graphs, *block_files(artifact / "drafter"), dev,
+                                kv_dtype, prefill_chunk)
     return target, load_drafter(kind, manifest.drafter.model_dump(exclude={"kind"}), None, None)
 
 

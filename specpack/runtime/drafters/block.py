@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -58,6 +59,19 @@ from specpack.runtime.drafters.block_heads import ConfidenceHead, LiLiCorrHead, 
 from specpack.runtime.drafters.block_spec import HINT, BlockSpec, block_spec_from_config, block_tensor_shapes
 from specpack.runtime.models.dense import Block, KVCache, RMSNorm, apply_rope, rope_inv_freq, rope_tables
 from specpack.runtime.models.rows import Rows, Segment
+
+
+class BlockOut(NamedTuple):
+    """What one query block hands the algorithm, per job: `hidden` [J, N, H] (final norm) of the
+    rows predicting draft positions 0..N-1; `logits` [J, n, Vd] (lm_head, before logit_scale) of
+    the first n of them (`_logit_rows`); for LiLiCorr instead each slot's top-k `candidates`
+    [J, N, k] (target ids), their draft `log_probs` [J, N, k] fp32 and target `embeds` [J, N, k, H]."""
+
+    hidden: Tensor
+    logits: Tensor | None
+    candidates: Tensor | None = None
+    log_probs: Tensor | None = None
+    embeds: Tensor | None = None
 
 
 class BlockDrafter(nn.Module):
@@ -131,16 +145,26 @@ class BlockDrafter(nn.Module):
         """absorb the new context -> the query block -> the algorithm's tokens (at most
         draft_slots per job) and, for DSpark with a confidence head, their confidences."""
         self._absorb(jobs)
-        hidden = self._block(jobs)  # [J, N, H]: the rows predicting draft positions 0..N-1
-        return getattr(self, f"_draft_{self.spec.algorithm}")(hidden, jobs)
+        out = self._block(jobs)
+        return getattr(self, f"_draft_{self.spec.algorithm}")(out, jobs)
 
-    def _absorb(self, jobs: list[DraftJob]) -> None:
-        """Each job's new context rows: K/V into its slot for good, its last row kept (LiLiCorr's anchor)."""
+    def _fresh(self, jobs: list[DraftJob]) -> list[tuple[DraftJob, int]]:
+        """(job, r) for each job with r > 0 new committed positions; checks none was skipped."""
         counts = [0 if j.feats is None else len(j.feats) for j in jobs]
         off = [j.slot for j, r in zip(jobs, counts) if self.lengths[j.slot] + r != len(j.context) - 1]
         if off:  # an engine bug, not a user error: the context would silently shift
             raise RuntimeError(f"block drafter: slots {off} were not handed the features of every committed position")
-        fresh = [(j, r) for j, r in zip(jobs, counts) if r]
+        return [(j, r) for j, r in zip(jobs, counts) if r]
+
+    def _logit_rows(self, jobs: list[DraftJob]) -> int:
+        """How many prediction rows the algorithm reads the logits of: every slot for LiLiCorr's
+        lattice, else the longest draft asked for (a shorter job reads the first of them)."""
+        N = self.spec.draft_slots
+        return N if self.spec.lilicorr is not None else max(min(j.k, N) for j in jobs)
+
+    def _absorb(self, jobs: list[DraftJob]) -> None:
+        """Each job's new context rows: K/V into its slot for good, its last row kept (LiLiCorr's anchor)."""
+        fresh = self._fresh(jobs)
         if not fresh:
             return
         w = self.norm.weight
@@ -157,9 +181,9 @@ class BlockDrafter(nn.Module):
         for j, r in fresh:
             self.lengths[j.slot] += r
 
-    def _block(self, jobs: list[DraftJob]) -> Tensor:
+    def _block(self, jobs: list[DraftJob]) -> BlockOut:
         """The query blocks [anchor, mask, ...] at positions p.. -> the final-norm hidden states of
-        the rows that predict draft positions 0..N-1: [J, N, H]."""
+        the rows that predict draft positions 0..N-1 and what the algorithm reads of their logits."""
         s, dev = self.spec, self.norm.weight.device
         T = s.block_len
         tokens = torch.full((len(jobs), T), s.mask_token_id, dtype=torch.long)
@@ -176,7 +200,12 @@ class BlockDrafter(nn.Module):
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, self.cache.k[i], self.cache.v[i], rows[s.layer_causal[i]])
         a = s.first_prediction
-        return self.norm(x).view(len(jobs), T, -1)[:, a : a + s.draft_slots]
+        hidden = self.norm(x).view(len(jobs), T, -1)[:, a : a + s.draft_slots]  # [J, N, H]
+        logits = self.lm_head(hidden[:, : self._logit_rows(jobs)])  # [J, n, Vd]
+        if s.lilicorr is None:
+            return BlockOut(hidden, logits)
+        log_probs, candidates = logits.float().log_softmax(-1).topk(s.lilicorr.candidate_topk, -1)
+        return BlockOut(hidden, None, candidates, log_probs, self.target_embed(candidates))
 
     def _scaled(self, logits: Tensor) -> Tensor:
         scale = self.spec.logit_scale
@@ -188,19 +217,18 @@ class BlockDrafter(nn.Module):
             return self.draft_to_target[logits.argmax(-1)].tolist()
         return [_pick(logits[i], j, step, self.draft_to_target) for i, j in enumerate(jobs)]
 
-    def _draft_dflash(self, hidden: Tensor, jobs: list[DraftJob]) -> list[Draft]:
+    def _draft_dflash(self, out: BlockOut, jobs: list[DraftJob]) -> list[Draft]:
         """Every slot on its own: argmax, or the keyed sample of softmax(logits) per position."""
         lengths = [min(j.k, self.spec.draft_slots) for j in jobs]
-        logits = self._scaled(self.lm_head(hidden[:, : max(lengths)]))  # [J, k, Vd]
+        logits = self._scaled(out.logits)  # [J, k, Vd]
         chosen = torch.tensor([self._choose(logits[:, q], jobs, q) for q in range(logits.shape[1])]).T
         return [Draft(chosen[i, :n].clone()) for i, n in enumerate(lengths)]
 
-    def _draft_dspark(self, hidden: Tensor, jobs: list[DraftJob]) -> list[Draft]:
+    def _draft_dspark(self, out: BlockOut, jobs: list[DraftJob]) -> list[Draft]:
         """Left to right: slot q's logits + the Markov bias of the token before it (the anchor,
         then the draft just chosen); its confidence from the same pair."""
         lengths = [min(j.k, self.spec.draft_slots) for j in jobs]
-        h = hidden[:, : max(lengths)]
-        base = self.lm_head(h)  # [J, k, Vd]
+        h, base = out.hidden[:, : max(lengths)], out.logits  # [J, k, H], [J, k, Vd]
         prev = torch.stack([j.context[-1] for j in jobs]).to(h.device)
         state, tokens, confidences = None, [], []
         for q in range(h.shape[1]):
@@ -216,13 +244,12 @@ class BlockDrafter(nn.Module):
         return [Draft(chosen[i, :n].clone(), None if conf is None else conf[i, :n].clone())
                 for i, n in enumerate(lengths)]
 
-    def _draft_lilicorr(self, hidden: Tensor, jobs: list[DraftJob]) -> list[Draft]:
+    def _draft_lilicorr(self, out: BlockOut, jobs: list[DraftJob]) -> list[Draft]:
         """Top-k candidates per slot, scored jointly over all N slots; each job walks its first k
         slots from the anchor's row, then row i of each slot after candidate i was chosen."""
-        c = self.spec.lilicorr
-        log_probs, candidates = self.lm_head(hidden).float().log_softmax(-1).topk(c.candidate_topk, -1)
+        candidates = out.candidates
         anchors = self.anchor_ctx[[j.slot for j in jobs]]
-        scores = self.lilicorr(self.target_embed(candidates), log_probs, hidden, anchors)  # [J, N, k, k]
+        scores = self.lilicorr(out.embeds, out.log_probs, out.hidden, anchors)  # [J, N, k, k]
         drafts = []
         for i, j in enumerate(jobs):
             prev, tokens = 0, []

@@ -13,11 +13,13 @@ from torch import Tensor, nn
 
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
+from specpack.runtime.drafters.tree import Branches
 
 
 class DraftModelDrafter(nn.Module):
     kind = "draft_model"
     capture_layers: tuple[int, ...] = ()
+    tree_drafts = True  # each step's top-k alternatives branch off the drafted chain (DraftJob.tree)
 
     def __init__(self, model: nn.Module, target_vocab: int):
         super().__init__()
@@ -58,17 +60,21 @@ class DraftModelDrafter(nn.Module):
         rows = Rows.of([Segment(j.slot, k, len(j.context) - k) for j, k in zip(jobs, keep)], dev)
         tokens = torch.cat([j.context[k:] for j, k in zip(jobs, keep)])
         logits = self.model.forward_rows(tokens, rows, logits_rows=rows.last_rows()).logits
+        branches = Branches(jobs)  # jobs that ask for a tree get each step's alternatives as leaves
         drafts = [[t] for t in self._choose(logits, jobs, 0)]
+        for i, d in enumerate(drafts):
+            branches.add(i, 0, logits[i, : self.vocab], d[0])
         for step in range(1, max(j.k for j in jobs)):
             live = [i for i, j in enumerate(jobs) if j.k > step]
             rows = Rows.of([Segment(jobs[i].slot, len(jobs[i].context) + step - 1, 1) for i in live], dev)
             last = torch.tensor([drafts[i][-1] for i in live], device=dev)
             logits = self.model.forward_rows(last, rows).logits
-            for i, t in zip(live, self._choose(logits, [jobs[i] for i in live], step)):
+            for n, (i, t) in enumerate(zip(live, self._choose(logits, [jobs[i] for i in live], step))):
                 drafts[i].append(t)
+                branches.add(i, step, logits[n, : self.vocab], t)
         for j, d in zip(jobs, drafts):  # the last draft was never fed
             self.seen[j.slot] = torch.cat([j.context, torch.tensor(d[:-1], dtype=torch.long, device=dev)])
-        return [Draft(torch.tensor(d[: j.k], dtype=torch.long)) for j, d in zip(jobs, drafts)]
+        return branches.drafts(drafts)
 
     def reset(self, max_len: int) -> None:
         """One sequence (slot 0), for `propose`."""

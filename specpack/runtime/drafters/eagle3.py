@@ -19,6 +19,7 @@ from specpack.runtime.models.config import RopeScaling, rope_from_config
 from specpack.runtime.models.dense import MLP, Attention, KVCache, RMSNorm, rope_inv_freq, rope_tables
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
+from specpack.runtime.drafters.tree import Tree, branching, children, draft_probs, fed_block
 
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
             "target_hidden_size", "aux_layer_ids", "draft_vocab_size", "target_vocab_size")
@@ -114,6 +115,7 @@ class Eagle3Drafter(nn.Module):
     since its last draft, with the head's own KV cache slot per sequence (`reserve`, `start`)."""
 
     kind = "eagle3"
+    tree_drafts = True  # grows dynamic trees (DraftJob.tree)
 
     def __init__(self, spec: Eagle3Spec, target_embed: nn.Embedding | None = None):
         super().__init__()
@@ -184,6 +186,8 @@ class Eagle3Drafter(nn.Module):
         for j in jobs:
             self.lengths[j.slot] += len(j.feats)
         h = out[rows.last_rows()]  # [J, H]: each job's latest state
+        if any(branching(j) for j in jobs):
+            return self._grow(jobs, h, logits)
         drafts = [[t] for t in self._choose(logits, jobs, 0)]
         for step in range(1, max(j.k for j in jobs)):
             live = [i for i, j in enumerate(jobs) if j.k > step]
@@ -194,6 +198,56 @@ class Eagle3Drafter(nn.Module):
             for i, t in zip(live, self._choose(logits, [jobs[i] for i in live], step)):
                 drafts[i].append(t)
         return [Draft(torch.tensor(d, dtype=torch.long)) for d in drafts]
+
+    def _grow(self, jobs: list[DraftJob], h: Tensor, logits: Tensor) -> list[Draft]:
+        """Dynamic trees (EAGLE-2): from each job's root (state h [J, H], logits [J, Vd]) expand,
+        level by level, the top-k likeliest nodes of the newest level by cumulative draft
+        probability, each into its top-k children, down to the job's depth; keep its best `nodes`.
+        One head forward per level for every job's expanded nodes, each row attending its
+        ancestors' rows (a wide Segment.block); the rows are dropped afterwards, as a chain's are.
+        Jobs without a tree grow a chain (one child per node)."""
+        dev = self.draft_to_target.device
+        trees = [Tree() for _ in jobs]
+        states = [{-1: h[i]} for i in range(len(jobs))]  # node -> the head's state after it
+        fed: list[list[int]] = [[] for _ in jobs]  # the node of each draft row, per job
+        self._branch(trees, [-1] * len(jobs), logits, jobs, 0)
+        for depth in range(1, max(j.k for j in jobs)):
+            plan = [(i, trees[i].best(depth, min(j.tree.topk if branching(j) else 1,
+                                                 self.cache.max_len - self.lengths[j.slot] - len(fed[i]))))
+                    for i, j in enumerate(jobs) if j.k > depth]
+            plan = [(i, nodes) for i, nodes in plan if nodes]
+            if not plan:
+                break
+            segments, tokens, hs = [], [], []
+            for i, nodes in plan:
+                start = self.lengths[jobs[i].slot]
+                segments.append(Segment(jobs[i].slot, start + len(fed[i]), len(nodes),
+                                        fed_block(trees[i].parents, fed[i], nodes),
+                                        torch.full((len(nodes),), start + depth - 1)))
+                tokens += [trees[i].tokens[n] for n in nodes]
+                hs += [states[i][trees[i].parents[n]] for n in nodes]
+                fed[i] += nodes
+            out, lg = self._forward(torch.stack(hs), torch.tensor(tokens, device=dev), Rows.of(segments, dev),
+                                    list(range(len(tokens))))
+            owners = [i for i, nodes in plan for _ in nodes]
+            fed_now = [n for _, nodes in plan for n in nodes]
+            for r, (i, n) in enumerate(zip(owners, fed_now)):
+                states[i][n] = out[r]
+            self._branch([trees[i] for i in owners], fed_now, lg, [jobs[i] for i in owners], depth)
+        return [t.draft(j.tree.nodes if branching(j) else j.k) for t, j in zip(trees, jobs)]
+
+    def _branch(self, trees: list[Tree], parents: list[int], logits: Tensor, jobs: list[DraftJob],
+                step: int) -> None:
+        """Row r of draft-vocab logits [R, Vd] gives trees[r] the children of node parents[r] (-1:
+        the root): the top-k (a sampled job's race winner first, as its chain would draft)."""
+        probs = draft_probs(logits, jobs)
+        firsts = [None if j.sampler is None else
+                  j.sampler.race_index(probs[r], len(j.context) + step, self.draft_to_target)
+                  for r, j in enumerate(jobs)]
+        ks = [j.tree.topk if branching(j) else 1 for j in jobs]
+        for tree, parent, kids in zip(trees, parents, children(probs, ks, firsts, self.draft_to_target)):
+            for token, p in kids:
+                tree.add(parent, token, p)
 
     def reset(self, max_len: int) -> None:
         """One sequence (slot 0), for `propose`."""

@@ -24,6 +24,7 @@ from specpack.errors import InputError
 from specpack.runtime.models.dense import Block, KVCache, RMSNorm
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
+from specpack.runtime.drafters.tree import Branches
 
 FUSION = ("embed_norm.weight", "hidden_norm.weight", "proj.weight", "final_norm.weight")
 
@@ -153,6 +154,7 @@ class MtpDrafter(nn.Module):
     is the target's state, from the features the engine captures: the last layer's output)."""
 
     kind = "mtp"
+    tree_drafts = True  # each step's top-k alternatives branch off the drafted chain (DraftJob.tree)
 
     def __init__(self, spec: MtpSpec, target, kit: _DenseKit):
         super().__init__()
@@ -212,6 +214,7 @@ class MtpDrafter(nn.Module):
         P = [len(j.context) - 1 for j in jobs]  # committed rows per job
         seqs = [j.context for j in jobs]
         drafts: list[list[int]] = [[] for _ in jobs]
+        branches = Branches(jobs)  # jobs that ask for a tree get each step's alternatives as leaves
         for k in range(n_layers):
             starts = [self.done[j.slot][k] for j in jobs]
             rows = Rows.of([Segment(j.slot, s, p - s) for j, s, p in zip(jobs, starts, P)], dev)
@@ -222,11 +225,12 @@ class MtpDrafter(nn.Module):
                 self.outs[j.slot, k + 1, seg.start : seg.start + seg.T] = chain[a : a + seg.T]
             for i, t in enumerate(self._choose(logits, jobs, k)):
                 drafts[i].append(t)
+                branches.add(i, k, logits[i], t)
                 seqs[i] = torch.cat([seqs[i], torch.tensor([t], device=seqs[i].device)])
-        self._reuse(jobs, P, drafts)
+        self._reuse(jobs, P, drafts, branches)
         for j, p in zip(jobs, P):
             self.done[j.slot] = [max(p - k, 0) for k in range(n_layers)]  # draft rows are recomputed
-        return [Draft(torch.tensor(d[: j.k], dtype=torch.long)) for j, d in zip(jobs, drafts)]
+        return branches.drafts(drafts)
 
     def _absorb(self, j: DraftJob) -> None:
         """Copy the target states of the job's newly committed rows into outs[slot, 0]."""
@@ -239,7 +243,7 @@ class MtpDrafter(nn.Module):
             raise RuntimeError(f"MTP drafter: slot {j.slot} has target states for {self.absorbed[j.slot]} "
                                f"rows, its context commits {len(j.context) - 1}")
 
-    def _reuse(self, jobs: list[DraftJob], P: list[int], drafts: list[list[int]]) -> None:
+    def _reuse(self, jobs: list[DraftJob], P: list[int], drafts: list[list[int]], branches: Branches) -> None:
         """Draft steps past the last layer: layer j mod n appends one row per job still drafting."""
         n_layers, dev = self.spec.num_layers, self.outs.device
         h = torch.stack([self.outs[j.slot, n_layers, p - 1] for j, p in zip(jobs, P)])  # [J, H]
@@ -251,8 +255,9 @@ class MtpDrafter(nn.Module):
             tokens = torch.tensor([drafts[i][-1] for i in live], device=dev)
             chain, logits = self._run_layer(k, h[live], tokens, rows)
             h[live] = chain
-            for i, t in zip(live, self._choose(logits, [jobs[i] for i in live], step)):
+            for n, (i, t) in enumerate(zip(live, self._choose(logits, [jobs[i] for i in live], step))):
                 drafts[i].append(t)
+                branches.add(i, step, logits[n], t)
                 ends[i][k] += 1
 
     def reset(self, max_len: int) -> None:

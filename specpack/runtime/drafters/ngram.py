@@ -1,29 +1,56 @@
 """Prompt-lookup drafter: no weights; copies what followed the latest earlier occurrence of the
-context's longest matching suffix (n from max_n down to min_n)."""
+context's longest matching suffix (n from max_n down to min_n). Asked for a tree, it merges what
+followed several earlier occurrences (branches where they differ)."""
 
 from __future__ import annotations
+
+from collections import Counter
 
 import torch
 from torch import Tensor, nn
 
 from specpack.errors import InputError
 from specpack.runtime.drafters.base import Draft, DraftJob
+from specpack.runtime.drafters.tree import Tree, branching
 
 
 def lookup(context: Tensor, min_n: int, max_n: int, k: int) -> Tensor:
     """k tokens that followed the most recent earlier occurrence of the longest suffix of `context`
     [size] of length max_n..min_n; empty when none occurred. When the copy reaches the end of the
     context it goes on copying its own output (as LZ77 does), so a repeating run is proposed in full."""
-    size = context.shape[0]
+    found = continuations(context, min_n, max_n, k, 1)
+    return found[0] if found else context[:0]
+
+
+def continuations(context: Tensor, min_n: int, max_n: int, k: int, count: int) -> list[Tensor]:
+    """Up to `count` continuations (k tokens each, copied as `lookup` does) of distinct earlier
+    occurrences of the context's suffix: longer suffixes first, the most recent occurrence first."""
+    size, out, starts = context.shape[0], [], set()
     for n in range(min(max_n, size - 1), min_n - 1, -1):
         # windows start at 0..size-1-n: every occurrence except the suffix itself
         windows = context[:-1].unfold(0, n, 1)  # [size - n, n]
-        hits = (windows == context[-n:]).all(-1).nonzero()
-        if len(hits):
-            s = int(hits[-1]) + n  # first token after the occurrence
-            period = size - s  # tokens between it and the end of the context
-            return context[s + torch.arange(k, device=context.device) % period]
-    return context[:0]
+        for hit in reversed((windows == context[-n:]).all(-1).nonzero().flatten().tolist()):
+            s = hit + n  # first token after the occurrence
+            if s in starts:
+                continue
+            starts.add(s)
+            out.append(context[s + torch.arange(k, device=context.device) % (size - s)])
+            if len(out) >= count:
+                return out
+    return out
+
+
+def trie(branches: list[Tensor], budget: int) -> Draft:
+    """The continuations merged into a tree (shared prefixes once), each node scored by the share
+    of continuations through it; the `budget` best nodes (ties: the most recent occurrence's)."""
+    seqs = [b.tolist() for b in branches]
+    through = Counter(tuple(q[:d]) for q in seqs for d in range(len(q) + 1))
+    tree = Tree()
+    for q in seqs:
+        node = -1
+        for d in range(1, len(q) + 1):
+            node = tree.add(node, q[d - 1], through[tuple(q[:d])] / through[tuple(q[: d - 1])])
+    return tree.draft(budget)
 
 
 class NgramDrafter(nn.Module):
@@ -34,6 +61,7 @@ class NgramDrafter(nn.Module):
     # Drafts cost nothing and hit in runs (copying) or not at all: follow what the target accepts.
     adaptive_draft_len = True
     free_drafts = True  # the engine's cost model charges nothing for drafting
+    tree_drafts = True  # several earlier occurrences' continuations as branches (DraftJob.tree)
 
     def __init__(self, min_n: int = 2, max_n: int = 4):
         super().__init__()
@@ -49,7 +77,16 @@ class NgramDrafter(nn.Module):
         """Nothing to reset."""
 
     def draft(self, jobs: list[DraftJob]) -> list[Draft]:
-        return [Draft(lookup(j.context, self.min_n, self.max_n, j.k)) for j in jobs]
+        """A chain per job; a job that asks for a tree gets up to `topk` continuations (from
+        distinct earlier occurrences) merged into one."""
+        return [self._tree(j) if branching(j) else Draft(lookup(j.context, self.min_n, self.max_n, j.k))
+                for j in jobs]
+
+    def _tree(self, job: DraftJob) -> Draft:
+        found = continuations(job.context, self.min_n, self.max_n, job.k, job.tree.topk)
+        if len(found) <= 1:
+            return Draft(found[0] if found else job.context[:0])
+        return trie(found, job.tree.nodes)
 
     def reset(self, max_len: int) -> None:
         """Nothing to allocate (the single-sequence form of `reserve`)."""

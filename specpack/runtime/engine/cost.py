@@ -36,7 +36,8 @@ class CostModel:
     rows: tuple[int, ...]
     ms: tuple[float, ...]
     draft_ratio: float = 0.0
-    key_ms: float = 0.0  # per row per attended key (learned online)
+    key_ms: float = 0.0  # per row per attended key (measured at start when possible, then learned online)
+    key_ms_measured: float = 0.0  # the start-up measurement: online learning stays within a factor 4 of it
 
     def step_ms(self, rows: int) -> float:
         """Piecewise-linear in the rows; past the last point, the last slope."""
@@ -73,37 +74,55 @@ class CostModel:
         seen = max(0.0, (ms - self.step_ms(rows)) / keys)
         if self.key_ms:  # one slow step (a page fault, a busy neighbour) moves the estimate a little only
             seen = min(seen, 4 * self.key_ms)
-        return replace(self, key_ms=seen if self.key_ms == 0 else (1 - weight) * self.key_ms + weight * seen)
+        learned = seen if self.key_ms == 0 else (1 - weight) * self.key_ms + weight * seen
+        if self.key_ms_measured:  # other processes' load is not attention: stay near what was measured
+            learned = min(max(learned, self.key_ms_measured / 4), 4 * self.key_ms_measured)
+        return replace(self, key_ms=learned)
 
     def to_dict(self) -> dict:
-        return {"rows": list(self.rows), "ms": [round(m, 3) for m in self.ms]}
+        out = {"rows": list(self.rows), "ms": [round(m, 3) for m in self.ms]}
+        return {**out, "key_ms": self.key_ms_measured} if self.key_ms_measured else out
 
     @classmethod
     def from_dict(cls, d: dict) -> "CostModel":
-        return cls(tuple(d["rows"]), tuple(d["ms"]))
+        key = float(d.get("key_ms") or 0.0)
+        return cls(tuple(d["rows"]), tuple(d["ms"]), key_ms=key, key_ms_measured=key)
+
+
+KEY_PROBE = (8, 512)  # rows, context: the attention probe
 
 
 @torch.inference_mode()
 def measure(target, rows: Sequence[int] = DEFAULT_ROWS, repeats: int = 3, slot: int = 0) -> CostModel:
     """Time one target forward over R rows (one sequence, empty cache) for each R: the median of
-    `repeats` after a warm-up. Uses `slot` of the target's cache, which must be free."""
+    `repeats` after a warm-up; and, when the cache holds KEY_PROBE's context, the cost per attended
+    key (the same rows after that many positions). Uses `slot` of the target's cache, which must be free."""
+    rows = [r for r in rows if r <= target.cache.max_len]
+    ms = [_time_forward(target, slot, 0, r, repeats) for r in rows]
+    probe_rows, context = KEY_PROBE
+    key_ms = 0.0
+    if context + probe_rows <= target.cache.max_len:
+        extra = _time_forward(target, slot, context, probe_rows, repeats) - _time_forward(target, slot, 0, probe_rows,
+                                                                                          repeats)
+        key_ms = max(extra, 0.0) / (probe_rows * context)
+    return CostModel(tuple(rows), tuple(ms), key_ms=key_ms, key_ms_measured=key_ms)
+
+
+def _time_forward(target, slot: int, start: int, rows: int, repeats: int) -> float:
+    """Median milliseconds of a forward over `rows` rows after `start` positions (logits for every row)."""
     from specpack.runtime.models.rows import Rows, Segment
 
-    rows = [r for r in rows if r <= target.cache.max_len]
-    tokens = torch.randint(0, target.spec.vocab_size, (max(rows),), generator=torch.Generator().manual_seed(0))
-    ms = []
-    for r in rows:
-        layout = Rows.of([Segment(slot, 0, r)], target.device)
-        times = []
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            target.forward_rows(tokens[:r].to(target.device), layout, logits_rows=list(range(r)))
-            if target.device.type == "cuda":
-                torch.cuda.synchronize()
-            if i:
-                times.append((time.perf_counter() - t0) * 1e3)
-        ms.append(sorted(times)[len(times) // 2])
-    return CostModel(tuple(rows), tuple(ms))
+    tokens = torch.randint(0, target.spec.vocab_size, (rows,), generator=torch.Generator().manual_seed(0))
+    layout = Rows.of([Segment(slot, start, rows)], target.device)
+    times = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        target.forward_rows(tokens.to(target.device), layout, logits_rows=list(range(rows)))
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
 
 
 class Acceptance:
@@ -144,37 +163,109 @@ class Acceptance:
                 self.rate[j] += self.relax * (self.prior[j] - self.rate[j])
 
 
+class Calibration:
+    """How one sequence's tree-draft probabilities translate into acceptance, per depth d: how
+    often its verified paths reached depth d over the draft probability it verified at depth d
+    (the drafter's own estimate of the same chance), both as moving averages starting equal (the
+    drafter taken at its word). A node's estimated survival is its cumulative draft probability
+    times its depth's ratio, never above its parent's."""
+
+    def __init__(self, weight: float = 0.3, start: tuple[list[float], list[float]] | None = None):
+        self.weight = weight
+        self.reached, self.said = (list(start[0]), list(start[1])) if start else ([], [])
+
+    def state(self) -> tuple[list[float], list[float]]:
+        """Its averages (a new sequence's starting point)."""
+        return list(self.reached), list(self.said)
+
+    def ratio(self, d: int) -> float:
+        """Depth d's acceptance per unit of draft probability (1 until measured)."""
+        if d > len(self.reached) or self.said[d - 1] <= 0:
+            return 1.0
+        return self.reached[d - 1] / self.said[d - 1]
+
+    def estimate(self, parents: Sequence[int], scores: Sequence[float]) -> list[float]:
+        """Each node's chance of being on the accepted path (nodes in topological order)."""
+        out, depth = [], []
+        for p, c in zip(parents, scores):
+            depth.append(1 if p < 0 else depth[p] + 1)
+            out.append(min(1.0 if p < 0 else out[p], self.ratio(depth[-1]) * c))
+        return out
+
+    def update(self, depths: Sequence[int], scores: Sequence[float], accepted: int) -> None:
+        """One verified tree (each node's depth and draft probability) whose path was `accepted` deep."""
+        mass = [0.0] * max(depths, default=0)
+        for d, c in zip(depths, scores):
+            mass[d - 1] += c
+        while len(self.reached) < len(mass):
+            self.reached.append(1.0)
+            self.said.append(1.0)
+        for d, m in enumerate(mass, 1):
+            self.reached[d - 1] += self.weight * ((accepted >= d) - self.reached[d - 1])
+            self.said[d - 1] += self.weight * (m - self.said[d - 1])
+
+
 MARGIN = 0.03  # drafts must promise this much more throughput than none: smaller gains are noise here
 
 
 def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows: int, cost: CostModel,
            contexts: Sequence[int] | None = None, base_keys: int = 0, margin: float = MARGIN,
-           pending: Sequence[int] | None = None, sunk_rows: int = 0, sunk_keys: int = 0) -> list[int]:
+           pending: Sequence[int] | None = None, sunk_rows: int = 0, sunk_keys: int = 0,
+           widths: Sequence[int] | None = None) -> list[int]:
     """Draft lengths for sequences that may draft up to `limits[i]` tokens with survivals
     `survival[i]`, on top of `base_rows` rows attending `base_keys` keys (each sequence's last
     token); a draft row of sequence i attends about `contexts[i]` keys, and its first one makes the
-    head catch up on `pending[i]` positions. The step also carries `sunk_rows` prompt rows
+    head catch up on `pending[i]` positions and adds `widths[i]` rows (1; a tree's top-k) to each
+    head step. The step also carries `sunk_rows` prompt rows
     (`sunk_keys` keys) that must run anyway: they set where on the curve draft rows are priced, but
     their cost is not held against the drafts (else a step made slow by a prefill chunk would make
     any draft look cheap). No drafts unless they promise `margin` more tokens per millisecond."""
     cands = sorted(((s, j, i) for i, surv in enumerate(survival) for j, s in enumerate(surv[: limits[i]], 1)),
                    key=lambda c: (-c[0], c[1]))
-    tokens, rows, depth, jobs, keys, absorbed = float(len(limits)), base_rows + sunk_rows, 0, 0, \
+    take = _best_prefix(cands, len(limits), base_rows, cost, contexts, base_keys, margin, sunk_rows, sunk_keys,
+                        pending, widths, draft=True)
+    lengths = [0] * len(limits)
+    for _, j, i in cands[:take]:
+        lengths[i] = max(lengths[i], j)
+    return lengths
+
+
+def choose_nodes(survival: Sequence[Sequence[float]], depths: Sequence[Sequence[int]], base_rows: int,
+                 cost: CostModel, contexts: Sequence[int] | None = None, base_keys: int = 0, margin: float = 0.0,
+                 sunk_rows: int = 0, sunk_keys: int = 0) -> list[list[int]]:
+    """Which drafted nodes each sequence verifies (ascending indices): nodes n of sequence i with
+    estimated survival `survival[i][n]` (never above its parent's; parents first) at depth
+    `depths[i][n]`, taken in order of survival while tokens per millisecond keep rising, as
+    `choose` does (the drafting itself is done: only verification rows are priced), so every kept
+    node's ancestors are kept."""
+    cands = sorted(((s, n, i) for i, surv in enumerate(survival) for n, s in enumerate(surv)),
+                   key=lambda c: (-c[0], c[2], c[1]))
+    take = _best_prefix([(s, depths[i][n], i) for s, n, i in cands], len(survival), base_rows, cost, contexts,
+                        base_keys, margin, sunk_rows, sunk_keys)
+    keep: list[list[int]] = [[] for _ in survival]
+    for _, n, i in cands[:take]:
+        keep[i].append(n)
+    return [sorted(k) for k in keep]
+
+
+def _best_prefix(cands, sequences: int, base_rows: int, cost: CostModel, contexts, base_keys: int, margin: float,
+                 sunk_rows: int, sunk_keys: int, pending=None, widths=None, draft: bool = False) -> int:
+    """How many of `cands` ((survival, depth, sequence), best first; each one row) to verify:
+    the prefix with the most tokens per millisecond (each sequence's last token counts one), none
+    unless that beats no drafts by `margin`. With `draft`, the head's steps are priced too."""
+    tokens, rows, depth, jobs, keys, absorbed = float(sequences), base_rows + sunk_rows, 0, 0, \
         base_keys + sunk_keys, 0
     floor = cost.time(rows, keys=keys)  # this step without drafts
     own = cost.time(base_rows, keys=base_keys)  # what the decoding rows alone would cost
     base = best = tokens / own
     take = 0
     for n, (s, j, i) in enumerate(cands, 1):
-        tokens, rows, depth, jobs = tokens + s, rows + 1, max(depth, j), jobs + (j == 1)
+        tokens, rows = tokens + s, rows + 1
         keys += contexts[i] + j if contexts else 0
-        absorbed += pending[i] if pending and j == 1 else 0
+        if draft:
+            depth, jobs = max(depth, j), jobs + (j == 1) * (widths[i] if widths else 1)
+            absorbed += pending[i] if pending and j == 1 else 0
         rate = tokens / (own + cost.time(rows, depth, jobs, keys, absorbed) - floor)
         if rate > best:
             best, take = rate, n
-    if best < base * (1 + margin):
-        take = 0
-    lengths = [0] * len(limits)
-    for _, j, i in cands[:take]:
-        lengths[i] = max(lengths[i], j)
-    return lengths
+    return take if best >= base * (1 + margin) else 0

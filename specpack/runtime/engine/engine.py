@@ -8,9 +8,12 @@ Each step:
               prefilled; the linear layers stream each weight once for all rows, attention runs
               per row against that row's own sequence (rows.Rows);
   3. accept — per sequence, the longest prefix of its draft equal to the target's own tokens
-              (greedy, or its keyed sample: sampling.Sampler), plus the target's next token;
+              (greedy, or its keyed sample: sampling.Sampler), plus the target's next token; a
+              tree draft (root + nodes, each row attending its ancestors, at the position of its
+              depth) gives the longest path of such tokens;
   4. roll back — per sequence, by lowering its length: the rejected drafts' cache positions are
-              never attended and get overwritten.
+              never attended and get overwritten. A tree's accepted path is not contiguous in
+              the cache: its rows are first moved to the positions right after the prefix.
 
 A sequence owns one cache slot (a static region of max_len positions) from `add` until it
 finishes; the slot is free for the next request at once. Prompts are prefilled in chunks of at
@@ -31,11 +34,14 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError
-from specpack.runtime.drafters.base import DraftJob
+from specpack.runtime.drafters.base import DraftJob, TreeShape
+from specpack.runtime.drafters.tree import depths
 from specpack.runtime.engine import cost as costs
-from specpack.runtime.engine.sampling import Sampler, SamplingParams, accept
-from specpack.runtime.engine.stats import MAX_DRAFT_LEN, DraftLength, GenerationResult, GenerationStats
-from specpack.runtime.models.rows import Rows, Segment
+from specpack.runtime.engine.sampling import Sampler, SamplingParams, accept, accept_tree
+from specpack.runtime.engine.stats import (MAX_DRAFT_LEN, MAX_TREE_NODES, MAX_TREE_TOPK, DraftLength,
+                                           GenerationResult, GenerationStats)
+from specpack.runtime.engine.plan import Plan, Proposal
+from specpack.runtime.models.rows import Rows
 
 # Per-position acceptance a sequence starts from when nothing better is known (a profile's measured
 # figures replace it): optimistic enough that a fresh sequence drafts, then its own record decides.
@@ -53,17 +59,28 @@ class Request:
     eos: tuple[int, ...] = ()
     stop: tuple[tuple[int, ...], ...] = ()
     speculative: bool = True
-    draft_len: int = 4  # the longest draft
+    draft_len: int = 4  # the longest draft (a tree's depth)
     adaptive: bool = False  # follow acceptance (speculative.DraftLength) instead of drafting draft_len
     on_tokens: Callable[[list[int]], None] | None = None  # each step's new tokens (may raise to cancel)
     record: bool = False  # keep the captured states and the target's argmax at every committed position
+    tree: TreeShape | None = None  # draft trees of this shape where the drafter can branch; None: chains
+
+
+def check_tree(tree: TreeShape | None) -> None:
+    """Raise InputError when a request's tree shape is out of range."""
+    if tree is None:
+        return
+    if not (all(isinstance(x, int) for x in tree) and 1 <= tree.topk <= MAX_TREE_TOPK
+            and 1 <= tree.nodes <= MAX_TREE_NODES):
+        raise InputError(f"draft tree of top-k {tree.topk!r} with {tree.nodes!r} nodes is out of range",
+                         hint=f"use top-k 1..{MAX_TREE_TOPK} and 1..{MAX_TREE_NODES} nodes")
 
 
 class Generation:
     """A request being decoded: its slot, tokens, stop rules, counters."""
 
     def __init__(self, req: Request, slot: int, capacity: int, vocab: int, device, prior=DEFAULT_PRIOR,
-                 start=None):
+                 start=None, calibration=None):
         self.req, self.slot = req, slot
         self.sampler = Sampler(req.params, req.seed, vocab)
         self.buf = torch.empty(capacity + 1, dtype=torch.long, device=device)
@@ -78,6 +95,7 @@ class Generation:
         self.drafted = False  # has had a draft (its drafter has seen the prompt)
         self.length = DraftLength(req.draft_len, req.adaptive)
         self.acceptance = costs.Acceptance(prior, start=start)  # starts from the engine's record
+        self.calibration = costs.Calibration(start=calibration)  # its tree drafts' probabilities vs acceptance
         self.stats = GenerationStats(prompt_tokens=len(req.prompt))
         self.started = time.perf_counter()
 
@@ -147,6 +165,7 @@ class Engine:
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.cost, self.prior = cost, tuple(prior)
         self.acceptance = costs.Acceptance(prior, weight=0.05)  # every sequence's record: where new ones start
+        self.calibration = costs.Calibration(weight=0.05)  # likewise for tree drafts' probabilities
         self.speculate = True  # the scheduler turns drafting off for a step (load above a measured limit)
         self.last_rows = 0  # rows in the latest target forward
         self.device = target.device
@@ -181,6 +200,7 @@ class Engine:
             raise InputError("speculative decoding needs a drafter", hint="pass speculative=False or load one")
         if req.speculative and hasattr(self.drafter, "check_draft_len"):  # e.g. MTP: no more steps than layers
             self.drafter.check_draft_len(req.draft_len)
+        check_tree(req.tree)
 
     @property
     def has_room(self) -> bool:
@@ -193,7 +213,8 @@ class Engine:
             raise RuntimeError("no free slot: check has_room before add")
         slot = self.free.pop()
         seq = Generation(req, slot, min(self.max_len, len(req.prompt) + req.max_new_tokens),
-                         self.target.spec.vocab_size, self.device, self.prior, self.acceptance.rates())
+                         self.target.spec.vocab_size, self.device, self.prior, self.acceptance.rates(),
+                         self.calibration.state())
         if self.drafter is not None:
             self.drafter.start(slot)
         self.running.append(seq)
@@ -221,7 +242,7 @@ class Engine:
             return []
         t0 = self.clock()
         decoding = [s for s in self.running if not s.prefilling]
-        prefill = _Plan()
+        prefill = Plan()
         budget = self.prefill_chunk
         for s in (s for s in self.running if s.prefilling):
             if budget is not None and budget <= 0:
@@ -229,7 +250,7 @@ class Engine:
             budget = prefill.prefill(s, budget)
         drafts = self._draft(decoding, len(prefill.tokens), prefill.keys())
         t1 = self.clock()
-        plan = _Plan()
+        plan = Plan()
         for s, d in zip(decoding, drafts):
             plan.verify(s, d)
         plan.extend(prefill)
@@ -249,7 +270,7 @@ class Engine:
         return done
 
     def _lengths(self, decoding: list[Generation], prefill_rows: int, prefill_keys: int = 0) -> list[int]:
-        """How many tokens each decoding sequence drafts this step."""
+        """How many tokens each decoding sequence drafts this step (a tree: its depth)."""
         if not self.speculate:
             return [0] * len(decoding)
         if self.cost is None:
@@ -258,32 +279,43 @@ class Engine:
         contexts = [s.n for s in decoding]
         # the head's catch-up on the prompt is the price of speculating at all: not held against one step
         pending = [sum(len(p) for p in s.pending) - (0 if s.drafted else len(s.req.prompt)) for s in decoding]
+        widths = [shape.topk if shape else 1 for shape in map(self._shape, decoding)]
         return costs.choose(limits, [s.acceptance.survival(k) for s, k in zip(decoding, limits)],
                             len(decoding), self.cost, contexts, sum(contexts), pending=pending,
-                            sunk_rows=prefill_rows, sunk_keys=prefill_keys)
+                            sunk_rows=prefill_rows, sunk_keys=prefill_keys, widths=widths)
 
-    def _draft(self, decoding: list[Generation], prefill_rows: int, prefill_keys: int = 0) -> list[list[int]]:
+    def _shape(self, s: Generation) -> TreeShape | None:
+        """The tree `s` asks for, its nodes within its slot (None: a chain)."""
+        t = s.req.tree
+        if t is None or t.topk < 2 or not getattr(self.drafter, "tree_drafts", False):
+            return None
+        return TreeShape(t.topk, min(t.nodes, self.max_len - s.n))
+
+    def _draft(self, decoding: list[Generation], prefill_rows: int, prefill_keys: int = 0) -> list[Proposal]:
         """Each decoding sequence's draft (empty when it does not speculate this step)."""
-        drafts: list[list[int]] = [[] for _ in decoding]
+        drafts = [Proposal([]) for _ in decoding]
         jobs, owners = [], []
         for i, (s, k) in enumerate(zip(decoding, self._lengths(decoding, prefill_rows, prefill_keys))):
             if k > 0:
                 feats = torch.cat(s.pending) if s.pending else None
                 s.pending, s.drafted = [], True
-                jobs.append(DraftJob(s.slot, s.context(), feats, k, None if s.sampler.greedy else s.sampler))
+                jobs.append(DraftJob(s.slot, s.context(), feats, k, None if s.sampler.greedy else s.sampler,
+                                     self._shape(s)))
                 owners.append(i)
         if not jobs:
             self.acceptance.update(0, 0)  # nobody drafts: the record drifts back to the prior (probe later)
             return drafts
         t0 = time.perf_counter()
         made = self.drafter.draft(jobs)
-        self._learn_draft_cost(time.perf_counter() - t0, max(j.k for j in jobs), len(jobs),
+        self._learn_draft_cost(time.perf_counter() - t0, max(j.k for j in jobs),
+                               sum(j.tree.topk if j.tree else 1 for j in jobs),
                                sum(len(j.feats) for j in jobs if j.feats is not None))
         for i, d in zip(owners, made):
-            drafts[i] = d.tokens.tolist()
-        return self._trim(decoding, drafts, made, owners, prefill_rows, prefill_keys)
+            drafts[i] = Proposal.of(d)
+        drafts = self._trim(decoding, drafts, made, owners, prefill_rows, prefill_keys)
+        return self._prune(decoding, drafts, prefill_rows, prefill_keys)
 
-    def _trim(self, decoding, drafts, made, owners, prefill_rows: int, prefill_keys: int) -> list[list[int]]:
+    def _trim(self, decoding, drafts, made, owners, prefill_rows: int, prefill_keys: int) -> list[Proposal]:
         """Drafters that estimate each position's acceptance (DSpark's confidence head) get their
         drafts cut to what the cost model says is worth verifying."""
         confident = [(i, d.confidence) for i, d in zip(owners, made) if d.confidence is not None]
@@ -298,25 +330,46 @@ class Engine:
         keep = costs.choose(limits, survival, len(decoding), self.cost, contexts, sum(contexts),
                             sunk_rows=prefill_rows + sum(k for k, _ in fixed),
                             sunk_keys=prefill_keys + sum(k * n for k, n in fixed), margin=0.0)
-        return [d[:k] if survival[i] else d for i, (d, k) in enumerate(zip(drafts, keep))]
+        return [d.keep(range(k)) if survival[i] else d for i, (d, k) in enumerate(zip(drafts, keep))]
 
-    def _learn_draft_cost(self, seconds: float, depth: int, jobs: int, absorbed: int) -> None:
-        """A model drafter's step time relative to a target step over as many rows, as a moving
-        average, after its catch-up on `absorbed` positions (n-gram drafts are free: nothing to learn)."""
+    def _prune(self, decoding, drafts: list[Proposal], prefill_rows: int, prefill_keys: int) -> list[Proposal]:
+        """Trees (drafts with node probabilities) keep the nodes the cost model says are worth
+        verifying, taken in order of estimated survival (each sequence's calibration of its
+        drafter's probabilities) while tokens per millisecond keep rising."""
+        ranked = [i for i, d in enumerate(drafts) if d.scores is not None]
+        if self.cost is None or not ranked:
+            return drafts
+        survival, node_depths = [[] for _ in decoding], [[] for _ in decoding]
+        for i in ranked:
+            survival[i] = decoding[i].calibration.estimate(drafts[i].tree_parents(), drafts[i].scores)
+            node_depths[i] = depths(drafts[i].tree_parents())
+        contexts = [s.n for s in decoding]
+        fixed = [(len(d), s.n) for i, (s, d) in enumerate(zip(decoding, drafts)) if i not in ranked]
+        keep = costs.choose_nodes(survival, node_depths, len(decoding), self.cost, contexts, sum(contexts),
+                                  sunk_rows=prefill_rows + sum(k for k, _ in fixed),
+                                  sunk_keys=prefill_keys + sum(k * n for k, n in fixed))
+        return [d.keep(keep[i]) if i in ranked else d for i, d in enumerate(drafts)]
+
+    def _learn_draft_cost(self, seconds: float, depth: int, rows: int, absorbed: int) -> None:
+        """A model drafter's step time relative to a target step over as many rows (one per chain,
+        a tree's top-k per expanded level), as a moving average, after its catch-up on `absorbed`
+        positions (n-gram drafts are free: nothing to learn)."""
         if self.cost is None or getattr(self.drafter, "free_drafts", False):
             return
         ms = max(seconds * 1e3 - self.cost.absorb_ms() * absorbed, 0.0)
-        ratio = ms / (depth * self.cost.step_ms(jobs))
+        ratio = ms / (depth * self.cost.step_ms(rows))
         old = self.cost.draft_ratio
         self.cost = self.cost.with_draft_ratio(ratio if old == 0 else 0.8 * old + 0.2 * ratio)
 
-    def _commit(self, plan: "_Plan", res) -> list[Generation]:
+    def _commit(self, plan: Plan, res) -> list[Generation]:
         """Accept, roll back and emit for every sequence of the step; the ones that finished."""
         done = []
-        for s, kind, a, b, lrow, drafts in plan.entries:
+        for s, kind, a, b, lrow, draft in plan.entries:
             try:
-                if kind == "verify":
-                    self._accept(s, drafts, res.logits[lrow : lrow + len(drafts) + 1], res.aux, a)
+                if kind == "verify" and (draft.parents is not None or draft.scores is not None):
+                    self._accept_tree(s, draft, res.logits[lrow : lrow + len(draft) + 1], res.aux, a)
+                elif kind == "verify":
+                    self._accept(s, draft.tokens, res.logits[lrow : lrow + len(draft) + 1], res.aux, a)
                 else:
                     self._prefilled(s, a, b, res, lrow)
             except Exception as exc:  # noqa: BLE001 - a callback (client gone) ends only its sequence
@@ -329,35 +382,62 @@ class Engine:
         target = s.sampler.pick(logits, s.n)  # the target's tokens at positions n..n+k
         kept, tokens = accept(drafts, target)
         s.cached += kept + 1  # roll back: the rejected drafts' positions are dropped
-        self._keep_features(s, aux, a, a + kept + 1)
-        self._record(s, aux, a, a + kept + 1, logits[: kept + 1])
-        s.length.update(len(drafts), kept)
-        s.acceptance.update(len(drafts), kept)
-        if drafts:
-            self.acceptance.update(len(drafts), kept)
-        if drafts or s.req.speculative:
-            s.stats.count(len(drafts), kept)
+        self._keep_features(s, aux, slice(a, a + kept + 1))
+        self._record(s, aux, slice(a, a + kept + 1), logits[: kept + 1])
+        self._counted(s, len(drafts), len(drafts), kept)
+        s.emit(tokens)
+
+    def _accept_tree(self, s: Generation, draft: Proposal, logits: Tensor, aux: Tensor | None, a: int) -> None:
+        """Row 0 is the root, row i + 1 node i (at position n - 1 + its depth): walk down while a
+        child is the target's own token after its parent, then keep the path's rows only. Chains
+        with node probabilities come here too (their calibration learns from them)."""
+        parents = draft.tree_parents()
+        depth = [0] + depths(parents)
+        path, tokens = accept_tree(draft.tokens, parents,
+                                   lambda node: s.sampler.pick(logits[node + 1 : node + 2], s.n + depth[node + 1])[0])
+        rows = [0] + [n + 1 for n in path]  # the segment's rows the sequence keeps, in order
+        moved = [(r, k) for k, r in enumerate(rows) if r != k]
+        if moved:  # the path's cache rows go right after the prefix (the rest are dropped)
+            self.target.compact(s.slot, [s.cached + r for r, _ in moved], [s.cached + k for _, k in moved])
+        s.cached += len(rows)
+        self._keep_features(s, aux, [a + r for r in rows])
+        self._record(s, aux, [a + r for r in rows], logits[rows])
+        if draft.scores is not None:
+            for c in (s.calibration, self.calibration):
+                c.update(depth[1:], draft.scores, len(path))
+        self._counted(s, max(depth), len(draft), len(path))
+        s.emit(tokens)
+
+    def _counted(self, s: Generation, depth: int, proposed: int, accepted: int) -> None:
+        """One verification of `proposed` draft tokens `depth` deep, `accepted` of them kept (a path)."""
+        s.length.update(depth, accepted)
+        s.acceptance.update(depth, accepted)
+        if proposed:
+            self.acceptance.update(depth, accepted)
+        if proposed or s.req.speculative:
+            s.stats.count(depth, accepted, proposed)
         else:
             s.stats.steps += 1
-        s.emit(tokens)
 
     def _prefilled(self, s: Generation, a: int, b: int, res, lrow: int | None) -> None:
         s.cached += b - a
-        self._keep_features(s, res.aux, a, b)
-        if s.req.record:  # every prompt row has logits: see _Plan.prefill
-            self._record(s, res.aux, a, b, res.logits[lrow : lrow + b - a])
+        self._keep_features(s, res.aux, slice(a, b))
+        if s.req.record:  # every prompt row has logits: see Plan.prefill
+            self._record(s, res.aux, slice(a, b), res.logits[lrow : lrow + b - a])
             lrow = lrow + b - a - 1 if s.cached == len(s.req.prompt) else None
         if lrow is not None:  # the prompt is in: its last row gives the first token
             s.stats.prefill_s = time.perf_counter() - s.started
             s.emit(s.sampler.pick(res.logits[lrow : lrow + 1], s.n))
 
-    def _record(self, s: Generation, aux: Tensor | None, a: int, b: int, logits: Tensor) -> None:
+    def _record(self, s: Generation, aux: Tensor | None, rows, logits: Tensor) -> None:
         if s.req.record:
-            s.recorded.append((aux[a:b] if aux is not None else logits.new_empty(b - a, 0), logits.argmax(-1)))
+            s.recorded.append((aux[rows] if aux is not None else logits.new_empty(len(logits), 0),
+                               logits.argmax(-1)))
 
-    def _keep_features(self, s: Generation, aux: Tensor | None, a: int, b: int) -> None:
+    def _keep_features(self, s: Generation, aux: Tensor | None, rows) -> None:
+        """The drafter features of the committed `rows` (a slice, or a tree path's rows in order)."""
         if aux is not None and s.req.speculative:
-            s.pending.append(aux[a:b])
+            s.pending.append(aux[rows])
 
     # ---- whole generations -----------------------------------------------------------------
 
@@ -378,50 +458,3 @@ class Engine:
                 if s.error is not None:
                     raise s.error
         return [seqs[i] for i in range(len(requests))]
-
-
-class _Plan:
-    """The rows of one step: segments, their tokens, which rows need logits, and per sequence
-    (seq, kind, first row, end row, first logits row, drafts)."""
-
-    def __init__(self):
-        self.segments: list[Segment] = []
-        self.tokens: list[int] = []
-        self.logit_rows: list[int] = []
-        self.entries: list[tuple] = []
-
-    def verify(self, s: Generation, drafts: list[int]) -> None:
-        a = len(self.tokens)
-        self.segments.append(Segment(s.slot, s.cached, 1 + len(drafts)))
-        self.tokens += [int(s.buf[s.n - 1])] + drafts
-        self.entries.append((s, "verify", a, len(self.tokens), len(self.logit_rows), drafts))
-        self.logit_rows += range(a, len(self.tokens))
-
-    def keys(self) -> int:
-        """Keys the plan's rows attend in all (row j of a segment at `start` attends start + j + 1)."""
-        return sum(seg.T * seg.start + seg.T * (seg.T + 1) // 2 for seg in self.segments)
-
-    def extend(self, other: "_Plan") -> None:
-        """Append `other`'s rows after these (row indices shifted)."""
-        a, la = len(self.tokens), len(self.logit_rows)
-        self.segments += other.segments
-        self.tokens += other.tokens
-        self.logit_rows += [r + a for r in other.logit_rows]
-        self.entries += [(s, kind, x + a, y + a, None if lr is None else lr + la, d)
-                         for s, kind, x, y, lr, d in other.entries]
-
-    def prefill(self, s: Generation, budget: int | None) -> int | None:
-        """Up to `budget` prompt rows of `s`; returns the budget left."""
-        prompt = s.req.prompt
-        take = len(prompt) - s.cached if budget is None else min(budget, len(prompt) - s.cached)
-        a = len(self.tokens)
-        self.segments.append(Segment(s.slot, s.cached, take))
-        self.tokens += prompt[s.cached : s.cached + take]
-        last = s.cached + take == len(prompt)
-        first_logit = len(self.logit_rows) if last or s.req.record else None
-        self.entries.append((s, "prefill", a, len(self.tokens), first_logit, None))
-        if s.req.record:  # recording keeps the target's argmax at every prompt row too
-            self.logit_rows += range(a, len(self.tokens))
-        elif last:
-            self.logit_rows.append(len(self.tokens) - 1)
-        return None if budget is None else budget - take

@@ -116,10 +116,14 @@ class Sampler:
         """The sample at `position` from probabilities p [K] over the token ids `ids` [K] (None:
         ids 0..K-1), drawn with the target's noise on those ids: a drafter over a sub-vocabulary
         or a smaller vocabulary races its own tokens with the target's numbers."""
+        k = self.race_index(p, position, ids)
+        return k if ids is None else int(ids[k])
+
+    def race_index(self, p: Tensor, position: int, ids: Tensor | None = None) -> int:
+        """As `race`, the winner's index into p."""
         e = self.noise(position)
         e = e[ids.cpu()] if ids is not None else e[: p.shape[0]]
-        k = int((p.float().cpu() / e).argmax())
-        return k if ids is None else int(ids[k])
+        return int((p.float().cpu() / e).argmax())
 
 
 def accept(drafts: list[int], target: list[int]) -> tuple[int, list[int]]:
@@ -128,3 +132,21 @@ def accept(drafts: list[int], target: list[int]) -> tuple[int, list[int]]:
     and the target's token after them."""
     a = next((i for i, (d, t) in enumerate(zip(drafts, target)) if d != t), len(drafts))
     return a, target[: a + 1]
+
+
+def accept_tree(tokens: list[int], parents: list[int], target) -> tuple[list[int], list[int]]:
+    """Walk a draft tree (node i: tokens[i] under parents[i], -1 the root) from its root: move to
+    the child whose token is the target's own token after the current node (`target(node)`, -1 for
+    the root), while there is one. Returns (the path's nodes, tokens emitted): the path's tokens and
+    the target's token after its last node. With one child per node this is `accept`."""
+    kids: dict[int, list[int]] = {}
+    for i, p in enumerate(parents):
+        kids.setdefault(p, []).append(i)
+    path, node = [], -1
+    while True:
+        t = target(node)
+        child = next((c for c in kids.get(node, ()) if tokens[c] == t), None)
+        if child is None:
+            return path, [tokens[n] for n in path] + [t]
+        path.append(child)
+        node = child

@@ -54,15 +54,17 @@ class Scheduler:
     """Runs `Job`s on `model` (a SpecModel: target + drafter) with up to `slots` sequences decoding
     together, each in a slot of `max_len` positions. Speculation (when on) drafts what the `cost`
     model and each sequence's acceptance say; with `max_concurrency`, not at all while more
-    requests than that are in flight (a profile's measured crossover). `listener` (optional) is
+    requests than that are in flight (a profile's measured crossover); with `tree` (a TreeShape)
+    drafts are trees of that shape, `draft_len` deep. `listener` (optional) is
     told of every step (`step(rows, running, queued, seconds)`) and every finished or failed job
     (`finished(job, result)`, `ended(job, cancelled)`)."""
 
     def __init__(self, model, slots: int = 8, max_len: Optional[int] = None, draft_len: int = 4,
                  speculative: bool = True, max_queue: int = 64, prefill_chunk: Optional[int] = 64,
                  adaptive: Optional[bool] = None, cost=None, max_concurrency: Optional[int] = None,
-                 listener=None, prior=None):
+                 listener=None, prior=None, tree=None):
         self.model, self.draft_len, self.max_queue, self.listener = model, draft_len, max_queue, listener
+        self.tree = tree  # drafters.base.TreeShape of every speculative job's drafts; None: chains
         self.max_concurrency = max_concurrency
         self.speculative = speculative and model.drafter is not None
         self.adaptive = bool(getattr(model.drafter, "adaptive_draft_len", False)) if adaptive is None else adaptive
@@ -146,7 +148,12 @@ class Scheduler:
                 "specpack_speculative_enabled": (int(self.speculation_now()), "1 while steps may draft."),
                 "specpack_max_concurrency": (limit, "Requests in flight up to which speculation stays on "
                                                     "(-1: no limit)."),
-                "specpack_draft_len": (self.draft_len, "The longest draft per sequence when speculating.")}
+                "specpack_draft_len": (self.draft_len, "The longest draft per sequence when speculating (a tree's "
+                                                       "depth)."),
+                "specpack_draft_tree_topk": (self.tree.topk if self.tree else 1,
+                                             "Children per draft tree node (1: chains)."),
+                "specpack_draft_tree_nodes": (self.tree.nodes if self.tree else 0,
+                                              "Draft tree nodes per sequence and step at most (0: chains).")}
 
     # ---- the loop --------------------------------------------------------------------------
 
@@ -194,7 +201,7 @@ class Scheduler:
         return Request(list(job.prompt_ids), job.max_new_tokens,
                        SamplingParams(float(job.temperature), int(job.top_k), float(job.top_p)), job.seed,
                        tuple(self.model.target.spec.eos_token_ids), tuple(tuple(s) for s in job.stop if s),
-                       speculative, self.draft_len, self.adaptive, on_tokens)
+                       speculative, self.draft_len, self.adaptive, on_tokens, tree=self.tree)
 
     def _drop_cancelled(self) -> None:
         for key, (job, seq) in list(self._running.items()):
@@ -249,3 +256,6 @@ def add_stats(total: GenerationStats, s: GenerationStats) -> None:
             total.position_accepted.append(0)
         total.position_tried[k] += t
         total.position_accepted[k] += a
+    total.depth_steps += [0] * (len(s.depth_steps) - len(total.depth_steps))
+    for d, n in enumerate(s.depth_steps):
+        total.depth_steps[d] += n

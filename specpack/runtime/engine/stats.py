@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 MAX_DRAFT_LEN = 16
+MAX_TREE_TOPK = 8  # children per draft tree node
+MAX_TREE_NODES = 64  # nodes in one draft tree
 
 
 @dataclass
@@ -18,6 +20,7 @@ class GenerationStats:
     accepted: int = 0  # draft tokens the accept rule kept (before any EOS / max-token cut)
     position_tried: list[int] = field(default_factory=list)  # [k]: verified with all before it accepted
     position_accepted: list[int] = field(default_factory=list)
+    depth_steps: list[int] = field(default_factory=list)  # [d]: verifications whose accepted path was d deep
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
@@ -26,6 +29,11 @@ class GenerationStats:
     @property
     def acceptance_length(self) -> float:
         return 1 + self.accepted / self.steps if self.steps else 1.0
+
+    @property
+    def accepted_depth(self) -> float:
+        """Mean depth of the accepted path per verification (a chain's accepted drafts)."""
+        return self.accepted / self.steps if self.steps else 0.0
 
     @property
     def position_acceptance(self) -> list[float]:
@@ -42,11 +50,14 @@ class GenerationStats:
         decode = self.total_s - self.prefill_s
         return (self.new_tokens - 1) / decode if decode > 0 else 0.0
 
-    def count(self, k: int, a: int) -> None:
-        """One verification of k drafts of which a were accepted."""
+    def count(self, k: int, a: int, proposed: int | None = None) -> None:
+        """One verification of k drafts (a tree: `proposed` nodes k deep) of which a were accepted
+        (a tree: its accepted path's depth)."""
         self.steps += 1
-        self.proposed += k
+        self.proposed += k if proposed is None else proposed
         self.accepted += a
+        self.depth_steps += [0] * (a + 1 - len(self.depth_steps))
+        self.depth_steps[a] += 1
         while len(self.position_tried) < k:
             self.position_tried.append(0)
             self.position_accepted.append(0)
@@ -55,7 +66,7 @@ class GenerationStats:
             self.position_accepted[j] += j < a
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "acceptance_length": self.acceptance_length,
+        return {**asdict(self), "acceptance_length": self.acceptance_length, "accepted_depth": self.accepted_depth,
                 "position_acceptance": self.position_acceptance, "tokens_per_s": self.tokens_per_s,
                 "decode_tokens_per_s": self.decode_tokens_per_s}
 

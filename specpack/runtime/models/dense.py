@@ -4,7 +4,8 @@ One forward runs the new tokens of one or many sequences (`rows.Rows`) against a
 with one slot per sequence; each row attends its own sequence's committed positions plus a chain or
 a tree among its new rows, so drafts of every sequence in a batch are verified in one pass.
 Rolling back after a rejection only lowers a sequence's length: positions past it are never
-attended and get overwritten by the next forward.
+attended and get overwritten by the next forward (a draft tree's accepted path is first moved next
+to the prefix: `KVCache.compact`).
 """
 
 from __future__ import annotations
@@ -83,6 +84,15 @@ class KVCache(nn.Module):
     @property
     def slots(self) -> int:
         return self.k.shape[1]
+
+    @torch.inference_mode()
+    def compact(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move `slot`'s rows at positions `src` to `dst` in every layer (a verified tree's accepted
+        path to the positions after the committed prefix; src >= dst, both ascending)."""
+        s, d = torch.as_tensor(src, device=self.k.device), torch.as_tensor(dst, device=self.k.device)
+        for cache in (self.k, self.v):
+            if cache is not None:  # MLA's latent cache has no values
+                cache[:, slot, :, d] = cache[:, slot, :, s]
 
 
 class Attention(nn.Module):
@@ -216,6 +226,10 @@ class Decoder(nn.Module):
         logits = self.lm_head(self.norm(x)).float()
         aux = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return Output(logits, aux)
+
+    def compact(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
+        """Move cache rows of `slot` from positions `src` to `dst` (KVCache.compact)."""
+        self.cache.compact(slot, src, dst)
 
     def _check_fits(self, rows: Rows) -> None:
         c = self.cache

@@ -5,6 +5,9 @@ linear layers see all R rows at once, attention sees each row against its own se
 A `Segment` is one sequence's run of consecutive rows: `T` new tokens that fill cache positions
 `start..start+T-1` of cache slot `slot`, attending every committed position before `start` plus,
 among themselves, a chain (causal) or a tree (`block` [T, T], True where row i may see row j).
+A wider `block` [T, W] (W > T) also covers the W - T positions just before `start` (draft rows an
+earlier forward wrote, e.g. a tree drafter's previous levels): the rows see every position before
+those in full and, among the last W, the ones their block marks.
 
 `Rows` is the per-row form the layers use; build it with `Rows.of(segments)`.
 """
@@ -24,7 +27,7 @@ class Segment:
     slot: int  # cache slot (sequence)
     start: int  # cache length before this forward: the rows fill start..start+T-1
     T: int  # rows
-    block: Tensor | None = None  # [T, T] bool among the new rows (tree); None: causal chain
+    block: Tensor | None = None  # [T, W] bool over the last W positions (tree; W >= T); None: causal chain
     positions: Tensor | None = None  # [T] RoPE positions (tree: by depth); None: start..start+T-1
 
 
@@ -32,7 +35,7 @@ class Rows(NamedTuple):
     slot: Tensor  # [R] cache slot of each row
     write: Tensor  # [R] cache position the row's keys and values go to
     pos: Tensor  # [R] RoPE position
-    ctx: Tensor  # [R] its segment's start: the committed positions [0, ctx) are seen in full
+    ctx: Tensor  # [R] the positions [0, ctx) are seen in full (its segment's start, or before a wide block)
     end: Tensor  # [R] no mask: the row sees [0, end) (a chain, up to itself); with one: its segment's end
     mask: Tensor | None  # [R, W] bool, when any segment is a tree: row r sees ctx + j where mask[r, j]
     segments: tuple[tuple[Segment, int], ...]  # (segment, first row)
@@ -41,18 +44,18 @@ class Rows(NamedTuple):
     def of(cls, segments: Sequence[Segment], device=None) -> "Rows":
         """The rows of `segments`, in order."""
         trees = any(s.block is not None for s in segments)
-        width = max((s.T for s in segments), default=0) if trees else 0
+        width = max((_width(s) for s in segments), default=0) if trees else 0
         slot, write, pos, ctx, end, masks, firsts, a = [], [], [], [], [], [], [], 0
         for s in segments:
             w = torch.arange(s.start, s.start + s.T)
             slot.append(torch.full((s.T,), s.slot))
             write.append(w)
             pos.append(w if s.positions is None else s.positions.to("cpu", torch.int64))
-            ctx.append(torch.full((s.T,), s.start))
+            ctx.append(torch.full((s.T,), s.start + s.T - _width(s)))
             end.append(torch.full((s.T,), s.start + s.T) if trees else w + 1)
             if trees:  # chains among trees: their block is causal
                 block = torch.ones(s.T, s.T, dtype=torch.bool).tril() if s.block is None else s.block
-                masks.append(F.pad(block.to("cpu", torch.bool), (0, width - s.T)))
+                masks.append(F.pad(block.to("cpu", torch.bool), (0, width - block.shape[1])))
             firsts.append((s, a))
             a += s.T
         if not segments:
@@ -97,12 +100,17 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Rows, scale: float
     return out
 
 
+def _width(seg: Segment) -> int:
+    """Positions the segment's block covers (its rows, plus earlier draft rows for a wide block)."""
+    return seg.T if seg.block is None else seg.block.shape[1]
+
+
 def _segment_mask(seg: Segment, device) -> Tensor | None:
-    """[T, start+T] bool: every committed position, then the chain's or tree's own rule."""
+    """[T, start+T] bool: every position before the block, then the chain's or tree's own rule."""
     if seg.block is None:
         if seg.T == 1:
             return None  # one token sees everything: no mask needed
         slots = torch.arange(seg.start + seg.T, device=device)
         return slots[None, :] <= slots[seg.start :, None]
     block = seg.block.to(device, torch.bool)
-    return torch.cat([block.new_ones(seg.T, seg.start), block], dim=1)
+    return torch.cat([block.new_ones(seg.T, seg.start + seg.T - block.shape[1]), block], dim=1)
