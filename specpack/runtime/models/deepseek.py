@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -416,18 +415,8 @@ def load_deepseek_spec(model_dir) -> DeepseekSpec:
 
 def load_deepseek(model_dir, device="cpu", dtype=torch.float32) -> DeepseekTransformer:
     """Build a `DeepseekTransformer` from a transformers model directory (config.json + safetensors)."""
-    from specpack.runtime.models.weights import assign_weights, checkpoint_files, read_tensors, tensor_shapes
+    from specpack.runtime.models.weights import build_decoder
 
-    model_dir = Path(model_dir)
     spec = load_deepseek_spec(model_dir)
-    files = checkpoint_files(model_dir)
-    expected = checked_tensor_shapes(spec, tensor_shapes(files), target_tensor_shapes,
-                                     f"target checkpoint {model_dir}")
-    t = read_tensors(files, expected)
-    state = {"embed_tokens.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"],
-             "lm_head.weight": t["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]}
-    for i in range(spec.num_layers):
-        state.update(layer_state(t, f"model.layers.{i}.", f"layers.{i}."))
-    with torch.device("meta"):
-        model = DeepseekTransformer(spec)
-    return keep_router_fp32(assign_weights(model, state, device, dtype))
+    return keep_router_fp32(build_decoder(model_dir, spec, target_tensor_shapes, layer_state, DeepseekTransformer,
+                                          device, dtype))

@@ -150,17 +150,22 @@ def load_target(model_dir, device="cpu", dtype=torch.float32):
 
         return load_deepseek(model_dir, device, dtype)
     spec = load_target_spec(model_dir)
+    return build_decoder(model_dir, spec, target_tensor_shapes, fuse_layer, Transformer, device, dtype)
+
+
+def build_decoder(model_dir, spec, shapes, layer_state, decoder_cls, device, dtype) -> torch.nn.Module:
+    """Check a checkpoint's tensors against `shapes(spec)`, map them into `decoder_cls(spec)`'s names
+    (`layer_state` per layer) and assign them: the loading every target family shares."""
     files = checkpoint_files(Path(model_dir))
-    expected = checked_tensor_shapes(spec, tensor_shapes(files), target_tensor_shapes,
-                                     f"target checkpoint {model_dir}")
+    expected = checked_tensor_shapes(spec, tensor_shapes(files), shapes, f"target checkpoint {model_dir}")
     unused = sorted(set(files) - set(expected) - {"lm_head.weight"})
     if unused:
-        log.info("ignoring %d tensors not used by %s: %s", len(unused), spec.architecture, unused[:5])
+        log.info("ignoring %d tensors not used by %s: %s", len(unused), decoder_cls.__name__, unused[:5])
     t = read_tensors(files, expected)
     state = {"embed_tokens.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"],
              "lm_head.weight": t["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]}
     for i in range(spec.num_layers):
-        state.update(fuse_layer(t, f"model.layers.{i}.", f"layers.{i}."))
+        state.update(layer_state(t, f"model.layers.{i}.", f"layers.{i}."))
     with torch.device("meta"):
-        model = Transformer(spec)
+        model = decoder_cls(spec)
     return assign_weights(model, state, device, dtype)
