@@ -206,3 +206,24 @@ def test_demo_shows_the_dspark_head_when_there_is_one(trained, tiny_target, tmp_
     assert model.manifest.drafter.algorithm == "dspark"
     prompt = [5, 9, 14, 3, 22, 7, 40]
     assert model.generate(prompt, 16).tokens == model.generate(prompt, 16, speculative=False).tokens
+
+
+def test_windows_wholly_inside_a_long_prompt_are_skipped():
+    """A prompt longer than a window leaves windows with nothing the runtime drafts from: no anchors."""
+    from specpack.distill.data import Features
+    from specpack.distill.dspark import DSparkOptions
+    from specpack.distill.dspark_train import DSparkBatches
+    from specpack.distill.train import TrainConfig, windows
+
+    n, H = 12, 4
+    feats = Features(tokens=torch.arange(n), aux=torch.zeros(n, 2 * H, dtype=torch.float16),
+                     final=torch.zeros(n, H, dtype=torch.float16), pred=torch.arange(n) % 5,
+                     offsets=torch.tensor([0, n]), starts=torch.tensor([9]), groups=torch.tensor([0]))
+    cfg = TrainConfig(seq_len=4, batch_size=2)
+    wins = windows(feats, [0], cfg.seq_len)  # bases 0-3, 4-7, 8-10: the prompt runs to 8
+    head = type("Head", (), {"block_size": 3})()
+    b = DSparkBatches(feats, wins, torch.zeros(5, H), cfg, head, DSparkOptions(anchors=2), torch.arange(n))
+    assert [w.start for w in b.wins] == [8]
+    assert b.batch(b.wins)["anchor_pos"].tolist() == [[9, 10, 11]]  # every position after the prompt
+    out = b.batch([b.wins[i] for i in b.indices(0)], step=0)
+    assert out["anchor_pos"].shape == (2, 2) and out["valid"].any()

@@ -34,6 +34,7 @@ class DSparkBatches(Batches):
 
     def __init__(self, feats: Features, wins: list[Window], teacher_w: Tensor, cfg: TrainConfig, head: DSparkConfig,
                  options: DSparkOptions, t2d: Tensor):
+        wins = [w for w in wins if int(feats.starts[w.seq]) - w.start <= w.length]  # not wholly inside a prompt
         super().__init__(feats, wins, teacher_w, cfg)
         self.head, self.options, self.t2d = head, options, t2d
 
