@@ -241,6 +241,33 @@ def test_confidence_trims_drafts_through_the_cost_model(tmp_path, monkeypatch):
     assert with_confidence < verified()
 
 
+
+def test_drafts_the_confidence_head_always_cuts_stop_being_asked_for(tmp_path, monkeypatch):
+    """Positions cut after drafting count as not accepted in the acceptance record: a drafter whose
+    every position is cut stops being asked (bar an occasional probe) instead of costing a draft
+    forward every step for nothing."""
+    from specpack.runtime.drafters.base import Draft
+    from specpack.runtime.engine import Engine, Request
+    from specpack.runtime.engine.cost import CostModel
+
+    target, cfg = small_target()
+    prompts = [torch.randint(0, 8, (5 + i,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+    wants = [SpecModel(target).generate(p, 24, speculative=False, eos_ids=()).tokens for p in prompts]
+    drafter = load_block(None, small_head(tmp_path / "h", cfg, algorithm="dspark", layout="anchor_first",
+                                          block_size=5), target)
+    draft, asked = drafter.draft, []
+
+    def hopeless(jobs):
+        asked.append(len(jobs))
+        return [Draft(d.tokens, confidence=torch.zeros(len(d.tokens))) for d in draft(jobs)]
+
+    monkeypatch.setattr(drafter, "draft", hopeless)
+    done = Engine(target, drafter, slots=4, max_len=64, cost=CostModel((1, 24), (10.0, 56.0)),
+                  prior=(0.99,) * 5).run([Request(p, 24, draft_len=5) for p in prompts])
+    assert [r.tokens for r in done] == wants
+    steps = sum(r.stats.steps for r in done)
+    assert sum(r.stats.proposed for r in done) == 0 and sum(asked) < steps / 3
+
 def test_half_precision_runs(tmp_path):
     """bf16 weights, caches and features run end to end for every algorithm (not compared: exactness
     is per precision); the confidence head stays fp32."""

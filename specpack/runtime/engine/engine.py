@@ -93,6 +93,7 @@ class Generation:
         self.pending: list[Tensor] = []  # drafter features of committed positions not yet drafted from
         self.recorded: list[tuple[Tensor, Tensor]] = []  # with req.record: (states, argmax) per commit
         self.drafted = False  # has had a draft (its drafter has seen the prompt)
+        self.asked = 0  # draft tokens (a tree: levels) asked of the drafter this step, before any trimming
         self.length = DraftLength(req.draft_len, req.adaptive)
         self.acceptance = costs.Acceptance(prior, start=start)  # starts from the engine's record
         self.calibration = costs.Calibration(start=calibration)  # its tree drafts' probabilities vs acceptance
@@ -298,7 +299,7 @@ class Engine:
         for i, (s, k) in enumerate(zip(decoding, self._lengths(decoding, prefill_rows, prefill_keys))):
             if k > 0:
                 feats = torch.cat(s.pending) if s.pending else None
-                s.pending, s.drafted = [], True
+                s.pending, s.drafted, s.asked = [], True, k
                 jobs.append(DraftJob(s.slot, s.context(), feats, k, None if s.sampler.greedy else s.sampler,
                                      self._shape(s)))
                 owners.append(i)
@@ -411,9 +412,12 @@ class Engine:
     def _counted(self, s: Generation, depth: int, proposed: int, accepted: int) -> None:
         """One verification of `proposed` draft tokens `depth` deep, `accepted` of them kept (a path)."""
         s.length.update(depth, accepted)
-        s.acceptance.update(depth, accepted)
-        if proposed:
-            self.acceptance.update(depth, accepted)
+        # positions cut after drafting (a confidence head, pruning) count as not accepted: the record
+        # says what drafting k yields, which is what the next step's choice to draft weighs
+        tried, s.asked = max(depth, s.asked), 0
+        s.acceptance.update(tried, accepted)
+        if proposed or tried:
+            self.acceptance.update(tried, accepted)
         if proposed or s.req.speculative:
             s.stats.count(depth, accepted, proposed)
         else:
