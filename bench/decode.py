@@ -132,11 +132,16 @@ class LlamaCpp:
         llm = self.lookup if lookup else self.plain
         llm.reset()
         new, t = [], time.perf_counter()
+        first = t
         for tok in llm.generate(ids, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
             new.append(tok)
+            first = time.perf_counter() if len(new) == 1 else first
             if tok in eos or len(new) >= max_new:
                 break
-        return new, len(new) / (time.perf_counter() - t), None
+        end = time.perf_counter()
+        # tokens after the first per second after it (llama-bench's tg; our stats.decode_tokens_per_s)
+        self.last_decode_tps = (len(new) - 1) / (end - first) if len(new) > 1 else 0.0
+        return new, len(new) / (end - t), None
 
 
 def f32_gguf(src: Path, dst: Path) -> Path:

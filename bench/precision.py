@@ -110,12 +110,23 @@ def _forward(target, n: int) -> None:
 
 
 def decode(model, ids_list, max_new: int, spec: bool, draft_len: int, adaptive: bool = True):
-    toks, tps = [], []
+    """(tokens, mean tokens/s with the prefill, mean tokens/s after the first token)."""
+    toks, tps, dec = [], [], []
     for ids in ids_list:
         r = model.generate(ids, max_new, speculative=spec, draft_len=draft_len, adaptive=adaptive)
         toks.append(r.tokens)
         tps.append(r.stats.tokens_per_s)
-    return toks, statistics.mean(tps)
+        dec.append(r.stats.decode_tokens_per_s)
+    return toks, statistics.mean(tps), statistics.mean(dec)
+
+
+def llama_decode(lc, ids_list, max_new: int, eos, lookup: bool = False) -> tuple[float, float]:
+    """llama.cpp's mean tokens/s with the prefill and after the first token."""
+    tps, dec = [], []
+    for ids in ids_list:
+        tps.append(lc.run(ids, max_new, eos, lookup=lookup)[1])
+        dec.append(lc.last_decode_tps)
+    return statistics.mean(tps), statistics.mean(dec)
 
 
 def gguf_as(src_f32: Path, dst: Path, qtype: str) -> Path:
@@ -193,23 +204,25 @@ def print_distance(models, every, max_new) -> None:
 
 
 def run_decode(args, models, eagle3, pub, by_workload) -> None:
-    print(f"\n## decode, tokens/s (mean over prompts, {args.max_new_tokens} new tokens, prefill included); {busy()}")
+    print(f"\n## decode, tokens/s (mean over prompts, {args.max_new_tokens} new tokens, prefill included; decode = after the first token, as llama-bench tg); {busy()}")
     eagles = {w: load(eagle3, pub, w) for w in models} if eagle3 else {}
     llama = {} if args.no_llama else llama_engines(models)
     eos = set(models["fp32"].target.spec.eos_token_ids)
     for wl, ids_list in by_workload.items():
         for w, m in models.items():
-            plain, p = decode(m, ids_list, args.max_new_tokens, False, 1)
-            spec, s = decode(m, ids_list, args.max_new_tokens, True, args.draft_len)
-            line = f"{wl:16s} {w:5s} plain {p:6.1f}  n-gram {s:6.1f} ({s / p:.2f}x, same: {spec == plain})"
+            plain, p, pd = decode(m, ids_list, args.max_new_tokens, False, 1)
+            spec, s, _ = decode(m, ids_list, args.max_new_tokens, True, args.draft_len)
+            line = (f"{wl:16s} {w:5s} plain {p:6.1f} (decode {pd:6.1f})  n-gram {s:6.1f} ({s / p:.2f}x, "
+                    f"same: {spec == plain})")
             if w in eagles:
-                e_out, e = decode(eagles[w], ids_list, args.max_new_tokens, True, 3, adaptive=False)
+                e_out, e, _ = decode(eagles[w], ids_list, args.max_new_tokens, True, 3, adaptive=False)
                 line += f"  EAGLE-3 {e:6.1f} ({e / p:.2f}x, same: {e_out == plain})"
             if w in llama:
                 name, lc = llama[w]
-                lp = statistics.mean(lc.run(ids, args.max_new_tokens, eos)[1] for ids in ids_list)
-                ll = statistics.mean(lc.run(ids, args.max_new_tokens, eos, lookup=True)[1] for ids in ids_list)
-                line += f"  | llama.cpp {name} {lp:6.1f} (ours {p / lp:.2f}x), lookup {ll:6.1f} (n-gram {s / ll:.2f}x)"
+                lp, lpd = llama_decode(lc, ids_list, args.max_new_tokens, eos)
+                ll, _ = llama_decode(lc, ids_list, args.max_new_tokens, eos, lookup=True)
+                line += (f"  | llama.cpp {name} {lp:6.1f} (decode {lpd:6.1f}; ours {p / lp:.2f}x, decode "
+                         f"{pd / lpd:.2f}x), lookup {ll:6.1f} (n-gram {s / ll:.2f}x)")
             print(line, flush=True)
 
 
