@@ -79,6 +79,26 @@ def test_fused_forward_matches_the_module_path(tmp_path, family):
     assert torch.equal(block, torch.cat([model(ids[i: i + 1]).logits for i in range(4, len(ids))]))
 
 
+
+def test_captured_layers_split_the_c_runs_without_changing_a_bit(tmp_path):
+    """Captured hidden states cut the layers into C runs (one call each): the logits are the same
+    bits whatever the cuts, and each captured state is the module path's input of that layer."""
+    model = load_target(tiny.make_target(tmp_path / "t", "qwen3"))
+    threads = torch.get_num_threads()
+    use_cpu_kernels(model)
+    torch.set_num_threads(threads)
+    ids, n = torch.tensor([5, 17, 99, 3, 250, 7]), len(model.layers)
+    model.setup_cache(16)
+    whole = model(ids).logits
+    for capture in ([0], [1, n - 1], list(range(n + 1))):
+        model.cache.length = 0
+        out = model(ids, capture=capture)
+        assert torch.equal(out.logits, whole)
+        fused, model.fused, model.cache.length = model.fused, None, 0
+        want = model(ids, capture=capture).aux
+        model.fused = fused
+        torch.testing.assert_close(out.aux, want, atol=1e-5, rtol=0)
+
 def test_fused_layers_can_be_turned_off(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECPACK_FUSED", "0")
     model = load_target(tiny.make_target(tmp_path / "t", "llama"))

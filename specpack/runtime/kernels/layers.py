@@ -1,5 +1,6 @@
-"""A dense decoder layer (Llama / Mistral / Qwen2 / Qwen3) as nine C calls over every row of a
-batched forward, instead of ~40 torch ops and nine module calls.
+"""Dense decoder layers (Llama / Mistral / Qwen2 / Qwen3) in C over every row of a batched forward:
+per layer nine kernel calls, instead of ~40 torch ops and nine module calls, and a run of layers
+(every layer between two captured hidden states) in one call from Python (kernels/decoder.c).
 
     RMSNorm ─ q/k/v ─ RoPE + KV-cache write ─ attention ─ o_proj + residual
     RMSNorm ─ gate/up ─ SiLU·up ─ down + residual
@@ -14,6 +15,7 @@ rounding. `SPECPACK_FUSED=0` keeps the module path (for comparison).
 
 from __future__ import annotations
 
+import ctypes
 import os
 from typing import NamedTuple
 
@@ -29,27 +31,34 @@ def enabled() -> bool:
     return os.environ.get("SPECPACK_FUSED", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-class _Layer(NamedTuple):
-    in_norm: Tensor
-    post_norm: Tensor
-    q_norm: Tensor | None
-    k_norm: Tensor | None
-    qkv: object  # PackedLinear
-    o: object
-    gate_up: object
-    down: object
+class _Lin(ctypes.Structure):  # decoder.c's sp_lin_t
+    _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("fmt", ctypes.c_int32), ("threads", ctypes.c_int32), ("group", ctypes.c_int32),
+                ("prefetch", ctypes.c_int32)]
+
+
+class _Layer(ctypes.Structure):  # sp_layer_t
+    _fields_ = [("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+                ("k_norm", ctypes.c_void_p), ("qkv", _Lin), ("o", _Lin), ("gate_up", _Lin), ("down", _Lin)]
+
+
+class _Forward(ctypes.Structure):  # sp_forward_t
+    _fields_ = [("hidden", ctypes.c_int64), ("heads", ctypes.c_int64), ("kv_heads", ctypes.c_int64),
+                ("hd", ctypes.c_int64), ("inter", ctypes.c_int64), ("eps", ctypes.c_float),
+                ("scale", ctypes.c_float), ("threads", ctypes.c_int32), ("k", ctypes.c_void_p),
+                ("v", ctypes.c_void_p), ("layer_stride", ctypes.c_int64), ("slot_stride", ctypes.c_int64),
+                ("head_stride", ctypes.c_int64), ("ld", ctypes.c_int64), ("rows", ctypes.c_int64),
+                ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("slot", ctypes.c_void_p),
+                ("write", ctypes.c_void_p), ("ctx", ctypes.c_void_p), ("end", ctypes.c_void_p),
+                ("mask", ctypes.c_void_p), ("ldm", ctypes.c_int64)]
 
 
 class Step(NamedTuple):
-    """What every layer of one forward shares: the rows' slots, positions and masks as C arrays."""
+    """One forward's rows as C arrays (kept alive here) and the `_Forward` that points at them."""
     R: int
-    cos: Tensor  # [R, hd]
-    sin: Tensor
-    slot: Tensor  # int64 [R]
-    write: Tensor
-    ctx: Tensor
-    end: Tensor
-    mask: Tensor | None  # uint8 [R, W]
+    arrays: tuple  # cos, sin [R, hd]; slot, write, ctx, end int64 [R]; mask uint8 [R, W] or None
+    forward: _Forward
+    scratch: Tensor
 
 
 class FusedLayers:
@@ -63,7 +72,9 @@ class FusedLayers:
         self.hidden, self.inter, self.eps = s.hidden_size, s.intermediate_size, float(s.rms_norm_eps)
         self.scale = self.hd ** -0.5
         self.threads = default_threads()
-        self.layers = [_layer(b) for b in model.layers]
+        self._keep = [_norms(b) for b in model.layers]  # the fp32 norm weights the table points at
+        self.table = (_Layer * len(model.layers))(*(_layer(b, n) for b, n in zip(model.layers, self._keep)))
+        self.width = 2 * self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.hd + 3 * self.inter
 
     @classmethod
     def of(cls, model) -> "FusedLayers | None":
@@ -76,45 +87,44 @@ class FusedLayers:
             return None
         return cls(model)
 
-    def step(self, rows, cos: Tensor, sin: Tensor) -> Step:
-        """The per-forward arrays for `rows`; cos, sin: the model's [max_len, hd] tables."""
+    def step(self, rows, cos: Tensor, sin: Tensor, cache) -> Step:
+        """The per-forward arrays for `rows`; cos, sin: the model's [max_len, hd] tables; cache: the
+        model's KVCache ([layers, slots, kv_heads, max_len, hd] keys and values)."""
         i64 = [t.to(torch.int64).contiguous() for t in (rows.slot, rows.write, rows.ctx, rows.end)]
         mask = None if rows.mask is None else rows.mask.to(torch.uint8).contiguous()
-        return Step(rows.count, cos[rows.pos].contiguous(), sin[rows.pos].contiguous(), *i64, mask)
+        arrays = (cos[rows.pos].contiguous(), sin[rows.pos].contiguous(), *i64, mask)
+        k, v = cache.k, cache.v
+        if k.stride() != v.stride():
+            raise ValueError("key and value caches must share strides")
+        f = _Forward(self.hidden, self.heads, self.kv_heads, self.hd, self.inter, self.eps, self.scale, self.threads,
+                     k.data_ptr(), v.data_ptr(), *k.stride()[:4], rows.count,
+                     *(_ptr(a) for a in arrays), 0 if mask is None else mask.shape[1])
+        return Step(rows.count, arrays, f, torch.empty(rows.count * self.width))
 
-    def layer(self, i: int, x: Tensor, st: Step, k_cache: Tensor, v_cache: Tensor) -> Tensor:
-        """Layer i over the rows x [R, hidden]; k_cache, v_cache: its [slots, kv_heads, max_len, hd]."""
-        L, lib, R, H = self.layers[i], self.lib, st.R, self.hidden
-        h = self._norm(x, L.in_norm)
-        qkv = L.qkv(h)  # [R, (heads + 2 kv_heads) * hd]
-        ldq = qkv.shape[1]
-        kp, vp, strides = k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride()[:3]
-        lib.sp_rope_cache(qkv.data_ptr(), R, ldq, self.heads, self.kv_heads, self.hd, st.cos.data_ptr(),
-                          st.sin.data_ptr(), self.hd, _ptr(L.q_norm), _ptr(L.k_norm), self.eps, kp, vp, *strides,
-                          st.slot.data_ptr(), st.write.data_ptr())
-        a = torch.empty(R, self.heads * self.hd)
-        lib.sp_attention(qkv.data_ptr(), R, self.heads, ldq, kp, vp, self.kv_heads, *strides, self.hd, self.hd,
-                         st.slot.data_ptr(), st.ctx.data_ptr(), st.end.data_ptr(), _ptr(st.mask),
-                         0 if st.mask is None else st.mask.shape[1], self.scale, a.data_ptr(), self.heads * self.hd,
-                         self.threads)
-        x = L.o(a, residual=x)
-        gu = L.gate_up(self._norm(x, L.post_norm))
-        m = torch.empty(R, self.inter)
-        lib.sp_silu_mul(gu.data_ptr(), R, self.inter, 2 * self.inter, m.data_ptr(), self.inter)
-        return L.down(m, residual=x)
-
-    def _norm(self, x: Tensor, w: Tensor) -> Tensor:
-        y = torch.empty_like(x)
-        self.lib.sp_rmsnorm(x.data_ptr(), x.shape[0], self.hidden, x.stride(0), w.data_ptr(), self.eps,
-                            y.data_ptr(), self.hidden)
-        return y
+    def layers(self, x: Tensor, st: Step, first: int, n: int) -> Tensor:
+        """Layers first..first+n-1 over the rows x [R, hidden] (a fresh tensor, updated in place)."""
+        if n > 0:
+            self.lib.sp_decoder_layers(self.table, first, n, ctypes.byref(st.forward), x.data_ptr(),
+                                       st.scratch.data_ptr())
+        return x
 
 
-def _layer(block) -> _Layer:
-    a, m = block.self_attn, block.mlp
+def _norms(block) -> tuple:
     w = lambda norm: None if norm is None else norm.weight.detach().float().contiguous()  # noqa: E731
-    return _Layer(w(block.input_layernorm), w(block.post_attention_layernorm), w(a.q_norm), w(a.k_norm),
-                  a.qkv_proj.packed, a.o_proj.packed, m.gate_up_proj.packed, m.down_proj.packed)
+    a = block.self_attn
+    return w(block.input_layernorm), w(block.post_attention_layernorm), w(a.q_norm), w(a.k_norm)
+
+
+def _lin(p) -> _Lin:
+    """A PackedLinear as decoder.c's sp_lin_t (the same arguments its __call__ passes)."""
+    return _Lin(p._wptr, p._bptr, p.out_features, p.in_features, p._fmt, p.threads if p._parallel else 1,
+                p.group, p.prefetch)
+
+
+def _layer(block, norms: tuple) -> _Layer:
+    a, m = block.self_attn, block.mlp
+    return _Layer(*(_ptr(t) for t in norms), _lin(a.qkv_proj.packed), _lin(a.o_proj.packed),
+                  _lin(m.gate_up_proj.packed), _lin(m.down_proj.packed))
 
 
 def _ptr(t: Tensor | None):

@@ -208,19 +208,9 @@ class Decoder(nn.Module):
         """The new tokens [R] of every segment of `rows` in one pass; logits of `logits_rows` (all
         when None). Each segment must fit its slot: start + T <= max_len."""
         self._check_fits(rows)
-        step = self.fused.step(rows, self.cos, self.sin) if self.fused is not None else None
-        if step is None:
-            cos, sin = self.cos[rows.pos, None], self.sin[rows.pos, None]  # [R, 1, rope dims]
         x = self.embed_tokens(tokens)  # [R, H]
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            if i in capture:
-                captured[i] = x
-            if step is None:
-                x = self._layer(i, layer, x, cos, sin, rows)
-            else:
-                x = self.fused.layer(i, x, step, self.cache.k[i], self.cache.v[i])
-        captured[len(self.layers)] = x
+        captured = self._fused_layers(x, rows, capture) if self.fused is not None else self._layers(x, rows, capture)
+        x = captured[len(self.layers)]
         if logits_rows is not None:
             x = x[torch.as_tensor(logits_rows, dtype=torch.long, device=x.device)]
         logits = self.lm_head(self.norm(x)).float()
@@ -238,6 +228,30 @@ class Decoder(nn.Module):
         if bad:
             raise InputError(f"rows do not fit the KV cache of {c.slots} slot(s) x {c.max_len} positions",
                              problems=bad, hint="call setup_cache with a larger max_len or more slots")
+
+    def _layers(self, x: Tensor, rows: Rows, capture: Sequence[int]) -> dict[int, Tensor]:
+        """Every layer over x [R, H] as modules: {i: the input of layer i for i in capture, and
+        len(layers): the last layer's output}."""
+        cos, sin = self.cos[rows.pos, None], self.sin[rows.pos, None]  # [R, 1, rope dims]
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            if i in capture:
+                captured[i] = x
+            x = self._layer(i, layer, x, cos, sin, rows)
+        captured[len(self.layers)] = x
+        return captured
+
+    def _fused_layers(self, x: Tensor, rows: Rows, capture: Sequence[int]) -> dict[int, Tensor]:
+        """`_layers` in C: one call per run of layers between captured inputs."""
+        step = self.fused.step(rows, self.cos, self.sin, self.cache)
+        n = len(self.layers)
+        x = x.clone()  # updated in place
+        captured, at = {}, 0
+        for i in sorted({c for c in capture if c < n}):
+            x = self.fused.layers(x, step, at, i - at)
+            captured[i], x, at = x, x.clone(), i
+        captured[n] = self.fused.layers(x, step, at, n - at)
+        return captured
 
     def _layer(self, i: int, layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows) -> Tensor:
         return layer(x, cos, sin, self.cache.k[i], self.cache.v[i], rows)
