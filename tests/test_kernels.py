@@ -324,3 +324,17 @@ def test_a_cpu_without_avx2_is_told_which_path_runs_and_how_fast(monkeypatch, ca
     assert "CPU lacks avx2, f16c" in caplog.text and "run torch's F.linear" in caplog.text
     assert "GB/s of fp32 weights at one row here" in caplog.text
     assert model[0].packed.backend == "torch"
+
+
+def test_the_kernels_build_wherever_they_can(monkeypatch, tmp_path):
+    """On a CPU that can run them with a C compiler present, the sources must compile: a build error
+    would otherwise only show as every kernel test skipping and torch's slower path running."""
+    import os
+    import shutil
+
+    if kl._lib._cpu_problem() or not shutil.which(os.environ.get("CC", "cc")):
+        pytest.skip("no AVX2/FMA/F16C Linux CPU with a C compiler here")
+    monkeypatch.setenv("SPECPACK_KERNELS_PREBUILT", "0")  # compile the sources as they are now
+    monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path))
+    kl._library.cache_clear()
+    assert kl.available(), kl.unavailable_reason()
