@@ -48,6 +48,26 @@ def test_run_weights_needs_the_torch_cpu_path(ngram_artifact, cli):
     assert "dtype bfloat16" in err and "Traceback" not in err
 
 
+
+def test_run_without_a_profile_measures_a_cost_curve_once_per_model(ngram_artifact, monkeypatch):
+    """No profile brings a curve: speculation still follows a cost model, measured on this machine
+    once per loaded model (the demo and `run` call generate many times on one model)."""
+    from specpack.runtime import spec_model
+    from specpack.runtime.api import load
+    from specpack.runtime.engine import cost
+    from specpack.serving.generate import GenerateRequest, generate_text
+
+    calls = []
+    measure = cost.measure
+    monkeypatch.setattr(cost, "measure", lambda *a, **k: calls.append(1) or measure(*a, **k))
+    model = load(ngram_artifact)
+    plain = generate_text(None, GenerateRequest(PROMPT, max_new_tokens=24, speculative=False), model=model)
+    assert plain["cost_curve"] is None and not calls
+    for _ in range(2):
+        spec = generate_text(None, GenerateRequest(PROMPT, max_new_tokens=24), model=model)
+        assert spec["token_ids"] == plain["token_ids"] and spec["cost_curve"]["rows"] == [1, 2, 4, 8]
+    assert len(calls) == 1 and isinstance(model, spec_model.SpecModel)
+
 def test_run_with_draft_trees_equals_no_spec(ngram_artifact, cli):
     tree = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "40", "--draft-tree", "3x8")
     plain = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "40", "--no-spec")

@@ -21,7 +21,9 @@ from specpack.cli._common import tree_shapes as parse_tree_shapes
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--seed", type=int, help="Seed for sampling (reproducible runs).")
-@click.option("--draft-len", type=int, help="Draft tokens per step [default: the artifact's].")
+@click.option("--draft-len", type=int, help="Longest draft per step; without a profile, drafted as given "
+              "[default: the profile's; else the artifact's, shortened where a cost curve measured at "
+              "start says drafts do not pay].")
 @click.option("--draft-tree", help="Draft trees of TOPKxNODES (e.g. 4x24, draft-len deep) or 'chain' "
                                    "[default: the profile's].")
 @click.option("--no-spec", is_flag=True, help="Decode without speculation (the baseline).")

@@ -24,6 +24,19 @@ class SpecModel(nn.Module):
         self.target = target
         self.drafter = drafter
         self.context_length = min(context_length or target.spec.context_length, target.spec.context_length)
+        self._costs: dict = {}  # cost curves measured on this machine, by rows (measure_cost)
+
+    def measure_cost(self, rows: Sequence[int] = (1, 2, 4, 8)):
+        """The target's cost curve on this machine (engine.cost.measure: step time for each row count
+        in `rows`, and the cost per attended key), measured once per loaded model and kept: what the
+        engine chooses draft lengths with when no profile brings a curve. Uses the target's cache."""
+        from specpack.runtime.engine.cost import KEY_PROBE, measure
+
+        rows = tuple(rows)
+        if rows not in self._costs:
+            self.target.setup_cache(max(64, max(rows), sum(KEY_PROBE)), 1)
+            self._costs[rows] = measure(self.target, rows)
+        return self._costs[rows]
 
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 128, draft_len: int = 4,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Callable
+
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class GenerateRequest:
@@ -21,16 +25,26 @@ class GenerateRequest:
     draft_tree: tuple | None = None  # drafters.base.TreeShape (top-k 1: chains); None: the profile's
 
 
-def _engine_settings(chosen) -> dict:
-    """The profile's cost curve and measured acceptance, when it has them: draft lengths then
-    follow the cost model (else the drafter's own draft-length policy)."""
+
+def engine_settings(model, selection, slots: int = 1, measure: bool = False) -> dict:
+    """The engine's cost curve (the profile's, else with `measure` one measured on this machine,
+    once per loaded model) and acceptance prior, for a model that drafts: draft lengths then follow
+    the cost model, so speculation stops where it does not pay."""
     from specpack.runtime.engine.cost import CostModel
 
     out = {}
-    if chosen.cost_curve:
-        out["cost"] = CostModel.from_dict(chosen.cost_curve)
-    if chosen.position_acceptance:
-        out["prior"] = tuple(chosen.position_acceptance)
+    prior = getattr(selection, "position_acceptance", None)
+    if prior:
+        out["prior"] = tuple(prior)
+    curve = getattr(selection, "cost_curve", None)
+    if curve:
+        out["cost"] = CostModel.from_dict(curve)
+    elif measure and selection.speculative and model.drafter is not None:
+        out["cost"] = model.measure_cost(tuple(r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * slots))
+        log.info("cost curve measured: %s", out["cost"].to_dict())
+    if "cost" in out and not getattr(model.drafter, "free_drafts", False):
+        mem = model.manifest.memory  # a head's forward costs about its share of the weights (learned as it runs)
+        out["cost"] = out["cost"].with_draft_ratio(max(0.02, mem.drafter_weight_bytes / max(mem.target_weight_bytes, 1)))
     return out
 
 
@@ -56,17 +70,20 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     speculative = req.speculative and (chosen.speculative or req.draft_len is not None or req.draft_tree is not None)
     tree = req.draft_tree if req.draft_tree is not None else chosen.tree
     tree = tree if tree is not None and tree.topk > 1 else None
+    # no profile curve: measure one, unless the draft length is given (then it is drafted as given)
+    settings = engine_settings(model, chosen, measure=speculative and backend == "torch" and req.draft_len is None)
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,
                             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                             seed=req.seed, stop=stop_sequences(tok, req.stop),
-                            speculative=speculative, on_tokens=stream, tree=tree, **_engine_settings(chosen))
+                            speculative=speculative, on_tokens=stream, tree=tree, **settings)
     s = result.stats
     return {"text": stream.flush(), "token_ids": result.tokens, "prompt_tokens": len(ids),
             "finish_reason": result.finish_reason, "speculative": speculative,
             "profile": chosen.profile.name if chosen.profile else None,
             "profile_id": chosen.profile.id if chosen.profile else None, "profile_message": chosen.message,
             "drafter": model.manifest.drafter.kind, "weights": weights, "draft_len": draft_len,
-            "draft_tree": list(tree) if tree and speculative else None, "steps": s.steps,
+            "draft_tree": list(tree) if tree and speculative else None,
+            "cost_curve": settings["cost"].to_dict() if "cost" in settings else None, "steps": s.steps,
             "accepted": s.accepted, "acceptance_length": s.acceptance_length,
             "accepted_depth_steps": s.depth_steps,
             "per_position_acceptance": s.position_acceptance, "tokens_per_s": s.tokens_per_s,

@@ -80,6 +80,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     start when the profile has none."""
     from specpack.runtime.api import load, require
     from specpack.runtime.engine.engine import check_tree
+    from specpack.serving.generate import engine_settings
     from specpack.tuning.profiles import select_profile
 
     require("fastapi", "serve")
@@ -98,7 +99,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
                           max_queue=max_queue if max_queue is not None else 4 * slots, prefill_chunk=prefill_chunk,
                           max_concurrency=max_concurrency if max_concurrency is not None else selection.max_concurrency,
                           listener=Metrics(), tree=tree if tree is not None and tree.topk > 1 else None,
-                          **_cost(model, selection, slots, measure_cost))
+                          **engine_settings(model, selection, slots, measure_cost))
     name = model_name or model.manifest.name
     log.info("%s", selection.message)
     log.info("engine: %d slots of %d positions, queue %d, prefill chunk %d", slots, max_len,
@@ -125,30 +126,6 @@ def plan_kv(model, dtype: str, max_seqs: int, max_model_len: Optional[int]) -> t
         log.warning("KV cache: %d sequences of %d positions fit the memory budget, not %d", slots, max_len,
                     max_seqs)
     return slots, max_len
-
-
-def _cost(model, selection, slots: int, measure: bool) -> dict:
-    """The engine's cost curve (from the profile, else measured now) and acceptance prior."""
-    from specpack.runtime.engine.cost import CostModel
-    from specpack.runtime.engine.cost import measure as measure_cost
-
-    out = {}
-    prior = getattr(selection, "position_acceptance", None)
-    if prior:
-        out["prior"] = tuple(prior)
-    curve = getattr(selection, "cost_curve", None)
-    if curve:
-        out["cost"] = CostModel.from_dict(curve)
-    elif measure and selection.speculative and model.drafter is not None:
-        from specpack.runtime.engine.cost import KEY_PROBE
-
-        model.target.setup_cache(max(64, sum(KEY_PROBE)), 1)
-        out["cost"] = measure_cost(model.target, [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * slots])
-        log.info("cost curve measured: %s", out["cost"].to_dict())
-    if "cost" in out and not getattr(model.drafter, "free_drafts", False):
-        mem = model.manifest.memory  # a head's forward costs about its share of the weights (learned as it runs)
-        out["cost"] = out["cost"].with_draft_ratio(max(0.02, mem.drafter_weight_bytes / max(mem.target_weight_bytes, 1)))
-    return out
 
 
 def _check_options(max_concurrency: Optional[int], draft_len: Optional[int], api_key: Optional[str],
