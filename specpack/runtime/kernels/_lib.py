@@ -26,7 +26,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "linear.c", "attention.c", "layers.c", "decoder.c")]
-HEADERS = [Path(__file__).with_name("kernels.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h")]
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=gnu11", "-pthread"]
 CFLAGS = [*COMPILE_FLAGS, "-fPIC", "-shared"]
 PREBUILT = "_native"  # the install-time build: specpack/runtime/kernels/_native<extension suffix>
