@@ -39,7 +39,7 @@ GGUF_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "F16", "int8": "Q8_0"}  # ll
 
 
 def machine() -> str:
-    from specpack.runtime.kernels import tuning
+    from specpack._machine import cpu_model
 
     big = torch.empty(64 << 20, dtype=torch.float32)  # 256 MB: past any L3
     dst = torch.empty_like(big)
@@ -49,7 +49,7 @@ def machine() -> str:
         dst.copy_(big)
     gbs = 3 * 2 * big.numel() * 4 / (time.perf_counter() - t) / 1e9
     mem = Path("/proc/meminfo").read_text().split("\n", 1)[0].split()[1]
-    return (f"{tuning.cpu_model()}, {torch.get_num_threads()} threads, {int(mem) / 2**20:.0f} GiB; "
+    return (f"{cpu_model()}, {torch.get_num_threads()} threads, {int(mem) / 2**20:.0f} GiB; "
             f"memory copy {gbs:.1f} GB/s (read + write, torch {torch.__version__})")
 
 

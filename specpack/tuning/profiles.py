@@ -16,13 +16,13 @@ import importlib.metadata
 import importlib.util
 import logging
 import os
-import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from pydantic import ValidationError
 
+from specpack._machine import cpu_model
 from specpack.errors import InputError
 from specpack.schemas.profile import Hardware, Profile, profile_id
 
@@ -65,18 +65,8 @@ def this_machine(gpus: bool = True) -> Machine:
     for backend, (module, _) in BACKEND_MODULES.items():
         if importlib.util.find_spec(module) is not None:
             backends[backend] = package_version(module)
-    return Machine(_cpu_model(), os.cpu_count() or 1, total, available,
+    return Machine(cpu_model(), os.cpu_count() or 1, total, available,
                    _gpus() if gpus and "torch" in backends else (), backends)
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def _memory() -> tuple[int, int]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from specpack._machine import cpu_model
 from specpack.runtime.kernels import _lib
 
 log = logging.getLogger(__name__)
@@ -37,18 +38,6 @@ REPS = 3
 
 def _setting() -> str:
     return os.environ.get("SPECPACK_KERNEL_TUNE", "1").strip().lower()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-
-    return platform.processor() or platform.machine()
 
 
 def _l3_bytes() -> int:
