@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpack.distill.head import FromTarget, HeadMLP
+from specpack.distill.head import FromTarget, HeadConfig, HeadMLP
 from specpack.runtime.models.dense import RMSNorm, apply_rope, rope_inv_freq, rope_tables
 
 CONFIDENCE_TARGETS = ("greedy", "overlap")
@@ -81,21 +81,10 @@ class DSparkOptions:
 
 
 @dataclass(frozen=True)
-class DSparkConfig:
-    """The head's geometry: the target's layer shapes (DeepSpec copies the target config), K layers."""
+class DSparkConfig(HeadConfig):
+    """The head's geometry: the target's layer shapes (DeepSpec copies the target config, as the
+    EAGLE-3 head does), K layers over blocks of `block_size`."""
 
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    target_hidden_size: int
-    aux_layer_ids: tuple[int, ...]  # input of layer i (transformers hidden_states[i])
-    draft_vocab_size: int
-    target_vocab_size: int
     num_target_layers: int
     num_layers: int
     block_size: int
@@ -104,16 +93,9 @@ class DSparkConfig:
 
     @classmethod
     def for_target(cls, spec, draft_vocab: int, aux_layer_ids, options: DSparkOptions, mask: int) -> "DSparkConfig":
-        return cls(hidden_size=spec.hidden_size, intermediate_size=spec.intermediate_size, num_heads=spec.num_heads,
-                   num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim, rms_norm_eps=spec.rms_norm_eps,
-                   rope_theta=spec.rope_theta, max_position_embeddings=spec.context_length,
-                   target_hidden_size=spec.hidden_size, aux_layer_ids=tuple(aux_layer_ids),
-                   draft_vocab_size=draft_vocab, target_vocab_size=spec.vocab_size, num_target_layers=spec.num_layers,
-                   num_layers=options.layers, block_size=options.block_size, markov_rank=options.markov_rank,
-                   mask_token_id=mask)
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "aux_layer_ids": list(self.aux_layer_ids)}
+        head = HeadConfig.for_target(spec, draft_vocab, tuple(aux_layer_ids))
+        return cls(**asdict(head), num_target_layers=spec.num_layers, num_layers=options.layers,
+                   block_size=options.block_size, markov_rank=options.markov_rank, mask_token_id=mask)
 
 
 def unused_token(tokens: Tensor, pred: Tensor, vocab_size: int) -> int:
