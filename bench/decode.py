@@ -144,29 +144,39 @@ class LlamaCpp:
         return new, len(new) / (end - t), None
 
 
-def f32_gguf(src: Path, dst: Path) -> Path:
-    """The same weights as the Q4_1 GGUF, dequantized to F32, for a precision-matched llama.cpp."""
+def rewrite_gguf(src: Path, dst: Path, tensor) -> Path:
+    """`src`'s metadata and each tensor as `tensor(t)` gives it ((array, raw GGML type or None)),
+    written to `dst` once (kept when it exists)."""
     if dst.is_file():
         return dst
     import gguf
-    import numpy as np
 
     reader = gguf.GGUFReader(src)
-    arch = reader.fields["general.architecture"].contents()
-    writer = gguf.GGUFWriter(str(dst) + ".tmp", arch)
+    writer = gguf.GGUFWriter(str(dst) + ".tmp", reader.fields["general.architecture"].contents())
     for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        _copy_field(writer, name, field, gguf)
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            _copy_field(writer, name, field, gguf)
     for t in reader.tensors:
-        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        writer.add_tensor(t.name, data.reshape([int(d) for d in reversed(t.shape)]))
+        data, raw = tensor(t)
+        writer.add_tensor(t.name, data, raw_dtype=raw)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     Path(str(dst) + ".tmp").rename(dst)
     return dst
+
+
+def f32_gguf(src: Path, dst: Path) -> Path:
+    """The same weights as the Q4_1 GGUF, dequantized to F32, for a precision-matched llama.cpp."""
+    import gguf
+    import numpy as np
+
+    def f32(t):
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        return data.reshape([int(d) for d in reversed(t.shape)]), None
+
+    return rewrite_gguf(src, dst, f32)
 
 
 def _copy_field(writer, name, field, gguf):

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
-from decode import WORKLOADS, LlamaCpp, _copy_field, chat_ids, f32_gguf, humaneval_prompts  # noqa: E402
+from decode import WORKLOADS, LlamaCpp, chat_ids, f32_gguf, humaneval_prompts, rewrite_gguf  # noqa: E402
 from kernels import busy_fraction, median_ms  # noqa: E402
 
 GGUF_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "F16", "int8": "Q8_0"}  # llama.cpp's nearest precision
@@ -132,30 +132,18 @@ def llama_decode(lc, ids_list, max_new: int, eos, lookup: bool = False) -> tuple
 def gguf_as(src_f32: Path, dst: Path, qtype: str) -> Path:
     """The F32 GGUF's weights as `qtype` (F16 or Q8_0) for llama.cpp: 2-D tensors converted, norms
     kept F32 (as llama.cpp's converter does)."""
-    if dst.is_file():
-        return dst
     import gguf
     import numpy as np
 
     kind = getattr(gguf.GGMLQuantizationType, qtype)
-    reader = gguf.GGUFReader(src_f32)
-    writer = gguf.GGUFWriter(str(dst) + ".tmp", reader.fields["general.architecture"].contents())
-    for name, field in reader.fields.items():
-        if not name.startswith("GGUF.") and name != "general.architecture":
-            _copy_field(writer, name, field, gguf)
-    for t in reader.tensors:
+
+    def convert(t):
         data = np.asarray(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
-        if data.ndim == 2:
-            q = data.astype(np.float16) if qtype == "F16" else gguf.quants.quantize(data, kind)
-            writer.add_tensor(t.name, q, raw_dtype=kind)  # Q8_0: byte rows, the shape follows from the type
-        else:
-            writer.add_tensor(t.name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    Path(str(dst) + ".tmp").rename(dst)
-    return dst
+        if data.ndim != 2:
+            return data, None
+        return (data.astype(np.float16) if qtype == "F16" else gguf.quants.quantize(data, kind)), kind  # Q8_0: byte rows
+
+    return rewrite_gguf(src_f32, dst, convert)
 
 
 def main() -> None:
