@@ -19,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 from specpack import __version__
 from specpack.errors import InputError, SpecpackError, UnsupportedError
@@ -191,20 +191,27 @@ def max_draft_len(drafter) -> int:
     return longest
 
 
+def _memo(measure, given=None) -> tuple[dict, Callable]:
+    """(results, at): `at(x)` measures setting x once into `results`; every `given` setting is
+    measured up front, in order."""
+    results: dict = {}
+
+    def at(x):
+        if x not in results:
+            results[x] = measure(x)
+        return results[x]
+
+    for x in sorted(set(given or ())):
+        at(x)
+    return results, at
+
+
 def sweep_draft_len(measure, start: int, lengths: Optional[Sequence[int]] = None,
                     longest: int = MAX_DRAFT_LEN) -> dict[int, Pass]:
     """Measure the given `lengths`, or search 1..`longest` from `start`: try best ± step, move
     while it pays, halve the step when it does not (each length measured once)."""
-    results: dict[int, Pass] = {}
-
-    def at(d: int) -> Pass:
-        if d not in results:
-            results[d] = measure(d)
-        return results[d]
-
+    results, at = _memo(measure, lengths)
     if lengths:
-        for d in sorted(set(lengths)):
-            at(d)
         return results
     best = min(start, longest)
     step = max(1, best // 2)
@@ -234,16 +241,8 @@ def sweep_tree(measure, start: Shape, shapes: Optional[Sequence[Shape]] = None, 
     """Measure the given `shapes`, or search from `start`: try one step along each of depth (±1),
     top-k (x2, /2) and nodes (x2, /2), move to the first that beats the best by MIN_GAIN, stop when
     none does or after `limit` shapes (each measured once)."""
-    results: dict[Shape, Pass] = {}
-
-    def at(s: Shape) -> Pass:
-        if s not in results:
-            results[s] = measure(s)
-        return results[s]
-
+    results, at = _memo(measure, shapes)
     if shapes:
-        for s in sorted(set(shapes)):
-            at(s)
         return results
     best, moved = start, True
     at(best)
