@@ -55,7 +55,6 @@ class _Forward(ctypes.Structure):  # sp_forward_t
 
 class Step(NamedTuple):
     """One forward's rows as C arrays (kept alive here) and the `_Forward` that points at them."""
-    R: int
     arrays: tuple  # cos, sin [R, hd]; slot, write, ctx, end int64 [R]; mask uint8 [R, W] or None
     forward: _Forward
     scratch: Tensor
@@ -99,7 +98,7 @@ class FusedLayers:
         f = _Forward(self.hidden, self.heads, self.kv_heads, self.hd, self.inter, self.eps, self.scale, self.threads,
                      k.data_ptr(), v.data_ptr(), *k.stride()[:4], rows.count,
                      *(_ptr(a) for a in arrays), 0 if mask is None else mask.shape[1])
-        return Step(rows.count, arrays, f, torch.empty(rows.count * self.width))
+        return Step(arrays, f, torch.empty(rows.count * self.width))
 
     def layers(self, x: Tensor, st: Step, first: int, n: int) -> Tensor:
         """Layers first..first+n-1 over the rows x [R, hidden] (a fresh tensor, updated in place)."""

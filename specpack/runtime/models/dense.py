@@ -244,8 +244,7 @@ class Decoder(nn.Module):
     def _fused_layers(self, x: Tensor, rows: Rows, capture: Sequence[int]) -> dict[int, Tensor]:
         """`_layers` in C: one call per run of layers between captured inputs."""
         step = self.fused.step(rows, self.cos, self.sin, self.cache)
-        n = len(self.layers)
-        x = x.clone()  # updated in place
+        n = len(self.layers)  # x (the embeddings: a tensor of its own) is updated in place
         captured, at = {}, 0
         for i in sorted({c for c in capture if c < n}):
             x = self.fused.layers(x, step, at, i - at)
