@@ -141,7 +141,8 @@ def gguf_as(src_f32: Path, dst: Path, qtype: str) -> Path:
         data = np.asarray(t.data, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
         if data.ndim != 2:
             return data, None
-        return (data.astype(np.float16) if qtype == "F16" else gguf.quants.quantize(data, kind)), kind  # Q8_0: byte rows
+        q = data.astype(np.float16) if qtype == "F16" else gguf.quants.quantize(data, kind)  # Q8_0: byte rows
+        return q, kind
 
     return rewrite_gguf(src_f32, dst, convert)
 
@@ -192,7 +193,8 @@ def print_distance(models, every, max_new) -> None:
 
 
 def run_decode(args, models, eagle3, pub, by_workload) -> None:
-    print(f"\n## decode, tokens/s (mean over prompts, {args.max_new_tokens} new tokens, prefill included; decode = after the first token, as llama-bench tg); {busy()}")
+    print(f"\n## decode, tokens/s (mean over prompts, {args.max_new_tokens} new tokens, prefill included; "
+          f"decode = after the first token, as llama-bench tg); {busy()}")
     eagles = {w: load(eagle3, pub, w) for w in models} if eagle3 else {}
     llama = {} if args.no_llama else llama_engines(models)
     eos = set(models["fp32"].target.spec.eos_token_ids)

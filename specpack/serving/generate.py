@@ -44,7 +44,8 @@ def engine_settings(model, selection, slots: int = 1, measure: bool = False) -> 
         log.info("cost curve measured: %s", out["cost"].to_dict())
     if "cost" in out and not getattr(model.drafter, "free_drafts", False):
         mem = model.manifest.memory  # a head's forward costs about its share of the weights (learned as it runs)
-        out["cost"] = out["cost"].with_draft_ratio(max(0.02, mem.drafter_weight_bytes / max(mem.target_weight_bytes, 1)))
+        share = mem.drafter_weight_bytes / max(mem.target_weight_bytes, 1)
+        out["cost"] = out["cost"].with_draft_ratio(max(0.02, share))
     return out
 
 

@@ -327,10 +327,8 @@ class Engine:
             survival[i] = torch.cumprod(c.float().cpu(), 0).tolist()
         limits = [len(d) if survival[i] else 0 for i, d in enumerate(drafts)]
         contexts = [s.n for s in decoding]
-        fixed = [(len(d), s.n) for s, d, surv in zip(decoding, drafts, survival) if not surv]
-        keep = costs.choose(limits, survival, len(decoding), self.cost, contexts, sum(contexts),
-                            sunk_rows=prefill_rows + sum(k for k, _ in fixed),
-                            sunk_keys=prefill_keys + sum(k * n for k, n in fixed), margin=0.0)
+        sunk = _sunk(decoding, drafts, {i for i, surv in enumerate(survival) if surv}, prefill_rows, prefill_keys)
+        keep = costs.choose(limits, survival, len(decoding), self.cost, contexts, sum(contexts), margin=0.0, **sunk)
         return [d.keep(range(k)) if survival[i] else d for i, (d, k) in enumerate(zip(drafts, keep))]
 
     def _prune(self, decoding, drafts: list[Proposal], prefill_rows: int, prefill_keys: int) -> list[Proposal]:
@@ -345,10 +343,8 @@ class Engine:
             survival[i] = decoding[i].calibration.estimate(drafts[i].tree_parents(), drafts[i].scores)
             node_depths[i] = depths(drafts[i].tree_parents())
         contexts = [s.n for s in decoding]
-        fixed = [(len(d), s.n) for i, (s, d) in enumerate(zip(decoding, drafts)) if i not in ranked]
-        keep = costs.choose_nodes(survival, node_depths, len(decoding), self.cost, contexts, sum(contexts),
-                                  sunk_rows=prefill_rows + sum(k for k, _ in fixed),
-                                  sunk_keys=prefill_keys + sum(k * n for k, n in fixed))
+        sunk = _sunk(decoding, drafts, set(ranked), prefill_rows, prefill_keys)
+        keep = costs.choose_nodes(survival, node_depths, len(decoding), self.cost, contexts, sum(contexts), **sunk)
         return [d.keep(keep[i]) if i in ranked else d for i, d in enumerate(drafts)]
 
     def _learn_draft_cost(self, seconds: float, depth: int, rows: int, absorbed: int) -> None:
@@ -462,3 +458,12 @@ class Engine:
                 if s.error is not None:
                     raise s.error
         return [seqs[i] for i in range(len(requests))]
+
+
+def _sunk(decoding: list[Generation], drafts: list[Proposal], chosen: set[int], prefill_rows: int,
+          prefill_keys: int) -> dict:
+    """What the step carries whatever is chosen for the sequences in `chosen`: the prefill chunk
+    and every other sequence's draft (rows, and the keys they attend), as costs.choose takes it."""
+    fixed = [(len(d), s.n) for i, (s, d) in enumerate(zip(decoding, drafts)) if i not in chosen]
+    return {"sunk_rows": prefill_rows + sum(k for k, _ in fixed),
+            "sunk_keys": prefill_keys + sum(k * n for k, n in fixed)}
