@@ -62,12 +62,35 @@ def test_rows_bit_identical_for_every_m_and_thread_count(kernel, weights):
         x = torch.randn(16, K)
         packed = kernel.pack(w, threads=1, weights=weights)
         single = torch.cat([packed(x[i:i + 1]) for i in range(16)])
-        for threads, group, prefetch in ((1, 1, 0), (2, 4, 64), (3, 1, 256), (2, 1, 128)):
-            packed.threads, packed.group, packed.prefetch = threads, group, prefetch
+        for threads, group, prefetch, isa in ((1, 1, 0, 0), (2, 4, 64, 1), (3, 1, 256, 1), (2, 1, 128, 0)):
+            packed.threads, packed.group, packed.prefetch, packed.isa = threads, group, prefetch, isa
             packed._parallel = True  # force the pool even on small weights
             for M in range(1, 17):
-                assert torch.equal(packed(x[:M]), single[:M]), (N, K, M, threads, group)
-                assert torch.equal(packed(x[16 - M:]), single[16 - M:]), (N, K, M, threads, group)
+                assert torch.equal(packed(x[:M]), single[:M]), (N, K, M, threads, group, isa)
+                assert torch.equal(packed(x[16 - M:]), single[16 - M:]), (N, K, M, threads, group, isa)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8"])
+def test_avx512_tiles_give_the_avx2_bits(kernel, weights):
+    """The AVX-512 tiles (one zmm a row, up to 12 rows a tile) compute each column's chain exactly
+    as the AVX2 tiles do: the same bits for every M, with bias, residual and a partial last panel, so
+    which tile set a machine's tuning picks never changes an output."""
+    if not kernel._library()[0].sp_avx512():
+        pytest.skip("this CPU has no AVX-512: the isa setting falls back to AVX2")
+    torch.manual_seed(1)
+    for N, K in [(1000, 576), (83, 40), (64, 33), (48, 1536)]:
+        w, b = torch.randn(N, K), torch.randn(N)
+        packed = kernel.pack(w, b, threads=2, weights=weights)
+        packed._parallel = True
+        for M in (1, 2, 3, 7, 12, 13, 16, 24, 40, 100):
+            x, res = torch.randn(M, K), torch.randn(M, N)
+            got = {}
+            for isa in (0, 1):
+                for group in (1, 4):
+                    packed.isa, packed.group = isa, group
+                    got[isa, group] = (packed(x), packed(x, residual=res))
+            for key, (y, yr) in got.items():
+                assert torch.equal(y, got[0, 1][0]) and torch.equal(yr, got[0, 1][1]), (N, K, M, key)
 
 
 @pytest.mark.parametrize("weights, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
@@ -260,7 +283,7 @@ def test_concurrent_first_builds_agree(kernel, tmp_path, monkeypatch):
     results = [q.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=20)
-    assert results == [3, 3, 3]
+    assert results == [4, 4, 4]  # sp_abi_version: every child loaded a whole library
     assert [p.name for p in tmp_path.rglob("*.so")] == ["specpack_kernels.so"]  # temp files renamed or gone
     kl._library.cache_clear()
     torch.manual_seed(0)
@@ -290,6 +313,7 @@ def test_settings_are_measured_once_per_cpu_model_and_cached(kernel, tmp_path, m
         entry = next(v for k, v in json.loads(cache).items() if k.endswith("|bf16"))
         assert tuning._valid(entry["settings"]) and entry["ms_one_row"] > 0
         assert (packed.group, packed.prefetch) == (entry["settings"]["group"], entry["settings"]["prefetch"])
+        assert kernel.ISAS[packed.isa] == entry["settings"]["isa"]
         assert torch.equal(packed(x), want(x))
         tuning._tuned.cache_clear()
         monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured again"))

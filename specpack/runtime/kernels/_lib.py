@@ -86,7 +86,7 @@ def _compile(cc: str, out: Path) -> None:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     c_int = ctypes.c_int
-    lib.sp_linear.argtypes = [p, i64, i64, i64, p, c_int, i64, p, p, i64, p, i64, c_int, c_int, c_int]
+    lib.sp_linear.argtypes = [p, i64, i64, i64, p, c_int, i64, p, p, i64, p, i64, c_int, c_int, c_int, c_int]
     lib.sp_linear.restype = None
     lib.sp_attention.argtypes = [p, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, p, p, p, p, i64,
                                  ctypes.c_float, p, i64, ctypes.c_int]
@@ -99,6 +99,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = None
     lib.sp_decoder_layers.argtypes = [p, i64, i64, p, p, p]
     lib.sp_decoder_layers.restype = None
+    lib.sp_avx512.restype = c_int
     lib.sp_set_spin_us.argtypes = [ctypes.c_long]
     lib.sp_source_hash.restype = ctypes.c_char_p
     lib.sp_set_spin_us(SPIN_US)

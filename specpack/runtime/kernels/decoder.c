@@ -16,7 +16,7 @@ typedef struct { /* one packed linear layer (linear.c's format and speed setting
     const void *w;
     const float *bias; /* or NULL */
     int64_t n, k;
-    int32_t fmt, threads, group, prefetch;
+    int32_t fmt, threads, group, prefetch, isa;
 } sp_lin_t;
 
 typedef struct { /* one layer's weights */
@@ -40,7 +40,7 @@ typedef struct { /* what every layer of a forward shares */
 static void linear(const sp_lin_t *l, const float *x, int64_t R, const float *res, float *y)
 {
     sp_linear(x, R, l->k, l->k, l->w, l->fmt, l->n, l->bias, res, res ? l->n : 0, y, l->n, l->threads, l->group,
-              l->prefetch);
+              l->prefetch, l->isa);
 }
 
 /* Layers first..first+n-1 of `layers` over x [rows, hidden], in place. scratch: rows x

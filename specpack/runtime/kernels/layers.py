@@ -34,7 +34,7 @@ def enabled() -> bool:
 class _Lin(ctypes.Structure):  # decoder.c's sp_lin_t
     _fields_ = [("w", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
                 ("fmt", ctypes.c_int32), ("threads", ctypes.c_int32), ("group", ctypes.c_int32),
-                ("prefetch", ctypes.c_int32)]
+                ("prefetch", ctypes.c_int32), ("isa", ctypes.c_int32)]
 
 
 class _Layer(ctypes.Structure):  # sp_layer_t
@@ -117,7 +117,7 @@ def _norms(block) -> tuple:
 def _lin(p) -> _Lin:
     """A PackedLinear as decoder.c's sp_lin_t (the same arguments its __call__ passes)."""
     return _Lin(p._wptr, p._bptr, p.out_features, p.in_features, p._fmt, p.threads if p._parallel else 1,
-                p.group, p.prefetch)
+                p.group, p.prefetch, p.isa)
 
 
 def _layer(block, norms: tuple) -> _Layer:

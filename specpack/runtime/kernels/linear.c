@@ -212,6 +212,138 @@ WTILE_FN(3, 1) WTILE_FN(3, 2)
 static const wtile_fn WTILES[4][3] = {{0, wtile0_1, wtile0_2}, {0, wtile1_1, wtile1_2},
                                       {0, wtile2_1, wtile2_2}, {0, wtile3_1, wtile3_2}};
 
+/* ---------------------------------------------------------------- AVX-512 */
+
+/* The same tiles with one zmm register per row and panel (16 columns) instead of two ymm, for CPUs
+ * with AVX-512F (run only where the CPU and OS support it: `isa`). Each output column is one lane
+ * and goes through exactly the chain the AVX2 tiles compute (the same fused multiply-adds over the
+ * same k, then `finish`'s adds in the same order), so the two give the same bits; what changes is
+ * the work per instruction: twice the FMA width, and up to 12 rows a tile (32 registers), which
+ * matters where many rows make the product compute-bound (prefill, long drafts, trees). */
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
+#define MR512_MAX 12
+
+static inline AVX512 __attribute__((always_inline)) __m512 load16z(const int fmt, const char *w, int64_t k)
+{
+    if (fmt == SP_F32) return _mm512_loadu_ps((const float *)w + k * NR);
+    if (fmt == SP_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * NR)));
+    if (fmt == SP_BF16) {
+        const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * NR)));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(a, 16));
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(w + k * NR))));
+}
+
+/* `finish` on one zmm: the same operations, lane for lane. */
+static inline AVX512 __attribute__((always_inline)) void finishz(
+    const int fmt, int first, __m512 c, float *acc, const float *scale, const float *bias, const float *res)
+{
+    if (fmt == SP_Q8) {
+        const __m512 d = _mm512_loadu_ps(scale);
+        c = first ? _mm512_mul_ps(c, d) : _mm512_fmadd_ps(c, d, _mm512_loadu_ps(acc));
+    } else if (!first) {
+        c = _mm512_add_ps(_mm512_loadu_ps(acc), c);
+    }
+    if (bias) c = _mm512_add_ps(c, _mm512_loadu_ps(bias));
+    if (res) c = _mm512_add_ps(_mm512_loadu_ps(res), c);
+    _mm512_storeu_ps(acc, c);
+}
+
+#define ROWS12(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7) X(8) X(9) X(10) X(11)
+static inline AVX512 __attribute__((always_inline)) void tilez(
+    const int fmt, const int mr, const int prefetch, const float *x, int64_t ldx, const char *w,
+    int64_t k0, int64_t k1, float *acc, int64_t lda, int first, const float *bias, const float *res,
+    int64_t ldr, const float *scale, const char *pf, int64_t pfstep)
+{
+#define ZDECL(i)                                                                                 \
+    __m512 c##i = _mm512_setzero_ps();                                                           \
+    const float *x##i = x + (mr > i ? i : 0) * ldx;
+    ROWS12(ZDECL)
+    for (int64_t k = k0; k < k1; k++) {
+        if (prefetch && ((k - k0) & (PF_EVERY(fmt) - 1)) == 0) _mm_prefetch(pf + (k - k0) * pfstep, _MM_HINT_T1);
+        const __m512 w0 = load16z(fmt, w, fmt == SP_Q8 ? k - k0 : k);
+#define ZSTEP(i)                                                                                 \
+        if (mr > i) c##i = _mm512_fmadd_ps(_mm512_set1_ps(x##i[k]), w0, c##i);
+        ROWS12(ZSTEP)
+    }
+#define ZSTORE(i)                                                                                \
+    if (mr > i) finishz(fmt, first, c##i, acc + i * lda, scale, bias, res ? res + i * ldr : 0);
+    ROWS12(ZSTORE)
+}
+
+/* `wtile` for one or two rows over four panels: 4 or 8 independent chains of 16 columns. */
+static inline AVX512 __attribute__((always_inline)) void wtilez(
+    const int fmt, const int mr, const int prefetch, const float *x, int64_t ldx,
+    const char *const *w, int64_t k0, int64_t k1, float *acc, int64_t lda, int first,
+    const float *bias, const float *res, int64_t ldr, const float *const *scale, const char *const *pf,
+    int64_t bpk)
+{
+#define WZDECL(j) __m512 a##j = _mm512_setzero_ps(), b##j = _mm512_setzero_ps();
+    PANELS(WZDECL)
+    const float *x1 = x + (mr > 1 ? ldx : 0);
+    for (int64_t k = k0; k < k1; k++) {
+        const __m512 u = _mm512_set1_ps(x[k]), v = _mm512_set1_ps(x1[k]);
+#define WZSTEP(j)                                                                                \
+        if (prefetch && ((k - k0) & (PF_EVERY(fmt) - 1)) == 0)                                    \
+            _mm_prefetch(pf[j] + (k - k0) * bpk, _MM_HINT_T1);                                   \
+        {                                                                                        \
+            const __m512 w0 = load16z(fmt, w[j], fmt == SP_Q8 ? k - k0 : k);                     \
+            a##j = _mm512_fmadd_ps(u, w0, a##j);                                                 \
+            if (mr > 1) b##j = _mm512_fmadd_ps(v, w0, b##j);                                     \
+        }
+        PANELS(WZSTEP)
+    }
+#define WZSTORE(j)                                                                               \
+    finishz(fmt, first, a##j, acc + j * NR, scale[j], bias ? bias + j * NR : 0, res ? res + j * NR : 0); \
+    if (mr > 1)                                                                                  \
+        finishz(fmt, first, b##j, acc + lda + j * NR, scale[j], bias ? bias + j * NR : 0,        \
+                res ? res + ldr + j * NR : 0);
+    PANELS(WZSTORE)
+}
+
+#define ZTILE_FN(F, R, PF)                                                                       \
+    static AVX512 void ztile##F##_##R##_##PF(const float *x, int64_t ldx, const char *w, int64_t k0, \
+                                             int64_t k1, float *acc, int64_t lda, int first,     \
+                                             const float *bias, const float *res, int64_t ldr,   \
+                                             const float *scale, const char *pf, int64_t pfstep) \
+    { tilez(F, R, PF, x, ldx, w, k0, k1, acc, lda, first, bias, res, ldr, scale, pf, pfstep); }
+#define ZTILES_PF(F, PF)                                                                         \
+    ZTILE_FN(F, 1, PF) ZTILE_FN(F, 2, PF) ZTILE_FN(F, 3, PF) ZTILE_FN(F, 4, PF) ZTILE_FN(F, 5, PF) \
+    ZTILE_FN(F, 6, PF) ZTILE_FN(F, 7, PF) ZTILE_FN(F, 8, PF) ZTILE_FN(F, 9, PF) ZTILE_FN(F, 10, PF) \
+    ZTILE_FN(F, 11, PF) ZTILE_FN(F, 12, PF)
+ZTILES_PF(0, 0) ZTILES_PF(0, 1) ZTILES_PF(1, 0) ZTILES_PF(1, 1) ZTILES_PF(2, 0) ZTILES_PF(2, 1)
+ZTILES_PF(3, 0) ZTILES_PF(3, 1)
+#define ZROW(F, PF)                                                                              \
+    {0, ztile##F##_1_##PF, ztile##F##_2_##PF, ztile##F##_3_##PF, ztile##F##_4_##PF,              \
+     ztile##F##_5_##PF, ztile##F##_6_##PF, ztile##F##_7_##PF, ztile##F##_8_##PF,                 \
+     ztile##F##_9_##PF, ztile##F##_10_##PF, ztile##F##_11_##PF, ztile##F##_12_##PF}
+static const tile_fn ZTILES[4][2][MR512_MAX + 1] = {{ZROW(0, 0), ZROW(0, 1)}, {ZROW(1, 0), ZROW(1, 1)},
+                                                    {ZROW(2, 0), ZROW(2, 1)}, {ZROW(3, 0), ZROW(3, 1)}};
+#define WZTILE_FN(F, R)                                                                          \
+    static AVX512 void wztile##F##_##R(const float *x, int64_t ldx, const char *const *w, int64_t k0, \
+                                       int64_t k1, float *acc, int64_t lda, int first, const float *bias, \
+                                       const float *res, int64_t ldr, const float *const *scale,  \
+                                       const char *const *pf, int64_t bpk)                       \
+    { wtilez(F, R, 1, x, ldx, w, k0, k1, acc, lda, first, bias, res, ldr, scale, pf, bpk); }
+WZTILE_FN(0, 1) WZTILE_FN(0, 2) WZTILE_FN(1, 1) WZTILE_FN(1, 2) WZTILE_FN(2, 1) WZTILE_FN(2, 2)
+WZTILE_FN(3, 1) WZTILE_FN(3, 2)
+static const wtile_fn WZTILES[4][3] = {{0, wztile0_1, wztile0_2}, {0, wztile1_1, wztile1_2},
+                                       {0, wztile2_1, wztile2_2}, {0, wztile3_1, wztile3_2}};
+
+/* Whether this CPU and its OS run AVX-512F (libgcc checks the OS saves the zmm state). */
+static int avx512_ok(void)
+{
+    static int ok = -1;
+    if (ok < 0) {
+        __builtin_cpu_init();
+        ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+             && __builtin_cpu_supports("avx512vl");
+    }
+    return ok;
+}
+
+int sp_avx512(void) { return avx512_ok(); }
+
 typedef struct {
     const float *x, *bias, *res;
     const char *w;
@@ -222,6 +354,7 @@ typedef struct {
                     * depends on the machine (tuned at first load, see kernels/tuning.py). */
     int64_t prefetch;
     int fmt;
+    int zmm; /* AVX-512 tiles (`sp_linear`'s isa = 1, where the CPU has them): the same bits */
 } job_t;
 
 /* Bytes of one k of a panel (the stream rate per k). */
@@ -250,7 +383,7 @@ static const char *block_at(int fmt, const char *w, int64_t k0, const float **sc
 }
 
 /* Rows [m0, m0 + ms) (ms <= 16) times panel p. Rows go in ceil(ms/6) balanced tiles (8 rows: 4 +
- * 4, so each tile keeps >= 8 FMA chains in flight), over the summation k-blocks: every tile reuses
+ * 4, so each tile keeps >= 8 FMA chains in flight; AVX-512: ceil(ms/12) tiles), over the summation k-blocks: every tile reuses
  * the block from L1, so the panel is read from memory once. */
 static void panel_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms, float *scratch)
 {
@@ -262,7 +395,9 @@ static void panel_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms, float 
     if (j->bias) memcpy(bias16, j->bias + n0, cols * sizeof(float));
     /* the same k-blocks for every M: a row's sums do not depend on how many rows there are */
     const int64_t kb = block_k(j->fmt), nblocks = K > 0 ? (K + kb - 1) / kb : 1;
-    const int64_t bpk = k_bytes(j->fmt), ntiles = (ms + MR_MAX - 1) / MR_MAX;
+    const int64_t mrmax = j->zmm ? MR512_MAX : MR_MAX;
+    const int64_t bpk = k_bytes(j->fmt), ntiles = (ms + mrmax - 1) / mrmax;
+    const tile_fn *tiles = j->zmm ? ZTILES[j->fmt][j->prefetch > 0] : TILES[j->fmt][j->prefetch > 0];
     float *acc = full ? j->y + m0 * j->ldy + n0 : scratch;
     /* the residual goes in at the last block; a partial panel adds it when copying out */
     const float *res = full && j->res ? j->res + m0 * j->ldr + n0 : 0;
@@ -276,7 +411,7 @@ static void panel_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms, float 
             /* the tiles share prefetching the line `prefetch` ahead of each k of the block, so
              * memory requests flow while any tile computes */
             const char *pf = w + k0 * bpk + j->prefetch * 64 + t * (k1 - k0) * bpk / ntiles;
-            TILES[j->fmt][j->prefetch > 0][mr](j->x + (m0 + r) * j->ldx, j->ldx, wb, k0, k1,
+            tiles[mr](j->x + (m0 + r) * j->ldx, j->ldx, wb, k0, k1,
                 acc + r * lda, lda, k0 == 0, last && j->bias ? bias16 : 0,
                 last && res ? res + r * j->ldr : 0, j->ldr, scale, pf, (bpk + ntiles - 1) / ntiles);
             r += mr;
@@ -312,7 +447,9 @@ static void wide_rows(const job_t *j, int64_t p0, int64_t m0, int64_t ms)
         }
         const int last = k1 == K;
         const float *bl = last ? bias : 0, *rl = last ? res : 0;
-        if (ms == 1) {
+        if (j->zmm) {
+            WZTILES[j->fmt][ms](x, j->ldx, w, k0, k1, acc, j->ldy, k0 == 0, bl, rl, j->ldr, scale, pf, bpk);
+        } else if (ms == 1) {
             WTILES[j->fmt][1](x, j->ldx, w, k0, k1, acc, j->ldy, k0 == 0, bl, rl, j->ldr, scale, pf, bpk);
         } else {
             WTILES[j->fmt][2](x, j->ldx, w, k0, k1, acc, j->ldy, k0 == 0, bl, rl, j->ldr, scale, pf, bpk);
@@ -341,21 +478,22 @@ static void panel_group(const void *job, int64_t g, float *scratch)
 
 /* ---------------------------------------------------------------- API */
 
-int sp_abi_version(void) { return 3; }
+int sp_abi_version(void) { return 4; }
 
 
 /* y[M,N] (row stride ldy) = res + (x[M,K] (row stride ldx) @ W^T + bias), W packed as above in
  * format `fmt`; bias (N) and res (row stride ldr) may be NULL. y must not overlap x or res.
- * `group` (1 or 4 panels per work item) and `prefetch` (lines ahead) change speed only. */
+ * `group` (1 or 4 panels per work item), `prefetch` (lines ahead) and `isa` (0: AVX2, 1: AVX-512
+ * where the CPU has it, else AVX2) change speed only. */
 void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int fmt, int64_t N,
                const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads,
-               int group, int prefetch)
+               int group, int prefetch, int isa)
 {
     if (M <= 0 || N <= 0 || fmt < SP_F32 || fmt > SP_Q8) return;
     const int64_t pb = sp_panel_bytes(fmt, K);
     const int64_t G = group == 4 ? 4 : 1, P = (N + NR - 1) / NR;
     const job_t job = {x, bias, res, w, y, M, N, K, ldx, ldy, ldr, pb > 0 ? pb : 0, G,
-                       prefetch > 0 ? prefetch : 0, fmt};
+                       prefetch > 0 ? prefetch : 0, fmt, isa == 1 && avx512_ok()};
     const int64_t chunk = CHUNK_BYTES / ((pb > 0 ? pb : NR * 4) * G);
     sp_parallel(panel_group, &job, (P + G - 1) / G, chunk, nthreads);
 }

@@ -36,6 +36,7 @@ Q8_BLOCK = 32  # k per int8 scale block (linear.c)
 Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
 # weight format name -> linear.c's code
 FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3}
+ISAS = ("avx2", "avx512")  # the tile sets (linear.c): the same bits, AVX-512 where the CPU has it
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
 MIN_PARALLEL_BYTES = 256 * 1024
@@ -136,6 +137,7 @@ class PackedLinear:
         tuned = _settings(weights) if self.backend == "avx2" else {}
         self.threads = threads or tuned.get("threads") or default_threads()
         self.group, self.prefetch = tuned.get("group", 1), tuned.get("prefetch", 128)
+        self.isa = ISAS.index(tuned.get("isa", "avx2"))
         with torch.no_grad():
             self.weight = self._layout(weight.detach())
         self._parallel = self.weight.numel() * self.weight.element_size() >= MIN_PARALLEL_BYTES
@@ -191,7 +193,8 @@ class PackedLinear:
                 residual = residual.contiguous()
             rptr, ldr = residual.data_ptr(), residual.stride(0)
         self._fn(x.data_ptr(), M, K, x.stride(0), self._wptr, self._fmt, N, self._bptr, rptr, ldr,
-                 out.data_ptr(), N, self.threads if self._parallel else 1, self.group, self.prefetch)
+                 out.data_ptr(), N, self.threads if self._parallel else 1, self.group, self.prefetch,
+                 self.isa)
         return out
 
     def __repr__(self) -> str:

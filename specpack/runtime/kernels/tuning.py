@@ -3,8 +3,10 @@
 Which panel grouping (1 or 4 panels per work item; 4 runs one or two rows through wide tiles),
 prefetch distance and thread count stream weights fastest depends on the machine: its memory
 system, its L3, whether its cores are SMT siblings. The first time a format's weights are packed on
-a CPU model, `settings` times a stream of packed weights twice the L3's size at one and nine rows
-under each candidate setting (under a second), keeps the fastest (one row weighs double: decoding),
+a CPU model, `settings` first picks the tile set where the CPU offers two (AVX-512 or AVX2: the same
+bits) by timing 64 rows through one matrix, where the product is compute-bound as in a prefill or a
+wide tree; then it times a stream of packed weights twice the L3's size at one and nine rows
+under each candidate setting (under a second in all), keeps the fastest (one row weighs double: decoding),
 and caches it in `$SPECPACK_CACHE/kernels/tuning.json`, keyed by CPU model, cores and kernel source.
 Every setting gives the same bits: only speed changes. The same run times torch's `F.linear` at
 one row on the fp32 stream and logs a warning if the kernel is slower there.
@@ -26,9 +28,10 @@ import torch
 
 from specpack._machine import cpu_model
 from specpack.runtime.kernels import _lib
+from specpack.runtime.kernels.linear import ISAS
 
 log = logging.getLogger(__name__)
-DEFAULTS = {"group": 1, "prefetch": 128}
+DEFAULTS = {"group": 1, "prefetch": 128, "isa": "avx2"}
 PREFETCH = (0, 64, 128, 256)  # cache lines ahead
 GROUPS = (1, 4)
 SHAPE = (4096, 1024)  # one matrix of the stream; as many as exceed the L3
@@ -78,7 +81,7 @@ _measuring = False  # packing the measurement's own stream uses the defaults
 
 
 def settings(weights: str = "fp32") -> dict:
-    """{"group", "prefetch", "threads"} for `weights` on this machine: cached, else measured now
+    """{"group", "prefetch", "threads", "isa"} for `weights` on this machine: cached, else measured now
     (once per format and process), else the defaults."""
     if _measuring or _setting() in ("0", "false", "no", "off") or not _lib.available():
         return dict(DEFAULTS, threads=_lib.cores())
@@ -101,7 +104,7 @@ def _tuned(weights: str) -> dict:
 
 def _valid(s) -> bool:
     return (isinstance(s, dict) and s.get("group") in GROUPS and isinstance(s.get("prefetch"), int)
-            and isinstance(s.get("threads"), int) and s["threads"] >= 1)
+            and isinstance(s.get("threads"), int) and s["threads"] >= 1 and s.get("isa") in ISAS)
 
 
 def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> dict:
@@ -114,7 +117,8 @@ def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> 
     start = time.perf_counter()
     stream = _random_stream(weights, total)
     x1, x9 = torch.randn(1, SHAPE[1]), torch.randn(9, SHAPE[1])
-    candidates = [{"group": g, "prefetch": p, "threads": t}
+    isa, isa_ms = _isa(stream[0], n, reps)
+    candidates = [{"group": g, "prefetch": p, "threads": t, "isa": isa}
                   for g in GROUPS for p in PREFETCH for t in sorted({n, max(1, n // 2)})]
     times = {i: [] for i in range(len(candidates))}
     for _ in range(reps):  # interleaved, so a busy moment hits every candidate alike
@@ -127,6 +131,7 @@ def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> 
     torch_ms = _torch_ms(len(stream), x1, reps) if weights == "fp32" else None
     entry = {"settings": chosen, "ms_one_row": round(one_row, 3), "stream_mb": round(total / 2**20),
              "torch_ms_one_row": None if torch_ms is None else round(torch_ms, 3),
+             "isa_ms_64_rows": isa_ms,
              "seconds": round(time.perf_counter() - start, 2)}
     log.info("kernel settings for %s weights on %s: %s", weights, cpu_model(), entry)
     if torch_ms is not None and one_row > torch_ms:
@@ -134,6 +139,19 @@ def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> 
                     "(%.2f vs %.2f ms over %d MB): report it with `specpack --version` and your CPU model",
                     one_row, torch_ms, entry["stream_mb"])
     return entry
+
+
+def _isa(layer, threads: int, reps: int) -> tuple[str, dict]:
+    """The tile set to use ("avx512" where the CPU has it and it is faster on 64 rows through
+    `layer`, a compute-bound product; else "avx2") and each one's milliseconds."""
+    if not _lib._library()[0].sp_avx512():
+        return "avx2", {}
+    x64 = torch.randn(64, layer.in_features)
+    ms = {}
+    for isa in ISAS:
+        _use([layer], {**DEFAULTS, "threads": threads, "isa": isa})
+        ms[isa] = round(min(_pass([layer], x64) for _ in range(reps + 1)) * 1e3, 3)
+    return min(ISAS, key=lambda i: (ms[i], -ISAS.index(i))), ms
 
 
 def _random_stream(weights: str, total: int) -> list:
@@ -172,7 +190,7 @@ def _pass(stream, x) -> float:
 
 def _use(stream, s: dict) -> None:
     for p in stream:
-        p.threads, p.group, p.prefetch = s["threads"], s["group"], s["prefetch"]
+        p.threads, p.group, p.prefetch, p.isa = s["threads"], s["group"], s["prefetch"], ISAS.index(s["isa"])
 
 
 def _torch_ms(count: int, x, reps: int) -> float:
