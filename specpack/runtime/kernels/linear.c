@@ -330,6 +330,66 @@ WZTILE_FN(3, 1) WZTILE_FN(3, 2)
 static const wtile_fn WZTILES[4][3] = {{0, wztile0_1, wztile0_2}, {0, wztile1_1, wztile1_2},
                                        {0, wztile2_1, wztile2_2}, {0, wztile3_1, wztile3_2}};
 
+/* Two adjacent panels (32 columns) for up to 8 rows: 16 accumulators, and per k two weight loads
+ * and one broadcast a row for 2 * mr FMAs (the one-panel tile loads one broadcast per FMA, which
+ * bounds it by the load ports). Panel b's weights, scales and columns follow panel a's. */
+#define ROWS8(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
+#define MR2_MAX 8
+static inline AVX512 __attribute__((always_inline)) void tile2z(
+    const int fmt, const int mr, const int prefetch, const float *x, int64_t ldx, const char *wa,
+    const char *wb, int64_t k0, int64_t k1, float *acc, int64_t lda, int first, const float *bias,
+    const float *res, int64_t ldr, const float *sa, const float *sb, const char *pfa, const char *pfb,
+    int64_t pfstep)
+{
+#define PDECL(i)                                                                                 \
+    __m512 c##i##a = _mm512_setzero_ps(), c##i##b = _mm512_setzero_ps();                         \
+    const float *x##i = x + (mr > i ? i : 0) * ldx;
+    ROWS8(PDECL)
+    for (int64_t k = k0; k < k1; k++) {
+        if (prefetch && ((k - k0) & (PF_EVERY(fmt) - 1)) == 0) {
+            _mm_prefetch(pfa + (k - k0) * pfstep, _MM_HINT_T1);
+            _mm_prefetch(pfb + (k - k0) * pfstep, _MM_HINT_T1);
+        }
+        const int64_t kk = fmt == SP_Q8 ? k - k0 : k;
+        const __m512 w0 = load16z(fmt, wa, kk), w1 = load16z(fmt, wb, kk);
+#define PSTEP(i)                                                                                 \
+        if (mr > i) {                                                                            \
+            const __m512 u = _mm512_set1_ps(x##i[k]);                                            \
+            c##i##a = _mm512_fmadd_ps(u, w0, c##i##a);                                           \
+            c##i##b = _mm512_fmadd_ps(u, w1, c##i##b);                                           \
+        }
+        ROWS8(PSTEP)
+    }
+#define PSTORE(i)                                                                                \
+    if (mr > i) {                                                                                \
+        const float *r = res ? res + i * ldr : 0;                                                \
+        finishz(fmt, first, c##i##a, acc + i * lda, sa, bias, r);                                \
+        finishz(fmt, first, c##i##b, acc + i * lda + NR, sb, bias ? bias + NR : 0, r ? r + NR : 0); \
+    }
+    ROWS8(PSTORE)
+}
+
+typedef void (*tile2_fn)(const float *, int64_t, const char *, const char *, int64_t, int64_t, float *, int64_t,
+                         int, const float *, const float *, int64_t, const float *, const float *,
+                         const char *, const char *, int64_t);
+#define PTILE_FN(F, R, PF)                                                                       \
+    static AVX512 void ptile##F##_##R##_##PF(const float *x, int64_t ldx, const char *wa, const char *wb, \
+                                             int64_t k0, int64_t k1, float *acc, int64_t lda, int first, \
+                                             const float *bias, const float *res, int64_t ldr,   \
+                                             const float *sa, const float *sb, const char *pfa,  \
+                                             const char *pfb, int64_t pfstep)                    \
+    { tile2z(F, R, PF, x, ldx, wa, wb, k0, k1, acc, lda, first, bias, res, ldr, sa, sb, pfa, pfb, pfstep); }
+#define PTILES_PF(F, PF)                                                                         \
+    PTILE_FN(F, 1, PF) PTILE_FN(F, 2, PF) PTILE_FN(F, 3, PF) PTILE_FN(F, 4, PF) PTILE_FN(F, 5, PF) \
+    PTILE_FN(F, 6, PF) PTILE_FN(F, 7, PF) PTILE_FN(F, 8, PF)
+PTILES_PF(0, 0) PTILES_PF(0, 1) PTILES_PF(1, 0) PTILES_PF(1, 1) PTILES_PF(2, 0) PTILES_PF(2, 1)
+PTILES_PF(3, 0) PTILES_PF(3, 1)
+#define PROW(F, PF)                                                                              \
+    {0, ptile##F##_1_##PF, ptile##F##_2_##PF, ptile##F##_3_##PF, ptile##F##_4_##PF,              \
+     ptile##F##_5_##PF, ptile##F##_6_##PF, ptile##F##_7_##PF, ptile##F##_8_##PF}
+static const tile2_fn PTILES[4][2][MR2_MAX + 1] = {{PROW(0, 0), PROW(0, 1)}, {PROW(1, 0), PROW(1, 1)},
+                                                   {PROW(2, 0), PROW(2, 1)}, {PROW(3, 0), PROW(3, 1)}};
+
 /* Whether this CPU and its OS run AVX-512F (libgcc checks the OS saves the zmm state). */
 static int avx512_ok(void)
 {
@@ -428,6 +488,31 @@ static void panel_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms, float 
         }
 }
 
+/* Rows [m0, m0 + ms) (ms <= 16) times the full panels p and p + 1 (AVX-512): as
+ * `panel_rows`, in ceil(ms/8) balanced tiles of both panels at once. */
+static void pair_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms)
+{
+    const int64_t K = j->K, n0 = p * NR, kb = block_k(j->fmt), bpk = k_bytes(j->fmt);
+    const int64_t nblocks = K > 0 ? (K + kb - 1) / kb : 1, ntiles = (ms + MR2_MAX - 1) / MR2_MAX;
+    const char *wa = j->w + p * j->panel_bytes, *wb = wa + j->panel_bytes;
+    const tile2_fn *tiles = PTILES[j->fmt][j->prefetch > 0];
+    float *acc = j->y + m0 * j->ldy + n0;
+    const float *res = j->res ? j->res + m0 * j->ldr + n0 : 0, *bias = j->bias ? j->bias + n0 : 0;
+    for (int64_t b = 0; b < nblocks; b++) {
+        const int64_t k0 = b * kb, k1 = k0 + kb < K ? k0 + kb : K;
+        const float *sa, *sb;
+        const char *ba = block_at(j->fmt, wa, k0, &sa), *bb = block_at(j->fmt, wb, k0, &sb);
+        const int last = k1 == K;
+        for (int64_t t = 0, r = 0; t < ntiles; t++) {
+            const int64_t mr = (ms - r) / (ntiles - t), ahead = j->prefetch * 64 + t * (k1 - k0) * bpk / ntiles;
+            tiles[mr](j->x + (m0 + r) * j->ldx, j->ldx, ba, bb, k0, k1, acc + r * j->ldy, j->ldy, k0 == 0,
+                      last ? bias : 0, last && res ? res + r * j->ldr : 0, j->ldr, sa, sb,
+                      wa + k0 * bpk + ahead, wb + k0 * bpk + ahead, (bpk + ntiles - 1) / ntiles);
+            r += mr;
+        }
+    }
+}
+
 /* Rows [m0, m0 + ms) (ms = 1 or 2) times the four full panels from p0, in wide tiles. */
 static void wide_rows(const job_t *j, int64_t p0, int64_t m0, int64_t ms)
 {
@@ -472,7 +557,14 @@ static void panel_group(const void *job, int64_t g, float *scratch)
         if (wide && ms <= 2)
             wide_rows(j, p0, m0, ms);
         else
-            for (int64_t p = p0; p < p1; p++) panel_rows(j, p, m0, ms, scratch);
+            for (int64_t p = p0; p < p1; p++) {
+                if (j->zmm && p + 1 < p1 && (p + 2) * NR <= j->N) {
+                    pair_rows(j, p, m0, ms);
+                    p++;
+                } else {
+                    panel_rows(j, p, m0, ms, scratch);
+                }
+            }
     }
 }
 
@@ -491,9 +583,11 @@ void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w,
 {
     if (M <= 0 || N <= 0 || fmt < SP_F32 || fmt > SP_Q8) return;
     const int64_t pb = sp_panel_bytes(fmt, K);
-    const int64_t G = group == 4 ? 4 : 1, P = (N + NR - 1) / NR;
+    const int zmm = isa == 1 && avx512_ok();
+    /* AVX-512 takes panels at least in pairs (pair_rows) */
+    const int64_t G = group == 4 ? 4 : zmm ? 2 : 1, P = (N + NR - 1) / NR;
     const job_t job = {x, bias, res, w, y, M, N, K, ldx, ldy, ldr, pb > 0 ? pb : 0, G,
-                       prefetch > 0 ? prefetch : 0, fmt, isa == 1 && avx512_ok()};
+                       prefetch > 0 ? prefetch : 0, fmt, zmm};
     const int64_t chunk = CHUNK_BYTES / ((pb > 0 ? pb : NR * 4) * G);
     sp_parallel(panel_group, &job, (P + G - 1) / G, chunk, nthreads);
 }
