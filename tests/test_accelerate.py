@@ -61,3 +61,29 @@ def test_greedy_speculative_equals_plain_with_kernels(artifact):
         spec = model.generate(prompt, max_new_tokens=40, draft_len=draft_len)
         plain = model.generate(prompt, max_new_tokens=40, speculative=False)
         assert spec.tokens == plain.tokens
+
+
+def test_fp32_layers_holding_16_bit_values_stream_16_bits_for_the_same_bits():
+    """A head stored in fp16 and widened at load (the shipped drafters) is packed as fp16 panels:
+    the kernel widens them back to the same fp32 values, so outputs equal the fp32 packing bit for
+    bit at half the bytes; bf16-valued weights alike; genuine fp32 weights stay fp32."""
+    from specpack.runtime.kernels.accelerate import PackedLinearModule, exact_format, use_cpu_kernels
+
+    torch.manual_seed(0)
+    fp32 = torch.randn(96, 64)
+    # bf16 values inside fp16's range are fp16 values too (fp16 is taken first): these are beyond it
+    stored = {"fp16": fp32.half().float(), "bf16": (fp32 * 1e6).bfloat16().float(), "fp32": fp32}
+    x = torch.randn(5, 64)
+    for name, w in stored.items():
+        assert exact_format(w) == name
+        model = torch.nn.Sequential(torch.nn.Linear(64, 96))
+        model[0].weight.data.copy_(w)
+        want = kernels.pack(w, model[0].bias.detach(), weights="fp32")(x)
+        threads = torch.get_num_threads()
+        try:
+            assert use_cpu_kernels(model) == 1
+        finally:
+            torch.set_num_threads(threads)
+        assert isinstance(model[0], PackedLinearModule) and model[0].packed.weights == name
+        assert torch.equal(model[0](x), want), name
+        assert torch.equal(model[0].dense_weight(), w)
