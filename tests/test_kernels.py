@@ -62,7 +62,7 @@ def test_rows_bit_identical_for_every_m_and_thread_count(kernel, weights):
         x = torch.randn(16, K)
         packed = kernel.pack(w, threads=1, weights=weights)
         single = torch.cat([packed(x[i:i + 1]) for i in range(16)])
-        for threads, group, prefetch, isa in ((1, 1, 0, 0), (2, 4, 64, 1), (3, 1, 256, 1), (2, 1, 128, 0)):
+        for threads, group, prefetch, isa in ((1, 1, 0, 0), (2, 4, 64, 3), (3, 1, 256, 1), (2, 1, 128, 2)):
             packed.threads, packed.group, packed.prefetch, packed.isa = threads, group, prefetch, isa
             packed._parallel = True  # force the pool even on small weights
             for M in range(1, 17):
@@ -85,7 +85,7 @@ def test_avx512_tiles_give_the_avx2_bits(kernel, weights):
         for M in (1, 2, 3, 7, 12, 13, 16, 24, 40, 100):
             x, res = torch.randn(M, K), torch.randn(M, N)
             got = {}
-            for isa in (0, 1):
+            for isa in (0, 1, 2, 3):  # bit 0: 1-2 row slabs on AVX-512, bit 1: 3+ row slabs
                 for group in (1, 4):
                     packed.isa, packed.group = isa, group
                     got[isa, group] = (packed(x), packed(x, residual=res))
@@ -313,7 +313,7 @@ def test_settings_are_measured_once_per_cpu_model_and_cached(kernel, tmp_path, m
         entry = next(v for k, v in json.loads(cache).items() if k.endswith("|bf16"))
         assert tuning._valid(entry["settings"]) and entry["ms_one_row"] > 0
         assert (packed.group, packed.prefetch) == (entry["settings"]["group"], entry["settings"]["prefetch"])
-        assert kernel.ISAS[packed.isa] == entry["settings"]["isa"]
+        assert packed.isa == kernel.isa_bits(entry["settings"])
         assert torch.equal(packed(x), want(x))
         tuning._tuned.cache_clear()
         monkeypatch.setattr(tuning, "measure", lambda *a, **k: pytest.fail("measured again"))

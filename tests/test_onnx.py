@@ -111,6 +111,12 @@ def test_cli_export_then_run_on_onnxruntime_equals_torch(tmp_path, keypair, cli)
         runs[backend] = json.loads(out)
     assert runs["onnxruntime"]["token_ids"] == runs["torch"]["token_ids"]
     assert runs["onnxruntime"]["steps"] == runs["torch"]["steps"]
+    # no profile and no --draft-len: the cost curve is measured on the graph backend, as on torch
+    code, out, err = cli("run", art, "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--backend", "onnxruntime",
+                         "--key", keypair.public, "--json")
+    assert code == 0, err
+    measured = json.loads(out)
+    assert measured["token_ids"] == runs["torch"]["token_ids"] and measured["cost_curve"]["rows"] == [1, 2, 4, 8]
 
 
 def steps_match(ref, ort, prompt: list[int]) -> float:

@@ -72,7 +72,7 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     tree = req.draft_tree if req.draft_tree is not None else chosen.tree
     tree = tree if tree is not None and tree.topk > 1 else None
     # no profile curve: measure one, unless the draft length is given (then it is drafted as given)
-    settings = engine_settings(model, chosen, measure=speculative and backend == "torch" and req.draft_len is None)
+    settings = engine_settings(model, chosen, measure=speculative and req.draft_len is None)
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,
                             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                             seed=req.seed, stop=stop_sequences(tok, req.stop),

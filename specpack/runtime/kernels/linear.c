@@ -414,8 +414,11 @@ typedef struct {
                     * depends on the machine (tuned at first load, see kernels/tuning.py). */
     int64_t prefetch;
     int fmt;
-    int zmm; /* AVX-512 tiles (`sp_linear`'s isa = 1, where the CPU has them): the same bits */
+    int zmm_few, zmm_many; /* AVX-512 tiles for slabs of 1-2 / 3+ rows (`sp_linear`'s isa): the same bits */
 } job_t;
+
+/* Whether a slab of ms rows runs the AVX-512 tiles. */
+static int zmm_for(const job_t *j, int64_t ms) { return ms >= 3 ? j->zmm_many : j->zmm_few; }
 
 /* Bytes of one k of a panel (the stream rate per k). */
 static int64_t k_bytes(int fmt) { return fmt == SP_F32 ? 64 : fmt == SP_Q8 ? Q8_BLOCK_BYTES / Q8_BLOCK : 32; }
@@ -455,9 +458,10 @@ static void panel_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms, float 
     if (j->bias) memcpy(bias16, j->bias + n0, cols * sizeof(float));
     /* the same k-blocks for every M: a row's sums do not depend on how many rows there are */
     const int64_t kb = block_k(j->fmt), nblocks = K > 0 ? (K + kb - 1) / kb : 1;
-    const int64_t mrmax = j->zmm ? MR512_MAX : MR_MAX;
+    const int zmm = zmm_for(j, ms);
+    const int64_t mrmax = zmm ? MR512_MAX : MR_MAX;
     const int64_t bpk = k_bytes(j->fmt), ntiles = (ms + mrmax - 1) / mrmax;
-    const tile_fn *tiles = j->zmm ? ZTILES[j->fmt][j->prefetch > 0] : TILES[j->fmt][j->prefetch > 0];
+    const tile_fn *tiles = zmm ? ZTILES[j->fmt][j->prefetch > 0] : TILES[j->fmt][j->prefetch > 0];
     float *acc = full ? j->y + m0 * j->ldy + n0 : scratch;
     /* the residual goes in at the last block; a partial panel adds it when copying out */
     const float *res = full && j->res ? j->res + m0 * j->ldr + n0 : 0;
@@ -532,7 +536,7 @@ static void wide_rows(const job_t *j, int64_t p0, int64_t m0, int64_t ms)
         }
         const int last = k1 == K;
         const float *bl = last ? bias : 0, *rl = last ? res : 0;
-        if (j->zmm) {
+        if (zmm_for(j, ms)) {
             WZTILES[j->fmt][ms](x, j->ldx, w, k0, k1, acc, j->ldy, k0 == 0, bl, rl, j->ldr, scale, pf, bpk);
         } else if (ms == 1) {
             WTILES[j->fmt][1](x, j->ldx, w, k0, k1, acc, j->ldy, k0 == 0, bl, rl, j->ldr, scale, pf, bpk);
@@ -558,7 +562,7 @@ static void panel_group(const void *job, int64_t g, float *scratch)
             wide_rows(j, p0, m0, ms);
         else
             for (int64_t p = p0; p < p1; p++) {
-                if (j->zmm && p + 1 < p1 && (p + 2) * NR <= j->N) {
+                if (zmm_for(j, ms) && p + 1 < p1 && (p + 2) * NR <= j->N) {
                     pair_rows(j, p, m0, ms);
                     p++;
                 } else {
@@ -575,19 +579,20 @@ int sp_abi_version(void) { return 4; }
 
 /* y[M,N] (row stride ldy) = res + (x[M,K] (row stride ldx) @ W^T + bias), W packed as above in
  * format `fmt`; bias (N) and res (row stride ldr) may be NULL. y must not overlap x or res.
- * `group` (1 or 4 panels per work item), `prefetch` (lines ahead) and `isa` (0: AVX2, 1: AVX-512
- * where the CPU has it, else AVX2) change speed only. */
+ * `group` (1 or 4 panels per work item), `prefetch` (lines ahead) and `isa` change speed only. isa
+ * bit 0: slabs of 1-2 rows run AVX-512 tiles, bit 1: slabs of 3+ rows do (where the CPU has
+ * AVX-512; else AVX2): streaming one row and computing many can prefer different sets. */
 void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int fmt, int64_t N,
                const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads,
                int group, int prefetch, int isa)
 {
     if (M <= 0 || N <= 0 || fmt < SP_F32 || fmt > SP_Q8) return;
     const int64_t pb = sp_panel_bytes(fmt, K);
-    const int zmm = isa == 1 && avx512_ok();
+    const int few = (isa & 1) && avx512_ok(), many = (isa & 2) && avx512_ok();
     /* AVX-512 takes panels at least in pairs (pair_rows) */
-    const int64_t G = group == 4 ? 4 : zmm ? 2 : 1, P = (N + NR - 1) / NR;
+    const int64_t G = group == 4 ? 4 : few || many ? 2 : 1, P = (N + NR - 1) / NR;
     const job_t job = {x, bias, res, w, y, M, N, K, ldx, ldy, ldr, pb > 0 ? pb : 0, G,
-                       prefetch > 0 ? prefetch : 0, fmt, zmm};
+                       prefetch > 0 ? prefetch : 0, fmt, few, many};
     const int64_t chunk = CHUNK_BYTES / ((pb > 0 ? pb : NR * 4) * G);
     sp_parallel(panel_group, &job, (P + G - 1) / G, chunk, nthreads);
 }

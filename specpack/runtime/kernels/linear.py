@@ -37,6 +37,12 @@ Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
 # weight format name -> linear.c's code
 FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3}
 ISAS = ("avx2", "avx512")  # the tile sets (linear.c): the same bits, AVX-512 where the CPU has it
+
+
+def isa_bits(settings: dict) -> int:
+    """linear.c's `isa` argument from tuned settings: bit 0, slabs of one or two rows run AVX-512
+    ("isa_few"); bit 1, slabs of three or more do ("isa")."""
+    return int(settings.get("isa_few") == "avx512") | int(settings.get("isa") == "avx512") << 1
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
 MIN_PARALLEL_BYTES = 256 * 1024
@@ -137,7 +143,7 @@ class PackedLinear:
         tuned = _settings(weights) if self.backend == "avx2" else {}
         self.threads = threads or tuned.get("threads") or default_threads()
         self.group, self.prefetch = tuned.get("group", 1), tuned.get("prefetch", 128)
-        self.isa = ISAS.index(tuned.get("isa", "avx2"))
+        self.isa = isa_bits(tuned)
         with torch.no_grad():
             self.weight = self._layout(weight.detach())
         self._parallel = self.weight.numel() * self.weight.element_size() >= MIN_PARALLEL_BYTES

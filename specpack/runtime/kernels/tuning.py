@@ -3,11 +3,11 @@
 Which panel grouping (1 or 4 panels per work item; 4 runs one or two rows through wide tiles),
 prefetch distance and thread count stream weights fastest depends on the machine: its memory
 system, its L3, whether its cores are SMT siblings. The first time a format's weights are packed on
-a CPU model, `settings` first picks the tile set where the CPU offers two (AVX-512 or AVX2: the same
-bits) by timing 64 rows through one matrix, where the product is compute-bound as in a prefill or a
-wide tree; then it times a stream of packed weights twice the L3's size at one and nine rows
-under each candidate setting (under a second in all), keeps the fastest (one row weighs double: decoding),
-and caches it in `$SPECPACK_CACHE/kernels/tuning.json`, keyed by CPU model, cores and kernel source.
+a CPU model, `settings` first picks the tile set for three rows or more where the CPU offers two
+(AVX-512 or AVX2: the same bits) by timing 64 rows through one matrix, where the product is
+compute-bound as in a prefill or a wide tree; then it times a stream of packed weights twice the
+L3's size at one and nine rows under each candidate setting (with the tile set for one or two rows
+among them; about a second in all), keeps the fastest (one row weighs double: decoding), and caches it in `$SPECPACK_CACHE/kernels/tuning.json`, keyed by CPU model, cores and kernel source.
 Every setting gives the same bits: only speed changes. The same run times torch's `F.linear` at
 one row on the fp32 stream and logs a warning if the kernel is slower there.
 
@@ -28,10 +28,10 @@ import torch
 
 from specpack._machine import cpu_model
 from specpack.runtime.kernels import _lib
-from specpack.runtime.kernels.linear import ISAS
+from specpack.runtime.kernels.linear import ISAS, isa_bits
 
 log = logging.getLogger(__name__)
-DEFAULTS = {"group": 1, "prefetch": 128, "isa": "avx2"}
+DEFAULTS = {"group": 1, "prefetch": 128, "isa": "avx2", "isa_few": "avx2"}
 PREFETCH = (0, 64, 128, 256)  # cache lines ahead
 GROUPS = (1, 4)
 SHAPE = (4096, 1024)  # one matrix of the stream; as many as exceed the L3
@@ -81,7 +81,7 @@ _measuring = False  # packing the measurement's own stream uses the defaults
 
 
 def settings(weights: str = "fp32") -> dict:
-    """{"group", "prefetch", "threads", "isa"} for `weights` on this machine: cached, else measured now
+    """{"group", "prefetch", "threads", "isa", "isa_few"} for `weights` on this machine: cached, else measured now
     (once per format and process), else the defaults."""
     if _measuring or _setting() in ("0", "false", "no", "off") or not _lib.available():
         return dict(DEFAULTS, threads=_lib.cores())
@@ -104,7 +104,8 @@ def _tuned(weights: str) -> dict:
 
 def _valid(s) -> bool:
     return (isinstance(s, dict) and s.get("group") in GROUPS and isinstance(s.get("prefetch"), int)
-            and isinstance(s.get("threads"), int) and s["threads"] >= 1 and s.get("isa") in ISAS)
+            and isinstance(s.get("threads"), int) and s["threads"] >= 1 and s.get("isa") in ISAS
+            and s.get("isa_few") in ISAS)
 
 
 def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> dict:
@@ -118,8 +119,9 @@ def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> 
     stream = _random_stream(weights, total)
     x1, x9 = torch.randn(1, SHAPE[1]), torch.randn(9, SHAPE[1])
     isa, isa_ms = _isa(stream[0], n, reps)
-    candidates = [{"group": g, "prefetch": p, "threads": t, "isa": isa}
-                  for g in GROUPS for p in PREFETCH for t in sorted({n, max(1, n // 2)})]
+    candidates = [{"group": g, "prefetch": p, "threads": t, "isa": isa, "isa_few": f}
+                  for g in GROUPS for p in PREFETCH for t in sorted({n, max(1, n // 2)})
+                  for f in (ISAS if isa_ms else ISAS[:1])]
     times = {i: [] for i in range(len(candidates))}
     for _ in range(reps):  # interleaved, so a busy moment hits every candidate alike
         for i, c in enumerate(candidates):
@@ -149,7 +151,7 @@ def _isa(layer, threads: int, reps: int) -> tuple[str, dict]:
     x64 = torch.randn(64, layer.in_features)
     ms = {}
     for isa in ISAS:
-        _use([layer], {**DEFAULTS, "threads": threads, "isa": isa})
+        _use([layer], {**DEFAULTS, "threads": threads, "isa": isa})  # 64 rows: "isa" decides
         ms[isa] = round(min(_pass([layer], x64) for _ in range(reps + 1)) * 1e3, 3)
     return min(ISAS, key=lambda i: (ms[i], -ISAS.index(i))), ms
 
@@ -190,7 +192,7 @@ def _pass(stream, x) -> float:
 
 def _use(stream, s: dict) -> None:
     for p in stream:
-        p.threads, p.group, p.prefetch, p.isa = s["threads"], s["group"], s["prefetch"], ISAS.index(s["isa"])
+        p.threads, p.group, p.prefetch, p.isa = s["threads"], s["group"], s["prefetch"], isa_bits(s)
 
 
 def _torch_ms(count: int, x, reps: int) -> float:
