@@ -91,6 +91,28 @@ def test_tune_writes_a_profile_whose_evidence_remeasures(tuned, workload):
     assert 1 / 50 < ratio < 50  # loose: this is a shared machine, timings are never asserted
 
 
+def test_a_cost_curve_from_other_kernels_or_hardware_is_measured_again(tuned, monkeypatch):
+    """A profile keeps its draft length, tree and concurrency limit anywhere it runs, but its cost
+    curve only describes the machine and CPU kernels it was measured with: after a specpack upgrade
+    changed the kernels (or on another CPU) run and serve measure a curve instead of cutting drafts
+    with an old one, and say so."""
+    from specpack.tuning import profiles
+
+    art, result = tuned
+    manifest = read_manifest(art)
+    assert result.profile.evidence.software.packages[profiles.KERNELS] == profiles.kernels_build()
+    here = profiles.select_profile(manifest)
+    assert here.cost_curve is not None and "measuring one here" not in here.message
+    monkeypatch.setattr(profiles, "kernels_build", lambda: "0123456789abcdef")  # an upgrade's kernels
+    upgraded = profiles.select_profile(manifest)
+    assert upgraded.profile == result.profile and upgraded.draft_len == here.draft_len
+    assert upgraded.cost_curve is None and "measuring one here" in upgraded.message
+    monkeypatch.undo()
+    elsewhere = profiles.this_machine(gpus=False)
+    elsewhere = replace(elsewhere, cpu_model=elsewhere.cpu_model + " (another)")
+    assert profiles.select_profile(manifest, machine=elsewhere).cost_curve is None
+
+
 def test_tuned_artifact_still_verifies_and_loads(tuned):
     import specpack
 

@@ -235,11 +235,13 @@ class Selection:
     max_concurrency: Optional[int]
     message: str
     tree: Optional[tuple] = None
+    curve_here: bool = True  # the profile's cost curve was measured on this hardware with these kernels
 
     @property
     def cost_curve(self) -> Optional[dict]:
-        """The profile's measured step-time curve (rows, ms), for the engine's draft lengths."""
-        c = self.profile.settings.cost_curve if self.profile else None
+        """The profile's measured step-time curve (rows, ms), for the engine's draft lengths; None when
+        it was measured on other hardware or with other CPU kernels (run and serve then measure one)."""
+        c = self.profile.settings.cost_curve if self.profile and self.curve_here else None
         return c.model_dump() if c else None
 
     @property
@@ -260,13 +262,13 @@ def select_profile(manifest, device: str = "cpu", dtype: str = "float32", wanted
     machine = machine or this_machine(gpus=device == "cuda" or wanted is not None)
     checked = [check_profile(_raw(p), manifest, machine) for p in manifest.profiles]
     if wanted is not None:
-        return _chosen(_find(checked, wanted), backend, device, dtype, weights)
+        return _chosen(_find(checked, wanted), backend, device, dtype, weights, machine)
     fits = [c for c in checked if c.status == RUNNABLE and _setup(c.profile) == (backend, device, dtype, weights)]
     if not fits:
         return _defaults(manifest, f"no runnable validated profile for {_describe(backend, device, dtype, weights)} "
                                    f"(`specpack profiles` says why)")
     best = max(fits, key=lambda c: (not c.notes, c.profile.evidence.speedup, c.profile.evidence.measured_at))
-    return _from_profile(best.profile, "picked")
+    return _from_profile(best.profile, "picked", machine)
 
 
 def profile_for_export(manifest, wanted: Optional[str] = None, device: str = "cuda") -> Optional[Profile]:
@@ -324,7 +326,7 @@ def _setup(p: Profile) -> tuple[str, str, str, str]:
     return p.backend, p.device, p.dtype, p.weights or "fp32"
 
 
-def _chosen(c: ProfileStatus, backend: str, device: str, dtype: str, weights: str = "fp32") -> Selection:
+def _chosen(c: ProfileStatus, backend: str, device: str, dtype: str, weights: str, machine: Machine) -> Selection:
     p = c.profile
     if c.status != RUNNABLE:
         raise InputError(f"profile {p.name} ({p.id}) cannot run here: {c.status}", problems=c.reasons,
@@ -333,19 +335,41 @@ def _chosen(c: ProfileStatus, backend: str, device: str, dtype: str, weights: st
         raise InputError(f"profile {p.name} is for {_describe(*_setup(p))}, this run uses "
                          f"{_describe(backend, device, dtype, weights)}",
                          hint=f"pass --device {p.device} --dtype {p.dtype} --weights {p.weights or 'fp32'}")
-    return _from_profile(p, "using")
+    return _from_profile(p, "using", machine)
 
 
-def _from_profile(p: Profile, verb: str) -> Selection:
+KERNELS = "specpack-kernels"  # Software.packages key: the CPU kernels' source hash a profile was measured with
+
+
+def kernels_build() -> str:
+    """The CPU kernels' source hash (what a cost curve measured on the CPU depends on)."""
+    from specpack.runtime.kernels._lib import source_hash
+
+    return source_hash()
+
+
+def _curve_here(p: Profile, machine: Machine) -> bool:
+    """Whether `p`'s cost curve describes this machine as it runs now: the same hardware and, on the
+    CPU, the same kernels (a specpack upgrade can make rows cheaper, and an old curve would then cut
+    drafts that pay)."""
+    if not _same_hardware(p, machine):
+        return False
+    return p.device == "cuda" or p.evidence.software.packages.get(KERNELS) == kernels_build()
+
+
+def _from_profile(p: Profile, verb: str, machine: Machine) -> Selection:
     from specpack.runtime.drafters.base import TreeShape
 
     s, e = p.settings, p.evidence
     limit = f"speculation up to {s.max_concurrency} concurrent requests" if s.speculative else "speculation off"
     tree = TreeShape(s.tree_topk, s.tree_nodes) if s.speculative and s.draft_shape == "tree" else None
     shape = f", draft trees of top-k {tree.topk} and {tree.nodes} nodes" if tree else ""
+    here = _curve_here(p, machine)
     message = (f"{verb} profile {p.name} ({p.id}): {e.speedup:.2f}x on workload '{e.workload.name}', "
                f"acceptance length {e.acceptance_length:.2f}, {limit}{shape}")
-    return Selection(p, s.speculative, s.draft_len if s.speculative else 1, s.max_concurrency, message, tree)
+    if s.cost_curve is not None and not here:
+        message += "; its cost curve was measured on other hardware or CPU kernels: measuring one here"
+    return Selection(p, s.speculative, s.draft_len if s.speculative else 1, s.max_concurrency, message, tree, here)
 
 
 def _defaults(manifest, why: str) -> Selection:

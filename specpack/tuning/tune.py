@@ -30,8 +30,8 @@ from specpack.runtime.engine.scheduler import Job, Scheduler, add_stats
 from specpack.runtime.engine.stats import MAX_DRAFT_LEN, MAX_TREE_NODES, MAX_TREE_TOPK, GenerationStats
 from specpack.schemas.profile import (ConcurrencyPoint, CostCurve, DraftLenPoint, Evidence, Profile, ProfileMemory,
                                       ProfileSettings, Software, WorkloadInfo, make_profile)
-from specpack.tuning.profiles import (Machine, check_writable, kv_and_weight_bytes, package_version,
-                                      store_profile, this_machine)
+from specpack.tuning.profiles import (KERNELS, Machine, check_writable, kernels_build, kv_and_weight_bytes,
+                                      package_version, store_profile, this_machine)
 from specpack.tuning.workload import Workload, encode_request, read_workload
 
 log = logging.getLogger(__name__)
@@ -445,6 +445,7 @@ def _point(p: Pass, base: Pass) -> DraftLenPoint:
 
 def _software(backend: str) -> Software:
     packages = {name: package_version(name) for name in (backend, "transformers", "tokenizers", "numpy")}
+    packages[KERNELS] = kernels_build()  # the cost curve is only reused with these kernels
     return Software(specpack=__version__, python=platform.python_version(),
                     platform=f"{platform.system()}-{platform.machine()}", packages=packages)
 
