@@ -8,7 +8,9 @@ and a chat workload (bench/workloads/chat.jsonl plus open-chat prompts, /v1/chat
   specpack serve, speculation off (--max-concurrency 0)
   llama-server -np 16 (continuous batching), when --llama-cpp names a built llama.cpp tree
 
-Prints aggregate completion tokens/s, mean time to first token, p50/p95 request latency, errors,
+Every server is started at once (an idle one sleeps) and each level runs in --rounds rounds (default 2),
+the servers taking turns in an order rotated each round: this machine drifts by 10-20% over minutes, and
+one server after another would put that drift between them. Prints aggregate completion tokens/s, mean time to first token, p50/p95 request latency, errors,
 and whether every output equals the same server's 1-client output, plus the ratios the issue's
 goals name. Never part of CI (it starts servers and takes minutes). Build llama.cpp as
 ../shared/PERF-NOTES.md says, then:
@@ -55,6 +57,12 @@ class Run:
     errors: int = 0
     outputs: dict = field(default_factory=dict)  # request index -> text
     identical: bool | None = None
+
+    def merged(self, other: "Run") -> "Run":
+        """This level's figures over both rounds: tokens and seconds summed, so the rate is their ratio."""
+        return Run(self.server, self.workload, self.clients, self.tokens + other.tokens,
+                   self.seconds + other.seconds, self.ttft + other.ttft, self.latency + other.latency,
+                   self.errors + other.errors, self.outputs, bool(self.identical and other.identical))
 
     @property
     def tokens_per_s(self) -> float:
@@ -172,27 +180,42 @@ def f32_gguf(llama: Path, hf_dir: Path, out: Path) -> Path:
     return out
 
 
-def bench_server(name: str, start, model: str, loads: dict, levels: list[int], n_requests: int,
-                 max_tokens: int, extra: dict | None = None) -> list[Run]:
-    port = free_port()
-    proc = start(port)
-    url = f"http://127.0.0.1:{port}"
-    runs = []
+def bench_servers(servers: dict, loads: dict, levels: list[int], n_requests: int, max_tokens: int,
+                  rounds: int) -> list[Run]:
+    """Every server up at once (an idle one sleeps); per workload and level, `rounds` rounds in which
+    each server takes its turn, the order rotated each round, so the machine's drift over minutes
+    falls on all of them alike instead of on whichever ran last."""
+    procs, urls = {}, {}
+    runs: dict[tuple, Run] = {}
     try:
-        wait_ready(url, proc)
+        for name, (start, _, _) in servers.items():
+            port = free_port()
+            procs[name], urls[name] = start(port), f"http://127.0.0.1:{port}"
+        for name in servers:
+            wait_ready(urls[name], procs[name])
         for workload, items in loads.items():
-            request(url, model, items[0], 4)  # warm-up
-            reference = None
+            reference = {}
+            for name, (_, model, extra) in servers.items():
+                request(urls[name], model, items[0], 4, extra)  # warm-up
             for clients in levels:
-                run = measure(url, model, name, workload, items, clients, max(n_requests, clients), max_tokens, extra)
-                reference = reference or run.outputs
-                run.identical = all(run.outputs.get(i) == reference.get(i % len(reference)) for i in run.outputs)
-                runs.append(run)
-                print(json.dumps(run.row()), flush=True)
+                for r in range(rounds):
+                    names = list(servers)
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        _, model, extra = servers[name]
+                        run = measure(urls[name], model, name, workload, items, clients, max(n_requests, clients),
+                                      max_tokens, extra)
+                        ref = reference.setdefault(name, run.outputs)  # each server's first (1-client) outputs
+                        run.identical = all(run.outputs.get(i) == ref.get(i % len(ref)) for i in run.outputs)
+                        key = (name, workload, clients)
+                        runs[key] = runs[key].merged(run) if key in runs else run
+                for name in servers:
+                    print(json.dumps(runs[(name, workload, clients)].row()), flush=True)
     finally:
-        proc.terminate()
-        proc.wait(30)
-    return runs
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(30)
+    return list(runs.values())
 
 
 def summary(runs: list[Run], levels: list[int]) -> None:
@@ -237,6 +260,8 @@ def main() -> int:
                                    "specpack-eagle3,llama-server")
     ap.add_argument("--json", type=Path, help="also write every row here")
     ap.add_argument("--prompt-cache", action="store_true", help="let llama-server reuse cached prompt prefixes")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="rounds per level, servers interleaved and rotated (default 2); rates are over all rounds")
     args = ap.parse_args()
     from specpack.demo import cache_dir, prepare, prepare_eagle3
 
@@ -254,13 +279,11 @@ def main() -> int:
         gguf = f32_gguf(args.llama_cpp, cache_dir() / "smollm2-135m-instruct-f32", cache_dir() / "smollm2-f32.gguf")
         servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, gguf, p, slots), "smollm2")
     wanted = set(args.only.split(",")) if args.only else set(servers)
-    runs = []
-    for name, (start, model) in servers.items():
-        if name in wanted:
-            # llama-server reuses a slot's cached prompt prefix, which specpack does not do (yet): off,
-            # so both compute every prompt (--prompt-cache to measure it with llama-server's cache on)
-            extra = {"cache_prompt": args.prompt_cache} if name == "llama-server" else None
-            runs += bench_server(name, start, model, loads, levels, args.requests, args.max_tokens, extra)
+    # llama-server reuses a slot's cached prompt prefix, which specpack does not do (yet): off, so both
+    # compute every prompt (--prompt-cache to measure it with llama-server's cache on)
+    chosen = {name: (start, model, {"cache_prompt": args.prompt_cache} if name == "llama-server" else None)
+              for name, (start, model) in servers.items() if name in wanted}
+    runs = bench_servers(chosen, loads, levels, args.requests, args.max_tokens, max(1, args.rounds))
     summary(runs, levels)
     if args.json:
         args.json.write_text(json.dumps([r.row() for r in runs], indent=1))

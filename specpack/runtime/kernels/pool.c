@@ -23,8 +23,8 @@
 
 #define MAX_THREADS 16
 /* How long a caller spins for its workers' last chunks before sleeping on a futex. Bounded,
- * because on this machine class the two vCPUs are SMT siblings: a spinning thread costs the other
- * ~40% of its FMA throughput (113 -> 70 GFLOP/s measured). 10, 50 and 200 us measured the same
+ * because where two vCPUs are SMT siblings a spinning thread costs the other ~40% of its FMA
+ * throughput (113 -> 70 GFLOP/s measured on an earlier host of this machine class). 10, 50 and 200 us measured the same
  * in a decode loop; back-to-back calls gain a little from the longer ones. */
 #define CALLER_SPIN_NS 50000
 
