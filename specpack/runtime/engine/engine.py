@@ -91,6 +91,7 @@ class Generation:
         self.finish: str | None = None
         self.error: BaseException | None = None
         self.pending: list[Tensor] = []  # drafter features of committed positions not yet drafted from
+        self.pending_rows = 0  # their positions, kept as a count (the cost model asks every step)
         self.recorded: list[tuple[Tensor, Tensor]] = []  # with req.record: (states, argmax) per commit
         self.drafted = False  # has had a draft (its drafter has seen the prompt)
         self.asked = 0  # draft tokens (a tree: levels) asked of the drafter this step, before any trimming
@@ -230,7 +231,7 @@ class Engine:
     def _release(self, seq: Generation) -> None:
         self.running.remove(seq)
         self.free.append(seq.slot)
-        seq.pending = []
+        seq.pending, seq.pending_rows = [], 0
         seq.stats.new_tokens = len(seq.new)
         seq.stats.total_s = time.perf_counter() - seq.started
 
@@ -279,7 +280,7 @@ class Engine:
         limits = [min(s.req.draft_len, s.budget - 1) if s.req.speculative else 0 for s in decoding]
         contexts = [s.n for s in decoding]
         # the head's catch-up on the prompt is the price of speculating at all: not held against one step
-        pending = [sum(len(p) for p in s.pending) - (0 if s.drafted else len(s.req.prompt)) for s in decoding]
+        pending = [s.pending_rows - (0 if s.drafted else len(s.req.prompt)) for s in decoding]
         widths = [shape.topk if shape else 1 for shape in map(self._shape, decoding)]
         return costs.choose(limits, [s.acceptance.survival(k) for s, k in zip(decoding, limits)],
                             len(decoding), self.cost, contexts, sum(contexts), pending=pending,
@@ -299,7 +300,7 @@ class Engine:
         for i, (s, k) in enumerate(zip(decoding, self._lengths(decoding, prefill_rows, prefill_keys))):
             if k > 0:
                 feats = torch.cat(s.pending) if s.pending else None
-                s.pending, s.drafted, s.asked = [], True, k
+                s.pending, s.pending_rows, s.drafted, s.asked = [], 0, True, k
                 jobs.append(DraftJob(s.slot, s.context(), feats, k, None if s.sampler.greedy else s.sampler,
                                      self._shape(s)))
                 owners.append(i)
@@ -437,7 +438,9 @@ class Engine:
     def _keep_features(self, s: Generation, aux: Tensor | None, rows) -> None:
         """The drafter features of the committed `rows` (a slice, or a tree path's rows in order)."""
         if aux is not None and s.req.speculative:
-            s.pending.append(aux[rows])
+            feats = aux[rows]
+            s.pending.append(feats)
+            s.pending_rows += len(feats)
 
     # ---- whole generations -----------------------------------------------------------------
 
