@@ -193,6 +193,26 @@ def test_cost_model_drafts_while_cheap_and_stops_at_the_knee():
     assert choose([4], [[0.5, 0.25, 0.1, 0.05]], 1, with_draft_cost) == [0]  # a head step costs more than it gains
 
 
+def test_a_head_starts_drafting_only_where_drafts_pay_once_every_sequence_decodes(monkeypatch):
+    """A head's first draft makes it catch up on the whole prompt. Rows here are dear up to 8 and
+    nearly free past it: a sequence that finished its prefill while the others still prefill sees
+    drafts priced on the flat part (the prefill rows are paid anyway), but once all four decode no
+    draft pays, so it must not start then and waste the catch-up; alone, it drafts."""
+    m = model("eagle3", "torch")
+    cost = CostModel((1, 4, 8, 64), (10.0, 20.0, 60.0, 62.0))
+    batch = [Request(p * 4, 8, eos=(), draft_len=3) for p in ef.training_prompts()[:4].tolist()]
+    engine = Engine(m.target, m.drafter, slots=4, max_len=64, prefill_chunk=12, cost=cost)
+    during_prefill = []
+    draft = m.drafter.draft
+    monkeypatch.setattr(m.drafter, "draft", lambda jobs: during_prefill.append(
+        any(s.prefilling for s in engine.running)) or draft(jobs))
+    seqs = engine.generate_all(batch)
+    assert [s.new for s in seqs] == [alone(m, r) for r in batch]
+    assert not any(during_prefill)  # (the last sequence left may draft: alone, drafts pay)
+    solo = Engine(m.target, m.drafter, slots=4, max_len=64, prefill_chunk=12, cost=cost).generate_all(batch[:1])[0]
+    assert solo.stats.proposed > 0 and solo.new == seqs[0].new
+
+
 def test_acceptance_follows_the_record_and_drifts_back_to_the_prior():
     a = Acceptance([0.5, 0.5])
     for _ in range(10):

@@ -277,13 +277,27 @@ class Engine:
             return [0] * len(decoding)
         if self.cost is None:
             return [min(s.length.next(), s.budget - 1) if s.req.speculative else 0 for s in decoding]
-        limits = [min(s.req.draft_len, s.budget - 1) if s.req.speculative else 0 for s in decoding]
-        contexts = [s.n for s in decoding]
         # the head's catch-up on the prompt is the price of speculating at all: not held against one step
         pending = [s.pending_rows - (0 if s.drafted else len(s.req.prompt)) for s in decoding]
-        widths = [shape.topk if shape else 1 for shape in map(self._shape, decoding)]
-        return costs.choose(limits, [s.acceptance.survival(k) for s, k in zip(decoding, limits)],
-                            len(decoding), self.cost, contexts, sum(contexts), pending=pending,
+        lengths = self._choose(decoding, pending, prefill_rows, prefill_keys)
+        if not getattr(self.drafter, "free_drafts", False) and any(k and not s.drafted
+                                                                  for s, k in zip(decoding, lengths)):
+            # ...so a sequence starts drafting only where drafts pay at this load once every running
+            # sequence decodes: a step made cheap to draft in by a prefill chunk or by sequences still
+            # prefilling would buy the catch-up for a draft or two that the next steps do not repeat
+            steady = self._choose(self.running, [0] * len(self.running))
+            starts = {s.slot for s, k in zip(self.running, steady) if k}
+            lengths = [0 if k and not s.drafted and s.slot not in starts else k for s, k in zip(decoding, lengths)]
+        return lengths
+
+    def _choose(self, seqs: list[Generation], pending: list[int], prefill_rows: int = 0,
+                prefill_keys: int = 0) -> list[int]:
+        """The cost model's draft lengths for `seqs` decoding together (see `costs.choose`)."""
+        limits = [min(s.req.draft_len, s.budget - 1) if s.req.speculative else 0 for s in seqs]
+        contexts = [s.n for s in seqs]
+        widths = [shape.topk if shape else 1 for shape in map(self._shape, seqs)]
+        return costs.choose(limits, [s.acceptance.survival(k) for s, k in zip(seqs, limits)],
+                            len(seqs), self.cost, contexts, sum(contexts), pending=pending,
                             sunk_rows=prefill_rows, sunk_keys=prefill_keys, widths=widths)
 
     def _shape(self, s: Generation) -> TreeShape | None:
