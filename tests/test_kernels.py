@@ -91,6 +91,9 @@ def test_avx512_tiles_give_the_avx2_bits(kernel, weights):
                     got[isa, group] = (packed(x), packed(x, residual=res))
             for key, (y, yr) in got.items():
                 assert torch.equal(y, got[0, 1][0]) and torch.equal(yr, got[0, 1][1]), (N, K, M, key)
+        packed.isa = 3  # past 16 rows each panel pair runs over all rows at once: still row for row
+        x = torch.randn(100, K)
+        assert torch.equal(packed(x), torch.cat([packed(x[i : i + 1]) for i in range(100)])), (N, K)
 
 
 @pytest.mark.parametrize("weights, dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])

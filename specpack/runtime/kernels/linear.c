@@ -223,9 +223,13 @@ static const wtile_fn WTILES[4][3] = {{0, wtile0_1, wtile0_2}, {0, wtile1_1, wti
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma,f16c")))
 #define MR512_MAX 12
 
+/* Internal formats of a block widened to fp32 once (`pair_rows`), indexed from the block's start:
+ * SP_WF for fp16/bf16 (summed as fp32), SP_WQ8 for int8 (still scaled per block when folded). */
+enum { SP_WF = 4, SP_WQ8 = 5 };
+
 static inline AVX512 __attribute__((always_inline)) __m512 load16z(const int fmt, const char *w, int64_t k)
 {
-    if (fmt == SP_F32) return _mm512_loadu_ps((const float *)w + k * NR);
+    if (fmt == SP_F32 || fmt >= SP_WF) return _mm512_loadu_ps((const float *)w + k * NR);
     if (fmt == SP_F16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * NR)));
     if (fmt == SP_BF16) {
         const __m512i a = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * NR)));
@@ -238,7 +242,7 @@ static inline AVX512 __attribute__((always_inline)) __m512 load16z(const int fmt
 static inline AVX512 __attribute__((always_inline)) void finishz(
     const int fmt, int first, __m512 c, float *acc, const float *scale, const float *bias, const float *res)
 {
-    if (fmt == SP_Q8) {
+    if (fmt == SP_Q8 || fmt == SP_WQ8) {
         const __m512 d = _mm512_loadu_ps(scale);
         c = first ? _mm512_mul_ps(c, d) : _mm512_fmadd_ps(c, d, _mm512_loadu_ps(acc));
     } else if (!first) {
@@ -350,7 +354,7 @@ static inline AVX512 __attribute__((always_inline)) void tile2z(
             _mm_prefetch(pfa + (k - k0) * pfstep, _MM_HINT_T1);
             _mm_prefetch(pfb + (k - k0) * pfstep, _MM_HINT_T1);
         }
-        const int64_t kk = fmt == SP_Q8 ? k - k0 : k;
+        const int64_t kk = fmt == SP_Q8 || fmt >= SP_WF ? k - k0 : k;
         const __m512 w0 = load16z(fmt, wa, kk), w1 = load16z(fmt, wb, kk);
 #define PSTEP(i)                                                                                 \
         if (mr > i) {                                                                            \
@@ -389,6 +393,20 @@ PTILES_PF(3, 0) PTILES_PF(3, 1)
      ptile##F##_5_##PF, ptile##F##_6_##PF, ptile##F##_7_##PF, ptile##F##_8_##PF}
 static const tile2_fn PTILES[4][2][MR2_MAX + 1] = {{PROW(0, 0), PROW(0, 1)}, {PROW(1, 0), PROW(1, 1)},
                                                    {PROW(2, 0), PROW(2, 1)}, {PROW(3, 0), PROW(3, 1)}};
+PTILES_PF(4, 0) PTILES_PF(5, 0)
+static const tile2_fn WIDENED[2][MR2_MAX + 1] = {PROW(4, 0), PROW(5, 0)}; /* [int8] */
+
+/* k in [0, n) of a block of format fmt (16-bit: from its first k; int8: the block's values) widened
+ * to fp32 in `out` [n][16], exactly as the tiles widen them in registers; the source stream is
+ * prefetched `ahead` bytes on as it goes (0: not). */
+static AVX512 void widen_block(int fmt, const char *w, int64_t n, float *out, int64_t ahead)
+{
+    const int64_t bpk = fmt == SP_Q8 ? NR : NR * 2;
+    for (int64_t k = 0; k < n; k++) {
+        if (ahead && (k & (PF_EVERY(fmt) - 1)) == 0) _mm_prefetch(w + k * bpk + ahead, _MM_HINT_T1);
+        _mm512_storeu_ps(out + k * NR, load16z(fmt, w, k));
+    }
+}
 
 /* Whether this CPU and its OS run AVX-512F (libgcc checks the OS saves the zmm state). */
 static int avx512_ok(void)
@@ -492,14 +510,18 @@ static void panel_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms, float 
         }
 }
 
-/* Rows [m0, m0 + ms) (ms <= 16) times the full panels p and p + 1 (AVX-512): as
- * `panel_rows`, in ceil(ms/8) balanced tiles of both panels at once. */
+/* Rows [m0, m0 + ms) times the full panels p and p + 1 (AVX-512): as `panel_rows`, in
+ * ceil(ms/8) balanced tiles of both panels at once. With three tiles or more, a 16-bit or int8 block
+ * is widened to fp32 once (in L1) for all of them instead of in every tile: the same values in the
+ * same chains, so the same bits. */
 static void pair_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms)
 {
     const int64_t K = j->K, n0 = p * NR, kb = block_k(j->fmt), bpk = k_bytes(j->fmt);
     const int64_t nblocks = K > 0 ? (K + kb - 1) / kb : 1, ntiles = (ms + MR2_MAX - 1) / MR2_MAX;
     const char *wa = j->w + p * j->panel_bytes, *wb = wa + j->panel_bytes;
-    const tile2_fn *tiles = PTILES[j->fmt][j->prefetch > 0];
+    const int once = j->fmt != SP_F32 && ntiles > 2;
+    const tile2_fn *tiles = once ? WIDENED[j->fmt == SP_Q8] : PTILES[j->fmt][j->prefetch > 0];
+    float fa[KB * NR] __attribute__((aligned(64))), fb[KB * NR] __attribute__((aligned(64)));
     float *acc = j->y + m0 * j->ldy + n0;
     const float *res = j->res ? j->res + m0 * j->ldr + n0 : 0, *bias = j->bias ? j->bias + n0 : 0;
     for (int64_t b = 0; b < nblocks; b++) {
@@ -507,6 +529,12 @@ static void pair_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms)
         const float *sa, *sb;
         const char *ba = block_at(j->fmt, wa, k0, &sa), *bb = block_at(j->fmt, wb, k0, &sb);
         const int last = k1 == K;
+        if (once) {
+            const int64_t from = j->fmt == SP_Q8 ? 0 : k0 * bpk, ahead = j->prefetch * 64;
+            widen_block(j->fmt, ba + from, k1 - k0, fa, ahead);
+            widen_block(j->fmt, bb + from, k1 - k0, fb, ahead);
+            ba = (const char *)fa, bb = (const char *)fb;
+        }
         for (int64_t t = 0, r = 0; t < ntiles; t++) {
             const int64_t mr = (ms - r) / (ntiles - t), ahead = j->prefetch * 64 + t * (k1 - k0) * bpk / ntiles;
             tiles[mr](j->x + (m0 + r) * j->ldx, j->ldx, ba, bb, k0, k1, acc + r * j->ldy, j->ldy, k0 == 0,
@@ -556,6 +584,17 @@ static void panel_group(const void *job, int64_t g, float *scratch)
     const int64_t P = (j->N + NR - 1) / NR, p0 = g * j->group;
     const int64_t p1 = p0 + j->group < P ? p0 + j->group : P;
     const int wide = j->group == 4 && p1 - p0 == 4 && p1 * NR <= j->N;
+    if (j->zmm_many && j->M > 16) { /* many rows: each full pair over all of them, its blocks widened once */
+        for (int64_t p = p0; p < p1; p++) {
+            if (p + 1 < p1 && (p + 2) * NR <= j->N) {
+                pair_rows(j, p++, 0, j->M);
+                continue;
+            }
+            for (int64_t m0 = 0; m0 < j->M; m0 += 16)
+                panel_rows(j, p, m0, j->M - m0 < 16 ? j->M - m0 : 16, scratch);
+        }
+        return;
+    }
     for (int64_t m0 = 0; m0 < j->M; m0 += 16) {
         const int64_t ms = j->M - m0 < 16 ? j->M - m0 : 16;
         if (wide && ms <= 2)
