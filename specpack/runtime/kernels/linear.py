@@ -37,18 +37,18 @@ Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
 # weight format name -> linear.c's code
 FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3}
 ISAS = ("avx2", "avx512")  # the tile sets (linear.c): the same bits, AVX-512 where the CPU has it
-
-
-def isa_bits(settings: dict) -> int:
-    """linear.c's `isa` argument from tuned settings: bit 0, slabs of one or two rows run AVX-512
-    ("isa_few"); bit 1, slabs of three or more do ("isa")."""
-    return int(settings.get("isa_few") == "avx512") | int(settings.get("isa") == "avx512") << 1
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
 MIN_PARALLEL_BYTES = 256 * 1024
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14
 PACK_PANELS = 512  # panels quantized at a time: bounds the temporaries for a large head
+
+
+def isa_bits(settings: dict) -> int:
+    """linear.c's `isa` argument from tuned settings: bit 0, slabs of one or two rows run AVX-512
+    ("isa_few"); bit 1, slabs of three or more do ("isa")."""
+    return int(settings.get("isa_few") == "avx512") | int(settings.get("isa") == "avx512") << 1
 
 
 def _advise_huge_pages(t: Tensor) -> None:

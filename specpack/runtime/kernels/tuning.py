@@ -7,7 +7,8 @@ a CPU model, `settings` first picks the tile set for three rows or more where th
 (AVX-512 or AVX2: the same bits) by timing 64 rows through one matrix, where the product is
 compute-bound as in a prefill or a wide tree; then it times a stream of packed weights twice the
 L3's size at one and nine rows under each candidate setting (with the tile set for one or two rows
-among them; about a second in all), keeps the fastest (one row weighs double: decoding), and caches it in `$SPECPACK_CACHE/kernels/tuning.json`, keyed by CPU model, cores and kernel source.
+among them; about a second in all), keeps the fastest (one row weighs double: decoding), and caches
+it in `$SPECPACK_CACHE/kernels/tuning.json`, keyed by CPU model, cores and kernel source.
 Every setting gives the same bits: only speed changes. The same run times torch's `F.linear` at
 one row on the fp32 stream and logs a warning if the kernel is slower there.
 
@@ -81,8 +82,8 @@ _measuring = False  # packing the measurement's own stream uses the defaults
 
 
 def settings(weights: str = "fp32") -> dict:
-    """{"group", "prefetch", "threads", "isa", "isa_few"} for `weights` on this machine: cached, else measured now
-    (once per format and process), else the defaults."""
+    """{"group", "prefetch", "threads", "isa", "isa_few"} for `weights` on this machine: cached, else
+    measured now (once per format and process), else the defaults."""
     if _measuring or _setting() in ("0", "false", "no", "off") or not _lib.available():
         return dict(DEFAULTS, threads=_lib.cores())
     return _tuned(weights)["settings"]
