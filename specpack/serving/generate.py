@@ -25,7 +25,6 @@ class GenerateRequest:
     draft_tree: tuple | None = None  # drafters.base.TreeShape (top-k 1: chains); None: the profile's
 
 
-
 def engine_settings(model, selection, slots: int = 1, measure: bool = False) -> dict:
     """The engine's cost curve (the profile's, else with `measure` one measured on this machine,
     once per loaded model) and acceptance prior, for a model that drafts: draft lengths then follow

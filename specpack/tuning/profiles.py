@@ -364,12 +364,13 @@ def _from_profile(p: Profile, verb: str, machine: Machine) -> Selection:
     limit = f"speculation up to {s.max_concurrency} concurrent requests" if s.speculative else "speculation off"
     tree = TreeShape(s.tree_topk, s.tree_nodes) if s.speculative and s.draft_shape == "tree" else None
     shape = f", draft trees of top-k {tree.topk} and {tree.nodes} nodes" if tree else ""
-    here = _curve_here(p, machine)
+    stale = s.cost_curve is not None and not _curve_here(p, machine)
     message = (f"{verb} profile {p.name} ({p.id}): {e.speedup:.2f}x on workload '{e.workload.name}', "
                f"acceptance length {e.acceptance_length:.2f}, {limit}{shape}")
-    if s.cost_curve is not None and not here:
+    if stale:
         message += "; its cost curve was measured on other hardware or CPU kernels: measuring one here"
-    return Selection(p, s.speculative, s.draft_len if s.speculative else 1, s.max_concurrency, message, tree, here)
+    return Selection(p, s.speculative, s.draft_len if s.speculative else 1, s.max_concurrency, message, tree,
+                     not stale)
 
 
 def _defaults(manifest, why: str) -> Selection:

@@ -38,8 +38,10 @@ PREBUILT = "_native"  # the install-time build: specpack/runtime/kernels/_native
 SPIN_US = int(os.environ.get("SPECPACK_KERNEL_SPIN_US", 300))
 
 
+@functools.cache
 def source_hash() -> str:
-    """16 hex digits of the kernels' sources: a library built from other sources is not used."""
+    """16 hex digits of the kernels' sources (read once per process, as the library is loaded once):
+    a library built from other sources is not used."""
     return hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS)).hexdigest()[:16]
 
 
