@@ -142,7 +142,7 @@ def test_tensorrt_adapters_run_the_block_graphs():
     """TrtTarget and TrtBlock over graph runners (ONNX Runtime standing in for TensorRT's engines):
     the same tokens as torch, context rows written through the aligned staging buffer, prefills in
     chunks, the step engine's one profile sized by the block."""
-    from test_tensorrt_backend import OrtAsEngine
+    from test_tensorrt_backend import OrtAsEngine, target_engine
 
     from specpack.runtime.backends import tensorrt_backend as trtb
     from specpack.runtime.backends.graph_block import block_files
@@ -151,8 +151,8 @@ def test_tensorrt_adapters_run_the_block_graphs():
     art = artifact("lilicorr")
     index, cpu = read_index(art), torch.device("cpu")
     graphs = index.graph("block_context"), index.graph("block_step")
-    engine, block_engines = OrtAsEngine(art / index.graph("target_step").path), [OrtAsEngine(art / g.path)
-                                                                                 for g in graphs]
+    engine, block_engines = target_engine(art, index.graph("target_step")), [OrtAsEngine(art / g.path)
+                                                                             for g in graphs]
     target = trtb.TrtTarget(engine, index.graph("target_step"), target_spec(art), index.aux_layer_ids, cpu,
                             torch.float32, prefill_chunk=5)
     drafter = trtb.TrtBlock(tuple(block_engines), graphs, *block_files(art / "drafter"), cpu, torch.float32,

@@ -74,7 +74,7 @@ def test_deepseek_export_is_checked_with_latent_cache_and_routing(variant):
     cfg = json.loads((art / "config.json").read_text())
     width = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]
     past = [(t.name, t.shape) for t in graph.inputs if t.name.startswith("past_")]
-    assert past == [(f"past_latent.{i}", ["P", width]) for i in range(3)]
+    assert past == [(f"past_latent.{i}", ["N", width]) for i in range(3)]  # the whole buffer
     assert [t.name for t in graph.outputs if t.name.startswith("new_")] == [f"new_latent.{i}" for i in range(3)]
     assert {"TopK", "NonZero", "ScatterElements"} <= ops(path)  # routed, not dense over the experts
     assert read_manifest(art).exports.onnx.graphs == [graph]

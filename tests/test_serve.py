@@ -232,6 +232,36 @@ def test_load_32_clients_every_answer_complete_and_metrics_add_up(server, client
     assert after['specpack_accepted_depth_bucket{le="+Inf"}'] == after["specpack_accepted_depth_count"]
 
 
+def test_serve_on_onnxruntime_answers_as_run(artifact, reference, tmp_path_factory, monkeypatch):
+    """`serve --backend onnxruntime`: 12 concurrent clients on the exported graphs, each answer equal
+    to `run`'s on torch, several sequences in one target graph call."""
+    import shutil
+
+    from specpack.converters.onnx_export import export_onnx
+    from specpack.runtime.backends.onnxruntime_backend import OrtTarget
+
+    art = tmp_path_factory.mktemp("serve-ort") / artifact.name
+    shutil.copytree(artifact, art)
+    export_onnx(art, progress=False)
+    batches, run = [], OrtTarget._run
+    monkeypatch.setattr(OrtTarget, "_run", lambda self, T, inputs, outputs: batches.append(
+        inputs["seq_rows"].shape[0]) or run(self, T, inputs, outputs))
+    plan = prepare(art, backend="onnxruntime", max_seqs=8, measure_cost=False)
+    for p in PROMPTS:
+        reference(p, False, 8)
+    with ServerThread(plan.app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+        def one(i: int) -> None:
+            prompt = PROMPTS[i % len(PROMPTS)]
+            r = client.completions.create(model=art.name, prompt=prompt, max_tokens=8, temperature=0)
+            assert r.choices[0].text == reference(prompt, False, 8)["text"]
+
+        with ThreadPoolExecutor(12) as pool:
+            list(pool.map(one, range(24), timeout=300))
+    assert max(batches) > 1
+
+
 def test_one_client_speculates(server, client, artifact):
     before = _metrics(server)
     client.completions.create(model=artifact.name, prompt=PROMPTS[0] * 3, max_tokens=24, temperature=0)

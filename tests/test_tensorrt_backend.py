@@ -73,16 +73,24 @@ def exported(tmp_path_factory, tiny_target):
 def test_profile_shapes(exported):
     graph = read_index(exported).graph("target_step")
     decode, prefill = trtb.profile_ranges("target_step", max_verify=17, opt_tokens=8, prefill_chunk=256,
-                                          max_context=512)
+                                          max_context=512, max_sequences=4)
     shapes = trtb.profile_shapes(graph.inputs, decode)
-    assert shapes["tokens"] == [[1], [8], [17]] and shapes["positions"] == shapes["tokens"]
-    assert shapes["logits_index"] == [[1], [8], [17]]
-    assert shapes["mask"] == [[1, 1], [8, 256 + 8], [17, 511 + 17]]  # [T, P+T]
-    kv, hd = 2, 16  # tiny: 2 KV heads of 16
-    assert shapes["past_key.0"] == [[0, kv, hd], [256, kv, hd], [511, kv, hd]]
+    assert shapes["tokens"] == [[1], [32], [68]] and shapes["positions"] == shapes["tokens"]  # 4 x (8 | 17)
+    assert shapes["logits_index"] == [[1], [32], [68]] and shapes["row_place"] == shapes["tokens"]
+    assert shapes["seq_rows"] == [[1, 1], [4, 8], [4, 17]]  # [B, Q]
+    assert shapes["cache_rows"] == [[1, 0], [4, 256], [4, 511]]  # [B, P]
+    assert shapes["mask"] == [[1, 1, 1], [4, 8, 256 + 8], [4, 17, 511 + 17]]  # [B, Q, P+Q]
+    kv, hd, n = 2, 16, 4 * (512 + trtb.ALIGN)  # tiny: 2 KV heads of 16; every slot's cache, padded
+    assert shapes["past_key.0"] == [[1, kv, hd], [n // 2, kv, hd], [n, kv, hd]]
     assert set(shapes) == {i.name for i in graph.inputs}
     pre = trtb.profile_shapes(graph.inputs, prefill)
     assert pre["tokens"] == [[1], [256], [256]] and pre["logits_index"] == [[1], [1], [256]]
+    assert pre["seq_rows"] == [[1, 1], [1, 256], [4, 256]]
+    profiles = [shapes, pre]
+    assert trtb.profile_for(profiles, {"tokens": (20,), "seq_rows": (4, 5), "mask": (4, 5, 300)}) == 0
+    assert trtb.profile_for(profiles, {"tokens": (20,), "seq_rows": (1, 20), "mask": (1, 20, 300)}) == 1
+    with pytest.raises(InputError, match="no optimization profile"):
+        trtb.profile_for(profiles, {"tokens": (20,), "seq_rows": (5, 4)})  # five sequences
     head = trtb.profile_ranges("eagle3_step", 17, 8, 64, 512)
     assert head[0]["U"] == (0, 1, 17) and head[0]["R"] == (0, 0, 17) and head[1]["R"] == (0, 64, 64)
 
@@ -155,16 +163,29 @@ def test_staging_commit_and_alignment():
 
 class OrtAsEngine:
     """The one method TrtTarget / TrtEagle3 call on an engine, served by ONNX Runtime on the same
-    graph: checks the adapters' plumbing (names, staging, chunked prefills), not TensorRT."""
+    graph: checks the adapters' plumbing (names, staging, chunked prefills, and that every call fits
+    one of the optimization profiles TensorRT would be built with: `graph` and `ranges`), not TensorRT."""
 
-    def __init__(self, path):
+    def __init__(self, path, graph=None, ranges=()):
         from specpack.runtime.backends.onnxruntime_backend import _Binder, session
 
-        self.binder, self.calls = _Binder(session(path, 1)), []
+        self.binder, self.calls, self.used, self.batches = _Binder(session(path, 1)), [], [], []
+        self.profiles = [trtb.profile_shapes(graph.inputs, r) for r in ranges]
 
     def run(self, T, inputs, outputs):
         self.calls.append(T)
+        if "seq_rows" in inputs:
+            self.batches.append(inputs["seq_rows"].shape[0])
+        if self.profiles:
+            self.used.append(trtb.profile_for(self.profiles, {n: t.shape for n, t in inputs.items()}))
         self.binder.run(inputs, outputs)
+
+
+def target_engine(art, graph, max_sequences: int = 1, chunk: int = 5, max_verify: int = 3):
+    """An `OrtAsEngine` for the target graph with the profiles of an engine for `max_sequences`
+    sequences verifying up to `max_verify` rows each, prefilling in chunks of `chunk`."""
+    return OrtAsEngine(art / graph.path, graph, trtb.profile_ranges(graph.role, max_verify, 2, chunk, 64,
+                                                                      max_sequences=max_sequences))
 
 
 def test_trt_adapters_decode_as_torch():
@@ -179,7 +200,7 @@ def test_trt_adapters_decode_as_torch():
     art = exported("llama", "eagle3")
     manifest = verify(art).manifest
     index = read_index(art)
-    engine, head_engine = OrtAsEngine(art / "exports/onnx/target.onnx"), OrtAsEngine(art / "exports/onnx/eagle3.onnx")
+    engine, head_engine = target_engine(art, index.graph("target_step")), OrtAsEngine(art / "exports/onnx/eagle3.onnx")
     cpu = torch.device("cpu")
     target = trtb.TrtTarget(engine, index.graph("target_step"), load_target_spec(art), index.aux_layer_ids, cpu,
                             torch.float32, prefill_chunk=5)
@@ -190,6 +211,7 @@ def test_trt_adapters_decode_as_torch():
         want, have = ref.generate(p, 24, draft_len=2 + i, eos_ids=()), got.generate(p, 24, draft_len=2 + i, eos_ids=())
         assert have.tokens == want.tokens and have.stats.position_accepted == want.stats.position_accepted
     assert max(engine.calls) <= 5 and max(head_engine.calls) <= 5  # prompts of 8+ tokens went in chunks
+    assert set(engine.used) == {0, 1}  # 3 verified rows in the decode profile; 4-5 and prefill chunks in the other
     assert target.cache.max_len * 2 * 16 * 4 % trtb.ALIGN == 0  # padded so every layer's slots start aligned
 
 
@@ -206,7 +228,7 @@ def test_trt_adapters_run_mtp_over_latent_caches():
     _, art = mtp_artifact("deepseek-1")
     index, cpu = read_index(art), torch.device("cpu")
     graph, layers = index.graph("target_step"), index.graphs_of("mtp_step")
-    engine, layer_engines = OrtAsEngine(art / graph.path), [OrtAsEngine(art / g.path) for g in layers]
+    engine, layer_engines = target_engine(art, graph), [OrtAsEngine(art / g.path) for g in layers]
     target = trtb.TrtTarget(engine, graph, target_spec(art), None, cpu, torch.float32, prefill_chunk=5)
     drafter = trtb.TrtMtp(layer_engines, layers, mtp_files(art), target, cpu, torch.float32, prefill_chunk=5)
     ref, got = SpecModel(*backends.load("torch", art, verify(art).manifest)), SpecModel(target, drafter)
@@ -222,3 +244,47 @@ def test_trt_adapters_run_mtp_over_latent_caches():
     assert shapes["past_latent"] == [[0, width], [256, width], [511, width]]
     assert shapes["logits_index"] == [[1], [1], [17]] and shapes["hidden"][2] == [17, target.spec.hidden_size]
     assert trtb.engine_paths("ART", _key(role="mtp_step", layer=0))[0].name == "mtp_step.0-float16.plan"
+
+
+def test_trt_target_runs_many_sequences_per_call_within_its_profiles():
+    """The batched engine over TrtTarget (ONNX Runtime standing in for the engine): every request's
+    tokens as alone on torch; a step's sequences share calls of at most `prefill_chunk` rows, a
+    long prompt's chunks go in successive calls, and more slots than the engine's sequences is refused."""
+    from test_engine import drive
+    from test_onnx import exported
+
+    from specpack.runtime import backends
+    from specpack.runtime.engine import Engine, Request
+    from specpack.runtime.models.config import load_target_spec
+    from specpack.runtime.spec_model import SpecModel
+
+    art = exported("llama", "ngram")
+    graph, cpu = read_index(art).graph("target_step"), torch.device("cpu")
+    engine = target_engine(art, graph, max_sequences=3, chunk=6, max_verify=4)
+    target = trtb.TrtTarget(engine, graph, load_target_spec(art), None, cpu, torch.float32, prefill_chunk=6)
+    ref = SpecModel(*backends.load("torch", art, verify(art).manifest))
+    g = torch.Generator().manual_seed(1)
+    base = torch.randint(3, 200, (6,), generator=g).tolist()
+    prompts = [base * (1 + i % 3) + [7 + i] for i in range(5)]  # 7 to 19 tokens: chunked prefills
+    reqs = [Request(p, 8 + i, eos=(), draft_len=3) for i, p in enumerate(prompts)]
+    want = [ref.generate(r.prompt, r.max_new_tokens, eos_ids=(), draft_len=3).tokens for r in reqs]
+    got = drive(Engine(target, ref.drafter, slots=3, max_len=48, prefill_chunk=None), {0: reqs[:3], 2: reqs[3:]})
+    assert [got[i] for i in range(len(reqs))] == want
+    assert max(engine.calls) <= 6 and set(engine.used) == {0, 1}
+    assert max(b for b in engine.batches) == 3  # three sequences in one call
+    with pytest.raises(InputError, match="at most 3 sequences"):
+        target.setup_cache(48, 4)
+
+
+def test_plan_calls_keeps_each_segments_pieces_in_order():
+    from specpack.runtime.backends import plan_calls
+    from specpack.runtime.models.rows import Rows, Segment
+
+    rows = Rows.of([Segment(0, 0, 7), Segment(1, 4, 2), Segment(2, 9, 3)])
+    calls = plan_calls(rows, 4)
+    seen = [[(p.slot, p.past, p.rows.tolist()) for p in call] for call in calls]
+    assert seen == [[(0, 0, [0, 1, 2, 3])], [(1, 4, [7, 8])], [(2, 9, [9, 10, 11])], [(0, 4, [4, 5, 6])]]
+    assert all(sum(len(p.rows) for p in call) <= 4 for call in calls)
+    (one,) = plan_calls(rows, None)
+    assert [(p.slot, p.past, len(p.rows)) for p in one] == [(0, 0, 7), (1, 4, 2), (2, 9, 3)]
+    assert one[1].mask.shape == (2, 6) and one[1].mask[:, :4].all() and one[1].mask[:, 4:].tril().equal(one[1].mask[:, 4:])

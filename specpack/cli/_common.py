@@ -42,6 +42,10 @@ def cli(verbose: int) -> None:
 DTYPE = click.option("--dtype", default="float32", show_default=True,
                      type=click.Choice(["float32", "float16", "bfloat16"]))
 DEVICE = click.option("--device", default="cpu", show_default=True, help="cpu or cuda.")
+BACKEND = click.option("--backend", default="torch", show_default=True,
+                       type=click.Choice(["torch", "onnxruntime", "tensorrt"]),
+                       help="torch (cpu/cuda); onnxruntime (cpu, needs `specpack export ART --to onnx`); "
+                            "tensorrt (cuda, engines built and cached on first use).")
 WEIGHTS = click.option("--weights", default="fp32", show_default=True,
                        type=click.Choice(["fp32", "fp16", "bf16", "int8"]),
                        help="Precision the CPU kernels keep the linear weights in: fp16/bf16 stream half the bytes "

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from specpack._output import emit, progress_enabled
-from specpack.cli._common import DEVICE, DTYPE, JSON, PUBKEY, WEIGHTS, cli, int_list, tree_shape
+from specpack.cli._common import BACKEND, DEVICE, DTYPE, JSON, PUBKEY, WEIGHTS, cli, int_list, tree_shape
 from specpack.cli._common import tree_shapes as parse_tree_shapes
 
 
@@ -29,10 +29,7 @@ from specpack.cli._common import tree_shapes as parse_tree_shapes
 @click.option("--no-spec", is_flag=True, help="Decode without speculation (the baseline).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--profile", help="Profile name or id [default: the best runnable validated profile].")
-@click.option("--backend", default="torch", show_default=True,
-              type=click.Choice(["torch", "onnxruntime", "tensorrt"]),
-              help="torch (cpu/cuda); onnxruntime (cpu, needs `specpack export ART --to onnx`); "
-                   "tensorrt (cuda, engines built and cached on first use).")
+@BACKEND
 @DEVICE
 @DTYPE
 @WEIGHTS
@@ -87,8 +84,7 @@ def _run_summary(r: dict) -> str:
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--workload", required=True, type=click.Path(path_type=Path),
               help='JSONL, one request a line: {"prompt": ...} or {"messages": [...]}, optional "max_tokens".')
-@click.option("--backend", default="torch", show_default=True,
-              type=click.Choice(["torch", "onnxruntime", "tensorrt"]), help="Backend to measure.")
+@BACKEND
 @DEVICE
 @DTYPE
 @WEIGHTS
@@ -174,12 +170,13 @@ def profiles(artifact, json_mode):
 @click.option("--max-queue", type=int, help="Requests waiting beyond which new ones get 429 [default: 4 x max-seqs].")
 @click.option("--prefill-chunk", type=int, default=64, show_default=True,
               help="Prompt tokens one engine step takes, so long prompts do not stall the others.")
+@BACKEND
 @DEVICE
 @DTYPE
 @WEIGHTS
 @PUBKEY
 def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, draft_tree, api_key, max_body_bytes,
-          max_seqs, max_model_len, max_queue, prefill_chunk, device, dtype, weights, public_key):
+          max_seqs, max_model_len, max_queue, prefill_chunk, backend, device, dtype, weights, public_key):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     /v1/models, /v1/completions and /v1/chat/completions (streaming or not), /health, and /metrics
@@ -194,12 +191,14 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
     \b
     Examples:
       specpack serve my-artifact --port 8000
+      specpack serve my-artifact --backend onnxruntime   # the exported graphs, every request in one call a step
       curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
            -d '{"model": "my-artifact", "prompt": "def fib(n):", "max_tokens": 64, "temperature": 0}'
     """
     from specpack.serving.serve import prepare, run as run_server
 
-    plan = prepare(artifact, profile=profile, device=device, dtype=dtype, weights=weights, public_key=public_key,
+    plan = prepare(artifact, profile=profile, backend=backend, device=device, dtype=dtype, weights=weights,
+                   public_key=public_key,
                    model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
                    draft_tree=tree_shape(draft_tree, "--draft-tree"),
                    progress=progress_enabled(False), api_key=api_key, max_body_bytes=max_body_bytes,

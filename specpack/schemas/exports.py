@@ -40,8 +40,10 @@ class OnnxExport(_Strict):
     data_file: str = Field(description="External data file holding every weight of every graph.")
     kv_layout: Literal["slot_major_new_slots"] = Field(
         "slot_major_new_slots", description="The cache per layer is [slots, kv_heads, head_dim] for keys and "
-        "values, or [slots, kv_lora_rank + rope_dim] for MLA's latent; graphs read the P cached slots and "
-        "return only the T new ones, which the runtime writes at slots P..P+T.")
+        "values, or [slots, kv_lora_rank + rope_dim] for MLA's latent; graphs return only the T new slots, "
+        "which the runtime writes into its cache. A drafter graph reads its sequence's P cached slots; the "
+        "target graph reads the whole buffer of every sequence [N, ...] and gathers each one's rows "
+        "(inputs seq_rows, row_place, cache_rows, mask [B, Q, P+Q]).")
     max_verify_tokens: int = Field(description="D+1 for the longest draft the runtime asks for (T's "
                                    "intended range when verifying; prefills may be longer).")
     aux_layer_ids: Optional[list[int]] = Field(

@@ -67,12 +67,12 @@ class ServerPlan:
 
 
 def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype: str = "float32",
-            weights: str = "fp32", public_key=None, model_name: Optional[str] = None, max_concurrency: Optional[int] = None,
+            weights: str = "fp32", backend: str = "torch", public_key=None, model_name: Optional[str] = None, max_concurrency: Optional[int] = None,
             draft_len: Optional[int] = None, progress: bool = False, api_key: Optional[str] = None,
             draft_tree=None,
             max_body_bytes: int = MAX_BODY_BYTES, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
             max_queue: Optional[int] = None, prefill_chunk: int = 64, measure_cost: bool = True) -> ServerPlan:
-    """Verify and load `artifact`, pick its best runnable profile (or `profile`), plan the KV cache
+    """Verify and load `artifact` on `backend`, pick its best runnable profile (or `profile`), plan the KV cache
     (`max_seqs` slots of `max_model_len` positions, fewer when memory is short), build the app.
     `max_concurrency` / `draft_len` / `draft_tree` (a TreeShape; top-k 1: chains) override what the
     profile says; `api_key` is required from
@@ -86,8 +86,10 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     require("fastapi", "serve")
     _check_options(max_concurrency, draft_len, api_key, max_body_bytes, max_seqs, max_model_len, max_queue,
                    prefill_chunk)
-    model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights)
-    selection = select_profile(model.manifest, device, dtype, wanted=profile, weights=weights)
+    engines = {"max_sequences": max_seqs} if backend == "tensorrt" else {}  # the engines' sequence dimension
+    model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights,
+                 backend=backend, **engines)
+    selection = select_profile(model.manifest, device, dtype, wanted=profile, backend=backend, weights=weights)
     draft_len = draft_len or selection.draft_len
     tree = draft_tree if draft_tree is not None else selection.tree
     if tree is not None:

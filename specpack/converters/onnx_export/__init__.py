@@ -6,14 +6,18 @@
 
 Graphs (fp32, opset 17, weights in one external data file shared by all graphs):
 
-- `target_step`: T new tokens (T in [1, D+1] when verifying, any T for a prefill) after P cached
-  ones. Inputs `tokens [T]`, `positions [T]`, `mask [T, P+T]` (bool, True = may attend),
-  `logits_index [K]` (rows whose logits to compute: all T when verifying, the last one after a
-  prefill), then the cache per layer i: `past_key.{i}`, `past_value.{i}` `[P, kv_heads, head_dim]`
-  (Llama / Mistral / Qwen2 / Qwen3), or `past_latent.{i}` `[P, kv_lora_rank + rope_dim]`
-  (DeepSeek-V3's MLA). Outputs `logits [K, V]`, `aux [T, n_aux*H]` (EAGLE-3 only: hidden states
-  entering the aux layers), `hidden [T, H]` (MTP only: the state its first layer reads) and
-  `new_key.{i}`, `new_value.{i}` or `new_latent.{i}` `[T, ...]`: only the T new slots.
+- `target_step`: the T new rows of B sequences (layers.Batch): a sequence verifying D drafts has
+  D+1 rows, one being prefilled a chunk. Inputs `tokens [T]`, `positions [T]`, `logits_index [K]`
+  (rows whose logits to compute), `seq_rows [B, Q]` (each sequence's rows, padded to Q),
+  `row_place [T]` (where each row sits among the B*Q), `cache_rows [B, P]` (the cache buffer row of
+  each sequence's cached positions, padded to P), `mask [B, Q, P+Q]` (bool, True = may attend: the
+  cached keys, then the sequence's new rows), then the whole cache buffer of every sequence slot
+  per layer i: `past_key.{i}`, `past_value.{i}` `[N, kv_heads, head_dim]` (Llama / Mistral / Qwen2 /
+  Qwen3), or `past_latent.{i}` `[N, kv_lora_rank + rope_dim]` (DeepSeek-V3's MLA). Outputs
+  `logits [K, V]`, `aux [T, n_aux*H]` (EAGLE-3 and block drafters: hidden states entering the aux
+  layers), `hidden [T, H]` (MTP only: the state its first layer reads) and `new_key.{i}`,
+  `new_value.{i}` or `new_latent.{i}` `[T, ...]`: only the T new slots, which the runtime writes into
+  the buffer. Linear layers run once over all T rows; attention per sequence.
 - `eagle3_step`: the head's fc + one layer + norm/lm_head, same cache convention, its own KV.
   Inputs `feats [R, n_aux*Ht]` (target features; fc is applied to them) and `hidden [U, H]` (the
   head's own earlier outputs), whose rows are concatenated in that order, and `tokens [R+U]`;
@@ -31,10 +35,12 @@ n-gram needs no drafter graph. One module per graph family: `target`, `eagle3`, 
 the layer families `dense` and `deepseek` (`layers` holds what they share), `pipeline` the export.
 
 Why the cache is slot-major `[slots, ...]` per layer with only the new slots out: the runtime keeps
-one preallocated buffer per layer, passes its first P slots as `past` (a contiguous prefix: no copy)
-and binds `new_*` to slots P..P+T of the same buffer, so the graph writes the new keys and values in
-place. Rolling back is lowering P, as in the torch runtime. A graph returning the whole updated
-cache would copy every cached slot on every step instead.
+one preallocated buffer per layer. A drafter graph gets its sequence's first P slots as `past` (a
+contiguous prefix: no copy) and has `new_*` bound to slots P..P+T of the same buffer, so it writes the
+new keys and values in place. The target graph gets the buffer of every slot whole (no copy either)
+and gathers each sequence's rows; its new rows come back in one [T, ...] output per entry, scattered
+into the buffer in one indexed copy. Rolling back is lowering a length, as in the torch runtime. A
+graph returning the whole updated cache would copy every cached slot on every step instead.
 """
 
 from specpack.converters.onnx_export.layers import linear_params

@@ -44,9 +44,32 @@ def cache_io(prefix: str, layers: int, slot: CacheSlot, dim: str, single: bool =
 
 
 def step_inputs() -> list[tuple]:
-    """The inputs every step graph takes after its own: T new positions after P cached ones."""
+    """The inputs every one-sequence step graph takes after its own: T new positions after P cached ones."""
     return [("tokens", "int64", ["T"]), ("positions", "int64", ["T"]), ("mask", "bool", ["T", "P+T"]),
             ("logits_index", "int64", ["K"])]
+
+
+def batch_inputs() -> list[tuple]:
+    """The inputs of a many-sequence step graph (see `Batch`): T new rows of B sequences."""
+    return [("tokens", "int64", ["T"]), ("positions", "int64", ["T"]), ("logits_index", "int64", ["K"]),
+            ("seq_rows", "int64", ["B", "Q"]), ("row_place", "int64", ["T"]), ("cache_rows", "int64", ["B", "P"]),
+            ("mask", "bool", ["B", "Q", "P+Q"])]
+
+
+class Batch(NamedTuple):
+    """Where the T new rows of a many-sequence step graph come from and what they attend.
+
+    Every linear layer runs once over all T rows (the weights stream once per step); attention
+    runs per sequence: sequence b's rows padded to Q (`seq_rows` [B, Q]: the row at each of its
+    places, any row where it has fewer), its cached keys gathered from the whole cache buffer
+    [N, ...] (`cache_rows` [B, P]: the buffer row of each of its P cached positions, any row past
+    its length), and `mask` [B, Q, P+Q] saying which of them (then of its new rows) each place
+    sees. `row_place` [T] puts each row back: row t was place row_place[t] of the B*Q."""
+
+    seq_rows: Tensor
+    row_place: Tensor
+    cache_rows: Tensor
+    mask: Tensor
 
 
 def family(spec):
@@ -115,13 +138,16 @@ class Rope(nn.Module):
         return emb.cos() * self.factor, emb.sin() * self.factor
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, mask: Tensor | None,
+def attend(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, mask: "Tensor | Batch | None",
            scale: float | None = None, new_mask: Tensor | None = None) -> Tensor:
     """GQA attention of T new queries over P cached and T new keys, without concatenating the cache.
 
     q: [T, heads, hd]; k: [T, kv, hd]; v: [T, kv, vd]; past_k, past_v: [P, kv, hd | vd];
     mask: [T, P+T], or None with `new_mask` [T, T] (or None): every cached key visible, the new
-    ones as `new_mask` says -> [T, heads*vd]. `scale` defaults to 1/sqrt(hd)."""
+    ones as `new_mask` says -> [T, heads*vd]. `scale` defaults to 1/sqrt(hd). With a `Batch` for
+    `mask`, the rows are many sequences' and past_k, past_v the whole cache [N, ...]: `attend_batch`."""
+    if isinstance(mask, Batch):
+        return attend_batch(q, k, v, past_k, past_v, mask, scale)
     T, heads, hd = q.shape
     kv, vd = k.shape[1], v.shape[-1]
     G = heads // kv
@@ -139,6 +165,36 @@ def attend(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, mask
     P = past_k.shape[0]
     y = p[..., :P] @ past_v.permute(1, 0, 2) + p[..., P:] @ v.permute(1, 0, 2)  # [kv, G*T, vd]
     return y.reshape(kv, G, T, vd).permute(2, 0, 1, 3).reshape(T, heads * vd)
+
+
+def attend_batch(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, batch: Batch,
+                 scale: float | None = None) -> Tensor:
+    """`attend` for the rows of many sequences (`Batch`): q, k, v [T, ...] as `attend`'s; past_k,
+    past_v the whole cache buffer [N, kv, hd | vd] -> [T, heads*vd]."""
+    heads, hd = q.shape[1], q.shape[2]
+    kv, vd = k.shape[1], v.shape[-1]
+    G = heads // kv
+    B, Q = batch.seq_rows.shape
+    scale = 1.0 / math.sqrt(hd) if scale is None else scale
+    P = batch.cache_rows.shape[1]
+    keys = torch.cat([past_k[batch.cache_rows], k[batch.seq_rows]], 1).permute(0, 2, 3, 1)  # [B, kv, hd, P+Q]
+    qg = q[batch.seq_rows].reshape(B, Q, kv, G, hd).permute(0, 2, 3, 1, 4).reshape(B, kv, G * Q, hd) * scale
+    scores = qg @ keys  # [B, kv, G*Q, P+Q]
+    S = scores.shape[-1]
+    scores = scores.reshape(B, kv, G, Q, S).masked_fill(~batch.mask[:, None, None], float("-inf"))
+    # softmax as exp(s - max) @ [V | 1], normalised after, the cached and the new keys in two products:
+    # each sums its keys in order and its padding (masked: exact zeros) comes last, so a sequence's
+    # bits do not depend on the padding its batch adds (see runtime.backends.batch_layout)
+    e = (scores - scores.amax(-1, keepdim=True)).exp().reshape(B, kv, G * Q, S)
+    y = e[..., :P] @ _with_ones(past_v[batch.cache_rows].transpose(1, 2)) \
+        + e[..., P:] @ _with_ones(v[batch.seq_rows].transpose(1, 2))  # [B, kv, G*Q, vd + 1]
+    y = y[..., :vd] / y[..., vd:]
+    return y.reshape(B, kv, G, Q, vd).permute(0, 3, 1, 2, 4).reshape(B * Q, heads * vd)[batch.row_place]
+
+
+def _with_ones(x: Tensor) -> Tensor:
+    """x [..., d] with a column of ones after: [..., d + 1] (a product with it also sums the weights)."""
+    return torch.cat([x, torch.ones_like(x[..., :1])], -1)
 
 
 class MLP(nn.Module):

@@ -116,7 +116,7 @@ def write_graphs(graphs: list, out: Path, prefix: str = ONNX_DIR) -> list[OnnxGr
 # ---- tracing ----
 
 # example sizes for tracing: distinct, so the tracer cannot confuse one symbolic dim with another
-_EXAMPLE = {"T": 5, "P": 3, "K": 4, "R": 2, "U": 3, "P+T": 8}
+_EXAMPLE = {"T": 5, "P": 3, "K": 4, "R": 2, "U": 3, "P+T": 8, "B": 2, "Q": 6, "N": 11, "P+Q": 9}
 _TORCH = {"int64": torch.long, "bool": torch.bool, "float32": torch.float32}
 
 

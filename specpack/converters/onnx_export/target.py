@@ -8,12 +8,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpack.converters.onnx_export.layers import Graph, Rope, cache_io, family, linear_params, param, rms, \
-    step_inputs
+from specpack.converters.onnx_export.layers import Batch, Graph, Rope, batch_inputs, cache_io, family, linear_params, \
+    param, rms
 
 
 class TargetStep(nn.Module):
-    """The target over T new tokens with the cache passed in and the new slots returned (fp32).
+    """The target over T new tokens of B sequences (`layers.Batch`) with the whole cache passed in
+    and the new slots returned (fp32).
 
     Outputs logits [K, V]; `aux` [T, n_aux*H] (the hidden states entering the `capture` layers) when
     there are any; `hidden` [T, H] when asked for, the state an MTP drafter reads: leaving the last
@@ -30,14 +31,15 @@ class TargetStep(nn.Module):
         self.lm_head = param(linear_params(model.lm_head)[0], seen)
         self.rope = Rope(*fam.rope_parameters(s))
 
-    def forward(self, tokens, positions, mask, logits_index, *past):
+    def forward(self, tokens, positions, logits_index, seq_rows, row_place, past_index, mask, *past):
+        batch = Batch(seq_rows, row_place, past_index, mask)
         cos, sin = self.rope(positions)
         x = F.embedding(tokens, self.embed)  # [T, H]
         aux, new, n = [], [], self.per_layer
         for i, layer in enumerate(self.layers):
             if i in self.capture:
                 aux.append(x)
-            x, slots = layer(x, cos, sin, mask, past[n * i : n * (i + 1)])
+            x, slots = layer(x, cos, sin, batch, past[n * i : n * (i + 1)])
             new += slots
         normed = rms(x, self.norm, self.eps)  # per row: the same for the selected rows as for all
         extra = [torch.cat(aux, dim=-1)] if aux else []
@@ -54,7 +56,7 @@ def target_io(s, aux: Sequence[int] = (), hidden: str | None = None) -> tuple[li
         outputs.append(("aux", "float32", ["T", len(aux) * s.hidden_size]))
     if hidden is not None:
         outputs.append(("hidden", "float32", ["T", s.hidden_size]))
-    return (step_inputs() + cache_io("past", s.num_layers, slot, "P"),
+    return (batch_inputs() + cache_io("past", s.num_layers, slot, "N"),
             outputs + cache_io("new", s.num_layers, slot, "T"))
 
 

@@ -14,17 +14,18 @@ Output(logits, aux)` over the new rows of many sequences (runtime.rows), `.compa
 backend.
 
 The graph backends (onnxruntime, tensorrt) share `GraphTarget` / `GraphEagle3` / `GraphMtp` below
-(and `graph_block.GraphBlock` for block drafters):
-the exported graphs (converters/onnx_export) read the P cached slots of each layer and write the T
-new ones, one sequence per call, and these adapters keep one cache per sequence slot, the length
-pointers and the masks exactly as the torch model does. The drafters' own loops (`draft`) are the
-torch drafters', reused unchanged.
+(and `graph_block.GraphBlock` for block drafters). The target graph runs the new rows of every
+sequence of a step in one call (the weights stream once), reading the whole cache buffer of all
+slots and gathering each sequence's own rows (`SharedCaches`, `batch_layout`); the drafter graphs
+read the P cached slots of each layer and write the T new ones, one sequence per call. These
+adapters keep the caches, the length pointers and the masks exactly as the torch model does. The
+drafters' own loops (`draft`) are the torch drafters', reused unchanged.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -52,10 +53,10 @@ class SlotCache:
     """A graph's cache in one buffer [entries, max_len, *slot], in the graphs' input order (key.0,
     value.0, key.1, ... or latent.0, latent.1, ...), slot-major: the first `length` slots of each
     entry are a contiguous prefix a graph reads without a copy, and its new slots go straight after.
-    Roll back by assigning a smaller `length`."""
+    Roll back by assigning a smaller `length`. `store` (optional) is a view to use as the buffer."""
 
-    def __init__(self, entries: int, slot: Sequence[int], max_len: int, dtype, device):
-        self.store = torch.zeros(entries, max_len, *slot, dtype=dtype, device=device)
+    def __init__(self, entries: int, slot: Sequence[int], max_len: int, dtype, device, store: Tensor | None = None):
+        self.store = torch.zeros(entries, max_len, *slot, dtype=dtype, device=device) if store is None else store
         self.length = 0
 
     @classmethod
@@ -80,6 +81,28 @@ class SlotCache:
         """Move the slots at positions `src` to `dst` in every entry (as `KVCache.compact`)."""
         s, d = torch.as_tensor(src, device=self.store.device), torch.as_tensor(dst, device=self.store.device)
         self.store[:, d] = self.store[:, s]
+
+
+class SharedCaches:
+    """Every sequence slot's `SlotCache` as a view of one buffer `flat` [entries, slots * max_len,
+    *slot]: a many-sequence graph (`layers.Batch`) reads each entry whole as its `past_*` input and
+    gathers the rows it needs; slot s owns rows s * max_len .. (s + 1) * max_len - 1."""
+
+    def __init__(self, graph, slots: int, max_len: int, dtype, device):
+        entries, slot = cache_layout(graph)
+        self.flat = torch.zeros(entries, slots * max_len, *slot, dtype=dtype, device=device)
+        view = self.flat.view(entries, slots, max_len, *slot)
+        self.slots = [SlotCache(entries, slot, max_len, dtype, device, store=view[:, s]) for s in range(slots)]
+        self.max_len = max_len
+
+    def past(self) -> list[Tensor]:
+        """The graph's `past_*` inputs: every entry whole [slots * max_len, *slot]."""
+        return list(self.flat.unbind(0))
+
+    @torch.inference_mode()
+    def write(self, new: Tensor, rows: Tensor) -> None:
+        """Put the new slots `new` [entries, T, *slot] at buffer rows `rows` [T]."""
+        self.flat[:, rows] = new
 
 
 def cache_layout(graph) -> tuple[int, list[int]]:
@@ -136,34 +159,113 @@ def full_mask(start: int, T: int, block: Tensor | None, device) -> Tensor:
     return torch.cat([seen, block.to(device, torch.bool)], 1)
 
 
-class GraphTarget:
-    """The target as an exported step graph; subclasses implement `_run` (one graph call).
+class Piece(NamedTuple):
+    """Rows of one segment run in one graph call: on cache `slot` after `past` cached positions,
+    `rows` [n] (their indices among the forward's rows) at RoPE `positions` [n], seeing `mask`
+    [n, past + n] (the cached positions, then these rows)."""
 
-    Each sequence slot has its own `SlotCache`; a graph call reads and writes `self.cache`, which
-    `forward_rows` points at the slot of the segment it runs (one call per segment: the graphs
-    take one sequence). `max_tokens_per_call` (None: unbounded) splits longer inputs, such as
-    prefills beyond a TensorRT profile, into consecutive calls: the same result, since each call
-    sees the cache the last wrote. Capturing the number of target layers returns the graph's
-    `hidden` output (the state an MTP drafter reads)."""
+    slot: int
+    past: int
+    rows: Tensor
+    positions: Tensor
+    mask: Tensor
+
+
+def plan_calls(rows, size: int | None) -> list[list[Piece]]:
+    """The graph calls that run `rows` (runtime.rows.Rows) on a many-sequence graph: each segment
+    in pieces of at most `size` rows (whole when None), a segment's pieces in successive calls (each
+    sees the cache the one before wrote), pieces of different segments together, up to `size` rows
+    a call."""
+    per_segment = []
+    for seg, a in rows.segments:
+        positions = torch.arange(seg.start, seg.start + seg.T) if seg.positions is None else seg.positions.cpu()
+        mask = full_mask(seg.start, seg.T, seg.block, "cpu")
+        per_segment.append([Piece(seg.slot, seg.start + p, torch.arange(a + p, a + q), positions[p:q],
+                                  mask[p:q, : seg.start + q]) for p, q in chunks(seg.T, size)])
+    calls: list[list[Piece]] = []
+    for k in range(max(map(len, per_segment), default=0)):  # round k: every segment's k-th piece
+        calls.append([])
+        for piece in (ps[k] for ps in per_segment if k < len(ps)):
+            if size and calls[-1] and sum(len(p.rows) for p in calls[-1]) + len(piece.rows) > size:
+                calls.append([])
+            calls[-1].append(piece)
+    return calls
+
+
+def batch_layout(pieces: Sequence[Piece], max_len: int, min_q: int = 1) -> tuple[dict[str, Tensor], Tensor]:
+    """The many-sequence graph inputs (converters/onnx_export/layers.Batch, and `positions`) of one
+    call over `pieces`, and the cache buffer row (`SharedCaches`) each new row's slots go to. Padded
+    places attend one key (no row all -inf); padded cache indices point at row 0 (masked).
+
+    Batch invariance on ONNX Runtime: a sequence's logits must not depend on what else runs in the
+    call. Its rows go through the linear layers with the others (row-exact there); its attention
+    sees padding, whose masked keys add exact zeros at the end of each ordered sum in
+    `layers.attend_batch`. ONNX Runtime's matrix product takes another path for a one-row operand,
+    so each sequence is padded to `min_q` rows (2 where one query head reads each key head, else 1).
+    Tested: tests/test_engine.py, logits bit for bit."""
+    B, Q = len(pieces), max(min_q, *(len(p.rows) for p in pieces))
+    P = max(p.past for p in pieces)
+    seq_rows = torch.zeros(B, Q, dtype=torch.long)
+    cache_rows = torch.zeros(B, P, dtype=torch.long)
+    mask = torch.zeros(B, Q, P + Q, dtype=torch.bool)
+    mask[:, :, P] = True
+    places, dest, t = [], [], 0
+    for b, p in enumerate(pieces):
+        n, base = len(p.rows), p.slot * max_len
+        seq_rows[b, :n] = torch.arange(t, t + n)
+        places.append(torch.arange(b * Q, b * Q + n))
+        cache_rows[b, : p.past] = torch.arange(base, base + p.past)
+        mask[b, :n, : p.past] = p.mask[:, : p.past]
+        mask[b, :n, P : P + n] = p.mask[:, p.past :]
+        dest.append(torch.arange(base + p.past, base + p.past + n))
+        t += n
+    layout = {"positions": torch.cat([p.positions for p in pieces]), "seq_rows": seq_rows,
+              "row_place": torch.cat(places), "cache_rows": cache_rows, "mask": mask}
+    return layout, torch.cat(dest)
+
+
+def query_group(spec) -> int:
+    """Query heads per key head in the graph's attention (MLA: every head reads the one latent)."""
+    from specpack.runtime.models.deepseek import DeepseekSpec
+
+    return spec.num_heads if isinstance(spec, DeepseekSpec) else spec.num_heads // spec.num_kv_heads
+
+
+class GraphTarget:
+    """The target as an exported many-sequence step graph (converters/onnx_export: `target_step`);
+    subclasses implement `_run` (one graph call).
+
+    Every sequence slot's cache is a view of one buffer (`SharedCaches`), which each call reads whole
+    and gathers from: one call runs the new rows of every sequence of a forward, so the weights
+    stream once per step whatever the batch. `max_tokens_per_call` (None: unbounded) splits longer
+    inputs, such as prefills beyond a TensorRT profile, into consecutive calls (`plan_calls`): the
+    same result, since each call sees the cache the last wrote. Capturing the number of target layers
+    returns the graph's `hidden` output (the state an MTP drafter reads)."""
 
     max_tokens_per_call: int | None = None
 
     def __init__(self, spec, graph, aux_layer_ids: Sequence[int] | None, device: torch.device, dtype: torch.dtype):
+        if "seq_rows" not in [i.name for i in graph.inputs]:
+            raise InputError("this ONNX export's target graph runs one sequence a call (made by an older specpack)",
+                             hint="re-export with `specpack export ARTIFACT --to onnx --force`")
         self.spec, self.graph = spec, graph
         self.aux_layer_ids = tuple(aux_layer_ids or ())
         self.device, self.dtype = device, dtype
-        self.names = [i.name for i in graph.inputs]
+        self.past_names = [i.name for i in graph.inputs if i.name.startswith("past_")]
         self.new_names = new_slot_names(graph)
         self.widths = {o.name: o.shape[1] for o in graph.outputs if o.name in ("aux", "hidden")}
+        self.min_q = 2 if query_group(spec) == 1 else 1  # see batch_layout
+        self.shared: SharedCaches | None = None
         self.caches: list[SlotCache] = []
         self.cache: SlotCache | None = None
 
     def setup_cache(self, max_len: int, slots: int = 1) -> None:
         """Make room for `slots` sequences of `max_len` positions (reallocating only when either
         grows) and empty the caches."""
-        if not self.caches or self.caches[0].max_len < max_len or len(self.caches) < slots:
-            self.caches = []
-            self.caches = [SlotCache.for_graph(self.graph, max_len, self.dtype, self.device) for _ in range(slots)]
+        if self.shared is None or self.shared.max_len < max_len or len(self.shared.slots) < slots:
+            self.shared = None
+            self.shared = SharedCaches(self.graph, slots, max_len, self.dtype, self.device)
+        self.caches = self.shared.slots
         for c in self.caches:
             c.length = 0
         self.cache = self.caches[0]
@@ -189,35 +291,51 @@ class GraphTarget:
 
         start, T = self.caches[0].length, tokens.shape[0]
         rows = Rows.of([Segment(0, start, T, mask, positions)], self.device)
-        out = self.forward_rows(tokens, rows, capture, [T - 1] if last_only else None)
-        self.caches[0].length = start + T
-        return out
+        return self.forward_rows(tokens, rows, capture, [T - 1] if last_only else None)
 
     def forward_rows(self, tokens: Tensor, rows, capture: Sequence[int] = (), logits_rows=None):
-        """The contract of `Decoder.forward_rows`: one graph call (or chunked calls) per segment,
-        each on its slot's cache."""
+        """The contract of `Decoder.forward_rows`: one graph call over every segment (more when
+        `max_tokens_per_call` splits them); each segment's slot ends `T` positions longer."""
         from specpack.runtime.models.dense import Output
 
-        name, dev = self._output_of(capture), self.device
-        wanted = range(tokens.shape[0]) if logits_rows is None else logits_rows
-        logits, states = {}, []
-        for seg, a in rows.segments:
-            mine = [r - a for r in wanted if a <= r < a + seg.T]
-            part = self._segment(tokens[a : a + seg.T].to(dev), seg, mine)
-            logits.update({a + r: row for r, row in zip(mine, part["logits"])})
+        name, dev, R = self._output_of(capture), self.device, tokens.shape[0]
+        wanted = list(range(R)) if logits_rows is None else list(logits_rows)
+        for seg, _ in rows.segments:
+            if seg.start + seg.T > self.shared.max_len:
+                raise InputError(f"{seg.start + seg.T} positions do not fit the KV cache of {self.shared.max_len}",
+                                 hint="call setup_cache with a larger max_len")
+        logits, states = {}, torch.empty(R, self.widths[name], device=dev) if name else None
+        tokens = tokens.to(dev)
+        for pieces in plan_calls(rows, self.max_tokens_per_call):
+            src = torch.cat([p.rows for p in pieces])
+            place = {r: i for i, r in enumerate(src.tolist())}
+            mine = [r for r in dict.fromkeys(wanted) if r in place]
+            out = self._call(tokens[src.to(dev)], pieces, [place[r] for r in mine] or [len(src) - 1])
+            logits.update(zip(mine, out["logits"]))
             if name:
-                states.append(part[name])
-        out = torch.stack([logits[r] for r in wanted]) if len(wanted) else torch.empty(0, self.spec.vocab_size)
-        return Output(out, torch.cat(states) if name else None)
+                states[src.to(dev)] = out[name]
+        for seg, _ in rows.segments:
+            self.caches[seg.slot].length = seg.start + seg.T
+        out = torch.stack([logits[r] for r in wanted]) if wanted else torch.empty(0, self.spec.vocab_size, device=dev)
+        return Output(out, states)
 
-    def _segment(self, tokens: Tensor, seg, rows: list[int]) -> dict[str, Tensor]:
-        """One segment on its slot's cache: logits of its `rows`, aux / hidden of all its rows."""
-        self.cache = self.caches[seg.slot]
-        parts = segment_calls(self.cache, seg, rows, self.max_tokens_per_call,
-                              lambda a, b, pos, mask, want: self._run(tokens[a:b], pos, mask, want))
-        out = {"logits": torch.cat([p["logits"][:n] for n, p in parts])}
-        out.update({n: torch.cat([p[n] for _, p in parts]) for n in self.widths})
-        return out
+    def _call(self, tokens: Tensor, pieces: Sequence[Piece], want: list[int]) -> dict[str, Tensor]:
+        """One graph call over `pieces`: logits of rows `want` (call-local), aux / hidden of all;
+        the new slots written into the cache buffer."""
+        T, dev = tokens.shape[0], self.device
+        layout, dest = batch_layout(pieces, self.shared.max_len, self.min_q)
+        inputs = {"tokens": tokens, "logits_index": torch.tensor(want, device=dev),
+                  **{k: v.to(dev) for k, v in layout.items()}, **dict(zip(self.past_names, self.shared.past()))}
+        new = self._new_slots(T)
+        outputs = self._outputs(T, len(want))
+        self._run(T, inputs, {**outputs, **dict(zip(self.new_names, new.unbind(0)))})
+        self.shared.write(new, dest.to(dev))
+        return outputs
+
+    def _new_slots(self, T: int) -> Tensor:
+        """Where a call writes its T new slots: [entries, T, *slot], each entry contiguous."""
+        flat = self.shared.flat
+        return torch.empty(flat.shape[0], T, *flat.shape[2:], dtype=flat.dtype, device=flat.device)
 
     def _outputs(self, T: int, K: int) -> dict[str, Tensor]:
         """Fresh buffers for the graph's outputs but the cache: logits [K, V] fp32, aux / hidden [T, width]."""
@@ -225,8 +343,8 @@ class GraphTarget:
         out.update({name: torch.empty(T, width, device=self.device) for name, width in self.widths.items()})
         return out
 
-    def _run(self, tokens: Tensor, positions: Tensor, mask: Tensor, rows: Tensor) -> dict[str, Tensor]:
-        """One graph call: reads `cache.past()`, writes `cache.new(T)`, returns `_outputs` filled."""
+    def _run(self, T: int, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        """One graph call of T rows: reads `inputs`, fills `outputs` (named as the graph's)."""
         raise NotImplementedError
 
 

@@ -1,9 +1,9 @@
 """ONNX Runtime backend (CPU): the artifact's exported step graphs (`specpack export --to onnx`).
 
-The KV cache lives in torch tensors (`SlotCache`); every call binds the committed slots as the
-graph's `past_*` inputs and slots P..P+T of the same buffers as its `new_*` outputs (IOBinding),
-so ONNX Runtime reads the cache in place and writes the new keys and values where they belong: no
-copies, no allocation but the logits.
+The KV cache lives in torch tensors (`SlotCache`, `SharedCaches`) that ONNX Runtime reads in place
+(IOBinding): a drafter graph gets the committed slots of its sequence as `past_*` and writes slots
+P..P+T of the same buffers as its `new_*` outputs; the target graph gets the whole buffer of every
+sequence and returns the new rows, which go into the buffer in one indexed copy.
 
 Threads: ONNX Runtime gets `threads` intra-op threads (default 2: the machine class this targets has
 two cores), and torch's own pool, which runs the loop's small host ops between graph calls, is set
@@ -130,12 +130,8 @@ class OrtTarget(GraphTarget):
         super().__init__(spec, graph, aux, torch.device("cpu"), torch.float32)
         self.binder = _Binder(session(artifact / graph.path, threads))
 
-    def _run(self, tokens, positions, mask, rows):
-        T = tokens.shape[0]
-        outputs = self._outputs(T, rows.shape[0])
-        inputs = dict(zip(self.names, [tokens, positions, mask, rows, *self.cache.past()]))
-        self.binder.run(inputs, {**outputs, **dict(zip(self.new_names, self.cache.new(T)))})
-        return outputs
+    def _run(self, T, inputs, outputs):
+        self.binder.run(inputs, outputs)
 
 
 class OrtEagle3(GraphEagle3):

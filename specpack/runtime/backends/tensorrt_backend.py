@@ -104,19 +104,28 @@ def onnx_digest(manifest, graph_path: str, data_path: str) -> str:
 # ---- optimization profiles ----
 
 def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: int,
-                   max_context: int, block_len: int | None = None) -> list[dict[str, tuple[int, int, int]]]:
+                   max_context: int, block_len: int | None = None,
+                   max_sequences: int = 1) -> list[dict[str, tuple[int, int, int]]]:
     """(min, opt, max) of each symbolic dimension, for the decode and the prefill profile.
 
     T: new tokens; P: cached slots; K: logits rows; R/U: feature/hidden rows of the head (R+U = T).
+    The target (and a draft model) runs up to `max_sequences` sequences a call (B), each of at most
+    Q rows (D+1 verified tokens; a prefill chunk), over the whole cache buffer of N rows
+    (`SharedCaches`: every slot's `max_context`, padded for alignment).
     An MTP layer asks for one row's logits and, after each verification, runs over the few newly
     committed rows (after the prefill: the whole prompt, in the prefill profile). A block drafter's
     context graph runs over the newly committed rows too; its step graph has one profile: a
     `block_len`-row block (a fixed size in the graph) asking for up to `block_len` rows' logits."""
+    p_max, p_opt = max_context - 1, max_context // 2
+
     def one(t_max, t_opt, k_opt, r_opt, u_opt):
-        p_max = max_context - 1
-        p_opt = max_context // 2
         return {"T": (1, t_opt, t_max), "P": (0, p_opt, p_max), "P+T": (1, p_opt + t_opt, p_max + t_max),
                 "K": (1, k_opt, t_max), "R": (0, r_opt, t_max), "U": (0, u_opt, t_max)}
+
+    def many(b_opt, b_max, q_opt, q_max, t_opt, t_max, k_opt):
+        n_max = max_sequences * (max_context + ALIGN)  # + the alignment padding of each slot
+        return {"T": (1, t_opt, t_max), "B": (1, b_opt, b_max), "Q": (1, q_opt, q_max), "P": (0, p_opt, p_max),
+                "P+Q": (1, p_opt + q_opt, p_max + q_max), "N": (1, n_max // 2, n_max), "K": (1, k_opt, t_max)}
 
     opt = min(opt_tokens, max_verify)
     if role == "eagle3_step":  # drafting: one own hidden state a step; prefill: features of the prompt
@@ -127,7 +136,10 @@ def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: i
         return [one(max_verify, opt, 1, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
     if role == "block_step":
         return [one(block_len, block_len, min(opt, block_len), 0, 0)]
-    return [one(max_verify, opt, opt, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
+    S = max_sequences
+    t_decode = max(max_verify, min(S * max_verify, prefill_chunk))  # calls never exceed a prefill chunk
+    return [many(S, S, opt, max_verify, min(S * opt, t_decode), t_decode, min(S * opt, t_decode)),
+            many(1, S, prefill_chunk, prefill_chunk, prefill_chunk, prefill_chunk, 1)]
 
 
 def profile_shapes(inputs, ranges: dict[str, tuple[int, int, int]]) -> dict[str, list[list[int]]]:
@@ -244,7 +256,7 @@ def _padded(n: int, elem_bytes: int, row: int) -> int:
 class _Engine:
     """A deserialized engine with one execution context per optimization profile."""
 
-    def __init__(self, plan: Path, ranges: list[dict], device: torch.device):
+    def __init__(self, plan: Path, profiles: list[dict[str, list[list[int]]]], device: torch.device):
         trt = import_tensorrt()
         self.trt, self.device = trt, device
         self.runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
@@ -253,18 +265,18 @@ class _Engine:
             raise ConversionError(f"TensorRT could not load {plan}", hint="delete it to rebuild")
         stream = torch.cuda.current_stream(device).cuda_stream
         self.contexts = []
-        for i in range(len(ranges)):
+        for i in range(len(profiles)):
             ctx = self.engine.create_execution_context()
             ctx.set_optimization_profile_async(i, stream)
             self.contexts.append(ctx)
-        self.t_max = [r["T"][2] for r in ranges]
+        self.profiles = profiles
         self._dummy = torch.empty(ALIGN, dtype=torch.uint8, device=device)  # address for empty tensors
 
     def run(self, T: int, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
-        """Queue one call on the current stream. Inputs are made contiguous here (chunked calls pass
-        slices of the mask); a copy freed on return is safe, as the caching allocator hands its memory
-        only to later work on the same stream."""
-        ctx = self.contexts[0] if T <= self.t_max[0] else self.contexts[-1]
+        """Queue one call on the current stream, in the first profile whose shapes hold every input.
+        Inputs are made contiguous here (chunked calls pass slices of the mask); a copy freed on
+        return is safe, as the caching allocator hands its memory only to later work on the same stream."""
+        ctx = self.contexts[profile_for(self.profiles, {name: t.shape for name, t in inputs.items()})]
         inputs = {name: t.contiguous() for name, t in inputs.items()}
         for name, t in inputs.items():
             ctx.set_input_shape(name, tuple(t.shape))
@@ -273,6 +285,16 @@ class _Engine:
             ctx.set_tensor_address(name, t.data_ptr())
         if not ctx.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
             raise RuntimeError("TensorRT execution failed")
+
+
+def profile_for(profiles: list[dict[str, list[list[int]]]], shapes: dict) -> int:
+    """The index of the first optimization profile whose [min, max] shapes hold `shapes`."""
+    for i, profile in enumerate(profiles):
+        if all(all(lo <= d <= hi for d, lo, hi in zip(shape, profile[name][0], profile[name][2]))
+               for name, shape in shapes.items() if name in profile):
+            return i
+    raise InputError(f"no optimization profile of the engine takes inputs of shapes {dict(shapes)}",
+                     hint="rebuild the engines with larger limits (--max-context, --max-sequences)")
 
 
 def _padded_len(max_len: int, graph, dtype: torch.dtype) -> int:
@@ -306,17 +328,18 @@ class TrtTarget(GraphTarget):
         self.staging: _Staging | None = None
 
     def setup_cache(self, max_len: int, slots: int = 1) -> None:
+        most = max(p["seq_rows"][2][0] for p in self.engine.profiles)
+        if slots > most:
+            raise InputError(f"the TensorRT engine runs at most {most} sequences together, not {slots}",
+                             hint=f"rebuild it with max_sequences={slots}, or serve fewer slots")
         super().setup_cache(_padded_len(max_len, self.graph, self.dtype), slots)
         self.staging = _Staging(self.caches[0], self.max_tokens_per_call)
 
-    def _run(self, tokens, positions, mask, rows):
-        T = tokens.shape[0]
-        outputs = self._outputs(T, rows.shape[0])
-        values = [tokens, positions, mask, rows, *self.cache.past()]
-        self.engine.run(T, dict(zip(self.names, values)), {**outputs, **dict(zip(self.new_names,
-                                                                                self.staging.outputs(T)))})
-        self.staging.commit(self.cache, T)
-        return outputs
+    def _new_slots(self, T: int) -> Tensor:
+        return self.staging.buf[:, :T]  # each entry's rows start aligned
+
+    def _run(self, T, inputs, outputs):
+        self.engine.run(T, inputs, outputs)
 
 
 class TrtEagle3(GraphEagle3):
@@ -399,11 +422,12 @@ class TrtBlock(GraphBlock):
 
 
 def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: Path | None = None,
-         max_context: int | None = None, opt_tokens: int = 8, prefill_chunk: int = 256):
+         max_context: int | None = None, opt_tokens: int = 8, prefill_chunk: int = 256, max_sequences: int = 16):
     """(target, drafter) running TensorRT engines of the verified `artifact` on `device`.
 
     Engines are built on first use (minutes for a large model) and cached as described above.
-    `max_context` bounds the KV length the engines accept (default: the target's context)."""
+    `max_context` bounds the KV length the engines accept (default: the target's context),
+    `max_sequences` the sequences the target engine runs together (the engine's slots)."""
     from specpack.runtime.backends.onnxruntime_backend import require_export
     from specpack.runtime.spec_model import load_drafter
     from specpack.runtime.models.weights import target_spec
@@ -423,7 +447,8 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
 
     def engine_for(graph) -> _Engine:
         block_len = graph.inputs[0].shape[0] if graph.role == "block_step" else None  # tokens [block_len]
-        ranges = profile_ranges(graph.role, index.max_verify_tokens, opt_tokens, prefill_chunk, max_context, block_len)
+        ranges = profile_ranges(graph.role, index.max_verify_tokens, opt_tokens, prefill_chunk, max_context, block_len,
+                                max_sequences)
         name, arch = gpu(dev)
         trt = import_tensorrt()
         wanted = EngineKey(role=graph.role, layer=graph.layer, tensorrt_version=trt.__version__, gpu_name=name,
@@ -431,7 +456,7 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
                            onnx_sha256=onnx_digest(manifest, graph.path, index.data_file))
         io = {t.name: dtype for t in graph.inputs + graph.outputs if t.name.startswith(("past_", "new_"))}
         plan = ensure_engine(artifact, wanted, artifact / graph.path, io, sign_key=key)
-        return _Engine(plan, ranges, dev)
+        return _Engine(plan, wanted.profiles, dev)
 
     graph = index.graph("target_step")
     target = TrtTarget(engine_for(graph), graph, spec, index.aux_layer_ids, dev, kv_dtype, prefill_chunk)
