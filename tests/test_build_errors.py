@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 import eagle_layouts
 import tiny

@@ -4,7 +4,6 @@ what dead processes left behind is cleaned up (or rolled back) by the next run, 
 
 import logging
 import os
-import shutil
 import subprocess
 import sys
 import textwrap

@@ -23,7 +23,6 @@ the weak-typing flags (BuilderFlag.FP16/BF16): there only `float32` engines buil
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import math
 import os

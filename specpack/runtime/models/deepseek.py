@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.models.config import checked_tensor_shapes, read_config, size_problems
+from specpack.runtime.models.config import read_config, size_problems
 from specpack.runtime.models.dense import MLP, Decoder, KVCache, RMSNorm, apply_rope
 from specpack.runtime.models.rows import Rows, attend
 
