@@ -262,6 +262,47 @@ def test_a_head_starts_drafting_only_where_drafts_pay_once_every_sequence_decode
     assert solo.stats.proposed > 0 and solo.new == seqs[0].new
 
 
+def _best_prefix_one_by_one(cands, sequences, base_rows, cost, contexts, base_keys, margin, sunk_rows, sunk_keys,
+                            pending=None, widths=None, draft=False):
+    """`cost._best_prefix` written as the loop it computes: each prefix priced in turn."""
+    tokens, rows, depth, jobs, keys, absorbed = float(sequences), base_rows + sunk_rows, 0, 0, base_keys + sunk_keys, 0
+    floor, own = cost.time(rows, keys=keys), cost.time(base_rows, keys=base_keys)
+    base = best = tokens / own
+    take = 0
+    for n, (s, j, i) in enumerate(cands, 1):
+        tokens, rows = tokens + s, rows + 1
+        keys += contexts[i] + j if contexts else 0
+        if draft:
+            depth, jobs = max(depth, j), jobs + (j == 1) * (widths[i] if widths else 1)
+            absorbed += pending[i] if pending and j == 1 else 0
+        rate = tokens / (own + cost.time(rows, depth, jobs, keys, absorbed) - floor)
+        if rate > best:
+            best, take = rate, n
+    return take if best >= base * (1 + margin) else 0
+
+
+def test_the_cost_model_prices_every_prefix_as_one_by_one():
+    from specpack.runtime.engine.cost import _best_prefix
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(300):
+        n = int(torch.randint(1, 17, (1,), generator=g))
+        depth = int(torch.randint(1, 6, (1,), generator=g))
+        cands = sorted(((float(torch.rand(1, generator=g)) ** (j + 1), j, i) for i in range(n)
+                        for j in range(1, depth + 1)), key=lambda c: (-c[0], c[1]))
+        ms = torch.cumsum(torch.rand(5, generator=g) * 8, 0) + 10
+        cost = CostModel((1, 4, 16, 32, 64), tuple(ms.tolist()), draft_ratio=float(torch.rand(1, generator=g)) / 4,
+                         key_ms=float(torch.rand(1, generator=g)) * 1e-3)
+        contexts = torch.randint(10, 900, (n,), generator=g).tolist() if trial % 2 else None
+        pending = torch.randint(0, 300, (n,), generator=g).tolist() if trial % 3 else None
+        widths = torch.randint(1, 4, (n,), generator=g).tolist() if trial % 5 == 0 else None
+        sunk = int(torch.randint(0, 64, (1,), generator=g)) if trial % 4 == 0 else 0
+        args = (cands, n, n, cost, contexts, sum(contexts or []), 0.03 * (trial % 2), sunk, 7 * sunk)
+        for draft in (False, True):
+            assert _best_prefix(*args, pending, widths, draft=draft) == \
+                _best_prefix_one_by_one(*args, pending, widths, draft=draft), (trial, draft)
+
+
 def test_acceptance_follows_the_record_and_drifts_back_to_the_prior():
     a = Acceptance([0.5, 0.5])
     for _ in range(10):

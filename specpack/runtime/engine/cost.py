@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Sequence
 
+import numpy as np
 import torch
 
 DEFAULT_ROWS = (1, 2, 4, 8, 16, 32, 64)
@@ -47,6 +48,16 @@ class CostModel:
         i = min(bisect.bisect_left(xs, rows), len(xs) - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
+
+    def step_ms_many(self, rows: np.ndarray) -> np.ndarray:
+        """`step_ms` of every row count in `rows` (the same arithmetic, elementwise)."""
+        xs, ys = np.asarray(self.rows, dtype=float), np.asarray(self.ms, dtype=float)
+        rows = np.asarray(rows, dtype=float)
+        if len(xs) == 1:
+            return np.full(rows.shape, ys[0])
+        i = np.clip(np.searchsorted(xs, rows, side="left"), 1, len(xs) - 1)
+        x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+        return np.where(rows <= xs[0], ys[0], y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
 
     def time(self, rows: int, depth: int = 0, jobs: int = 0, keys: int = 0, absorbed: int = 0) -> float:
         """A step of `rows` target rows attending `keys` keys in all, after `depth` draft steps over
@@ -252,20 +263,28 @@ def _best_prefix(cands, sequences: int, base_rows: int, cost: CostModel, context
                  sunk_rows: int, sunk_keys: int, pending=None, widths=None, draft: bool = False) -> int:
     """How many of `cands` ((survival, depth, sequence), best first; each one row) to verify:
     the prefix with the most tokens per millisecond (each sequence's last token counts one), none
-    unless that beats no drafts by `margin`. With `draft`, the head's steps are priced too."""
-    tokens, rows, depth, jobs, keys, absorbed = float(sequences), base_rows + sunk_rows, 0, 0, \
-        base_keys + sunk_keys, 0
+    unless that beats no drafts by `margin`. With `draft`, the head's steps are priced too.
+    Every prefix at once (numpy; the engine asks each step for up to slots x draft length)."""
+    rows, keys = base_rows + sunk_rows, base_keys + sunk_keys
     floor = cost.time(rows, keys=keys)  # this step without drafts
     own = cost.time(base_rows, keys=base_keys)  # what the decoding rows alone would cost
-    base = best = tokens / own
-    take = 0
-    for n, (s, j, i) in enumerate(cands, 1):
-        tokens, rows = tokens + s, rows + 1
-        keys += contexts[i] + j if contexts else 0
-        if draft:
-            depth, jobs = max(depth, j), jobs + (j == 1) * (widths[i] if widths else 1)
-            absorbed += pending[i] if pending and j == 1 else 0
-        rate = tokens / (own + cost.time(rows, depth, jobs, keys, absorbed) - floor)
-        if rate > best:
-            best, take = rate, n
-    return take if best >= base * (1 + margin) else 0
+    base = sequences / own
+    if not cands:
+        return 0
+    s, j, i = (np.asarray(c) for c in zip(*cands))
+    tokens = np.cumsum(np.concatenate([[float(sequences)], s]))[1:]  # summed in order, as one by one
+    n_rows = rows + np.arange(1, len(cands) + 1)
+    n_keys = keys + (np.cumsum(np.asarray(contexts)[i] + j) if contexts else 0)
+    time = cost.step_ms_many(n_rows) + cost.key_ms * n_keys
+    if draft:
+        first = j == 1
+        depth = np.maximum.accumulate(j)
+        jobs = np.cumsum(first * (np.asarray(widths)[i] if widths else 1))
+        time = time + np.where(jobs > 0, depth * cost.draft_ratio * cost.step_ms_many(jobs), 0.0)
+        if pending:
+            time = time + cost.absorb_ms() * np.cumsum(first * np.asarray(pending)[i])
+    rate = tokens / (own + time - floor)
+    best = int(np.argmax(rate))
+    if rate[best] <= base:
+        return 0
+    return best + 1 if rate[best] >= base * (1 + margin) else 0
