@@ -1,13 +1,14 @@
-"""ONNX Runtime under concurrency: the batched engine on the exported graphs, with the target graph
-run once per step over every sequence (what the backend does) vs once per sequence (what it did
-before the graph took many sequences), beside the torch backend, in one run.
+"""ONNX Runtime under concurrency: the batched engine on the exported graphs, with the target (and
+EAGLE-3 head) graph run once per step over every sequence (what the backend does) vs once per
+sequence (what it did before the graphs took many sequences), beside the torch backend, in one run.
 
-    python bench/ort_batch.py [ARTIFACT] [--slots 1,4,8,16] [--max-new-tokens 64] [--threads 2]
+    python bench/ort_batch.py [ARTIFACT] [--slots 1,4,8,16] [--max-new-tokens 64] [--draft-len 3]
 
-ARTIFACT defaults to the demo's n-gram artifact (`make demo` builds it); it is exported to ONNX into
-a temporary copy when it has no export. Plain decoding (no drafter): N HumanEval prompts at once,
-greedy, aggregate tokens/s of the whole batch (prefill included), the median of `--repeats` runs,
-and whether every output equals torch's.
+ARTIFACT defaults to the demo's EAGLE-3 artifact (`make demo` builds it); it is exported to ONNX into
+a temporary copy when it has no export. N HumanEval prompts at once, greedy, plain and speculative
+(fixed draft length: the cost model would choose differently per backend), aggregate tokens/s of the
+whole batch (prefill included), the median of `--repeats` runs, and whether every output equals
+torch's plain output.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-DEMO = Path.home() / ".cache/specpack/demo/smollm2-135m-ngram"
+DEMO = Path.home() / ".cache/specpack/demo/smollm2-135m-eagle3"
 
 
 def exported(artifact: Path) -> Path:
@@ -41,15 +42,18 @@ def per_sequence(plan_calls):
     return lambda rows, size: [[piece] for call in plan_calls(rows, size) for piece in call]
 
 
-def rate(target, prompts: list[list[int]], max_new: int, repeats: int) -> tuple[float, list[list[int]]]:
-    """Median aggregate tokens/s of decoding `prompts` together (one slot each), and the outputs."""
+def rate(model, prompts: list[list[int]], max_new: int, repeats: int, draft_len: int) -> tuple[float, list]:
+    """Median aggregate tokens/s of decoding `prompts` together (one slot each; speculative when
+    `draft_len`), and the outputs."""
     from specpack.runtime.engine import Engine, Request
 
     rates, outs = [], None
     for _ in range(repeats):
-        engine = Engine(target, None, slots=len(prompts), max_len=1024)
+        engine = Engine(model.target, model.drafter if draft_len else None, slots=len(prompts), max_len=1024)
+        reqs = [Request(p, max_new, eos=(), speculative=bool(draft_len), draft_len=draft_len or 1)
+                for p in prompts]
         t0 = time.perf_counter()
-        seqs = engine.generate_all([Request(p, max_new, eos=(), speculative=False) for p in prompts])
+        seqs = engine.generate_all(reqs)
         rates.append(sum(len(s.new) for s in seqs) / (time.perf_counter() - t0))
         outs = [s.new for s in seqs]
     return statistics.median(rates), outs
@@ -61,6 +65,7 @@ def main() -> None:
     ap.add_argument("--slots", default="1,4,8,16")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--draft-len", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
 
@@ -70,22 +75,27 @@ def main() -> None:
 
     art = exported(args.artifact)
     problems = list(read_problems().values())
-    ort = specpack.load(art, backend="onnxruntime", threads=args.threads).target
+    ort = specpack.load(art, backend="onnxruntime", threads=args.threads)
     reference = specpack.load(art)
-    tok, torch_target = reference.tokenizer, reference.target
+    speculative = ort.drafter is not None and ort.drafter.kind != "ngram"
     batched = backends.plan_calls
-    print(f"{'slots':>5} {'torch':>8} {'ort 1 call':>10} {'ort per seq':>11} {'1 call / per seq':>16} "
+    print(f"{'slots':>5} {'mode':>6} {'torch':>8} {'ort 1 call':>10} {'ort per seq':>11} {'1 call / per seq':>16} "
           f"{'ort / torch':>11}  identical")
     for n in map(int, args.slots.split(",")):
-        prompts = [tok.encode(p["prompt"]) for p in problems[:n]]
-        torch.set_num_threads(1)
-        t_rate, want = rate(torch_target, prompts, args.max_new_tokens, args.repeats)
-        backends.plan_calls = per_sequence(batched)
-        s_rate, got_s = rate(ort, prompts, args.max_new_tokens, args.repeats)
-        backends.plan_calls = batched
-        b_rate, got_b = rate(ort, prompts, args.max_new_tokens, args.repeats)
-        print(f"{n:>5} {t_rate:>8.1f} {b_rate:>10.1f} {s_rate:>11.1f} {b_rate / s_rate:>16.2f} "
-              f"{b_rate / t_rate:>11.2f}  {got_b == want and got_s == want}", flush=True)
+        prompts = [reference.tokenizer.encode(p["prompt"]) for p in problems[:n]]
+        want = None
+        for mode, d in (("plain", 0), (ort.drafter.kind if speculative else "", args.draft_len)):
+            if not mode:
+                continue
+            torch.set_num_threads(1)
+            t_rate, t_out = rate(reference, prompts, args.max_new_tokens, args.repeats, d)
+            want = want or t_out
+            backends.plan_calls = per_sequence(batched)
+            s_rate, got_s = rate(ort, prompts, args.max_new_tokens, args.repeats, d)
+            backends.plan_calls = batched
+            b_rate, got_b = rate(ort, prompts, args.max_new_tokens, args.repeats, d)
+            print(f"{n:>5} {mode:>6} {t_rate:>8.1f} {b_rate:>10.1f} {s_rate:>11.1f} {b_rate / s_rate:>16.2f} "
+                  f"{b_rate / t_rate:>11.2f}  {t_out == want and got_b == want and got_s == want}", flush=True)
 
 
 if __name__ == "__main__":

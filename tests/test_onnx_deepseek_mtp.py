@@ -115,7 +115,7 @@ def test_mtp_export_is_checked_and_indexed(name):
     assert [o.name for o in index.graph("target_step").outputs][:2] == ["logits", "hidden"]
     cache = ["past_latent"] if t.layout == "mtp-deepseek" else ["past_key", "past_value"]
     assert [i.name for i in index.graph("mtp_step").inputs] == \
-        ["hidden", "tokens", "positions", "mask", "logits_index", *cache]
+        ["hidden", "tokens", "positions", "logits_index", "seq_rows", "row_place", "cache_rows", "mask", *cache]
     assert read_manifest(art).exports.onnx == index
 
 

@@ -200,11 +200,12 @@ def test_trt_adapters_decode_as_torch():
     art = exported("llama", "eagle3")
     manifest = verify(art).manifest
     index = read_index(art)
-    engine, head_engine = target_engine(art, index.graph("target_step")), OrtAsEngine(art / "exports/onnx/eagle3.onnx")
+    engine, head_engine = target_engine(art, index.graph("target_step")), target_engine(art, index.graph("eagle3_step"))
     cpu = torch.device("cpu")
     target = trtb.TrtTarget(engine, index.graph("target_step"), load_target_spec(art), index.aux_layer_ids, cpu,
                             torch.float32, prefill_chunk=5)
-    head = trtb.TrtEagle3(head_engine, *eagle3_files(art), cpu, torch.float32, prefill_chunk=5)
+    head = trtb.TrtEagle3(head_engine, index.graph("eagle3_step"), *eagle3_files(art), cpu, torch.float32,
+                          prefill_chunk=5)
     ref = SpecModel(*backends.load("torch", art, manifest))
     got = SpecModel(target, head)
     for i, p in enumerate(prompts("llama", 3)):
@@ -212,6 +213,7 @@ def test_trt_adapters_decode_as_torch():
         assert have.tokens == want.tokens and have.stats.position_accepted == want.stats.position_accepted
     assert max(engine.calls) <= 5 and max(head_engine.calls) <= 5  # prompts of 8+ tokens went in chunks
     assert set(engine.used) == {0, 1}  # 3 verified rows in the decode profile; 4-5 and prefill chunks in the other
+    assert set(head_engine.used) == {0, 1}  # draft steps in the decode profile; the prompt's features in chunks
     assert target.cache.max_len * 2 * 16 * 4 % trtb.ALIGN == 0  # padded so every layer's slots start aligned
 
 
@@ -228,7 +230,7 @@ def test_trt_adapters_run_mtp_over_latent_caches():
     _, art = mtp_artifact("deepseek-1")
     index, cpu = read_index(art), torch.device("cpu")
     graph, layers = index.graph("target_step"), index.graphs_of("mtp_step")
-    engine, layer_engines = target_engine(art, graph), [OrtAsEngine(art / g.path) for g in layers]
+    engine, layer_engines = target_engine(art, graph), [target_engine(art, g) for g in layers]
     target = trtb.TrtTarget(engine, graph, target_spec(art), None, cpu, torch.float32, prefill_chunk=5)
     drafter = trtb.TrtMtp(layer_engines, layers, mtp_files(art), target, cpu, torch.float32, prefill_chunk=5)
     ref, got = SpecModel(*backends.load("torch", art, verify(art).manifest)), SpecModel(target, drafter)
@@ -238,11 +240,14 @@ def test_trt_adapters_run_mtp_over_latent_caches():
             want, have = ref.generate(p, 16, draft_len=d, eos_ids=()), got.generate(p, 16, draft_len=d, eos_ids=())
             assert have.tokens == want.tokens and have.stats.position_accepted == want.stats.position_accepted
     assert max(engine.calls) <= 5 and max(layer_engines[0].calls) <= 5  # prompts of 8+ tokens went in chunks
+    assert set(layer_engines[0].used) == {0, 1}  # committed rows and chains; prompts in the prefill profile
     width = layers[0].inputs[-1].shape[1]
-    decode = trtb.profile_ranges("mtp_step", 17, 8, 64, 512)[0]
+    decode = trtb.profile_ranges("mtp_step", 17, 8, 64, 512, max_sequences=4)[0]
     shapes = trtb.profile_shapes(layers[0].inputs, decode)
-    assert shapes["past_latent"] == [[0, width], [256, width], [511, width]]
-    assert shapes["logits_index"] == [[1], [1], [17]] and shapes["hidden"][2] == [17, target.spec.hidden_size]
+    n = 4 * (512 + trtb.ALIGN)
+    assert shapes["past_latent"] == [[1, width], [n // 2, width], [n, width]]  # every slot's buffer
+    assert shapes["logits_index"] == [[1], [4], [64]] and shapes["hidden"][2] == [64, target.spec.hidden_size]
+    assert shapes["seq_rows"] == [[1, 1], [4, 8], [4, 17]]
     assert trtb.engine_paths("ART", _key(role="mtp_step", layer=0))[0].name == "mtp_step.0-float16.plan"
 
 

@@ -18,7 +18,8 @@ Graphs (fp32, opset 17, weights in one external data file shared by all graphs):
   layers), `hidden [T, H]` (MTP only: the state its first layer reads) and `new_key.{i}`,
   `new_value.{i}` or `new_latent.{i}` `[T, ...]`: only the T new slots, which the runtime writes into
   the buffer. Linear layers run once over all T rows; attention per sequence.
-- `eagle3_step`: the head's fc + one layer + norm/lm_head, same cache convention, its own KV.
+- `eagle3_step`: the head's fc + one layer + norm/lm_head, the target graph's many-sequence inputs
+  over its own KV buffer.
   Inputs `feats [R, n_aux*Ht]` (target features; fc is applied to them) and `hidden [U, H]` (the
   head's own earlier outputs), whose rows are concatenated in that order, and `tokens [R+U]`;
   outputs `hidden_out [R+U, H]`, `logits [K, draft_vocab]` and the new KV.

@@ -1,7 +1,8 @@
 """MTP step graphs: one per MTP layer, each with its own cache (the target family's: key and value,
 or MLA's latent), run by `runtime.mtp.MtpDrafter.propose` unchanged through the graph backends.
 
-Layer k over T rows: `hidden` [T, H] (the target's state for layer 0, the previous layer's chain
+Layer k over the T new rows of B sequences (`layers.Batch`, over its whole cache buffer, as the
+target graph): `hidden` [T, H] (the target's state for layer 0, the previous layer's chain
 output after) and `tokens` [T] (the tokens one step ahead) -> proj(cat(norm(embedding), norm(hidden)))
 -> the target-style block over its cache -> final norm. Outputs `hidden_out` (handed to the next
 step: before or after the final norm, per the drafter's config), `logits` of the `logits_index`
@@ -14,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpack.converters.onnx_export.layers import Graph, Rope, cache_io, family, linear_params, param, rms, \
-    step_inputs
+from specpack.converters.onnx_export.layers import Batch, Graph, Rope, batch_inputs, cache_io, family, linear_params, \
+    param, rms
 
 
 class MtpStep(nn.Module):
@@ -34,12 +35,13 @@ class MtpStep(nn.Module):
         self.lm_head = param(linear_params(target.lm_head)[0], seen)
         self.rope = Rope(*fam.rope_parameters(ts))
 
-    def forward(self, hidden, tokens, positions, mask, logits_index, *past):
+    def forward(self, hidden, tokens, positions, logits_index, seq_rows, row_place, cache_rows, mask, *past):
+        batch = Batch(seq_rows, row_place, cache_rows, mask)
         cos, sin = self.rope(positions)
         e = rms(F.embedding(tokens, self.embed), self.embed_norm, self.eps)
         h = rms(hidden, self.hidden_norm, self.eps)
         x = F.linear(torch.cat([e, h] if self.embedding_first else [h, e], dim=-1), self.proj)
-        y, new = self.block(x, cos, sin, mask, past)
+        y, new = self.block(x, cos, sin, batch, past)
         normed = rms(y, self.final_norm, self.eps)
         logits = F.linear(normed.index_select(0, logits_index), self.lm_head)
         return (y if self.chain_pre_norm else normed), logits, *new
@@ -47,7 +49,7 @@ class MtpStep(nn.Module):
 
 def mtp_io(target_spec) -> tuple[list[tuple], list[tuple]]:
     H, slot = target_spec.hidden_size, family(target_spec).cache(target_spec)
-    inputs = [("hidden", "float32", ["T", H])] + step_inputs() + cache_io("past", 1, slot, "P", True)
+    inputs = [("hidden", "float32", ["T", H])] + batch_inputs() + cache_io("past", 1, slot, "N", True)
     outputs = [("hidden_out", "float32", ["T", H]), ("logits", "float32", ["K", target_spec.vocab_size])]
     return inputs, outputs + cache_io("new", 1, slot, "T", True)
 

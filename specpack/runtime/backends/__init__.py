@@ -14,12 +14,13 @@ Output(logits, aux)` over the new rows of many sequences (runtime.rows), `.compa
 backend.
 
 The graph backends (onnxruntime, tensorrt) share `GraphTarget` / `GraphEagle3` / `GraphMtp` below
-(and `graph_block.GraphBlock` for block drafters). The target graph runs the new rows of every
-sequence of a step in one call (the weights stream once), reading the whole cache buffer of all
-slots and gathering each sequence's own rows (`SharedCaches`, `batch_layout`); the drafter graphs
-read the P cached slots of each layer and write the T new ones, one sequence per call. These
-adapters keep the caches, the length pointers and the masks exactly as the torch model does. The
-drafters' own loops (`draft`) are the torch drafters', reused unchanged.
+(and `graph_block.GraphBlock` for block drafters). The target graph and the EAGLE-3 head's run the
+new rows of every sequence of a step in one call (the weights stream once), reading the whole cache
+buffer of all slots and gathering each sequence's own rows (`ManySequenceGraph`, `SharedCaches`,
+`batch_layout`); the MTP and block drafter graphs read the P cached slots of each layer and write
+the T new ones, one sequence per call. These adapters keep the caches, the length pointers and the
+masks exactly as the torch model does. The drafters' own loops (`draft`) are the torch drafters',
+reused unchanged.
 """
 
 from __future__ import annotations
@@ -231,37 +232,33 @@ def query_group(spec) -> int:
     return spec.num_heads if isinstance(spec, DeepseekSpec) else spec.num_heads // spec.num_kv_heads
 
 
-class GraphTarget:
-    """The target as an exported many-sequence step graph (converters/onnx_export: `target_step`);
-    subclasses implement `_run` (one graph call).
-
-    Every sequence slot's cache is a view of one buffer (`SharedCaches`), which each call reads whole
-    and gathers from: one call runs the new rows of every sequence of a forward, so the weights
-    stream once per step whatever the batch. `max_tokens_per_call` (None: unbounded) splits longer
-    inputs, such as prefills beyond a TensorRT profile, into consecutive calls (`plan_calls`): the
-    same result, since each call sees the cache the last wrote. Capturing the number of target layers
-    returns the graph's `hidden` output (the state an MTP drafter reads)."""
+class ManySequenceGraph:
+    """What the adapters of the many-sequence graphs (the target's, the EAGLE-3 head's) share: every
+    sequence slot's cache as a view of one buffer (`SharedCaches`), which each call reads whole and
+    gathers from, so one call runs the new rows of every sequence of a forward and the weights stream
+    once whatever the batch. `max_tokens_per_call` (None: unbounded) splits longer inputs, such as
+    prefills beyond a TensorRT profile, into consecutive calls (`plan_calls`): the same result, since
+    each call sees the cache the last wrote. Subclasses set `graph`, `spec`, `device`, `dtype` and
+    implement `_run` (one graph call)."""
 
     max_tokens_per_call: int | None = None
 
-    def __init__(self, spec, graph, aux_layer_ids: Sequence[int] | None, device: torch.device, dtype: torch.dtype):
+    def _bind(self, graph, role: str) -> None:
+        """Read `graph`'s cache names; refuse an export whose graph takes one sequence a call."""
         if "seq_rows" not in [i.name for i in graph.inputs]:
-            raise InputError("this ONNX export's target graph runs one sequence a call (made by an older specpack)",
+            raise InputError(f"this ONNX export's {role} graph runs one sequence a call (made by an older specpack)",
                              hint="re-export with `specpack export ARTIFACT --to onnx --force`")
-        self.spec, self.graph = spec, graph
-        self.aux_layer_ids = tuple(aux_layer_ids or ())
-        self.device, self.dtype = device, dtype
+        self.graph = graph
         self.past_names = [i.name for i in graph.inputs if i.name.startswith("past_")]
         self.new_names = new_slot_names(graph)
-        self.widths = {o.name: o.shape[1] for o in graph.outputs if o.name in ("aux", "hidden")}
-        self.min_q = 2 if query_group(spec) == 1 else 1  # see batch_layout
+        self.min_q = 2 if query_group(self.spec) == 1 else 1  # see batch_layout
         self.shared: SharedCaches | None = None
         self.caches: list[SlotCache] = []
         self.cache: SlotCache | None = None
 
-    def setup_cache(self, max_len: int, slots: int = 1) -> None:
-        """Make room for `slots` sequences of `max_len` positions (reallocating only when either
-        grows) and empty the caches."""
+    def _reserve(self, slots: int, max_len: int) -> None:
+        """Room for `slots` sequences of `max_len` positions (reallocating only when either grows);
+        every slot emptied."""
         if self.shared is None or self.shared.max_len < max_len or len(self.shared.slots) < slots:
             self.shared = None
             self.shared = SharedCaches(self.graph, slots, max_len, self.dtype, self.device)
@@ -269,6 +266,71 @@ class GraphTarget:
         for c in self.caches:
             c.length = 0
         self.cache = self.caches[0]
+
+    def _rows(self, rows, per_row: dict[str, Tensor], fixed: dict[str, Tensor], wanted: list[int],
+              widths: dict[str, int], vocab: int) -> tuple[Tensor, dict[str, Tensor]]:
+        """Run `rows` (runtime.rows.Rows): `per_row` inputs [R, ...] indexed by row, `fixed` ones as
+        they are -> (logits [len(wanted), vocab] of the `wanted` rows, each output of `widths` [R, width]:
+        every output of the graph but logits and the cache's, as a call binds them all)."""
+        dev, R = self.device, rows.count
+        for seg, _ in rows.segments:
+            if seg.start + seg.T > self.shared.max_len:
+                raise InputError(f"{seg.start + seg.T} positions do not fit the KV cache of {self.shared.max_len}",
+                                 hint="call setup_cache with a larger max_len")
+        logits, full = {}, {name: torch.empty(R, w, device=dev) for name, w in widths.items()}
+        for pieces in plan_calls(rows, self.max_tokens_per_call):
+            src = torch.cat([p.rows for p in pieces])
+            place = {r: i for i, r in enumerate(src.tolist())}
+            mine = [r for r in dict.fromkeys(wanted) if r in place]
+            idx = src.to(dev)
+            out = self._call({**{k: t[idx] for k, t in per_row.items()}, **fixed}, pieces,
+                             [place[r] for r in mine] or [len(src) - 1], widths, vocab)
+            logits.update(zip(mine, out["logits"]))
+            for name in widths:
+                full[name][idx] = out[name]
+        out = torch.stack([logits[r] for r in wanted]) if wanted else torch.empty(0, vocab, device=dev)
+        return out, full
+
+    def _call(self, inputs: dict[str, Tensor], pieces: Sequence[Piece], want: list[int], widths: dict[str, int],
+              vocab: int) -> dict[str, Tensor]:
+        """One graph call over `pieces`: logits [K, vocab] of rows `want` (call-local) and the `widths`
+        outputs of all its rows; the new slots written into the cache buffer."""
+        T, dev = sum(len(p.rows) for p in pieces), self.device
+        layout, dest = batch_layout(pieces, self.shared.max_len, self.min_q)
+        inputs = {**inputs, "logits_index": torch.tensor(want, device=dev),
+                  **{k: v.to(dev) for k, v in layout.items()}, **dict(zip(self.past_names, self.shared.past()))}
+        outputs = {"logits": torch.empty(len(want), vocab, device=dev),
+                   **{name: torch.empty(T, w, device=dev) for name, w in widths.items()}}
+        new = self._new_slots(T)
+        self._run(T, inputs, {**outputs, **dict(zip(self.new_names, new.unbind(0)))})
+        self.shared.write(new, dest.to(dev))
+        return outputs
+
+    def _new_slots(self, T: int) -> Tensor:
+        """Where a call writes its T new slots: [entries, T, *slot], each entry contiguous."""
+        flat = self.shared.flat
+        return torch.empty(flat.shape[0], T, *flat.shape[2:], dtype=flat.dtype, device=flat.device)
+
+    def _run(self, T: int, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
+        """One graph call of T rows: reads `inputs`, fills `outputs` (named as the graph's)."""
+        raise NotImplementedError
+
+
+class GraphTarget(ManySequenceGraph):
+    """The target as an exported many-sequence step graph (converters/onnx_export: `target_step`),
+    behaving like `Decoder` for the engine. Capturing the number of target layers returns the graph's
+    `hidden` output (the state an MTP drafter reads)."""
+
+    def __init__(self, spec, graph, aux_layer_ids: Sequence[int] | None, device: torch.device, dtype: torch.dtype):
+        self.spec, self.device, self.dtype = spec, device, dtype
+        self._bind(graph, "target")
+        self.aux_layer_ids = tuple(aux_layer_ids or ())
+        self.widths = {o.name: o.shape[1] for o in graph.outputs if o.name in ("aux", "hidden")}
+
+    def setup_cache(self, max_len: int, slots: int = 1) -> None:
+        """Make room for `slots` sequences of `max_len` positions (reallocating only when either
+        grows) and empty the caches."""
+        self._reserve(slots, max_len)
 
     def compact(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Move cache rows of `slot` from positions `src` to `dst` (the contract of `Decoder.compact`)."""
@@ -298,54 +360,13 @@ class GraphTarget:
         `max_tokens_per_call` splits them); each segment's slot ends `T` positions longer."""
         from specpack.runtime.models.dense import Output
 
-        name, dev, R = self._output_of(capture), self.device, tokens.shape[0]
-        wanted = list(range(R)) if logits_rows is None else list(logits_rows)
-        for seg, _ in rows.segments:
-            if seg.start + seg.T > self.shared.max_len:
-                raise InputError(f"{seg.start + seg.T} positions do not fit the KV cache of {self.shared.max_len}",
-                                 hint="call setup_cache with a larger max_len")
-        logits, states = {}, torch.empty(R, self.widths[name], device=dev) if name else None
-        tokens = tokens.to(dev)
-        for pieces in plan_calls(rows, self.max_tokens_per_call):
-            src = torch.cat([p.rows for p in pieces])
-            place = {r: i for i, r in enumerate(src.tolist())}
-            mine = [r for r in dict.fromkeys(wanted) if r in place]
-            out = self._call(tokens[src.to(dev)], pieces, [place[r] for r in mine] or [len(src) - 1])
-            logits.update(zip(mine, out["logits"]))
-            if name:
-                states[src.to(dev)] = out[name]
+        name = self._output_of(capture)
+        wanted = list(range(tokens.shape[0])) if logits_rows is None else list(logits_rows)
+        logits, out = self._rows(rows, {"tokens": tokens.to(self.device)}, {}, wanted, self.widths,
+                                 self.spec.vocab_size)
         for seg, _ in rows.segments:
             self.caches[seg.slot].length = seg.start + seg.T
-        out = torch.stack([logits[r] for r in wanted]) if wanted else torch.empty(0, self.spec.vocab_size, device=dev)
-        return Output(out, states)
-
-    def _call(self, tokens: Tensor, pieces: Sequence[Piece], want: list[int]) -> dict[str, Tensor]:
-        """One graph call over `pieces`: logits of rows `want` (call-local), aux / hidden of all;
-        the new slots written into the cache buffer."""
-        T, dev = tokens.shape[0], self.device
-        layout, dest = batch_layout(pieces, self.shared.max_len, self.min_q)
-        inputs = {"tokens": tokens, "logits_index": torch.tensor(want, device=dev),
-                  **{k: v.to(dev) for k, v in layout.items()}, **dict(zip(self.past_names, self.shared.past()))}
-        new = self._new_slots(T)
-        outputs = self._outputs(T, len(want))
-        self._run(T, inputs, {**outputs, **dict(zip(self.new_names, new.unbind(0)))})
-        self.shared.write(new, dest.to(dev))
-        return outputs
-
-    def _new_slots(self, T: int) -> Tensor:
-        """Where a call writes its T new slots: [entries, T, *slot], each entry contiguous."""
-        flat = self.shared.flat
-        return torch.empty(flat.shape[0], T, *flat.shape[2:], dtype=flat.dtype, device=flat.device)
-
-    def _outputs(self, T: int, K: int) -> dict[str, Tensor]:
-        """Fresh buffers for the graph's outputs but the cache: logits [K, V] fp32, aux / hidden [T, width]."""
-        out = {"logits": torch.empty(K, self.spec.vocab_size, device=self.device)}
-        out.update({name: torch.empty(T, width, device=self.device) for name, width in self.widths.items()})
-        return out
-
-    def _run(self, T: int, inputs: dict[str, Tensor], outputs: dict[str, Tensor]) -> None:
-        """One graph call of T rows: reads `inputs`, fills `outputs` (named as the graph's)."""
-        raise NotImplementedError
+        return Output(logits, out[name] if name else None)
 
 
 def chunks(T: int, size: int | None) -> list[tuple[int, int]]:
@@ -361,31 +382,25 @@ class _Features:
         self.feats = feats
 
 
-class GraphEagle3:
-    """The EAGLE-3 head as an exported step graph. Drafting reuses `Eagle3Drafter.draft` unchanged:
-    only `fc` and `_forward` differ (the graph runs fc, the layer and the head), one call per
-    sequence (chunked as GraphTarget's), on that sequence's slot cache."""
+class GraphEagle3(ManySequenceGraph):
+    """The EAGLE-3 head as an exported many-sequence step graph. Drafting reuses
+    `Eagle3Drafter.draft` unchanged: only `fc` and `_forward` differ (the graph runs fc, the layer
+    and the head), one call over every sequence's rows (split as GraphTarget's)."""
 
     kind = "eagle3"
     draft, _choose, start = Eagle3Drafter.draft, Eagle3Drafter._choose, Eagle3Drafter.start
     _grow, _branch, tree_drafts = Eagle3Drafter._grow, Eagle3Drafter._branch, True
     reset, propose = Eagle3Drafter.reset, Eagle3Drafter.propose
-    max_tokens_per_call: int | None = None
 
-    def __init__(self, spec, d2t: Tensor, device: torch.device, dtype: torch.dtype):
+    def __init__(self, spec, graph, d2t: Tensor, device: torch.device, dtype: torch.dtype):
         self.spec, self.device, self.dtype = spec, device, dtype
+        self._bind(graph, "EAGLE-3")
         self.capture_layers = spec.aux_layer_ids
         self.draft_to_target = (torch.arange(spec.draft_vocab_size) + d2t).to(device)
-        self.caches: list[SlotCache] = []
-        self.cache: SlotCache | None = None  # the slot a graph call runs on
         self.lengths: list[int] = []
 
     def reserve(self, slots: int, max_len: int) -> None:
-        s = self.spec
-        if not self.caches or self.caches[0].max_len < max_len or len(self.caches) < slots:
-            self.caches = []
-            self.caches = [SlotCache(2, (s.num_kv_heads, s.head_dim), max_len, self.dtype, self.device)
-                           for _ in range(slots)]
+        self._reserve(slots, max_len)
         self.lengths = [0] * len(self.caches)
 
     def fc(self, feats: Tensor) -> _Features:
@@ -394,53 +409,48 @@ class GraphEagle3:
     def _forward(self, h, tokens: Tensor, rows, logit_rows: list[int]) -> tuple[Tensor, Tensor]:
         """As `Eagle3Drafter._forward`; `h` is target features (from `fc`) or the head's own states."""
         s, dev = self.spec, self.device
-        feats = h.feats if isinstance(h, _Features) else None
-        outs, logits = [], {}
-        for seg, a in rows.segments:
-            self.cache = self.caches[seg.slot]
-            x = (feats if feats is not None else h)[a : a + seg.T]
-            none_f, none_h = torch.empty(0, len(s.aux_layer_ids) * s.target_hidden_size, device=dev), \
-                torch.empty(0, s.hidden_size, device=dev)
-            mine = [r - a for r in logit_rows if a <= r < a + seg.T]
-            parts = segment_calls(self.cache, seg, mine, self.max_tokens_per_call, lambda p, q, pos, mask, want:
-                                  self._run(x[p:q] if feats is not None else none_f,
-                                            x[p:q] if feats is None else none_h,
-                                            tokens[a + p : a + q], pos, mask, want))
-            outs += [o for _, (o, _) in parts]
-            got = torch.cat([lg[:n] for n, (_, lg) in parts])
-            logits.update({a + r: row for r, row in zip(mine, got)})
-        return torch.cat(outs), torch.stack([logits[r] for r in logit_rows])
+        width = len(s.aux_layer_ids) * s.target_hidden_size
+        if isinstance(h, _Features):
+            per_row, fixed = {"feats": h.feats.float()}, {"hidden": torch.empty(0, s.hidden_size, device=dev)}
+        else:
+            per_row, fixed = {"hidden": h.float()}, {"feats": torch.empty(0, width, device=dev)}
+        logits, out = self._rows(rows, {**per_row, "tokens": tokens.to(dev)}, fixed, list(logit_rows),
+                                 {"hidden_out": s.hidden_size}, s.draft_vocab_size)
+        return out["hidden_out"], logits
 
-    def _run(self, feats, hidden, tokens, positions, mask, rows) -> tuple[Tensor, Tensor]:
-        """One graph call: (hidden_out [T, H], logits [K, Vd] fp32); reads and writes `self.cache`
-        as GraphTarget does."""
-        raise NotImplementedError
+
+class MtpLayerGraph(ManySequenceGraph):
+    """One MTP layer's many-sequence step graph over its own cache buffer; `run(T, inputs, outputs)`
+    is one call of it (the backend's session or engine)."""
+
+    def __init__(self, target_spec, graph, device: torch.device, dtype: torch.dtype, run):
+        self.spec, self.device, self.dtype, self.run = target_spec, device, dtype, run
+        self._bind(graph, f"MTP layer {graph.layer}")
+
+    def _run(self, T, inputs, outputs):
+        self.run(T, inputs, outputs)
 
 
 class GraphMtp:
     """MTP layers as exported step graphs, one per layer, drafting exactly as `MtpDrafter`: its
-    `draft` runs unchanged over `_run_layer` below, one call per sequence on that sequence's
-    caches (`self.caches[k]` is layer k's cache of the slot being run). The target graph's `hidden`
-    output is already the state layer 0 reads. Subclasses implement `_run`."""
+    `draft` runs unchanged over `_run_layer` below, one call of layer k's graph over every
+    sequence's rows (`MtpLayerGraph`). The target graph's `hidden` output is already the state
+    layer 0 reads. Subclasses pass each layer's `run`."""
 
     kind = "mtp"
     draft, check_draft_len, start = MtpDrafter.draft, MtpDrafter.check_draft_len, MtpDrafter.start
     _absorb, _reuse, _choose = MtpDrafter._absorb, MtpDrafter._reuse, MtpDrafter._choose
     tree_drafts = True
     reset, propose = MtpDrafter.reset, MtpDrafter.propose
-    max_tokens_per_call: int | None = None
 
-    def __init__(self, spec, target: GraphTarget, graphs, device: torch.device, dtype: torch.dtype):
+    def __init__(self, spec, target: GraphTarget, graphs, device: torch.device, dtype: torch.dtype, runs):
         if "hidden" not in target.widths:
             raise InputError("the target graph of this ONNX export returns no hidden state for the MTP layers",
                              hint="re-export with `specpack export ARTIFACT --to onnx --force`")
         self.spec, self.target, self.graphs = spec, target, graphs
         self.device, self.dtype = device, dtype
         self.capture_layers = (target.spec.num_layers,)
-        self.names = [[i.name for i in g.inputs] for g in graphs]
-        self.new_names = [new_slot_names(g) for g in graphs]
-        self.slot_caches: list[list[SlotCache]] = []  # [slot][layer]
-        self.caches: list[SlotCache] = []  # the layers' caches of the slot being run
+        self.layers = [MtpLayerGraph(target.spec, g, device, dtype, run) for g, run in zip(graphs, runs)]
         self.done: list[list[int]] = []
         self.absorbed: list[int] = []
 
@@ -449,32 +459,23 @@ class GraphMtp:
 
     def reserve(self, slots: int, max_len: int) -> None:
         """Room for `slots` sequences of `max_len` rows per layer (as `MtpDrafter.reserve`)."""
-        if not self.slot_caches or self.slot_caches[0][0].max_len < max_len or len(self.slot_caches) < slots:
-            self.slot_caches = []
-            self.slot_caches = [[SlotCache.for_graph(g, max_len, self.dtype, self.device) for g in self.graphs]
-                                for _ in range(slots)]
+        for layer in self.layers:
+            layer._reserve(slots, max_len)
+        outs = getattr(self, "outs", None)
+        if outs is None or outs.shape[0] < slots or outs.shape[2] < max_len:
+            self.outs = None
             self.outs = torch.zeros(slots, self.spec.num_layers + 1, max_len, self.spec.hidden_size,
                                     device=self.device)
-        n = len(self.slot_caches)
+        n = self.outs.shape[0]
         self.done, self.absorbed = [[0] * self.spec.num_layers for _ in range(n)], [0] * n
 
     def _run_layer(self, k: int, h: Tensor, tokens: Tensor, rows) -> tuple[Tensor, Tensor]:
         """As `MtpDrafter._run_layer`: layer k over `rows` -> (chain hidden [R, H], logits [J, V] of
         each segment's last row)."""
-        outs, logits = [], []
-        for seg, a in rows.segments:
-            self.caches = self.slot_caches[seg.slot]
-            parts = segment_calls(self.caches[k], seg, [seg.T - 1], self.max_tokens_per_call,
-                                  lambda p, q, pos, mask, want: self._run(k, h[a + p : a + q], tokens[a + p : a + q],
-                                                                          pos, mask, want))
-            outs += [o for _, (o, _) in parts]
-            logits.append(parts[-1][1][1][:1])
-        return torch.cat(outs), torch.cat(logits)
-
-    def _run(self, k: int, hidden, tokens, positions, mask, rows) -> tuple[Tensor, Tensor]:
-        """One call of layer k's graph: (hidden_out [T, H], logits [K, V] fp32); reads and writes
-        `caches[k]` as GraphTarget does its cache."""
-        raise NotImplementedError
+        logits, out = self.layers[k]._rows(rows, {"hidden": h.float(), "tokens": tokens.to(self.device)}, {},
+                                           rows.last_rows(), {"hidden_out": self.spec.hidden_size},
+                                           self.target.spec.vocab_size)
+        return out["hidden_out"], logits
 
 
 def eagle3_files(artifact) -> tuple:

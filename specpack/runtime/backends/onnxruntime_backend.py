@@ -8,7 +8,11 @@ sequence and returns the new rows, which go into the buffer in one indexed copy.
 Threads: ONNX Runtime gets `threads` intra-op threads (default 2: the machine class this targets has
 two cores), and torch's own pool, which runs the loop's small host ops between graph calls, is set
 to `torch_threads` (default 1) process-wide: two spinning pools on two cores fight (PERF-NOTES;
-measured on SmolLM2: 27.6 -> 34-39 tokens/s plain when torch drops from 2 threads to 1).
+measured on SmolLM2: 27.6 -> 34-39 tokens/s plain when torch drops from 2 threads to 1). For the same
+reason only the target's session spins: each session has its own pool, and a drafter's pool spinning
+after its call took the cores from the target's verification (SmolLM2 + EAGLE-3, HumanEval, one
+sequence, D=3: 37.6 tokens/s with every pool spinning, 50.0 with none, 61.1 with the target's only;
+plain 51.6 / 40.7 / 46.8).
 """
 
 from __future__ import annotations
@@ -75,13 +79,17 @@ def require_export(artifact: Path, manifest):
     return index
 
 
-def session(path: Path, threads: int = DEFAULT_THREADS):
-    """An ONNX Runtime CPU session over `path` with `threads` intra-op threads and full graph optimisation."""
+def session(path: Path, threads: int = DEFAULT_THREADS, spin: bool = True):
+    """An ONNX Runtime CPU session over `path` with `threads` intra-op threads and full graph
+    optimisation. `spin`: its idle threads spin before they sleep (ONNX Runtime's default); the
+    drafter's sessions do not, see the module docstring."""
     from specpack.runtime.api import require
 
     ort = require("onnxruntime", "onnx")
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
+    if not spin:
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
     opts.inter_op_num_threads = 1
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -128,7 +136,7 @@ class OrtTarget(GraphTarget):
         aux = index.aux_layer_ids if role == "target_step" else None
         graph = index.graph(role)
         super().__init__(spec, graph, aux, torch.device("cpu"), torch.float32)
-        self.binder = _Binder(session(artifact / graph.path, threads))
+        self.binder = _Binder(session(artifact / graph.path, threads, spin=role == "target_step"))
 
     def _run(self, T, inputs, outputs):
         self.binder.run(inputs, outputs)
@@ -138,19 +146,12 @@ class OrtEagle3(GraphEagle3):
     """The EAGLE-3 step graph on ONNX Runtime, drafting exactly as `Eagle3Drafter`."""
 
     def __init__(self, artifact: Path, index, spec, d2t: Tensor, threads: int = DEFAULT_THREADS):
-        super().__init__(spec, d2t, torch.device("cpu"), torch.float32)
         graph = index.graph("eagle3_step")
-        self.binder = _Binder(session(artifact / graph.path, threads))
+        super().__init__(spec, graph, d2t, torch.device("cpu"), torch.float32)
+        self.binder = _Binder(session(artifact / graph.path, threads, spin=False))
 
-    def _run(self, feats, hidden, tokens, positions, mask, rows):
-        T = tokens.shape[0]
-        out = torch.empty(T, self.spec.hidden_size)
-        logits = torch.empty(rows.shape[0], self.spec.draft_vocab_size)
-        (past_k, past_v), (new_k, new_v) = self.cache.past(), self.cache.new(T)
-        inputs = {"feats": feats, "hidden": hidden, "tokens": tokens, "positions": positions, "mask": mask,
-                  "logits_index": rows, "past_key": past_k, "past_value": past_v}
-        self.binder.run(inputs, {"hidden_out": out, "logits": logits, "new_key": new_k, "new_value": new_v})
-        return out, logits
+    def _run(self, T, inputs, outputs):
+        self.binder.run(inputs, outputs)
 
 
 class OrtMtp(GraphMtp):
@@ -158,16 +159,9 @@ class OrtMtp(GraphMtp):
 
     def __init__(self, artifact: Path, index, spec, target: OrtTarget, threads: int = DEFAULT_THREADS):
         graphs = index.graphs_of("mtp_step")
-        super().__init__(spec, target, graphs, torch.device("cpu"), torch.float32)
-        self.binders = [_Binder(session(artifact / g.path, threads)) for g in graphs]
-
-    def _run(self, k, hidden, tokens, positions, mask, rows):
-        T, cache = tokens.shape[0], self.caches[k]
-        out = {"hidden_out": torch.empty(T, self.spec.hidden_size),
-               "logits": torch.empty(rows.shape[0], self.spec.vocab_size)}
-        inputs = dict(zip(self.names[k], [hidden, tokens, positions, mask, rows, *cache.past()]))
-        self.binders[k].run(inputs, {**out, **dict(zip(self.new_names[k], cache.new(T)))})
-        return out["hidden_out"], out["logits"]
+        binders = [_Binder(session(artifact / g.path, threads, spin=False)) for g in graphs]
+        super().__init__(spec, target, graphs, torch.device("cpu"), torch.float32,
+                         [lambda T, inputs, outputs, b=b: b.run(inputs, outputs) for b in binders])
 
 
 class OrtBlock(GraphBlock):
@@ -176,8 +170,8 @@ class OrtBlock(GraphBlock):
     def __init__(self, artifact: Path, index, spec, heads: dict, threads: int = DEFAULT_THREADS):
         context, step = index.graph("block_context"), index.graph("block_step")
         super().__init__(spec, heads, context, step, torch.device("cpu"), torch.float32)
-        self.context_binder = _Binder(session(artifact / context.path, threads))
-        self.step_binder = _Binder(session(artifact / step.path, threads))
+        self.context_binder = _Binder(session(artifact / context.path, threads, spin=False))
+        self.step_binder = _Binder(session(artifact / step.path, threads, spin=False))
 
     def _run_context(self, cache, feats, positions):
         T = feats.shape[0]

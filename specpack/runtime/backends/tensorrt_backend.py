@@ -108,11 +108,11 @@ def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: i
     """(min, opt, max) of each symbolic dimension, for the decode and the prefill profile.
 
     T: new tokens; P: cached slots; K: logits rows; R/U: feature/hidden rows of the head (R+U = T).
-    The target (and a draft model) runs up to `max_sequences` sequences a call (B), each of at most
-    Q rows (D+1 verified tokens; a prefill chunk), over the whole cache buffer of N rows
-    (`SharedCaches`: every slot's `max_context`, padded for alignment).
-    An MTP layer asks for one row's logits and, after each verification, runs over the few newly
-    committed rows (after the prefill: the whole prompt, in the prefill profile). A block drafter's
+    The target (a draft model's too), the EAGLE-3 head and the MTP layers run up to `max_sequences`
+    sequences a call (B), each of at most Q rows (D+1 verified tokens; a prefill chunk), over the
+    whole cache buffer of N rows (`SharedCaches`: every slot's `max_context`, padded for alignment).
+    An MTP layer asks for one row's logits per sequence and, after each verification, runs over the
+    few newly committed rows (after the prefill: the whole prompt, in the prefill profile). A block drafter's
     context graph runs over the newly committed rows too; its step graph has one profile: a
     `block_len`-row block (a fixed size in the graph) asking for up to `block_len` rows' logits."""
     p_max, p_opt = max_context - 1, max_context // 2
@@ -121,24 +121,26 @@ def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: i
         return {"T": (1, t_opt, t_max), "P": (0, p_opt, p_max), "P+T": (1, p_opt + t_opt, p_max + t_max),
                 "K": (1, k_opt, t_max), "R": (0, r_opt, t_max), "U": (0, u_opt, t_max)}
 
-    def many(b_opt, b_max, q_opt, q_max, t_opt, t_max, k_opt):
+    def many(b_opt, b_max, q_opt, q_max, t_opt, t_max, k_opt, r_opt=0, u_opt=0):
         n_max = max_sequences * (max_context + ALIGN)  # + the alignment padding of each slot
         return {"T": (1, t_opt, t_max), "B": (1, b_opt, b_max), "Q": (1, q_opt, q_max), "P": (0, p_opt, p_max),
-                "P+Q": (1, p_opt + q_opt, p_max + q_max), "N": (1, n_max // 2, n_max), "K": (1, k_opt, t_max)}
+                "P+Q": (1, p_opt + q_opt, p_max + q_max), "N": (1, n_max // 2, n_max), "K": (1, k_opt, t_max),
+                "R": (0, r_opt, t_max), "U": (0, u_opt, t_max)}
 
-    opt = min(opt_tokens, max_verify)
-    if role == "eagle3_step":  # drafting: one own hidden state a step; prefill: features of the prompt
-        return [one(max_verify, 1, 1, 0, 1), one(prefill_chunk, prefill_chunk, 1, prefill_chunk, 0)]
-    if role == "mtp_step":
-        return [one(max_verify, opt, 1, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
+    opt, S = min(opt_tokens, max_verify), max_sequences
+    t_decode = max(max_verify, min(S * max_verify, prefill_chunk))  # calls never exceed a prefill chunk
+    prefill = many(1, S, prefill_chunk, prefill_chunk, prefill_chunk, prefill_chunk, 1, r_opt=prefill_chunk)
+    if role == "eagle3_step":  # drafting: each sequence's own state (a tree: a level's nodes); after a
+        # verification, the features of its newly committed rows; a fresh sequence's prompt in chunks
+        return [many(S, S, 1, max_verify, S, t_decode, S, u_opt=S), prefill]
+    if role == "mtp_step":  # after a verification, each sequence's newly committed rows; drafting, its
+        # own chain state; a fresh sequence's prompt in chunks. One logits row per sequence.
+        return [many(S, S, opt, max_verify, min(S * opt, t_decode), t_decode, S), prefill]
     if role == "block_context":
         return [one(max_verify, opt, 1, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
     if role == "block_step":
         return [one(block_len, block_len, min(opt, block_len), 0, 0)]
-    S = max_sequences
-    t_decode = max(max_verify, min(S * max_verify, prefill_chunk))  # calls never exceed a prefill chunk
-    return [many(S, S, opt, max_verify, min(S * opt, t_decode), t_decode, min(S * opt, t_decode)),
-            many(1, S, prefill_chunk, prefill_chunk, prefill_chunk, prefill_chunk, 1)]
+    return [many(S, S, opt, max_verify, min(S * opt, t_decode), t_decode, min(S * opt, t_decode)), prefill]
 
 
 def profile_shapes(inputs, ranges: dict[str, tuple[int, int, int]]) -> dict[str, list[list[int]]]:
@@ -318,6 +320,14 @@ class _Staging:
         cache.store[:, n : n + T].copy_(self.buf[:, :T])
 
 
+def check_sequences(engine: _Engine, slots: int) -> None:
+    """Refuse more sequence slots than `engine`'s profiles run together."""
+    most = max(p["seq_rows"][2][0] for p in engine.profiles)
+    if slots > most:
+        raise InputError(f"the TensorRT engine runs at most {most} sequences together, not {slots}",
+                         hint=f"rebuild it with max_sequences={slots}, or serve fewer slots")
+
+
 class TrtTarget(GraphTarget):
     """The target step engine, behaving like `Transformer` for the loop (CUDA tensors throughout)."""
 
@@ -327,10 +337,7 @@ class TrtTarget(GraphTarget):
         self.staging: _Staging | None = None
 
     def setup_cache(self, max_len: int, slots: int = 1) -> None:
-        most = max(p["seq_rows"][2][0] for p in self.engine.profiles)
-        if slots > most:
-            raise InputError(f"the TensorRT engine runs at most {most} sequences together, not {slots}",
-                             hint=f"rebuild it with max_sequences={slots}, or serve fewer slots")
+        check_sequences(self.engine, slots)
         super().setup_cache(_padded_len(max_len, self.graph, self.dtype), slots)
         self.staging = _Staging(self.caches[0], self.max_tokens_per_call)
 
@@ -344,28 +351,21 @@ class TrtTarget(GraphTarget):
 class TrtEagle3(GraphEagle3):
     """The EAGLE-3 step engine, drafting exactly as `Eagle3Drafter`."""
 
-    def __init__(self, engine: _Engine, spec, d2t, device, kv_dtype, prefill_chunk: int):
-        super().__init__(spec, d2t, device, kv_dtype)
+    def __init__(self, engine: _Engine, graph, spec, d2t, device, kv_dtype, prefill_chunk: int):
+        super().__init__(spec, graph, d2t, device, kv_dtype)
         self.engine, self.max_tokens_per_call = engine, prefill_chunk
         self.staging: _Staging | None = None
 
     def reserve(self, slots: int, max_len: int) -> None:
-        row = self.spec.num_kv_heads * self.spec.head_dim
-        super().reserve(slots, _padded(max_len, torch.finfo(self.dtype).bits // 8, row))
+        check_sequences(self.engine, slots)
+        super().reserve(slots, _padded_len(max_len, self.graph, self.dtype))
         self.staging = _Staging(self.caches[0], self.max_tokens_per_call)
 
-    def _run(self, feats, hidden, tokens, positions, mask, rows):
-        T = tokens.shape[0]
-        out = torch.empty(T, self.spec.hidden_size, device=self.device)
-        logits = torch.empty(rows.shape[0], self.spec.draft_vocab_size, device=self.device)
-        new_k, new_v = self.staging.outputs(T)
-        past_k, past_v = self.cache.past()
-        inputs = {"feats": feats.float(), "hidden": hidden.float(), "tokens": tokens, "positions": positions,
-                  "mask": mask, "logits_index": rows,
-                  "past_key": past_k, "past_value": past_v}
-        self.engine.run(T, inputs, {"hidden_out": out, "logits": logits, "new_key": new_k, "new_value": new_v})
-        self.staging.commit(self.cache, T)
-        return out, logits
+    def _new_slots(self, T: int) -> Tensor:
+        return self.staging.buf[:, :T]
+
+    def _run(self, T, inputs, outputs):
+        self.engine.run(T, inputs, outputs)
 
 
 class TrtMtp(GraphMtp):
@@ -373,23 +373,18 @@ class TrtMtp(GraphMtp):
 
     def __init__(self, engines: list[_Engine], graphs, spec, target: TrtTarget, device, kv_dtype,
                  prefill_chunk: int):
-        super().__init__(spec, target, graphs, device, kv_dtype)
-        self.engines, self.max_tokens_per_call = engines, prefill_chunk
-        self.stagings: list[_Staging] = []
+        super().__init__(spec, target, graphs, device, kv_dtype, [e.run for e in engines])
+        self.engines = engines
+        for layer in self.layers:
+            layer.max_tokens_per_call = prefill_chunk
 
     def reserve(self, slots: int, max_len: int) -> None:
+        for engine in self.engines:
+            check_sequences(engine, slots)
         super().reserve(slots, max(_padded_len(max_len, g, self.dtype) for g in self.graphs))
-        self.stagings = [_Staging(c, self.max_tokens_per_call) for c in self.slot_caches[0]]
-
-    def _run(self, k, hidden, tokens, positions, mask, rows):
-        T, cache, staging = tokens.shape[0], self.caches[k], self.stagings[k]
-        out = {"hidden_out": torch.empty(T, self.spec.hidden_size, device=self.device),
-               "logits": torch.empty(rows.shape[0], self.spec.vocab_size, device=self.device)}
-        values = [hidden.float(), tokens, positions, mask, rows, *cache.past()]
-        self.engines[k].run(T, dict(zip(self.names[k], values)), {**out, **dict(zip(self.new_names[k],
-                                                                                   staging.outputs(T)))})
-        staging.commit(cache, T)
-        return out["hidden_out"], out["logits"]
+        for layer in self.layers:  # each layer's new rows staged aligned
+            staging = _Staging(layer.caches[0], layer.max_tokens_per_call)
+            layer._new_slots = lambda T, buf=staging.buf: buf[:, :T]
 
 
 class TrtBlock(GraphBlock):
@@ -462,7 +457,8 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
     kind = manifest.drafter.kind
     if kind == "eagle3":
         head_spec, d2t = eagle3_files(artifact)
-        return target, TrtEagle3(engine_for(index.graph("eagle3_step")), head_spec, d2t, dev, kv_dtype, prefill_chunk)
+        graph = index.graph("eagle3_step")
+        return target, TrtEagle3(engine_for(graph), graph, head_spec, d2t, dev, kv_dtype, prefill_chunk)
     if kind == "draft_model":
         from specpack.runtime.drafters.draft_model import DraftModelDrafter
 
