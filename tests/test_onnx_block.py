@@ -134,15 +134,16 @@ def test_signed_export_lists_the_block_graphs(tmp_path, keypair):
     assert {f"{ONNX_DIR}/{p.name}" for p in written} <= listed
     step = read_index(art).graph("block_step")
     B = verify(art).manifest.drafter.block_size
-    assert [i.name for i in step.inputs][:4] == ["tokens", "positions", "logits_index", "past_key.0"]
-    assert step.inputs[0].shape == [B] and [o.name for o in step.outputs] == ["hidden", "logits"]
+    assert [i.name for i in step.inputs][:7] == ["tokens", "positions", "logits_index", "seq_rows", "cache_rows",
+                                                 "seen", "past_key.0"]
+    assert step.inputs[3].shape == ["B", B] and [o.name for o in step.outputs] == ["hidden", "logits"]
 
 
 def test_tensorrt_adapters_run_the_block_graphs():
     """TrtTarget and TrtBlock over graph runners (ONNX Runtime standing in for TensorRT's engines):
     the same tokens as torch, context rows written through the aligned staging buffer, prefills in
     chunks, the step engine's one profile sized by the block."""
-    from test_tensorrt_backend import OrtAsEngine, target_engine
+    from test_tensorrt_backend import target_engine
 
     from specpack.runtime.backends import tensorrt_backend as trtb
     from specpack.runtime.backends.graph_block import block_files
@@ -151,8 +152,7 @@ def test_tensorrt_adapters_run_the_block_graphs():
     art = artifact("lilicorr")
     index, cpu = read_index(art), torch.device("cpu")
     graphs = index.graph("block_context"), index.graph("block_step")
-    engine, block_engines = target_engine(art, index.graph("target_step")), [OrtAsEngine(art / g.path)
-                                                                             for g in graphs]
+    engine, block_engines = target_engine(art, index.graph("target_step")), [target_engine(art, g) for g in graphs]
     target = trtb.TrtTarget(engine, index.graph("target_step"), target_spec(art), index.aux_layer_ids, cpu,
                             torch.float32, prefill_chunk=5)
     drafter = trtb.TrtBlock(tuple(block_engines), graphs, *block_files(art / "drafter"), cpu, torch.float32,
@@ -164,10 +164,12 @@ def test_tensorrt_adapters_run_the_block_graphs():
     assert max(block_engines[0].calls) <= 5 and len(block_engines[1].calls) > 0  # the prompt's context in chunks
     assert drafter.caches[0].store[0].data_ptr() % trtb.ALIGN == drafter.caches[0].store[1].data_ptr() % trtb.ALIGN
     B = verify(art).manifest.drafter.block_size
-    (step,) = trtb.profile_ranges("block_step", 17, 8, 64, 512, block_len=B)
+    assert block_engines[1].used  # each step call fit the step engine's one profile
+    (step,) = trtb.profile_ranges("block_step", 17, 8, 64, 512, block_len=B, max_sequences=3)
     shapes = trtb.profile_shapes(graphs[1].inputs, step)
-    assert shapes["tokens"] == [[B]] * 3 and shapes["logits_index"] == [[1], [min(8, B)], [B]]
-    assert shapes["past_key.0"][2][0] == 511
+    assert shapes["tokens"] == [[B], [3 * B], [3 * B]] and shapes["logits_index"] == [[1], [3 * min(8, B)], [3 * B]]
+    assert shapes["seq_rows"] == [[1, B], [3, B], [3, B]] and shapes["seen"][2] == [3, 511]
+    assert shapes["past_key.0"][2][0] == 3 * (512 + trtb.ALIGN)  # every slot's buffer
     decode, prefill = trtb.profile_ranges("block_context", 17, 8, 64, 512)
     ctx = trtb.profile_shapes(graphs[0].inputs, prefill)
     assert ctx["feats"][2][0] == 64 and trtb.profile_shapes(graphs[0].inputs, decode)["positions"][2] == [17]

@@ -11,7 +11,7 @@ import torch
 from specpack.converters.onnx_export import export_onnx, read_index
 from specpack.errors import InputError, MissingDependencyError
 from specpack.packager import BuildOptions, NgramParams, build, verify
-from specpack.runtime.backends import SlotCache
+from specpack.runtime.backends import SharedCaches
 from specpack.runtime.backends import tensorrt_backend as trtb
 
 
@@ -146,19 +146,25 @@ def test_engine_in_signed_artifact(tmp_path, tiny_target, keypair, monkeypatch):
     assert trtb.ensure_engine(art, _key(), onnx_path, {}, build=fake) == plan  # found in the artifact first
 
 
-def test_staging_commit_and_alignment():
-    """The engine writes new KV slots to an aligned staging buffer, copied into the cache in one go."""
+def test_staging_and_alignment():
+    """The engine writes new KV slots to an aligned staging buffer, copied into the cache buffer of
+    every slot in one indexed copy."""
     assert trtb._padded(5, 2, 3 * 64) * 3 * 64 * 2 % trtb.ALIGN == 0
     assert trtb._padded(256, 4, 2 * 16) == 256
-    cache = SlotCache(4, (2, 16), trtb._padded(50, 4, 32), torch.float32, "cpu")
-    assert cache.store[1].data_ptr() % trtb.ALIGN == cache.store[0].data_ptr() % trtb.ALIGN
-    stage = trtb._Staging(cache, 17)
-    cache.length = 7
+    shared = SharedCaches((4, (2, 16)), 3, trtb._padded(50, 4, 32), torch.float32, "cpu")
+    assert shared.flat[1].data_ptr() % trtb.ALIGN == shared.flat[0].data_ptr() % trtb.ALIGN
+    assert shared.slots[2].store[0].data_ptr() % trtb.ALIGN == shared.flat[0].data_ptr() % trtb.ALIGN
+    stage = trtb._Staging(shared.slots[0], 17)
+    assert all(t.data_ptr() % trtb.ALIGN == stage.buf.data_ptr() % trtb.ALIGN for t in stage.outputs(3))
     for i, t in enumerate(stage.outputs(3)):
         t.fill_(i + 1)
-    stage.commit(cache, 3)
-    assert cache.store[:, 7:10].flatten(1).amin(1).tolist() == [1, 2, 3, 4]
-    assert cache.store[:, :7].abs().sum() == 0 and cache.store[:, 10:].abs().sum() == 0
+    L = shared.max_len
+    shared.write(stage.buf[:, :3], torch.tensor([7, 8, 2 * L + 9]))  # slot 0 positions 7, 8; slot 2 position 9
+    cache0, cache2 = shared.slots[0].store, shared.slots[2].store
+    assert cache0[:, 7:9].flatten(1).amin(1).tolist() == [1, 2, 3, 4] and cache2[:, 9].flatten(1).amin(1).tolist() \
+        == [1, 2, 3, 4]
+    assert shared.flat.sum() == (1 + 2 + 3 + 4) * 3 * 32  # nothing else written
+    assert cache0[:, :7].abs().sum() == 0 and shared.slots[1].store.abs().sum() == 0
 
 
 class OrtAsEngine:
@@ -184,7 +190,8 @@ class OrtAsEngine:
 def target_engine(art, graph, max_sequences: int = 1, chunk: int = 5, max_verify: int = 3):
     """An `OrtAsEngine` for the target graph with the profiles of an engine for `max_sequences`
     sequences verifying up to `max_verify` rows each, prefilling in chunks of `chunk`."""
-    return OrtAsEngine(art / graph.path, graph, trtb.profile_ranges(graph.role, max_verify, 2, chunk, 64,
+    block_len = graph.inputs[3].shape[1] if graph.role == "block_step" else None  # seq_rows [B, block_len]
+    return OrtAsEngine(art / graph.path, graph, trtb.profile_ranges(graph.role, max_verify, 2, chunk, 64, block_len,
                                                                       max_sequences=max_sequences))
 
 

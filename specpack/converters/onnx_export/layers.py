@@ -43,14 +43,9 @@ def cache_io(prefix: str, layers: int, slot: CacheSlot, dim: str, single: bool =
     return [(f"{prefix}_{name}{s}", "float32", [dim, *slot.shape]) for s in suffixes for name in slot.names]
 
 
-def step_inputs() -> list[tuple]:
-    """The inputs every one-sequence step graph takes after its own: T new positions after P cached ones."""
-    return [("tokens", "int64", ["T"]), ("positions", "int64", ["T"]), ("mask", "bool", ["T", "P+T"]),
-            ("logits_index", "int64", ["K"])]
-
-
 def batch_inputs() -> list[tuple]:
-    """The inputs of a many-sequence step graph (see `Batch`): T new rows of B sequences."""
+    """The inputs every step graph but the block drafter's takes after its own (see `Batch`): T new
+    rows of B sequences."""
     return [("tokens", "int64", ["T"]), ("positions", "int64", ["T"]), ("logits_index", "int64", ["K"]),
             ("seq_rows", "int64", ["B", "Q"]), ("row_place", "int64", ["T"]), ("cache_rows", "int64", ["B", "P"]),
             ("mask", "bool", ["B", "Q", "P+Q"])]
@@ -138,39 +133,13 @@ class Rope(nn.Module):
         return emb.cos() * self.factor, emb.sin() * self.factor
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, mask: "Tensor | Batch | None",
-           scale: float | None = None, new_mask: Tensor | None = None) -> Tensor:
-    """GQA attention of T new queries over P cached and T new keys, without concatenating the cache.
+def attend(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, batch: Batch,
+           scale: float | None = None) -> Tensor:
+    """GQA attention of the T new rows of many sequences (`Batch`), each over its own cached keys
+    and its new rows, without concatenating the cache.
 
-    q: [T, heads, hd]; k: [T, kv, hd]; v: [T, kv, vd]; past_k, past_v: [P, kv, hd | vd];
-    mask: [T, P+T], or None with `new_mask` [T, T] (or None): every cached key visible, the new
-    ones as `new_mask` says -> [T, heads*vd]. `scale` defaults to 1/sqrt(hd). With a `Batch` for
-    `mask`, the rows are many sequences' and past_k, past_v the whole cache [N, ...]: `attend_batch`."""
-    if isinstance(mask, Batch):
-        return attend_batch(q, k, v, past_k, past_v, mask, scale)
-    T, heads, hd = q.shape
-    kv, vd = k.shape[1], v.shape[-1]
-    G = heads // kv
-    scale = 1.0 / math.sqrt(hd) if scale is None else scale
-    # query head h uses key head h // G: group the queries as [kv, G*T, hd]
-    qg = q.reshape(T, kv, G, hd).permute(1, 2, 0, 3).reshape(kv, G * T, hd) * scale
-    new = qg @ k.permute(1, 2, 0)  # [kv, G*T, T]
-    if new_mask is not None:
-        new = new.reshape(kv, G, T, T).masked_fill(~new_mask, float("-inf")).reshape(kv, G * T, T)
-    scores = torch.cat([qg @ past_k.permute(1, 2, 0), new], dim=-1)  # [kv, G*T, P+T]
-    S = scores.shape[-1]
-    if mask is not None:
-        scores = scores.reshape(kv, G, T, S).masked_fill(~mask, float("-inf")).reshape(kv, G * T, S)
-    p = scores.softmax(-1)
-    P = past_k.shape[0]
-    y = p[..., :P] @ past_v.permute(1, 0, 2) + p[..., P:] @ v.permute(1, 0, 2)  # [kv, G*T, vd]
-    return y.reshape(kv, G, T, vd).permute(2, 0, 1, 3).reshape(T, heads * vd)
-
-
-def attend_batch(q: Tensor, k: Tensor, v: Tensor, past_k: Tensor, past_v: Tensor, batch: Batch,
-                 scale: float | None = None) -> Tensor:
-    """`attend` for the rows of many sequences (`Batch`): q, k, v [T, ...] as `attend`'s; past_k,
-    past_v the whole cache buffer [N, kv, hd | vd] -> [T, heads*vd]."""
+    q: [T, heads, hd]; k: [T, kv, hd]; v: [T, kv, vd]; past_k, past_v: the whole cache buffer
+    [N, kv, hd | vd] -> [T, heads*vd]. `scale` defaults to 1/sqrt(hd)."""
     heads, hd = q.shape[1], q.shape[2]
     kv, vd = k.shape[1], v.shape[-1]
     G = heads // kv

@@ -128,6 +128,8 @@ def _example(name: str, dtype: str, shape: list, sizes: dict) -> Tensor:
         return torch.arange(_EXAMPLE["P"], _EXAMPLE["P"] + dims[0])
     if name == "logits_index":
         return torch.arange(dims[0])
+    if dtype == "bool":
+        return torch.ones(dims, dtype=torch.bool)
     if dtype == "int64":
         return torch.randint(0, 3, dims)
     return torch.randn(dims)

@@ -14,13 +14,11 @@ Output(logits, aux)` over the new rows of many sequences (runtime.rows), `.compa
 backend.
 
 The graph backends (onnxruntime, tensorrt) share `GraphTarget` / `GraphEagle3` / `GraphMtp` below
-(and `graph_block.GraphBlock` for block drafters). The target graph and the EAGLE-3 head's run the
-new rows of every sequence of a step in one call (the weights stream once), reading the whole cache
-buffer of all slots and gathering each sequence's own rows (`ManySequenceGraph`, `SharedCaches`,
-`batch_layout`); the MTP and block drafter graphs read the P cached slots of each layer and write
-the T new ones, one sequence per call. These adapters keep the caches, the length pointers and the
-masks exactly as the torch model does. The drafters' own loops (`draft`) are the torch drafters',
-reused unchanged.
+(and `graph_block.GraphBlock` for block drafters). Every graph runs the new rows of every sequence
+of a step in one call (the weights stream once), reading the whole cache buffer of all slots and
+gathering each sequence's own rows (`ManySequenceGraph`, `SharedCaches`, `batch_layout`). These
+adapters keep the caches, the length pointers and the masks exactly as the torch model does. The
+drafters' own loops (`draft`) are the torch drafters', reused unchanged.
 """
 
 from __future__ import annotations
@@ -51,31 +49,18 @@ def load(name: str, artifact, manifest, device: str = "cpu", dtype: str = "float
 
 
 class SlotCache:
-    """A graph's cache in one buffer [entries, max_len, *slot], in the graphs' input order (key.0,
-    value.0, key.1, ... or latent.0, latent.1, ...), slot-major: the first `length` slots of each
-    entry are a contiguous prefix a graph reads without a copy, and its new slots go straight after.
-    Roll back by assigning a smaller `length`. `store` (optional) is a view to use as the buffer."""
+    """One sequence slot's part of a graph's cache [entries, max_len, *slot], in the graphs' input
+    order (key.0, value.0, key.1, ... or latent.0, latent.1, ...), slot-major; `length` is how many
+    positions it holds (roll back by assigning a smaller one). `store` (optional) is a view to use
+    as the buffer (`SharedCaches`)."""
 
     def __init__(self, entries: int, slot: Sequence[int], max_len: int, dtype, device, store: Tensor | None = None):
         self.store = torch.zeros(entries, max_len, *slot, dtype=dtype, device=device) if store is None else store
         self.length = 0
 
-    @classmethod
-    def for_graph(cls, graph, max_len: int, dtype, device) -> "SlotCache":
-        """The cache `graph` reads and writes."""
-        return cls(*cache_layout(graph), max_len, dtype, device)
-
     @property
     def max_len(self) -> int:
         return self.store.shape[1]
-
-    def past(self) -> list[Tensor]:
-        """Views of the committed slots: past_key.0, past_value.0, past_key.1, ..."""
-        return list(self.store[:, : self.length].unbind(0))
-
-    def new(self, T: int) -> list[Tensor]:
-        """Views of the T slots after the committed ones, in the same order."""
-        return list(self.store[:, self.length : self.length + T].unbind(0))
 
     @torch.inference_mode()
     def compact(self, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -89,8 +74,8 @@ class SharedCaches:
     *slot]: a many-sequence graph (`layers.Batch`) reads each entry whole as its `past_*` input and
     gathers the rows it needs; slot s owns rows s * max_len .. (s + 1) * max_len - 1."""
 
-    def __init__(self, graph, slots: int, max_len: int, dtype, device):
-        entries, slot = cache_layout(graph)
+    def __init__(self, layout: tuple[int, Sequence[int]], slots: int, max_len: int, dtype, device):
+        entries, slot = layout  # as `cache_layout` reads it from a graph
         self.flat = torch.zeros(entries, slots * max_len, *slot, dtype=dtype, device=device)
         view = self.flat.view(entries, slots, max_len, *slot)
         self.slots = [SlotCache(entries, slot, max_len, dtype, device, store=view[:, s]) for s in range(slots)]
@@ -115,39 +100,6 @@ def cache_layout(graph) -> tuple[int, list[int]]:
 def new_slot_names(graph) -> list[str]:
     """The graph's `new_*` outputs, in cache order."""
     return [o.name for o in graph.outputs if o.name.startswith("new_")]
-
-
-def run_chunks(cache: SlotCache, T: int, size: int | None, call) -> list:
-    """`call(a, b)` for consecutive pieces [a, b) of T new rows (one piece when `size` is None), each
-    with `cache.length` at its first row; the cache ends T rows longer. Returns the results."""
-    start, results = cache.length, []
-    for a, b in chunks(T, size):
-        cache.length = start + a
-        results.append(call(a, b))
-    cache.length = start + T
-    return results
-
-
-def segment_calls(cache: SlotCache, seg, wanted: Sequence[int], size: int | None, call) -> list:
-    """One sequence's segment (rows.Segment) on its slot's `cache`, in graph calls of at most `size`
-    rows: `call(a, b, positions [b-a], mask [b-a, start+b], want [K])` for consecutive pieces [a, b),
-    `want` the piece's rows among `wanted` (segment-local), or its last row when none is (a graph
-    computes at least one row's logits). Returns [(how many of `want` were wanted, result)]."""
-    dev = cache.store.device
-    positions = torch.arange(seg.start, seg.start + seg.T, device=dev) if seg.positions is None \
-        else seg.positions.to(dev)
-    mask = full_mask(seg.start, seg.T, seg.block, dev)
-    if seg.start + seg.T > cache.max_len:
-        raise InputError(f"{seg.start + seg.T} positions do not fit the KV cache of {cache.max_len}",
-                         hint="call setup_cache with a larger max_len")
-    cache.length = seg.start
-
-    def piece(a, b):
-        mine = [r - a for r in wanted if a <= r < b]
-        return len(mine), call(a, b, positions[a:b], mask[a:b, : seg.start + b],
-                               torch.tensor(mine or [b - a - 1], device=dev))
-
-    return run_chunks(cache, seg.T, size, piece)
 
 
 def full_mask(start: int, T: int, block: Tensor | None, device) -> Tensor:
@@ -201,7 +153,7 @@ def batch_layout(pieces: Sequence[Piece], max_len: int, min_q: int = 1) -> tuple
     Batch invariance on ONNX Runtime: a sequence's logits must not depend on what else runs in the
     call. Its rows go through the linear layers with the others (row-exact there); its attention
     sees padding, whose masked keys add exact zeros at the end of each ordered sum in
-    `layers.attend_batch`. ONNX Runtime's matrix product takes another path for a one-row operand,
+    `layers.attend`. ONNX Runtime's matrix product takes another path for a one-row operand,
     so each sequence is padded to `min_q` rows (2 where one query head reads each key head, else 1).
     Tested: tests/test_engine.py, logits bit for bit."""
     B, Q = len(pieces), max(min_q, *(len(p.rows) for p in pieces))
@@ -261,7 +213,7 @@ class ManySequenceGraph:
         every slot emptied."""
         if self.shared is None or self.shared.max_len < max_len or len(self.shared.slots) < slots:
             self.shared = None
-            self.shared = SharedCaches(self.graph, slots, max_len, self.dtype, self.device)
+            self.shared = SharedCaches(cache_layout(self.graph), slots, max_len, self.dtype, self.device)
         self.caches = self.shared.slots
         for c in self.caches:
             c.length = 0

@@ -4,9 +4,10 @@ for the graph backends, as `GraphEagle3` is the EAGLE-3 head over its graph.
 `GraphBlock` drafts exactly as `BlockDrafter`: `draft` and each algorithm's `_draft_*` are the torch
 drafter's own functions, and so are the heads they run on the host (DSpark's Markov correction and
 confidence head, LiLiCorr's correlator: fp32 modules loaded from the artifact's drafter weights).
-Only the two forwards differ: `_absorb` runs the context graph once per sequence with newly
-committed positions, its new keys and values written straight into that sequence's slot cache, and
-`_block` runs the step graph once per sequence over its cache. Subclasses implement `_run_context`
+Only the two forwards differ: `_absorb` runs the context graph once over every sequence's newly
+committed positions (in chunks of `max_tokens_per_call` rows), their new keys and values written
+into each sequence's slots, and `_block` runs the step graph once over every sequence's query block,
+reading the whole cache buffer of all slots (`SharedCaches`). Subclasses implement `_run_context`
 and `_run_step` (one graph call each).
 """
 
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError
-from specpack.runtime.backends import SlotCache, new_slot_names, run_chunks
+from specpack.runtime.backends import SharedCaches, SlotCache, cache_layout, chunks, new_slot_names
 from specpack.runtime.drafters.block import BlockDrafter, BlockOut
 from specpack.runtime.drafters.block_heads import ConfidenceHead, LiLiCorrHead, MarkovHead
 from specpack.runtime.drafters.block_spec import BlockSpec
@@ -45,67 +46,87 @@ class GraphBlock:
         self.capture_layers = spec.target_layer_ids
         self.context_graph, self.step_graph = context_graph, step_graph
         self.new_names = new_slot_names(context_graph)
-        self.step_names = [i.name for i in step_graph.inputs]
+        if "seq_rows" not in [i.name for i in step_graph.inputs]:
+            raise InputError("this ONNX export's block step graph runs one sequence a call (made by an older "
+                             "specpack)", hint="re-export with `specpack export ARTIFACT --to onnx --force`")
         d2t = heads.get("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
         self.draft_to_target = (torch.arange(spec.draft_vocab_size) + d2t).to(device)
         self.markov_head, self.confidence_head, self.lilicorr = host_heads(spec, heads, device)
+        self.shared: SharedCaches | None = None
         self.caches: list[SlotCache] = []
         self.lengths: list[int] = []  # committed context positions per slot
         self.anchor_ctx = torch.zeros(0, spec.hidden_size, device=device)
 
     def reserve(self, slots: int, max_len: int) -> None:
         """Room for `slots` sequences of `max_len` positions; empties every slot."""
-        if not self.caches or self.caches[0].max_len < max_len or len(self.caches) < slots:
-            self.caches = []
-            self.caches = [SlotCache.for_graph(self.step_graph, max_len, self.dtype, self.device) for _ in range(slots)]
+        if self.shared is None or self.shared.max_len < max_len or len(self.shared.slots) < slots:
+            self.shared = None
+            self.shared = SharedCaches(cache_layout(self.step_graph), slots, max_len, self.dtype, self.device)
             self.anchor_ctx = torch.zeros(slots, self.spec.hidden_size, device=self.device)
+        self.caches = self.shared.slots
         self.lengths = [0] * len(self.caches)
 
     def _absorb(self, jobs) -> None:
-        """As `BlockDrafter._absorb`: each job's new context rows into its slot, its last row kept."""
-        for j, r in self._fresh(jobs):
-            cache, start = self.caches[j.slot], self.lengths[j.slot]
-            if start + r > cache.max_len:
-                raise InputError(f"{start + r} positions do not fit the drafter's cache of {cache.max_len}",
+        """As `BlockDrafter._absorb`: every job's new context rows into its slot, its last row kept."""
+        fresh = self._fresh(jobs)
+        if not fresh:
+            return
+        dev, L = self.device, self.shared.max_len
+        for j, r in fresh:
+            if self.lengths[j.slot] + r > L:
+                raise InputError(f"{self.lengths[j.slot] + r} positions do not fit the drafter's cache of {L}",
                                  hint="reserve a larger max_len")
-            cache.length = start
-            feats = j.feats.to(self.device, torch.float32)
-            pos = torch.arange(start, start + r, device=self.device)
-            ctx = run_chunks(cache, r, self.max_tokens_per_call,
-                             lambda a, b: self._run_context(cache, feats[a:b], pos[a:b]))
-            self.anchor_ctx[j.slot] = ctx[-1][-1]
-            self.lengths[j.slot] = cache.length
+        feats = torch.cat([j.feats for j, _ in fresh]).to(dev, torch.float32)
+        pos = torch.cat([torch.arange(self.lengths[j.slot], self.lengths[j.slot] + r) for j, r in fresh])
+        dest = torch.cat([j.slot * L + torch.arange(self.lengths[j.slot], self.lengths[j.slot] + r)
+                          for j, r in fresh]).to(dev)
+        pos = pos.to(dev)
+        ctx = torch.cat([self._run_context(feats[a:b], pos[a:b], dest[a:b])
+                         for a, b in chunks(len(feats), self.max_tokens_per_call)])
+        last = torch.tensor([r for _, r in fresh]).cumsum(0) - 1
+        self.anchor_ctx[[j.slot for j, _ in fresh]] = ctx[last.to(dev)]
+        for j, r in fresh:
+            self.lengths[j.slot] += r
 
     def _block(self, jobs) -> BlockOut:
-        """As `BlockDrafter._block`, one step-graph call per job on its slot's cache."""
+        """As `BlockDrafter._block`: one step-graph call over every job's query block."""
         s, dev = self.spec, self.device
-        a, B = s.first_prediction, s.block_len
-        rows = torch.arange(a, a + self._logit_rows(jobs), device=dev)
-        outs = []
-        for j in jobs:
-            cache = self.caches[j.slot]
-            cache.length = self.lengths[j.slot]
-            tokens = torch.full((B,), s.mask_token_id, dtype=torch.long, device=dev)
-            tokens[0] = j.context[-1]
-            positions = torch.arange(cache.length, cache.length + B, device=dev)
-            outs.append(self._run_step(cache, tokens, positions, rows))
-        hidden = torch.stack([o["hidden"][a : a + s.draft_slots] for o in outs])  # [J, N, H]
+        a, L, J = s.first_prediction, s.block_len, len(jobs)
+        n = self._logit_rows(jobs)
+        tokens = torch.full((J, L), s.mask_token_id, dtype=torch.long)
+        tokens[:, 0] = torch.stack([j.context[-1].cpu() for j in jobs])
+        starts = torch.tensor([self.lengths[j.slot] for j in jobs])
+        P = int(starts.max())
+        past = torch.arange(P)
+        seen = past[None, :] < starts[:, None]  # [J, P]
+        cache_rows = torch.where(seen, torch.tensor([j.slot for j in jobs])[:, None] * self.shared.max_len + past, 0)
+        inputs = {"tokens": tokens.flatten(), "positions": (starts[:, None] + torch.arange(L)).flatten(),
+                  "logits_index": (torch.arange(J)[:, None] * L + torch.arange(a, a + n)).flatten(),
+                  "seq_rows": torch.arange(J * L).view(J, L), "cache_rows": cache_rows, "seen": seen}
+        out = self._run_step({k: v.to(dev) for k, v in inputs.items()}, J * n)
+        hidden = out["hidden"].view(J, L, -1)[:, a : a + s.draft_slots]  # [J, N, H]
         if s.lilicorr is None:
-            return BlockOut(hidden, torch.stack([o["logits"] for o in outs]))
-        return BlockOut(hidden, None, *(torch.stack([o[n] for o in outs]) for n in
+            return BlockOut(hidden, out["logits"].view(J, n, -1))
+        return BlockOut(hidden, None, *(out[name].view(J, n, *out[name].shape[1:]) for name in
                                         ("candidates", "candidate_log_probs", "candidate_embeds")))
 
-    def _step_outputs(self, K: int) -> dict[str, Tensor]:
-        """Fresh buffers for the step graph's outputs, K logits rows."""
-        return {o.name: torch.empty([K if d == "K" else d for d in o.shape], dtype=_DTYPES[o.dtype],
+    def _step_outputs(self, T: int, K: int) -> dict[str, Tensor]:
+        """Fresh buffers for the step graph's outputs: T block rows, K logits rows."""
+        return {o.name: torch.empty([{"T": T, "K": K}.get(d, d) for d in o.shape], dtype=_DTYPES[o.dtype],
                                     device=self.device) for o in self.step_graph.outputs}
 
-    def _run_context(self, cache: SlotCache, feats: Tensor, positions: Tensor) -> Tensor:
-        """One context-graph call over T rows: writes `cache.new(T)`, returns context [T, H] fp32."""
+    def _step_inputs(self, inputs: dict[str, Tensor]) -> dict[str, Tensor]:
+        """`inputs` and the whole cache buffer (the step graph's `past_*`)."""
+        return {**inputs, **dict(zip((i.name for i in self.step_graph.inputs if i.name.startswith("past_")),
+                                     self.shared.past()))}
+
+    def _run_context(self, feats: Tensor, positions: Tensor, dest: Tensor) -> Tensor:
+        """One context-graph call over T rows: their new slots written at buffer rows `dest` [T];
+        returns context [T, H] fp32."""
         raise NotImplementedError
 
-    def _run_step(self, cache: SlotCache, tokens: Tensor, positions: Tensor, rows: Tensor) -> dict[str, Tensor]:
-        """One step-graph call reading `cache.past()`: `_step_outputs(len(rows))` filled."""
+    def _run_step(self, inputs: dict[str, Tensor], K: int) -> dict[str, Tensor]:
+        """One step-graph call over `inputs` (the cache buffer added by `_step_inputs`), K logits rows."""
         raise NotImplementedError
 
 

@@ -173,14 +173,16 @@ class OrtBlock(GraphBlock):
         self.context_binder = _Binder(session(artifact / context.path, threads, spin=False))
         self.step_binder = _Binder(session(artifact / step.path, threads, spin=False))
 
-    def _run_context(self, cache, feats, positions):
+    def _run_context(self, feats, positions, dest):
         T = feats.shape[0]
         out = torch.empty(T, self.spec.hidden_size)
+        new = torch.empty(len(self.new_names), T, *self.shared.flat.shape[2:])
         self.context_binder.run({"feats": feats, "positions": positions},
-                                {"context": out, **dict(zip(self.new_names, cache.new(T)))})
+                                {"context": out, **dict(zip(self.new_names, new.unbind(0)))})
+        self.shared.write(new, dest)
         return out
 
-    def _run_step(self, cache, tokens, positions, rows):
-        outputs = self._step_outputs(rows.shape[0])
-        self.step_binder.run(dict(zip(self.step_names, [tokens, positions, rows, *cache.past()])), outputs)
+    def _run_step(self, inputs, K):
+        outputs = self._step_outputs(inputs["tokens"].shape[0], K)
+        self.step_binder.run(self._step_inputs(inputs), outputs)
         return outputs

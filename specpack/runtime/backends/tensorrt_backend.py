@@ -113,8 +113,8 @@ def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: i
     whole cache buffer of N rows (`SharedCaches`: every slot's `max_context`, padded for alignment).
     An MTP layer asks for one row's logits per sequence and, after each verification, runs over the
     few newly committed rows (after the prefill: the whole prompt, in the prefill profile). A block drafter's
-    context graph runs over the newly committed rows too; its step graph has one profile: a
-    `block_len`-row block (a fixed size in the graph) asking for up to `block_len` rows' logits."""
+    context graph runs over the newly committed rows of every sequence too; its step graph has one
+    profile: up to `max_sequences` query blocks of `block_len` rows (a fixed size in the graph)."""
     p_max, p_opt = max_context - 1, max_context // 2
 
     def one(t_max, t_opt, k_opt, r_opt, u_opt):
@@ -136,10 +136,12 @@ def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: i
     if role == "mtp_step":  # after a verification, each sequence's newly committed rows; drafting, its
         # own chain state; a fresh sequence's prompt in chunks. One logits row per sequence.
         return [many(S, S, opt, max_verify, min(S * opt, t_decode), t_decode, S), prefill]
-    if role == "block_context":
-        return [one(max_verify, opt, 1, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
-    if role == "block_step":
-        return [one(block_len, block_len, min(opt, block_len), 0, 0)]
+    if role == "block_context":  # every sequence's newly committed rows (a prompt: in chunks)
+        return [one(t_decode, min(S * opt, t_decode), 1, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
+    if role == "block_step":  # every sequence's query block of block_len rows
+        n_max = max_sequences * (max_context + ALIGN)
+        return [{"T": (block_len, S * block_len, S * block_len), "B": (1, S, S), "P": (0, p_opt, p_max),
+                 "N": (1, n_max // 2, n_max), "K": (1, S * min(opt, block_len), S * block_len)}]
     return [many(S, S, opt, max_verify, min(S * opt, t_decode), t_decode, min(S * opt, t_decode)), prefill]
 
 
@@ -304,8 +306,9 @@ def _padded_len(max_len: int, graph, dtype: torch.dtype) -> int:
 
 
 class _Staging:
-    """Where the engine writes the new cache slots: an [entries, T, *slot] buffer with aligned rows,
-    copied into the cache in one kernel (slot offsets in the cache itself need not be 256-byte aligned)."""
+    """Where an engine writes its new cache slots: an [entries, T, *slot] buffer with aligned rows,
+    then copied into the cache buffer in one indexed copy (`SharedCaches.write`: a slot's offset in
+    the buffer itself need not be 256-byte aligned)."""
 
     def __init__(self, cache, t_max: int):
         entries, _, *slot = cache.store.shape
@@ -314,10 +317,6 @@ class _Staging:
 
     def outputs(self, T: int) -> list[Tensor]:
         return list(self.buf[:, :T].unbind(0))
-
-    def commit(self, cache, T: int) -> None:
-        n = cache.length
-        cache.store[:, n : n + T].copy_(self.buf[:, :T])
 
 
 def check_sequences(engine: _Engine, slots: int) -> None:
@@ -397,21 +396,21 @@ class TrtBlock(GraphBlock):
         self.staging: _Staging | None = None
 
     def reserve(self, slots: int, max_len: int) -> None:
+        check_sequences(self.step_engine, slots)
         super().reserve(slots, _padded_len(max_len, self.step_graph, self.dtype))
         self.staging = _Staging(self.caches[0], self.max_tokens_per_call)
 
-    def _run_context(self, cache, feats, positions):
+    def _run_context(self, feats, positions, dest):
         T = feats.shape[0]
         out = torch.empty(T, self.spec.hidden_size, device=self.device)
         self.context_engine.run(T, {"feats": feats.float(), "positions": positions},
                                 {"context": out, **dict(zip(self.new_names, self.staging.outputs(T)))})
-        self.staging.commit(cache, T)
+        self.shared.write(self.staging.buf[:, :T], dest)
         return out
 
-    def _run_step(self, cache, tokens, positions, rows):
-        outputs = self._step_outputs(rows.shape[0])
-        self.step_engine.run(tokens.shape[0], dict(zip(self.step_names, [tokens, positions, rows, *cache.past()])),
-                             outputs)
+    def _run_step(self, inputs, K):
+        outputs = self._step_outputs(inputs["tokens"].shape[0], K)
+        self.step_engine.run(inputs["tokens"].shape[0], self._step_inputs(inputs), outputs)
         return outputs
 
 
@@ -440,7 +439,7 @@ def load(artifact, manifest, device: str = "cuda", dtype: str = "float16", key: 
     kv_dtype = getattr(torch, dtype)
 
     def engine_for(graph) -> _Engine:
-        block_len = graph.inputs[0].shape[0] if graph.role == "block_step" else None  # tokens [block_len]
+        block_len = graph.inputs[3].shape[1] if graph.role == "block_step" else None  # seq_rows [B, block_len]
         ranges = profile_ranges(graph.role, index.max_verify_tokens, opt_tokens, prefill_chunk, max_context, block_len,
                                 max_sequences)
         name, arch = gpu(dev)
