@@ -78,9 +78,8 @@ class GraphBlock:
                                  hint="reserve a larger max_len")
         feats = torch.cat([j.feats for j, _ in fresh]).to(dev, torch.float32)
         pos = torch.cat([torch.arange(self.lengths[j.slot], self.lengths[j.slot] + r) for j, r in fresh])
-        dest = torch.cat([j.slot * L + torch.arange(self.lengths[j.slot], self.lengths[j.slot] + r)
-                          for j, r in fresh]).to(dev)
-        pos = pos.to(dev)
+        dest = torch.cat([torch.full((r,), j.slot * L) for j, r in fresh]) + pos  # rows of the cache buffer
+        pos, dest = pos.to(dev), dest.to(dev)
         ctx = torch.cat([self._run_context(feats[a:b], pos[a:b], dest[a:b])
                          for a, b in chunks(len(feats), self.max_tokens_per_call)])
         last = torch.tensor([r for _, r in fresh]).cumsum(0) - 1

@@ -19,6 +19,7 @@ chooses: only the number of proposed tokens changes.
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 from dataclasses import dataclass, replace
 from typing import Sequence
@@ -49,13 +50,17 @@ class CostModel:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return y0 + (y1 - y0) * (rows - x0) / (x1 - x0)
 
+    @functools.cached_property
+    def _curve(self) -> tuple[np.ndarray, np.ndarray]:
+        return np.asarray(self.rows, dtype=float), np.asarray(self.ms, dtype=float)
+
     def step_ms_many(self, rows: np.ndarray) -> np.ndarray:
         """`step_ms` of every row count in `rows` (the same arithmetic, elementwise)."""
-        xs, ys = np.asarray(self.rows, dtype=float), np.asarray(self.ms, dtype=float)
+        xs, ys = self._curve
         rows = np.asarray(rows, dtype=float)
         if len(xs) == 1:
             return np.full(rows.shape, ys[0])
-        i = np.clip(np.searchsorted(xs, rows, side="left"), 1, len(xs) - 1)
+        i = np.minimum(np.maximum(np.searchsorted(xs, rows), 1), len(xs) - 1)
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return np.where(rows <= xs[0], ys[0], y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
 
