@@ -303,26 +303,6 @@ def test_the_cost_model_prices_every_prefix_as_one_by_one():
                 _best_prefix_one_by_one(*args, pending, widths, draft=draft), (trial, draft)
 
 
-def test_a_heads_prompt_catch_up_is_priced_over_the_steps_left():
-    """Before its first draft a sequence's head must read its whole prompt: a long request pays that
-    back over many steps, one a few tokens from its end cannot (it used to be free in every step)."""
-    from types import SimpleNamespace as NS
-
-    def seq(drafted, budget, pending=130, prompt=120, draft_len=5):
-        return NS(drafted=drafted, budget=budget, pending_rows=pending, req=NS(prompt=[0] * prompt, draft_len=draft_len))
-
-    assert Engine._catch_up(seq(True, 3)) == 130  # drafting already: what was committed since
-    assert Engine._catch_up(seq(False, 600)) == 10 + 120 // 100  # 100 steps left at least: 1/100 of the prompt
-    assert Engine._catch_up(seq(False, 60)) == 10 + 12
-    assert Engine._catch_up(seq(False, 4)) == 130  # one step left: the whole prompt
-    cost = CostModel((1, 16), (20.0, 40.0), draft_ratio=0.1)  # a head row costs a tenth of a target row
-    sure = [[0.6, 0.36, 0.2, 0.1, 0.05]]
-    long, near_end = (Engine._catch_up(seq(False, b)) for b in (600, 4))
-    assert choose([5], sure, 1, cost, pending=[long]) == [2]  # a long request starts drafting
-    assert choose([3], sure, 1, cost, pending=[near_end]) == [0]  # four tokens from its end it does not
-    assert choose([3], sure, 1, cost, pending=[near_end - 120]) == [2]  # (it would, were the prompt free)
-
-
 def test_acceptance_follows_the_record_and_drifts_back_to_the_prior():
     a = Acceptance([0.5, 0.5])
     for _ in range(10):

@@ -277,7 +277,8 @@ class Engine:
             return [0] * len(decoding)
         if self.cost is None:
             return [min(s.length.next(), s.budget - 1) if s.req.speculative else 0 for s in decoding]
-        pending = [self._catch_up(s) for s in decoding]
+        # the head's catch-up on the prompt is the price of speculating at all: not held against one step
+        pending = [s.pending_rows - (0 if s.drafted else len(s.req.prompt)) for s in decoding]
         lengths = self._choose(decoding, pending, prefill_rows, prefill_keys)
         if not getattr(self.drafter, "free_drafts", False) and any(k and not s.drafted
                                                                   for s, k in zip(decoding, lengths)):
@@ -288,18 +289,6 @@ class Engine:
             starts = {s.slot for s, k in zip(self.running, steady) if k}
             lengths = [0 if k and not s.drafted and s.slot not in starts else k for s, k in zip(decoding, lengths)]
         return lengths
-
-    @staticmethod
-    def _catch_up(s: Generation) -> int:
-        """The head positions a draft of `s` this step is priced with: those committed since it last
-        drafted, its prompt (before its first draft) spread over the steps it has left at most. The
-        prompt's catch-up is the price of speculating at all, paid back over every later step, not by
-        one: a long request starts drafting, one a few tokens from its end does not start now."""
-        if s.drafted:
-            return s.pending_rows
-        prompt = len(s.req.prompt)
-        steps_left = max(1, -(-s.budget // (1 + s.req.draft_len)))  # every draft accepted: the fewest
-        return s.pending_rows - prompt + prompt // steps_left
 
     def _choose(self, seqs: list[Generation], pending: list[int], prefill_rows: int = 0,
                 prefill_keys: int = 0) -> list[int]:
