@@ -7,6 +7,7 @@ and a chat workload (bench/workloads/chat.jsonl plus open-chat prompts, /v1/chat
   specpack serve, speculation on (n-gram; EAGLE-3 too when heads/ has the head)
   specpack serve, speculation off (--max-concurrency 0)
   llama-server -np 16 (continuous batching), when --llama-cpp names a built llama.cpp tree
+  specpack serve --backend onnxruntime (n-gram and off, on an exported copy), with --onnx
 
 Every server is started at once (an idle one sleeps) and each level runs in --rounds rounds (default 2),
 the servers taking turns in an order rotated each round: this machine drifts by 10-20% over minutes, and
@@ -157,12 +158,25 @@ def measure(url: str, model: str, name: str, workload: str, items: list[dict], c
     return run
 
 
-def specpack_server(artifact: Path, port: int, spec: bool, slots: int) -> subprocess.Popen:
+def specpack_server(artifact: Path, port: int, spec: bool, slots: int, backend: str = "torch") -> subprocess.Popen:
     args = [sys.executable, "-m", "specpack", "serve", str(artifact), "--port", str(port), "--max-seqs", str(slots),
-            "--max-model-len", "2048"]
+            "--max-model-len", "2048", "--backend", backend]
     if not spec:
         args += ["--max-concurrency", "0"]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def onnx_copy(artifact: Path, out: Path) -> Path:
+    """An exported copy of `artifact` at `out` (made once; the demo artifact itself stays as built)."""
+    import shutil
+
+    from specpack.converters.onnx_export import export_onnx, read_index
+
+    if not (out.is_dir() and read_index(out) is not None):
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.copytree(artifact, out)
+        export_onnx(out, drop_signature=True, progress=False)
+    return out
 
 
 def llama_server(llama: Path, gguf: Path, port: int, slots: int) -> subprocess.Popen:
@@ -257,7 +271,9 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16, help="requests per level (at least one per client)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--only", help="comma-separated servers to run: specpack-ngram,specpack-plain,"
-                                   "specpack-eagle3,llama-server")
+                                   "specpack-eagle3,llama-server (and specpack-onnx-* with --onnx)")
+    ap.add_argument("--onnx", action="store_true",
+                    help="also serve on ONNX Runtime (`serve --backend onnxruntime`, n-gram and off)")
     ap.add_argument("--json", type=Path, help="also write every row here")
     ap.add_argument("--prompt-cache", action="store_true", help="let llama-server reuse cached prompt prefixes")
     ap.add_argument("--rounds", type=int, default=2,
@@ -275,6 +291,12 @@ def main() -> int:
                "specpack-plain": (lambda p: specpack_server(artifact, p, False, slots), artifact.name)}
     if eagle3 is not None:
         servers["specpack-eagle3"] = (lambda p: specpack_server(eagle3, p, True, slots), eagle3.name)
+    if args.onnx:
+        graphs = onnx_copy(artifact, cache_dir() / f"{artifact.name}-onnx")
+        servers["specpack-onnx-ngram"] = (lambda p: specpack_server(graphs, p, True, slots, "onnxruntime"),
+                                          artifact.name)  # the model name clients send: the manifest's
+        servers["specpack-onnx-plain"] = (lambda p: specpack_server(graphs, p, False, slots, "onnxruntime"),
+                                          artifact.name)
     if args.llama_cpp:
         gguf = f32_gguf(args.llama_cpp, cache_dir() / "smollm2-135m-instruct-f32", cache_dir() / "smollm2-f32.gguf")
         servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, gguf, p, slots), "smollm2")

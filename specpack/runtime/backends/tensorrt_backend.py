@@ -116,13 +116,13 @@ def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: i
     context graph runs over the newly committed rows of every sequence too; its step graph has one
     profile: up to `max_sequences` query blocks of `block_len` rows (a fixed size in the graph)."""
     p_max, p_opt = max_context - 1, max_context // 2
+    n_max = max_sequences * (max_context + ALIGN)  # every slot's cache, + the alignment padding of each
 
     def one(t_max, t_opt, k_opt, r_opt, u_opt):
         return {"T": (1, t_opt, t_max), "P": (0, p_opt, p_max), "P+T": (1, p_opt + t_opt, p_max + t_max),
                 "K": (1, k_opt, t_max), "R": (0, r_opt, t_max), "U": (0, u_opt, t_max)}
 
     def many(b_opt, b_max, q_opt, q_max, t_opt, t_max, k_opt, r_opt=0, u_opt=0):
-        n_max = max_sequences * (max_context + ALIGN)  # + the alignment padding of each slot
         return {"T": (1, t_opt, t_max), "B": (1, b_opt, b_max), "Q": (1, q_opt, q_max), "P": (0, p_opt, p_max),
                 "P+Q": (1, p_opt + q_opt, p_max + q_max), "N": (1, n_max // 2, n_max), "K": (1, k_opt, t_max),
                 "R": (0, r_opt, t_max), "U": (0, u_opt, t_max)}
@@ -139,7 +139,6 @@ def profile_ranges(role: str, max_verify: int, opt_tokens: int, prefill_chunk: i
     if role == "block_context":  # every sequence's newly committed rows (a prompt: in chunks)
         return [one(t_decode, min(S * opt, t_decode), 1, 0, 0), one(prefill_chunk, prefill_chunk, 1, 0, 0)]
     if role == "block_step":  # every sequence's query block of block_len rows
-        n_max = max_sequences * (max_context + ALIGN)
         return [{"T": (block_len, S * block_len, S * block_len), "B": (1, S, S), "P": (0, p_opt, p_max),
                  "N": (1, n_max // 2, n_max), "K": (1, S * min(opt, block_len), S * block_len)}]
     return [many(S, S, opt, max_verify, min(S * opt, t_decode), t_decode, min(S * opt, t_decode)), prefill]
