@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specpack.errors import InputError, UnsupportedError
+from specpack.errors import InputError
 from specpack.packager import BuildOptions, NgramParams, build, sign_artifact, verify
 from specpack.packager.artifact import read_manifest
 from specpack.tuning.profiles import (INCOMPATIBLE, LOW_MEMORY, RUNNABLE, Machine, check_profile,
@@ -203,6 +203,24 @@ def test_select_profile_for_run_and_serve(tuned):
         select_profile(manifest, dtype="bfloat16", wanted=p.name, machine=_machine())
 
 
+def test_tune_on_onnxruntime_writes_a_profile_that_onnxruntime_runs_pick(artifact, workload, tmp_path):
+    """`tune --backend onnxruntime` measures the exported graphs through the same batched engine and
+    stores a profile for that backend: ONNX Runtime runs pick it, torch runs do not."""
+    from specpack.converters.onnx_export import export_onnx
+
+    art = tmp_path / "art"
+    shutil.copytree(artifact, art)
+    export_onnx(art, progress=False)
+    result = tune(art, workload, backend="onnxruntime", **{**TUNE, "concurrency": [1, 2], "draft_lens": [2]})
+    p = result.profile
+    assert p.backend == "onnxruntime" and p.evidence.software.packages["onnxruntime"]
+    assert [pt.concurrency for pt in p.evidence.concurrency_sweep] == [1, 2]
+    manifest = read_manifest(art)
+    assert select_profile(manifest, "cpu", "float32", backend="onnxruntime", machine=_machine()).profile == p
+    assert select_profile(manifest, "cpu", "float32", backend="torch", machine=_machine()).profile is None
+    verify(art)
+
+
 def test_profiles_are_per_weight_precision(tuned):
     """A profile measured with fp32 weights is not picked for an int8 run, and one measured with
     int8 weights (`tune --weights int8`) only for int8 runs; profiles from before the field stay valid."""
@@ -257,7 +275,7 @@ def test_shipped_workloads_parse():
 
 
 def test_bad_tune_inputs_fail_before_measuring(artifact, workload, tmp_path):
-    with pytest.raises(UnsupportedError, match="torch backend only"):
+    with pytest.raises(InputError, match="has no ONNX export"):  # onnxruntime measures the exported graphs
         tune(artifact, workload, backend="onnxruntime")
     with pytest.raises(InputError, match="invalid tune options") as err:
         tune(artifact, workload, concurrency=[0], draft_lens=[0, 17], max_new_tokens=0, tree_shapes=[(3, 1, 5)])

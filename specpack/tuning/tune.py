@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from specpack import __version__
-from specpack.errors import InputError, SpecpackError, UnsupportedError
+from specpack.errors import InputError, SpecpackError
 from specpack.packager.update import recover
 from specpack.runtime.drafters.base import TreeShape
 from specpack.runtime.engine.cost import KEY_PROBE, measure as measure_cost
@@ -269,22 +269,22 @@ def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype:
          max_new_tokens: int = 128, repeats: int = 2, key=None, public_key=None, progress: bool = False,
          plot_dir=None, machine: Optional[Machine] = None,
          tree_shapes: Optional[Sequence[Shape]] = None) -> TuneResult:
-    """Measure `artifact` on `workload` and write the best setting as a validated profile into its
-    manifest (re-signed with `key`; a signed artifact without `key` is refused before any work).
+    """Measure `artifact` on `workload` on `backend` (onnxruntime and tensorrt need the artifact's ONNX
+    export) and write the best setting as a validated profile for that backend into its manifest
+    (re-signed with `key`; a signed artifact without `key` is refused before any work).
     Each setting is measured `repeats` times and its fastest pass kept (less noise). Drafters that
     branch also get draft trees measured: `tree_shapes` (depth, top-k, nodes) when given (empty:
     none), else a search from the best draft length."""
     from specpack.runtime.api import check_weights, load
 
-    if backend != "torch":
-        raise UnsupportedError(f"tune measures the torch backend only, not {backend!r}", hint="use --backend torch")
     _check_options(concurrency, draft_lens, max_new_tokens, repeats, tree_shapes)
     check_weights(weights, backend, device, dtype)
     wl = read_workload(workload)
     check_writable(Path(artifact), key)  # every option is checked before the first write
     recover(Path(artifact))
     start = time.perf_counter()
-    model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights)
+    model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights,
+                 backend=backend)
     prompts = encode_workload(model, wl, max_new_tokens)
     with _Progress(progress) as bar:
         figures = _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, tree_shapes)
