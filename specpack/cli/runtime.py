@@ -198,8 +198,7 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
     from specpack.serving.serve import prepare, run as run_server
 
     plan = prepare(artifact, profile=profile, backend=backend, device=device, dtype=dtype, weights=weights,
-                   public_key=public_key,
-                   model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
+                   public_key=public_key, model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
                    draft_tree=tree_shape(draft_tree, "--draft-tree"),
                    progress=progress_enabled(False), api_key=api_key, max_body_bytes=max_body_bytes,
                    max_seqs=max_seqs, max_model_len=max_model_len, max_queue=max_queue, prefill_chunk=prefill_chunk)

@@ -67,13 +67,14 @@ class ServerPlan:
 
 
 def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype: str = "float32",
-            weights: str = "fp32", backend: str = "torch", public_key=None, model_name: Optional[str] = None, max_concurrency: Optional[int] = None,
+            weights: str = "fp32", backend: str = "torch", public_key=None, model_name: Optional[str] = None,
+            max_concurrency: Optional[int] = None,
             draft_len: Optional[int] = None, progress: bool = False, api_key: Optional[str] = None,
             draft_tree=None,
             max_body_bytes: int = MAX_BODY_BYTES, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
             max_queue: Optional[int] = None, prefill_chunk: int = 64, measure_cost: bool = True) -> ServerPlan:
-    """Verify and load `artifact` on `backend`, pick its best runnable profile (or `profile`), plan the KV cache
-    (`max_seqs` slots of `max_model_len` positions, fewer when memory is short), build the app.
+    """Verify and load `artifact` on `backend`, pick its best runnable profile (or `profile`), plan the
+    KV cache (`max_seqs` slots of `max_model_len` positions, fewer when memory is short), build the app.
     `max_concurrency` / `draft_len` / `draft_tree` (a TreeShape; top-k 1: chains) override what the
     profile says; `api_key` is required from
     clients on every route but /health; with `measure_cost` the engine's cost curve is measured at

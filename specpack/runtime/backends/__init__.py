@@ -49,13 +49,13 @@ def load(name: str, artifact, manifest, device: str = "cpu", dtype: str = "float
 
 
 class SlotCache:
-    """One sequence slot's part of a graph's cache [entries, max_len, *slot], in the graphs' input
-    order (key.0, value.0, key.1, ... or latent.0, latent.1, ...), slot-major; `length` is how many
-    positions it holds (roll back by assigning a smaller one). `store` (optional) is a view to use
-    as the buffer (`SharedCaches`)."""
+    """One sequence slot's part of a graph's cache, `store` [entries, max_len, *slot] (a view of the
+    `SharedCaches` buffer), in the graphs' input order (key.0, value.0, key.1, ... or latent.0,
+    latent.1, ...), slot-major; `length` is how many positions it holds (roll back by assigning a
+    smaller one)."""
 
-    def __init__(self, entries: int, slot: Sequence[int], max_len: int, dtype, device, store: Tensor | None = None):
-        self.store = torch.zeros(entries, max_len, *slot, dtype=dtype, device=device) if store is None else store
+    def __init__(self, store: Tensor):
+        self.store = store
         self.length = 0
 
     @property
@@ -78,7 +78,7 @@ class SharedCaches:
         entries, slot = layout  # as `cache_layout` reads it from a graph
         self.flat = torch.zeros(entries, slots * max_len, *slot, dtype=dtype, device=device)
         view = self.flat.view(entries, slots, max_len, *slot)
-        self.slots = [SlotCache(entries, slot, max_len, dtype, device, store=view[:, s]) for s in range(slots)]
+        self.slots = [SlotCache(view[:, s]) for s in range(slots)]
         self.max_len = max_len
 
     def past(self) -> list[Tensor]:
@@ -185,15 +185,18 @@ def query_group(spec) -> int:
 
 
 class ManySequenceGraph:
-    """What the adapters of the many-sequence graphs (the target's, the EAGLE-3 head's) share: every
+    """What the adapters of the many-sequence graphs (the target's, the EAGLE-3 head's, each MTP
+    layer's) share: every
     sequence slot's cache as a view of one buffer (`SharedCaches`), which each call reads whole and
     gathers from, so one call runs the new rows of every sequence of a forward and the weights stream
     once whatever the batch. `max_tokens_per_call` (None: unbounded) splits longer inputs, such as
     prefills beyond a TensorRT profile, into consecutive calls (`plan_calls`): the same result, since
     each call sees the cache the last wrote. Subclasses set `graph`, `spec`, `device`, `dtype` and
-    implement `_run` (one graph call)."""
+    implement `_run` (one graph call); a backend that needs the new slots written somewhere fixed
+    (TensorRT: 256-byte aligned) sets `new_buffer` [entries, max_tokens_per_call, *slot]."""
 
     max_tokens_per_call: int | None = None
+    new_buffer: Tensor | None = None
 
     def _bind(self, graph, role: str) -> None:
         """Read `graph`'s cache names; refuse an export whose graph takes one sequence a call."""
@@ -260,6 +263,8 @@ class ManySequenceGraph:
 
     def _new_slots(self, T: int) -> Tensor:
         """Where a call writes its T new slots: [entries, T, *slot], each entry contiguous."""
+        if self.new_buffer is not None:
+            return self.new_buffer[:, :T]
         flat = self.shared.flat
         return torch.empty(flat.shape[0], T, *flat.shape[2:], dtype=flat.dtype, device=flat.device)
 

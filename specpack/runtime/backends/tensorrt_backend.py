@@ -332,15 +332,11 @@ class TrtTarget(GraphTarget):
     def __init__(self, engine: _Engine, graph, spec, aux_layer_ids, device, kv_dtype, prefill_chunk: int):
         super().__init__(spec, graph, aux_layer_ids, device, kv_dtype)
         self.engine, self.max_tokens_per_call = engine, prefill_chunk
-        self.staging: _Staging | None = None
 
     def setup_cache(self, max_len: int, slots: int = 1) -> None:
         check_sequences(self.engine, slots)
         super().setup_cache(_padded_len(max_len, self.graph, self.dtype), slots)
-        self.staging = _Staging(self.caches[0], self.max_tokens_per_call)
-
-    def _new_slots(self, T: int) -> Tensor:
-        return self.staging.buf[:, :T]  # each entry's rows start aligned
+        self.new_buffer = _Staging(self.caches[0], self.max_tokens_per_call).buf  # each entry's rows aligned
 
     def _run(self, T, inputs, outputs):
         self.engine.run(T, inputs, outputs)
@@ -352,15 +348,11 @@ class TrtEagle3(GraphEagle3):
     def __init__(self, engine: _Engine, graph, spec, d2t, device, kv_dtype, prefill_chunk: int):
         super().__init__(spec, graph, d2t, device, kv_dtype)
         self.engine, self.max_tokens_per_call = engine, prefill_chunk
-        self.staging: _Staging | None = None
 
     def reserve(self, slots: int, max_len: int) -> None:
         check_sequences(self.engine, slots)
         super().reserve(slots, _padded_len(max_len, self.graph, self.dtype))
-        self.staging = _Staging(self.caches[0], self.max_tokens_per_call)
-
-    def _new_slots(self, T: int) -> Tensor:
-        return self.staging.buf[:, :T]
+        self.new_buffer = _Staging(self.caches[0], self.max_tokens_per_call).buf
 
     def _run(self, T, inputs, outputs):
         self.engine.run(T, inputs, outputs)
@@ -381,8 +373,7 @@ class TrtMtp(GraphMtp):
             check_sequences(engine, slots)
         super().reserve(slots, max(_padded_len(max_len, g, self.dtype) for g in self.graphs))
         for layer in self.layers:  # each layer's new rows staged aligned
-            staging = _Staging(layer.caches[0], layer.max_tokens_per_call)
-            layer._new_slots = lambda T, buf=staging.buf: buf[:, :T]
+            layer.new_buffer = _Staging(layer.caches[0], layer.max_tokens_per_call).buf
 
 
 class TrtBlock(GraphBlock):

@@ -270,12 +270,12 @@ def _best_prefix(cands, sequences: int, base_rows: int, cost: CostModel, context
     the prefix with the most tokens per millisecond (each sequence's last token counts one), none
     unless that beats no drafts by `margin`. With `draft`, the head's steps are priced too.
     Every prefix at once (numpy; the engine asks each step for up to slots x draft length)."""
+    if not cands:
+        return 0
     rows, keys = base_rows + sunk_rows, base_keys + sunk_keys
     floor = cost.time(rows, keys=keys)  # this step without drafts
     own = cost.time(base_rows, keys=base_keys)  # what the decoding rows alone would cost
     base = sequences / own
-    if not cands:
-        return 0
     s, j, i = (np.asarray(c) for c in zip(*cands))
     tokens = np.cumsum(np.concatenate([[float(sequences)], s]))[1:]  # summed in order, as one by one
     n_rows = rows + np.arange(1, len(cands) + 1)
@@ -289,7 +289,5 @@ def _best_prefix(cands, sequences: int, base_rows: int, cost: CostModel, context
         if pending:
             time = time + cost.absorb_ms() * np.cumsum(first * np.asarray(pending)[i])
     rate = tokens / (own + time - floor)
-    best = int(np.argmax(rate))
-    if rate[best] <= base:
-        return 0
-    return best + 1 if rate[best] >= base * (1 + margin) else 0
+    best = int(np.argmax(rate))  # the first of the best: a longer prefix must do strictly better
+    return best + 1 if rate[best] > base and rate[best] >= base * (1 + margin) else 0
