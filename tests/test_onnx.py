@@ -268,6 +268,11 @@ def test_backend_errors(tmp_path):
         target(torch.tensor([1, 2]), capture=(1, 2))
     with pytest.raises(InputError, match="do not fit"):
         target(torch.arange(9))
+    old = read_index(art).graph("target_step")  # as an export made before graphs took many sequences
+    old = old.model_copy(update={"inputs": [i for i in old.inputs if i.name not in ("seq_rows", "row_place")]})
+    with pytest.raises(InputError, match="runs one sequence a call") as exc:
+        backends.GraphTarget(target.spec, old, None, torch.device("cpu"), torch.float32)
+    assert "--force" in exc.value.hint
     (art / ONNX_DIR / "weights.bin").write_bytes(b"tampered")
     with pytest.raises(Exception, match="failed verification"):
         verify(art)

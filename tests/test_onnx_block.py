@@ -176,3 +176,18 @@ def test_tensorrt_adapters_run_the_block_graphs():
     assert trtb.engine_paths("ART", trtb.EngineKey(role="block_step", tensorrt_version="10.9.0", gpu_name="x",
                                                    gpu_arch="sm_90", dtype="float16", profiles=[],
                                                    onnx_sha256="ab" * 32))[0].name == "block_step-float16.plan"
+
+
+def test_an_export_whose_step_graph_runs_one_sequence_is_refused():
+    """A block export made before the step graph took many sequences: a clear error naming the fix."""
+    from specpack.errors import InputError
+    from specpack.runtime.backends.graph_block import GraphBlock, block_files
+
+    art = artifact("lilicorr")
+    index = read_index(art)
+    step = index.graph("block_step")
+    old = step.model_copy(update={"inputs": [i for i in step.inputs if i.name not in ("seq_rows", "seen")]})
+    with pytest.raises(InputError, match="runs one sequence a call") as exc:
+        GraphBlock(*block_files(art / "drafter"), index.graph("block_context"), old, torch.device("cpu"),
+                   torch.float32)
+    assert "--force" in exc.value.hint
