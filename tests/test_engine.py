@@ -4,6 +4,7 @@ sequences, slot reuse), for every drafter kind and both CPU backends; seeded sam
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 
@@ -288,8 +289,12 @@ def test_the_cost_model_prices_every_prefix_as_one_by_one():
     for trial in range(300):
         n = int(torch.randint(1, 17, (1,), generator=g))
         depth = int(torch.randint(1, 6, (1,), generator=g))
-        cands = sorted(((float(torch.rand(1, generator=g)) ** (j + 1), j, i) for i in range(n)
-                        for j in range(1, depth + 1)), key=lambda c: (-c[0], c[1]))
+        limits = torch.randint(0, depth + 1, (n,), generator=g).tolist()
+        survival = [torch.cumprod(torch.rand(depth, generator=g), 0).tolist() for _ in range(n)]
+        if trial % 7 == 0:  # ties: the shorter draft first, then the lower sequence
+            survival = [[0.5 ** j for j in range(1, depth + 1)] for _ in range(n)]
+        cands = sorted(((s, j, i) for i, surv in enumerate(survival) for j, s in enumerate(surv[: limits[i]], 1)),
+                       key=lambda c: (-c[0], c[1]))
         ms = torch.cumsum(torch.rand(5, generator=g) * 8, 0) + 10
         cost = CostModel((1, 4, 16, 32, 64), tuple(ms.tolist()), draft_ratio=float(torch.rand(1, generator=g)) / 4,
                          key_ms=float(torch.rand(1, generator=g)) * 1e-3)
@@ -297,10 +302,18 @@ def test_the_cost_model_prices_every_prefix_as_one_by_one():
         pending = torch.randint(0, 300, (n,), generator=g).tolist() if trial % 3 else None
         widths = torch.randint(1, 4, (n,), generator=g).tolist() if trial % 5 == 0 else None
         sunk = int(torch.randint(0, 64, (1,), generator=g)) if trial % 4 == 0 else 0
-        args = (cands, n, n, cost, contexts, sum(contexts or []), 0.03 * (trial % 2), sunk, 7 * sunk)
-        for draft in (False, True):
-            assert _best_prefix(*args, pending, widths, draft=draft) == \
-                _best_prefix_one_by_one(*args, pending, widths, draft=draft), (trial, draft)
+        margin = 0.03 * (trial % 2)
+        args = (n, n, cost, contexts, sum(contexts or []), margin, sunk, 7 * sunk)
+        take = 0
+        for draft in (False, True) if cands else ():
+            take = _best_prefix_one_by_one(cands, *args, pending, widths, draft=draft)
+            arrays = [np.asarray(c) for c in zip(*cands)]
+            assert _best_prefix(*arrays, *args, pending, widths, draft=draft) == take, (trial, draft)
+        lengths = [0] * n
+        for _, j, i in cands[:take]:
+            lengths[i] = max(lengths[i], j)
+        assert choose(limits, survival, n, cost, contexts, sum(contexts or []), margin, pending, sunk, 7 * sunk,
+                      widths) == lengths, trial
 
 
 def test_acceptance_follows_the_record_and_drifts_back_to_the_prior():

@@ -152,6 +152,7 @@ class Acceptance:
         while len(self.prior) < len(self.rate):
             self.prior.append(self.prior[-1] if self.prior else 0.0)
         self.weight, self.relax = weight, relax
+        self._survival: list[float] = []  # S_1.. as far as asked since the last update
 
     def rates(self) -> tuple[float, ...]:
         """The current per-position rates (a new sequence's starting point)."""
@@ -162,13 +163,13 @@ class Acceptance:
 
     def survival(self, k: int) -> list[float]:
         """S_1..S_k: the chance drafts 1..j are all accepted."""
-        out, s = [], 1.0
-        for j in range(k):
-            s *= self._at(j)
-            out.append(s)
-        return out
+        out = self._survival
+        while len(out) < k:
+            out.append((out[-1] if out else 1.0) * self._at(len(out)))
+        return out[:k]
 
     def update(self, proposed: int, accepted: int) -> None:
+        self._survival = []
         while len(self.rate) < proposed:
             self.rate.append(self._at(len(self.rate)))
             self.prior.append(self.rate[-1])
@@ -236,13 +237,17 @@ def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows
     (`sunk_keys` keys) that must run anyway: they set where on the curve draft rows are priced, but
     their cost is not held against the drafts (else a step made slow by a prefill chunk would make
     any draft look cheap). No drafts unless they promise `margin` more tokens per millisecond."""
-    cands = sorted(((s, j, i) for i, surv in enumerate(survival) for j, s in enumerate(surv[: limits[i]], 1)),
-                   key=lambda c: (-c[0], c[1]))
-    take = _best_prefix(cands, len(limits), base_rows, cost, contexts, base_keys, margin, sunk_rows, sunk_keys,
-                        pending, widths, draft=True)
     lengths = [0] * len(limits)
-    for _, j, i in cands[:take]:
-        lengths[i] = max(lengths[i], j)
+    cut = [surv[:k] for surv, k in zip(survival, limits)]
+    if not any(cut):
+        return lengths
+    s, j, i = _candidates(cut)
+    order = np.lexsort((j, -s))  # best first; equal survivals: the shorter draft first, then the sequence
+    s, j, i = s[order], j[order], i[order]
+    take = _best_prefix(s, j, i, len(limits), base_rows, cost, contexts, base_keys, margin, sunk_rows, sunk_keys,
+                        pending, widths, draft=True)
+    for n, k in zip(i[:take].tolist(), j[:take].tolist()):
+        lengths[n] = max(lengths[n], k)
     return lengths
 
 
@@ -254,31 +259,41 @@ def choose_nodes(survival: Sequence[Sequence[float]], depths: Sequence[Sequence[
     `depths[i][n]`, taken in order of survival while tokens per millisecond keep rising, as
     `choose` does (the drafting itself is done: only verification rows are priced), so every kept
     node's ancestors are kept."""
-    cands = sorted(((s, n, i) for i, surv in enumerate(survival) for n, s in enumerate(surv)),
-                   key=lambda c: (-c[0], c[2], c[1]))
-    take = _best_prefix([(s, depths[i][n], i) for s, n, i in cands], len(survival), base_rows, cost, contexts,
-                        base_keys, margin, sunk_rows, sunk_keys)
     keep: list[list[int]] = [[] for _ in survival]
-    for _, n, i in cands[:take]:
-        keep[i].append(n)
+    if not any(survival):
+        return keep
+    s, n, i = _candidates(survival)
+    order = np.lexsort((n, i, -s))  # best first; equal survivals: by sequence, then parents first
+    s, n, i = s[order], n[order] - 1, i[order]
+    d = np.concatenate([np.asarray(x, dtype=np.int64) for x in depths if len(x)])[order]
+    take = _best_prefix(s, d, i, len(survival), base_rows, cost, contexts, base_keys, margin, sunk_rows, sunk_keys)
+    for q, m in zip(i[:take].tolist(), n[:take].tolist()):
+        keep[q].append(m)
     return [sorted(k) for k in keep]
 
 
-def _best_prefix(cands, sequences: int, base_rows: int, cost: CostModel, contexts, base_keys: int, margin: float,
-                 sunk_rows: int, sunk_keys: int, pending=None, widths=None, draft: bool = False) -> int:
-    """How many of `cands` ((survival, depth, sequence), best first; each one row) to verify:
-    the prefix with the most tokens per millisecond (each sequence's last token counts one), none
-    unless that beats no drafts by `margin`. With `draft`, the head's steps are priced too.
-    Every prefix at once (numpy; the engine asks each step for up to slots x draft length)."""
-    if not cands:
-        return 0
+def _candidates(survival: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every (survival, 1-based position, sequence) as three flat arrays, sequence by sequence."""
+    sizes = [len(x) for x in survival]
+    s = np.concatenate([np.asarray(x, dtype=float) for x in survival if len(x)])
+    j = np.concatenate([np.arange(1, k + 1) for k in sizes if k])
+    i = np.repeat(np.arange(len(sizes)), sizes)
+    return s, j, i
+
+
+def _best_prefix(s: np.ndarray, j: np.ndarray, i: np.ndarray, sequences: int, base_rows: int, cost: CostModel,
+                 contexts, base_keys: int, margin: float, sunk_rows: int, sunk_keys: int, pending=None, widths=None,
+                 draft: bool = False) -> int:
+    """How many candidates to verify, each one row, best first: candidate c is sequence `i[c]`'s row
+    at depth `j[c]` with survival `s[c]`. The prefix with the most tokens per millisecond (each
+    sequence's last token counts one), none unless that beats no drafts by `margin`. With `draft`,
+    the head's steps are priced too. Every prefix at once (numpy; the engine asks each step)."""
     rows, keys = base_rows + sunk_rows, base_keys + sunk_keys
     floor = cost.time(rows, keys=keys)  # this step without drafts
     own = cost.time(base_rows, keys=base_keys)  # what the decoding rows alone would cost
     base = sequences / own
-    s, j, i = (np.asarray(c) for c in zip(*cands))
     tokens = np.cumsum(np.concatenate([[float(sequences)], s]))[1:]  # summed in order, as one by one
-    n_rows = rows + np.arange(1, len(cands) + 1)
+    n_rows = rows + np.arange(1, len(s) + 1)
     n_keys = keys + (np.cumsum(np.asarray(contexts)[i] + j) if contexts else 0)
     time = cost.step_ms_many(n_rows) + cost.key_ms * n_keys
     if draft:

@@ -113,6 +113,16 @@ class Generation:
     def context(self) -> Tensor:
         return self.buf[: self.n]
 
+    def catch_up_rows(self) -> int:
+        """The head positions a draft this step must catch up on, as the cost model prices them. The
+        prompt's catch-up is the price of speculating at all, bought once for every later step: a
+        sequence that has not drafted yet gets the share of it that its remaining life will use free
+        (all at its start; little near its end, where a first draft would buy it for a step or two)."""
+        if self.drafted:
+            return self.pending_rows
+        life = len(self.new) + self.budget
+        return self.pending_rows - len(self.req.prompt) * self.budget // max(1, life)
+
     def emit(self, tokens: list[int]) -> None:
         """Append tokens, cutting at the first EOS, stop sequence, token limit or context end."""
         taken = []
@@ -277,8 +287,7 @@ class Engine:
             return [0] * len(decoding)
         if self.cost is None:
             return [min(s.length.next(), s.budget - 1) if s.req.speculative else 0 for s in decoding]
-        # the head's catch-up on the prompt is the price of speculating at all: not held against one step
-        pending = [s.pending_rows - (0 if s.drafted else len(s.req.prompt)) for s in decoding]
+        pending = [s.catch_up_rows() for s in decoding]
         lengths = self._choose(decoding, pending, prefill_rows, prefill_keys)
         if not getattr(self.drafter, "free_drafts", False) and any(k and not s.drafted
                                                                   for s, k in zip(decoding, lengths)):
