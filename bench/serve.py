@@ -9,7 +9,8 @@ and a chat workload (bench/workloads/chat.jsonl plus open-chat prompts, /v1/chat
   llama-server -np 16 (continuous batching), when --llama-cpp names a built llama.cpp tree
   specpack serve --backend onnxruntime (n-gram and off, on an exported copy), with --onnx
 
-Every server is started at once (an idle one sleeps) and each level runs in --rounds rounds (default 2),
+Every server is started, one after another (each measures its cost curve alone), and stays up (an idle
+one sleeps); each level runs in --rounds rounds (default 2),
 the servers taking turns in an order rotated each round: this machine drifts by 10-20% over minutes, and
 one server after another would put that drift between them. Prints aggregate completion tokens/s, mean time to first token, p50/p95 request latency, errors,
 and whether every output equals the same server's 1-client output, plus the ratios the issue's
@@ -196,16 +197,17 @@ def f32_gguf(llama: Path, hf_dir: Path, out: Path) -> Path:
 
 def bench_servers(servers: dict, loads: dict, levels: list[int], n_requests: int, max_tokens: int,
                   rounds: int) -> list[Run]:
-    """Every server up at once (an idle one sleeps); per workload and level, `rounds` rounds in which
+    """Every server up, started one after another (a server without a tuned profile measures its
+    cost curve at start: two measuring at once would each see half the machine), then idle ones
+    sleep; per workload and level, `rounds` rounds in which
     each server takes its turn, the order rotated each round, so the machine's drift over minutes
     falls on all of them alike instead of on whichever ran last."""
     procs, urls = {}, {}
     runs: dict[tuple, Run] = {}
     try:
-        for name, (start, _, _) in servers.items():
+        for name, (start, _, _) in servers.items():  # one at a time: each measures its cost curve alone
             port = free_port()
             procs[name], urls[name] = start(port), f"http://127.0.0.1:{port}"
-        for name in servers:
             wait_ready(urls[name], procs[name])
         for workload, items in loads.items():
             reference = {}
