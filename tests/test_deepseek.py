@@ -116,6 +116,25 @@ def test_cpu_kernels_leave_the_absorbed_matrix_readable(pair):
     assert (packed(tokens).logits - plain(tokens).logits).abs().max() <= TOL
 
 
+def test_narrow_weights_leave_the_router_and_absorbed_products_exact(pair):
+    """Under --weights int8 every linear layer is quantized, but routing decides which experts run
+    and MLA's absorbed products were never linear layers: both go on the packed kernel (row-exact)
+    with the weight's own values."""
+    from specpack.runtime.kernels.accelerate import use_cpu_kernels
+
+    _, _, path = pair
+    model = load_target(path)
+    if not use_cpu_kernels(model, "int8"):
+        pytest.skip("the CPU kernels are unavailable here")
+    gate, attn = model.layers[1].mlp.gate, model.layers[1].self_attn
+    assert torch.equal(gate.packed.dense(), gate.weight)
+    s = attn.s
+    w = attn.kv_b_proj.weight.view(s.num_heads, s.qk_nope_head_dim + s.v_head_dim, -1)
+    for h, (keys, values) in enumerate(attn.heads):
+        assert torch.equal(keys.dense(), w[h, : s.qk_nope_head_dim].T)
+        assert torch.equal(values.dense(), w[h, s.qk_nope_head_dim :])
+
+
 def test_bf16_keeps_the_router_in_fp32(pair):
     _, _, path = pair
     model = load_target(path, dtype=torch.bfloat16)

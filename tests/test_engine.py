@@ -167,17 +167,18 @@ def test_tree_drafts_are_lossless_alone_and_batched(kind, backend, monkeypatch):
     assert moved or kind not in ("eagle3", "draft_model")
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "deepseek"])
 @pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
 def test_a_sequence_gets_the_same_logits_bits_in_any_batch(backend, family):
     """Bit for bit, not just the argmax: each sequence's verification rows alone, then with others
     of other lengths and row counts (chains and a tree) in one forward. On ONNX Runtime that is one
     graph call over every sequence (the target graph's attention pads them to a common shape).
-    (Not DeepSeek-V3: its router and MLA's absorbed projections are torch matmuls whose last bits
-    depend on the row count, on both backends; its tokens are checked in the tests above.)"""
+    DeepSeek-V3: MLA's latent cache and absorbed products, the router, experts that see one token
+    alone and several in the batch."""
     from specpack.runtime.models.rows import Rows, Segment
 
-    m = model("ngram", backend) if family == "llama" else _family_model(family, backend)
+    m = {"llama": lambda: model("ngram", backend), "deepseek": lambda: model("mtp-1", backend)}.get(
+        family, lambda: _family_model(family, backend))()
     t, V = m.target, m.target.spec.vocab_size
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, V, (n,), generator=g) for n in (5, 300, 140, 20, 9)]  # beyond a 128-key block

@@ -78,12 +78,12 @@ class MLA(nn.Module):
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = rope(q_pe, cos, sin), rope(k_pe[:, None], cos, sin)[:, 0]
         latent = torch.cat([rms(c_kv, self.kv_a_norm, self.latent_eps), k_pe], -1)  # [T, r + rope]: new slots
-        q_latent = (q_nope.transpose(0, 1) @ self.w_uk).transpose(0, 1)  # [T, n, r]: q_nope · W_UK
+        q_latent = _two_rows(lambda a: (a.transpose(0, 1) @ self.w_uk).transpose(0, 1), q_nope)  # [T, n, r]: q_nope · W_UK
         query = torch.cat([q_latent, q_pe], -1)  # [T, n, r + rope]
         # one latent "head" shared by all query heads: keys are the whole latent, values its first r dims
         y = attend(query, latent[:, None], latent[:, None], past_latent[:, None], past_latent[:, None], mask,
                    self.scale).reshape(T, n, -1)[..., :r]  # [T, n, r]
-        out = (y.transpose(0, 1) @ self.w_uv).transpose(0, 1)  # [T, n, v]: latent · W_UV
+        out = _two_rows(lambda a: (a.transpose(0, 1) @ self.w_uv).transpose(0, 1), y)  # [T, n, v]: latent · W_UV
         return F.linear(out.reshape(T, n * self.v), self.o_w, self.o_b), [latent]
 
 
@@ -122,3 +122,11 @@ class MoE(nn.Module):
             w = (weights * hit).sum(-1).index_select(0, tok)  # and their weight for it
             out = out.index_add(0, tok, expert(x.index_select(0, tok)) * w[:, None])
         return out + self.shared(x) if self.shared is not None else out
+
+
+def _two_rows(f, x):
+    """f(x) for x [T, ...] computed over x and one row of zeros, the extra row dropped: ONNX Runtime
+    takes another path for a batched (3-D) product of one row, whose last bits differ from the same
+    row's in a longer one, so a row's result would depend on how many rows share its call. (Its 2-D
+    products, every linear layer and expert here, give the same bits at any row count.)"""
+    return f(torch.cat([x, x.new_zeros((1, *x.shape[1:]))]))[: x.shape[0]]

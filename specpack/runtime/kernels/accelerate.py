@@ -83,6 +83,9 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
         _widen(model)
     if swapped and available():
         torch.set_num_threads(1)
+        for m in model.modules():  # products outside nn.Linear (DeepSeek's router and MLA's absorbed ones)
+            if hasattr(m, "pack_products"):
+                m.pack_products()
         fused = sum(m.fuse_layers() for m in model.modules() if hasattr(m, "fuse_layers"))
         log.info("CPU kernels: %d linear layers packed (%s weights), %d decoders fused; torch ops on 1 thread",
                  swapped, weights, fused)

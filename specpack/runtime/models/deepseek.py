@@ -239,6 +239,25 @@ class MLA(nn.Module):
         self.kv_b_proj = Weight(n * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)  # absorbed, see forward
         self.o_proj = nn.Linear(n * s.v_head_dim, H, bias=s.attention_bias)
         self.scale = softmax_scale(s)
+        self.heads: list[tuple] | None = None  # the absorbed products per head on the packed kernel
+
+    def pack_products(self) -> None:
+        """Run the absorbed products on the packed kernel, one layer per head, as exact as the weight
+        (its rows' bits then do not depend on the batch, as every nn.Linear's under the kernel)."""
+        from specpack.runtime.kernels import pack
+        from specpack.runtime.kernels.accelerate import exact_format
+
+        n, nope = self.s.num_heads, self.s.qk_nope_head_dim
+        w = self.kv_b_proj.weight.detach().float().view(n, nope + self.s.v_head_dim, -1)
+        fmt = exact_format(w)
+        self.heads = [(pack(w[h, :nope].T.contiguous(), weights=fmt), pack(w[h, nope:].contiguous(), weights=fmt))
+                      for h in range(n)]
+
+    def _absorbed(self, x: Tensor, which: int, w: Tensor) -> Tensor:
+        """x [R, n, in] through each head's absorbed product `w` [n, out, in] -> [R, n, out]."""
+        if self.heads is None:
+            return torch.einsum("tni,noi->tno", x, w)
+        return torch.stack([pair[which](x[:, h]) for h, pair in enumerate(self.heads)], 1)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: Tensor, rows: Rows) -> Tensor:
         # x: [R, H]; cos, sin: [R, 1, rope]; cache: [slots, 1, max_len, r + rope] (this layer's slice)
@@ -252,11 +271,11 @@ class MLA(nn.Module):
         q_pe, k_pe = apply_rope(q_pe, cos, sin), apply_rope(k_pe[:, None], cos, sin)[:, 0]
         cache[rows.slot, 0, rows.write] = torch.cat([self.kv_a_layernorm(c_kv), k_pe], -1)
         w = self.kv_b_proj.weight.view(n, nope + v, r)
-        q_latent = torch.einsum("tnd,ndr->tnr", q_nope, w[:, :nope])  # [R, n, r]: q_nope · W_UK
+        q_latent = self._absorbed(q_nope, 0, w[:, :nope].transpose(1, 2))  # [R, n, r]: q_nope · W_UK
         query = torch.cat([q_latent, q_pe], -1)  # [R, n, r + rope]
         # one latent "head" shared by all query heads: keys are the whole entry, values its latent part
         y = attend(query, cache, cache, rows, scale=self.scale, dv=r)  # [R, n, r]
-        out = torch.einsum("tnr,nvr->tnv", y, w[:, nope:])  # [R, n, v]: latent · W_UV
+        out = self._absorbed(y, 1, w[:, nope:])  # [R, n, v]: latent · W_UV
         return self.o_proj(out.reshape(R, n * v))
 
 
@@ -269,11 +288,22 @@ class Router(nn.Module):
         self.s = s
         self.weight = nn.Parameter(torch.zeros(s.n_routed_experts, s.hidden_size))
         self.e_score_correction_bias = nn.Parameter(torch.zeros(s.n_routed_experts))
+        self.packed = None  # the scores' product on the packed kernel
+
+    def pack_products(self) -> None:
+        """Score on the packed kernel at the weight's own precision (never the model's narrower
+        format: routing decides which experts run), row-exact as every other product."""
+        from specpack.runtime.kernels import pack
+        from specpack.runtime.kernels.accelerate import exact_format
+
+        w = self.weight.detach().float()
+        self.packed = pack(w, weights=exact_format(w))
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         # x: [T, H] -> expert ids [T, k], weights [T, k] (fp32)
         s, T = self.s, x.shape[0]
-        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # [T, E]
+        x = x.float()
+        scores = _sigmoid_by_row(F.linear(x, self.weight.float()) if self.packed is None else self.packed(x))  # [T, E]
         choice = scores + self.e_score_correction_bias.float()
         groups = choice.view(T, s.n_group, -1).topk(2, dim=-1).values.sum(-1)  # [T, G]
         keep = torch.zeros_like(groups).scatter_(1, groups.topk(s.topk_group, dim=-1, sorted=False).indices, 1)
@@ -283,6 +313,15 @@ class Router(nn.Module):
         if s.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return ids, weights * s.routed_scaling_factor
+
+
+def _sigmoid_by_row(x: Tensor) -> Tensor:
+    """x.sigmoid() whose every row has the same bits whatever the other rows: torch's CPU loop runs
+    a flat tensor in chunks of two vectors and finishes the remainder with the scalar function,
+    whose last bits differ, so a width that is not a multiple of the chunk (8 experts) would leave a
+    row's bits to its place in the batch. Widths padded to a multiple of 64 fill whole chunks."""
+    pad = -x.shape[-1] % 64
+    return F.pad(x, (0, pad)).sigmoid()[..., : x.shape[-1]] if pad else x.sigmoid()
 
 
 class MoE(nn.Module):
