@@ -59,12 +59,14 @@ class Run:
     errors: int = 0
     outputs: dict = field(default_factory=dict)  # request index -> text
     identical: bool | None = None
+    rounds: list = field(default_factory=list)  # tokens/s of each round, in order
 
     def merged(self, other: "Run") -> "Run":
         """This level's figures over both rounds: tokens and seconds summed, so the rate is their ratio."""
         return Run(self.server, self.workload, self.clients, self.tokens + other.tokens,
                    self.seconds + other.seconds, self.ttft + other.ttft, self.latency + other.latency,
-                   self.errors + other.errors, self.outputs, bool(self.identical and other.identical))
+                   self.errors + other.errors, self.outputs, bool(self.identical and other.identical),
+                   self.rounds + other.rounds)
 
     @property
     def tokens_per_s(self) -> float:
@@ -156,6 +158,7 @@ def measure(url: str, model: str, name: str, workload: str, items: list[dict], c
     with ThreadPoolExecutor(clients) as pool:
         list(pool.map(client, range(clients)))
     run.seconds = time.perf_counter() - t0
+    run.rounds = [run.tokens / run.seconds]
     return run
 
 
@@ -263,7 +266,22 @@ def summary(runs: list[Run], levels: list[int]) -> None:
             if on:
                 print(f"\n  {spec} (speculation on) / the better of on and off, per level: "
                       f"{[round(x, 3) for x in on]} (levels {levels}, top {top})", end="")
+                print(f"\n    the same ratio within each round (both runs minutes apart at most), median "
+                      f"[min-max]: {paired(by, spec, workload, levels)}", end="")
         print()
+
+
+def paired(by: dict, spec: str, workload: str, levels: list[int]) -> list[str]:
+    """Per level, speculation on / the better of on and off within each round (the drift of the
+    machine between rounds cancels), as median [min-max] over the rounds: how far from 1 the noise
+    alone reaches."""
+    out = []
+    for c in levels:
+        a, b = by.get((spec, workload, c)), by.get(("specpack-plain", workload, c))
+        if a and b:
+            r = [x / max(x, y) for x, y in zip(a.rounds, b.rounds)]
+            out.append(f"{statistics.median(r):.3f} [{min(r):.2f}-{max(r):.2f}]")
+    return out
 
 
 def main() -> int:
