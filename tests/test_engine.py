@@ -3,6 +3,7 @@ speculation, whatever joins or leaves around it (interleaved arrivals, cancellat
 sequences, slot reuse), for every drafter kind and both CPU backends; seeded sampling too."""
 
 import functools
+import time
 
 import numpy as np
 import pytest
@@ -242,6 +243,28 @@ def test_cost_model_drafts_while_cheap_and_stops_at_the_knee():
         == [3, 0]  # the likelier sequence gets the rows
     with_draft_cost = CostModel((1, 64), (10.0, 10.0), draft_ratio=0.6)
     assert choose([4], [[0.5, 0.25, 0.1, 0.05]], 1, with_draft_cost) == [0]  # a head step costs more than it gains
+
+
+def test_one_slow_draft_call_does_not_stop_speculation_for_good(monkeypatch):
+    """A server's first draft call is cold (a busy neighbour makes any call slow): learned at face
+    value it made drafts look dearer than they gain, and with no drafts the ratio was never measured
+    again. One call now moves the estimate at most 4x its share, and while nobody drafts it drifts
+    back to where it started, so the engine probes again."""
+    m = model("eagle3", "torch")
+    cost = CostModel((1, 4, 8, 64), (10.0, 10.5, 11.0, 40.0), draft_ratio=0.05)
+    req = Request(ef.training_prompts()[0].tolist() * 2, 12, eos=(), draft_len=3)
+    engine = Engine(m.target, m.drafter, slots=1, max_len=128, cost=cost)
+    draft, calls = m.drafter.draft, []
+    monkeypatch.setattr(m.drafter, "draft", lambda jobs: calls.append(1) or time.sleep(0.3 * (len(calls) == 1))
+                        or draft(jobs))
+    first = engine.generate_all([req])[0]
+    assert first.stats.proposed > len(calls[:1]) * 3  # it kept drafting after the slow call
+    assert engine.cost.draft_ratio <= 0.8 * 0.05 + 0.2 * 0.2 + 0.05  # one call: at most 4x, then back down
+
+    engine.cost = engine.cost.with_draft_ratio(5.0)  # as an uncapped slow call left it: no draft pays
+    late = engine.generate_all([req] * 10)
+    assert late[0].stats.proposed == 0 and late[-1].stats.proposed > 0  # drifted back: probing again
+    assert all(s.new == first.new for s in late)
 
 
 def test_a_head_starts_drafting_only_where_drafts_pay_once_every_sequence_decodes(monkeypatch):

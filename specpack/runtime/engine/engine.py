@@ -176,6 +176,7 @@ class Engine:
         self.target, self.drafter = target, drafter
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
         self.cost, self.prior = cost, tuple(prior)
+        self.draft_prior = cost.draft_ratio if cost is not None else 0.0  # where the learned ratio drifts back to
         self.acceptance = costs.Acceptance(prior, weight=0.05)  # every sequence's record: where new ones start
         self.calibration = costs.Calibration(weight=0.05)  # likewise for tree drafts' probabilities
         self.speculate = True  # the scheduler turns drafting off for a step (load above a measured limit)
@@ -327,8 +328,10 @@ class Engine:
                 jobs.append(DraftJob(s.slot, s.context(), feats, k, None if s.sampler.greedy else s.sampler,
                                      self._shape(s)))
                 owners.append(i)
-        if not jobs:
-            self.acceptance.update(0, 0)  # nobody drafts: the record drifts back to the prior (probe later)
+        if not jobs:  # nobody drafts: the records drift back to their priors (probe later)
+            self.acceptance.update(0, 0)
+            if self.cost is not None and self.draft_prior and self.cost.draft_ratio > self.draft_prior:
+                self.cost = self.cost.with_draft_ratio(0.95 * self.cost.draft_ratio + 0.05 * self.draft_prior)
             return drafts
         t0 = time.perf_counter()
         made = self.drafter.draft(jobs)
@@ -380,6 +383,8 @@ class Engine:
         ms = max(seconds * 1e3 - self.cost.absorb_ms() * absorbed, 0.0)
         ratio = ms / (depth * self.cost.step_ms(rows))
         old = self.cost.draft_ratio
+        if old:  # one slow call (the first, cold; a busy neighbour) moves the estimate a little only: a
+            ratio = min(ratio, 4 * old)  # ratio that stopped every draft could never be measured again
         self.cost = self.cost.with_draft_ratio(ratio if old == 0 else 0.8 * old + 0.2 * ratio)
 
     def _commit(self, plan: Plan, res) -> list[Generation]:
