@@ -272,6 +272,29 @@ def test_one_slow_draft_call_does_not_stop_speculation_for_good(monkeypatch):
     assert all(s.new == first.new for s in late)
 
 
+def test_after_a_step_nobody_drafts_in_lengths_are_chosen_every_fourth_step(monkeypatch):
+    """Saturated (no draft pays), the same sequences are asked only every 4th step; a sequence that
+    joins (prompt rows in the step, then a new set of sequences) is asked about at once."""
+    m = model("ngram", "torch")
+    saturated = CostModel((1, 64), (10.0, 640.0))
+    engine = Engine(m.target, m.drafter, slots=3, max_len=64, cost=saturated)
+    asked = []
+    choose_ = engine._choose
+    monkeypatch.setattr(engine, "_choose", lambda seqs, *a: asked.append(len(engine.steps_run)) or choose_(seqs, *a))
+    engine.steps_run = []
+    reqs = [Request(p, 12, eos=()) for p in prompts(m, 3)]
+    for r in reqs[:2]:
+        engine.add(r)
+    for step in range(12):
+        if step == 6:
+            engine.add(reqs[2])
+        engine.step()
+        engine.steps_run.append(step)
+    decoding = [n for n in asked if n not in (0, 6)]  # steps with prompt rows are always asked
+    assert decoding[:2] == [1, 5] and 7 in asked  # quiet after step 1; the joiner's first decode step asked
+    assert len(asked) < 12
+
+
 def test_a_head_starts_drafting_only_where_drafts_pay_once_every_sequence_decodes(monkeypatch):
     """A head's first draft makes it catch up on the whole prompt. Rows here are dear up to 8 and
     nearly free past it: a sequence that finished its prefill while the others still prefill sees
