@@ -78,7 +78,8 @@ class MLA(nn.Module):
             q_pe, k_pe = _deinterleave(q_pe), _deinterleave(k_pe)
         q_pe, k_pe = rope(q_pe, cos, sin), rope(k_pe[:, None], cos, sin)[:, 0]
         latent = torch.cat([rms(c_kv, self.kv_a_norm, self.latent_eps), k_pe], -1)  # [T, r + rope]: new slots
-        q_latent = _two_rows(lambda a: (a.transpose(0, 1) @ self.w_uk).transpose(0, 1), q_nope)  # [T, n, r]: q_nope · W_UK
+        # [T, n, r]: q_nope · W_UK
+        q_latent = _two_rows(lambda a: (a.transpose(0, 1) @ self.w_uk).transpose(0, 1), q_nope)
         query = torch.cat([q_latent, q_pe], -1)  # [T, n, r + rope]
         # one latent "head" shared by all query heads: keys are the whole latent, values its first r dims
         y = attend(query, latent[:, None], latent[:, None], past_latent[:, None], past_latent[:, None], mask,

@@ -104,6 +104,15 @@ def exact_format(weight: Tensor) -> str:
     return "fp32"
 
 
+def pack_exact(weight: Tensor):
+    """`weight` on the packed kernel at its own precision (`exact_format`: the same values, never a
+    narrower format), for products outside an nn.Linear that must stay row-exact."""
+    from specpack.runtime.kernels import pack
+
+    w = weight.detach().float().contiguous()
+    return pack(w, weights=exact_format(w))
+
+
 def _say_why(reason: str) -> None:
     """Log which path runs instead of the kernels, and how fast it is here (a warning, unless the
     user turned the kernels off)."""

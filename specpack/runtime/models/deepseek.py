@@ -244,14 +244,11 @@ class MLA(nn.Module):
     def pack_products(self) -> None:
         """Run the absorbed products on the packed kernel, one layer per head, as exact as the weight
         (its rows' bits then do not depend on the batch, as every nn.Linear's under the kernel)."""
-        from specpack.runtime.kernels import pack
-        from specpack.runtime.kernels.accelerate import exact_format
+        from specpack.runtime.kernels.accelerate import pack_exact
 
         n, nope = self.s.num_heads, self.s.qk_nope_head_dim
-        w = self.kv_b_proj.weight.detach().float().view(n, nope + self.s.v_head_dim, -1)
-        fmt = exact_format(w)
-        self.heads = [(pack(w[h, :nope].T.contiguous(), weights=fmt), pack(w[h, nope:].contiguous(), weights=fmt))
-                      for h in range(n)]
+        w = self.kv_b_proj.weight.view(n, nope + self.s.v_head_dim, -1)
+        self.heads = [(pack_exact(w[h, :nope].T), pack_exact(w[h, nope:])) for h in range(n)]
 
     def _absorbed(self, x: Tensor, which: int, w: Tensor) -> Tensor:
         """x [R, n, in] through each head's absorbed product `w` [n, out, in] -> [R, n, out]."""
@@ -293,11 +290,9 @@ class Router(nn.Module):
     def pack_products(self) -> None:
         """Score on the packed kernel at the weight's own precision (never the model's narrower
         format: routing decides which experts run), row-exact as every other product."""
-        from specpack.runtime.kernels import pack
-        from specpack.runtime.kernels.accelerate import exact_format
+        from specpack.runtime.kernels.accelerate import pack_exact
 
-        w = self.weight.detach().float()
-        self.packed = pack(w, weights=exact_format(w))
+        self.packed = pack_exact(self.weight)
 
     def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
         # x: [T, H] -> expert ids [T, k], weights [T, k] (fp32)
