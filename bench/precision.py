@@ -1,6 +1,6 @@
 """Each weight precision on the embedded SmolLM2-135M, side by side in one run.
 
-For every `--weights` (fp32, fp16, bf16, int8: `specpack.load(..., weights=...)`):
+For every `--weights` (fp32, fp16, bf16, int8, w8a8: `specpack.load(..., weights=...)`):
 
   distance from fp32   the largest |logit difference| to fp32 over every position of the benchmark
                        prompts followed by fp32's greedy continuation (one teacher-forced forward),
@@ -11,12 +11,12 @@ For every `--weights` (fp32, fp16, bf16, int8: `specpack.load(..., weights=...)`
   decode               tokens/s plain and with the n-gram drafter (and EAGLE-3 when the shipped head
                        is in heads/), and whether speculative output equals plain output
   llama.cpp            (with llama-cpp-python installed, the bench extra) the same weights as F32, F16
-                       and Q8_0 GGUFs: plain tokens/s and prompt lookup, beside fp32, fp16 and int8
+                       and Q8_0 GGUFs: plain tokens/s and prompt lookup, beside fp32, fp16 and int8 / w8a8
 
 It prints the CPU model, the memory bandwidth one copy reaches and how busy the CPUs were before
 each phase: figures from a shared machine are only comparable within one run.
 
-    python bench/precision.py [--weights fp32,fp16,bf16,int8] [--max-new-tokens 64] [--per-workload 2]
+    python bench/precision.py [--weights fp32,fp16,bf16,int8,w8a8] [--max-new-tokens 64] [--per-workload 2]
                               [--no-decode] [--no-llama] [--rows 1,9,16,32]
 """
 
@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from decode import WORKLOADS, LlamaCpp, chat_ids, f32_gguf, humaneval_prompts, rewrite_gguf  # noqa: E402
 from kernels import busy_fraction, median_ms  # noqa: E402
 
-GGUF_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "F16", "int8": "Q8_0"}  # llama.cpp's nearest precision
+GGUF_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "F16", "int8": "Q8_0", "w8a8": "Q8_0"}  # llama.cpp's nearest precision
 
 
 def machine() -> str:
@@ -149,7 +149,7 @@ def gguf_as(src_f32: Path, dst: Path, qtype: str) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--weights", default="fp32,fp16,bf16,int8")
+    ap.add_argument("--weights", default="fp32,fp16,bf16,int8,w8a8")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--per-workload", type=int, default=2)
     ap.add_argument("--draft-len", type=int, default=8)

@@ -5,7 +5,7 @@ For each weight format and row count M, one run times the 120 linear layers of t
 `isa` setting, kernels/linear.c), checks that both give the same bits, and prints the ratio. The
 same interleaved rounds for both, median of 7. Needs a CPU with AVX-512F (else both run AVX2).
 
-    python bench/tiles.py [--formats fp32,fp16,bf16,int8] [--ms 1,2,9,16,64,128]
+    python bench/tiles.py [--formats fp32,fp16,bf16,int8,w8a8] [--ms 1,2,9,16,64,128]
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def timed(layers, xs, reps: int = 7) -> tuple[float, list]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--formats", default="fp32,fp16,bf16,int8")
+    ap.add_argument("--formats", default="fp32,fp16,bf16,int8,w8a8")
     ap.add_argument("--ms", default="1,2,9,16,64,128")
     args = ap.parse_args()
     if not _lib.available():

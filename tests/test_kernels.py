@@ -1,4 +1,4 @@
-"""The small-M linear kernel at every weight precision (fp32, fp16, bf16, int8): a linear layer,
+"""The small-M linear kernel at every weight precision (fp32, fp16, bf16, int8, w8a8): a linear layer,
 rows independent bit for bit, and a clean fallback."""
 
 import json
@@ -52,7 +52,7 @@ def test_matches_f_linear(kernel, N, K):
             torch.testing.assert_close(y, F.linear(x, w, bias), rtol=1e-4, atol=1e-4 * (K ** 0.5))
 
 
-@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8", "w8a8"])
 def test_rows_bit_identical_for_every_m_and_thread_count(kernel, weights):
     """Row i of an M-row product == the 1-row product of row i, bit for bit, at any thread count
     and panel grouping: what makes verifying 8 drafts give the same logits as decoding them one by one."""
@@ -70,7 +70,7 @@ def test_rows_bit_identical_for_every_m_and_thread_count(kernel, weights):
                 assert torch.equal(packed(x[16 - M:]), single[16 - M:]), (N, K, M, threads, group, isa)
 
 
-@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8"])
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8", "w8a8"])
 def test_avx512_tiles_give_the_avx2_bits(kernel, weights):
     """The AVX-512 tiles (one zmm a row, up to 12 rows a tile) compute each column's chain exactly
     as the AVX2 tiles do: the same bits for every M, with bias, residual and a partial last panel, so
@@ -130,7 +130,34 @@ def test_int8_blocks_are_q8_0(kernel):
             assert within_tolerance(packed(x), x, dense, b), (N, K, M)
 
 
-@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8"])
+def test_w8a8_is_q8_0_weights_times_q8_0_activations(kernel):
+    """w8a8: the int8 format's weights (the same Q8_0 blocks), and each row rounded to int8 blocks
+    of 32 too (scale amax / 127, half to even); the product is the exact integer sum per block,
+    scaled and summed in block order: the torch reference `w8a8_linear` gives the same numbers, and
+    the VNNI tiles (isa 1-3) the same bits as the portable C path (isa 0)."""
+    torch.manual_seed(7)
+    x = torch.tensor([[0.5, -1.0, 0.25, 127.0, 63.5, -63.5, 0.0, 2.0]])
+    q, d = kernel.quantize_rows(x)
+    assert torch.equal(d, torch.tensor([[1.0]])) and q[0, 0, :8].tolist() == [0, -1, 0, 127, 64, -64, 0, 2]
+    for N, K in [(960, 576), (37, 5), (100, 130), (17, 1), (64, 33), (5, 0)]:
+        w, b = torch.randn(N, K), torch.randn(N)
+        packed = kernel.pack(w, b, threads=2, weights="w8a8")
+        packed._parallel = True
+        assert torch.equal(packed.dense(), kernel.pack(w, weights="int8").dense())
+        values = kernel.q8_values(packed.weight, "w8a8")
+        for M in (1, 2, 3, 9, 17):
+            x = torch.randn(M, K) * torch.rand(M, 1) * 4
+            got = {}
+            for isa in (0, 1, 2, 3):
+                packed.isa = isa
+                got[isa] = packed(x)
+            assert all(torch.equal(y, got[0]) for y in got.values()), (N, K, M)
+            torch.testing.assert_close(got[0], kernel.w8a8_linear(x, *values, b, N), rtol=1e-6, atol=1e-6)
+            exact = F.linear(x, w, b)
+            assert (got[0] - exact).abs().max() <= 0.05 * exact.abs().max() + 1e-6, (N, K, M)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8", "w8a8"])
 def test_residual_is_added_last_bit_for_bit(kernel, weights):
     """linear(x, residual=r) == r + linear(x), bit for bit (the decoder's residual adds, fused)."""
     torch.manual_seed(6)
@@ -215,6 +242,21 @@ def test_disabled_falls_back_to_torch(monkeypatch):
     assert packed(x, out=out) is out and torch.equal(out, F.linear(x, w, b))
 
 
+def test_w8a8_fallback_is_the_kernel_arithmetic(monkeypatch):
+    """Without the kernel, w8a8 keeps its packed blocks and runs the same integer arithmetic in torch."""
+    torch.manual_seed(8)
+    w, b, x, r = torch.randn(30, 40), torch.randn(30), torch.randn(5, 40), torch.randn(5, 30)
+    want = kl.pack(w, b, weights="w8a8")(x) if kl.available() else None
+    monkeypatch.setenv("SPECPACK_KERNELS", "0")
+    packed = kl.pack(w, b, weights="w8a8")
+    assert packed.backend == "torch" and packed.weight.dtype == torch.uint8
+    y = packed(x)
+    assert torch.equal(y, kl.w8a8_linear(x, *kl.q8_values(packed.weight, "w8a8"), b, 30))
+    assert torch.equal(packed(x, residual=r), r + y)
+    if want is not None:
+        torch.testing.assert_close(y, want, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("weights", ["fp16", "bf16", "int8"])
 def test_fallback_keeps_the_precision(monkeypatch, weights):
     """Without the kernel, F.linear runs on an fp32 copy of the weight as the kernel would round it."""
@@ -286,7 +328,7 @@ def test_concurrent_first_builds_agree(kernel, tmp_path, monkeypatch):
     results = [q.get(timeout=120) for _ in procs]
     for p in procs:
         p.join(timeout=20)
-    assert results == [4, 4, 4]  # sp_abi_version: every child loaded a whole library
+    assert results == [5, 5, 5]  # sp_abi_version: every child loaded a whole library
     assert [p.name for p in tmp_path.rglob("*.so")] == ["specpack_kernels.so"]  # temp files renamed or gone
     kl._library.cache_clear()
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Half-precision and int8 weights on the CPU kernels: at each precision a request's greedy output
+"""Half-precision and int8 weights (and int8 activations: w8a8) on the CPU kernels: at each precision a request's greedy output
 is the same alone, in any batch and with or without speculation (every drafter kind), the model
 stays close to fp32, and the options are checked up front."""
 
@@ -15,7 +15,7 @@ from specpack.runtime.kernels.accelerate import PackedLinearModule
 from test_engine import alone, artifact, drive, requests
 
 needs_kernel = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernel: {kernels.unavailable_reason()}")
-PRECISIONS = ["fp16", "bf16", "int8"]
+PRECISIONS = ["fp16", "bf16", "int8", "w8a8"]
 
 
 @functools.cache
@@ -53,10 +53,10 @@ def test_verify_rows_are_bit_identical_to_one_token_decoding(weights):
     assert torch.equal(chunk, singles)
 
 
-@pytest.mark.parametrize("weights, bound", [("fp16", 0.01), ("bf16", 0.05), ("int8", 0.1)])
+@pytest.mark.parametrize("weights, bound", [("fp16", 0.01), ("bf16", 0.05), ("int8", 0.1), ("w8a8", 0.1)])
 def test_close_to_fp32(weights, bound):
     """The logits stay near fp32's: the largest difference within 1% of their spread for fp16, 5%
-    for bf16, 10% for int8 (measured on the tiny target: 0.2%, 1.2%, 4%)."""
+    for bf16, 10% for int8 and w8a8 (measured on the tiny target: 0.2%, 1.2%, 4%, 4%)."""
     ids = torch.tensor([5, 17, 99, 3, 250, 7, 42, 11, 300])
     ref, low = model("ngram", "fp32").target, model("ngram", weights).target
     for m in (ref, low):
@@ -65,20 +65,22 @@ def test_close_to_fp32(weights, bound):
     assert 0 < (a - b).abs().max() <= bound * a.std()
 
 
-def test_fallback_without_the_kernel_keeps_the_precision(monkeypatch):
-    """SPECPACK_KERNELS=0: the layers run F.linear on the rounded (dequantized) weights: the same
-    logits as the kernel up to summation order, and speculation still changes nothing."""
+@pytest.mark.parametrize("weights", ["int8", "w8a8"])
+def test_fallback_without_the_kernel_keeps_the_precision(monkeypatch, weights):
+    """SPECPACK_KERNELS=0: the layers run F.linear on the rounded (dequantized) weights (w8a8: the
+    kernel's int8 arithmetic in torch): the same logits as the kernel up to summation order, and
+    speculation still changes nothing."""
     import specpack
 
     monkeypatch.setenv("SPECPACK_KERNELS", "0")
-    m = specpack.load(artifact("ngram"), weights="int8")
+    m = specpack.load(artifact("ngram"), weights=weights)
     packed = [x for x in m.target.modules() if isinstance(x, PackedLinearModule)]
     assert packed and all(x.packed.backend == "torch" for x in packed)
     prompt = [5, 17, 99, 3, 5, 17, 99, 3, 5, 17]
     assert m.generate(prompt, 24, draft_len=4).tokens == m.generate(prompt, 24, speculative=False).tokens
     if kernels.linear._library()[0] is not None:
         monkeypatch.delenv("SPECPACK_KERNELS")
-        fast = model("ngram", "int8").target
+        fast = model("ngram", weights).target
         ids = torch.tensor([5, 17, 99, 3])
         for t in (fast, m.target):
             t.setup_cache(16)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from specpack import __version__
+from specpack.runtime.api import WEIGHTS as WEIGHT_CHOICES
 
 JSON = click.option("--json", "json_mode", is_flag=True, help="Print one JSON object for scripts.")
 PUBKEY = click.option("--key", "public_key", type=click.Path(path_type=Path),
@@ -47,10 +48,12 @@ BACKEND = click.option("--backend", default="torch", show_default=True,
                        help="torch (cpu/cuda); onnxruntime (cpu, needs `specpack export ART --to onnx`); "
                             "tensorrt (cuda, engines built and cached on first use).")
 WEIGHTS = click.option("--weights", default="fp32", show_default=True,
-                       type=click.Choice(["fp32", "fp16", "bf16", "int8"]),
+                       type=click.Choice(WEIGHT_CHOICES),
                        help="Precision the CPU kernels keep the linear weights in: fp16/bf16 stream half the bytes "
-                            "(exact for a checkpoint stored so), int8 a quarter (per-block scales, like Q8_0); "
-                            "activations stay fp32, speculation stays lossless (torch backend, cpu, float32).")
+                            "(exact for a checkpoint stored so), int8 a quarter (per-block scales, like Q8_0) with fp32 "
+                            "activations; w8a8 rounds the activations to int8 blocks too (llama.cpp's Q8_0 "
+                            "arithmetic: int8 dot products, several rows about the price of one). Speculation "
+                            "stays lossless at each (torch backend, cpu, float32).")
 
 
 def tree_shape(value: str | None, option: str):

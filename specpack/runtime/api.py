@@ -10,7 +10,7 @@ from specpack.errors import InputError, MissingDependencyError
 
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "float16", "bfloat16")
-WEIGHTS = ("fp32", "fp16", "bf16", "int8")
+WEIGHTS = ("fp32", "fp16", "bf16", "int8", "w8a8")  # kernels/linear.py FORMATS; here without importing torch
 
 
 def load(path, public_key=None, require_signature: bool | None = None, device: str = "cpu",
@@ -26,7 +26,9 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
 
     `weights` is the precision the CPU kernels keep the linear layers' weights in: fp32 (as
     loaded), fp16 or bf16 (half the bytes, rounded to nearest; exact for a checkpoint stored in that
-    format) or int8 (per-block scales, like llama.cpp's Q8_0). Activations stay fp32; greedy output
+    format) or int8 (per-block scales, like llama.cpp's Q8_0), with activations in fp32; or w8a8
+    (those int8 weights, each row of activations rounded to int8 blocks too: llama.cpp's Q8_0
+    arithmetic, several rows for about the price of one where the CPU has VNNI). Greedy output
     with speculation equals greedy output without it at every precision. Needs the torch backend on
     the CPU in float32.
     """

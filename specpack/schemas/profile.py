@@ -144,7 +144,7 @@ class Profile(_Strict):
     backend: Literal["torch", "onnxruntime", "tensorrt"] = Field(description="Runtime backend.")
     device: Literal["cpu", "cuda"] = Field(description="Device type.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(description="Compute dtype of the weights.")
-    weights: Optional[Literal["fp16", "bf16", "int8"]] = Field(
+    weights: Optional[Literal["fp16", "bf16", "int8", "w8a8"]] = Field(
         None, description="Precision the CPU kernels kept the linear layers' weights in (`--weights`); "
                           "absent: as loaded, in `dtype`.")
     drafter: str = Field(description="Drafter kind the profile uses (the manifest's), or `none`.")

@@ -11,7 +11,7 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", cpu_ke
          weights: str = "fp32"):
     """(Transformer, drafter module) of the verified `artifact`, memory-mapped, on `device`/`dtype`.
     On the CPU in fp32 the linear layers run on specpack's packed kernel (`cpu_kernels=False`, or
-    SPECPACK_KERNELS=0, keeps torch's), their weights kept in `weights` (fp32, fp16, bf16, int8).
+    SPECPACK_KERNELS=0, keeps torch's), their weights kept in `weights` (fp32, fp16, bf16, int8, w8a8).
 
     With `weights` other than fp32 and a checkpoint stored in 16 bits, the models load as stored
     (views of the mapped files, no fp32 copy of the whole model), the linear layers are packed from

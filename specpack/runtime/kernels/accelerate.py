@@ -6,7 +6,8 @@ and plain decoding see bit-identical projections. Measured here it also beats to
 prefill-sized inputs (256 rows: lm_head 178 vs 237 ms, gate/up 8.8 vs 24 ms), so it runs everything.
 
 The weights can be kept in fp32 (as loaded), fp16, bf16 or int8 (`weights=`; see kernels/linear.py):
-activations and sums stay fp32, so each precision keeps the row-exactness above. At fp32, a layer whose
+activations and sums stay fp32; or in w8a8 (int8 weights and int8-rounded activations, int8 dot
+products). Each precision keeps the row-exactness above. At fp32, a layer whose
 every weight is exactly an fp16 (or bf16) value, as a checkpoint stored in 16 bits and widened at load
 is (the shipped drafter heads), is packed in that format: the kernel widens it back to the same fp32
 values, so the bits are the same, and it streams half the bytes (an EAGLE-3 head's draft step: ~2x).
@@ -19,8 +20,9 @@ import logging
 import torch
 from torch import Tensor, nn
 
+from specpack.runtime.kernels.linear import FORMATS as WEIGHTS
+
 log = logging.getLogger(__name__)
-WEIGHTS = ("fp32", "fp16", "bf16", "int8")
 
 
 class PackedLinearModule(nn.Module):
@@ -48,7 +50,7 @@ class PackedLinearModule(nn.Module):
 
 def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False) -> int:
     """Replace every fp32 CPU nn.Linear in `model` by the packed kernel, its weight kept in
-    `weights` (fp32, fp16, bf16, int8); return how many. With `widen` (a model loaded in 16 bits
+    `weights` (fp32, fp16, bf16, int8, w8a8); return how many. With `widen` (a model loaded in 16 bits
     as stored, `weights` not fp32) its 16-bit linear layers are packed too, straight from the
     stored values, and every other floating-point tensor is then widened to fp32.
 

@@ -16,6 +16,9 @@ void sp_parallel(void (*fn)(const void *job, int64_t item, float *scratch), cons
 void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int fmt, int64_t N,
                const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads,
                int group, int prefetch, int isa);
+void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N,
+                    const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads,
+                    int prefetch, int isa);
 void sp_attention(const float *q, int64_t R, int64_t H, int64_t ldq, const float *k, const float *v,
                   int64_t KVH, int64_t slot_stride, int64_t head_stride, int64_t ld, int64_t dk,
                   int64_t dv, const int64_t *slot, const int64_t *ctx, const int64_t *len,

@@ -36,7 +36,7 @@
 #define MR_MAX 6       /* rows per register tile: 12 accumulators + 2 weights + 1 broadcast */
 #define CHUNK_BYTES (128 * 1024) /* of weights: ~10 us of work, the most a caller waits for */
 
-enum { SP_F32 = 0, SP_F16 = 1, SP_BF16 = 2, SP_Q8 = 3 };
+enum { SP_F32 = 0, SP_F16 = 1, SP_BF16 = 2, SP_Q8 = 3, SP_W8A8 = 4 /* w8a8.c */ };
 #define Q8_BLOCK 32                                  /* k per int8 scale block */
 #define Q8_BLOCK_BYTES (NR * 4 + Q8_BLOCK * NR)      /* 16 fp32 scales + 32 x 16 int8 = 576 */
 
@@ -225,7 +225,7 @@ static const wtile_fn WTILES[4][3] = {{0, wtile0_1, wtile0_2}, {0, wtile1_1, wti
 
 /* Internal formats of a block widened to fp32 once (`pair_rows`), indexed from the block's start:
  * SP_WF for fp16/bf16 (summed as fp32), SP_WQ8 for int8 (still scaled per block when folded). */
-enum { SP_WF = 4, SP_WQ8 = 5 };
+enum { SP_WF = 5, SP_WQ8 = 6 };
 
 static inline AVX512 __attribute__((always_inline)) __m512 load16z(const int fmt, const char *w, int64_t k)
 {
@@ -393,8 +393,8 @@ PTILES_PF(3, 0) PTILES_PF(3, 1)
      ptile##F##_5_##PF, ptile##F##_6_##PF, ptile##F##_7_##PF, ptile##F##_8_##PF}
 static const tile2_fn PTILES[4][2][MR2_MAX + 1] = {{PROW(0, 0), PROW(0, 1)}, {PROW(1, 0), PROW(1, 1)},
                                                    {PROW(2, 0), PROW(2, 1)}, {PROW(3, 0), PROW(3, 1)}};
-PTILES_PF(4, 0) PTILES_PF(5, 0)
-static const tile2_fn WIDENED[2][MR2_MAX + 1] = {PROW(4, 0), PROW(5, 0)}; /* [int8] */
+PTILES_PF(5, 0) PTILES_PF(6, 0)
+static const tile2_fn WIDENED[2][MR2_MAX + 1] = {PROW(5, 0), PROW(6, 0)}; /* [int8] */
 
 /* k in [0, n) of a block of format fmt (16-bit: from its first k; int8: the block's values) widened
  * to fp32 in `out` [n][16], exactly as the tiles widen them in registers; the source stream is
@@ -443,7 +443,7 @@ static int64_t k_bytes(int fmt) { return fmt == SP_F32 ? 64 : fmt == SP_Q8 ? Q8_
 
 int64_t sp_panel_bytes(int fmt, int64_t K)
 {
-    if (fmt == SP_Q8) return (K + Q8_BLOCK - 1) / Q8_BLOCK * Q8_BLOCK_BYTES;
+    if (fmt == SP_Q8 || fmt == SP_W8A8) return (K + Q8_BLOCK - 1) / Q8_BLOCK * Q8_BLOCK_BYTES;
     return K * NR * (fmt == SP_F32 ? 4 : 2);
 }
 
@@ -613,7 +613,7 @@ static void panel_group(const void *job, int64_t g, float *scratch)
 
 /* ---------------------------------------------------------------- API */
 
-int sp_abi_version(void) { return 4; }
+int sp_abi_version(void) { return 5; }
 
 
 /* y[M,N] (row stride ldy) = res + (x[M,K] (row stride ldx) @ W^T + bias), W packed as above in
@@ -625,7 +625,12 @@ void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w,
                const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads,
                int group, int prefetch, int isa)
 {
-    if (M <= 0 || N <= 0 || fmt < SP_F32 || fmt > SP_Q8) return;
+    if (M <= 0 || N <= 0) return;
+    if (fmt == SP_W8A8) { /* int8 activations too: its own kernel */
+        sp_linear_w8a8(x, M, K, ldx, w, N, bias, res, ldr, y, ldy, nthreads, prefetch, isa);
+        return;
+    }
+    if (fmt < SP_F32 || fmt > SP_Q8) return;
     const int64_t pb = sp_panel_bytes(fmt, K);
     const int few = (isa & 1) && avx512_ok(), many = (isa & 2) && avx512_ok();
     /* AVX-512 takes panels at least in pairs (pair_rows) */

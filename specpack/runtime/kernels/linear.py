@@ -1,19 +1,23 @@
 """Fast linear layer for a few rows (speculative verification), in C with AVX2/FMA/F16C.
 
 `pack(weight, weights=...)` lays the weight out once, at load time, as K-major panels of 16 output
-columns, in one of four formats: fp32 (as given), fp16 or bf16 (rounded to nearest, half the
-bytes), or int8 (llama.cpp's Q8_0 blocks: one fp32 scale per 32 k and column, a quarter of the
-bytes plus 1/8 for the scales). `PackedLinear(x)` then streams every weight byte once whatever the
-number of rows M, widening the weights to fp32 in registers; activations and sums stay fp32.
+columns, in one of five formats: fp32 (as given), fp16 or bf16 (rounded to nearest, half the
+bytes), int8 (llama.cpp's Q8_0 blocks: one fp32 scale per 32 k and column, a quarter of the
+bytes plus 1/8 for the scales), or w8a8 (the same blocks, and every row of activations rounded to
+int8 blocks of 32 too: llama.cpp's Q8_0 x Q8_0 arithmetic, int8 dot products with AVX-512 VNNI,
+w8a8.c). `PackedLinear(x)` then streams every weight byte once whatever the number of rows M; the
+first four widen the weights to fp32 in registers and keep activations and sums in fp32.
 Where the kernel cannot run (no compiler, no AVX2/F16C, a failed build, or `SPECPACK_KERNELS=0`),
-`pack` keeps an fp32 copy of the (rounded or dequantized) weight and calls `F.linear`.
+`pack` keeps an fp32 copy of the (rounded or dequantized) weight and calls `F.linear` (w8a8: its
+blocks, and `w8a8_linear`, the same integer arithmetic in torch).
 
 Determinism: every output element is summed in the same fixed k-blocks, one FMA chain per block
 (see linear.c), so results do not depend on M, on the thread count or on the machine's core count:
 row i of an M-row product is bit-identical to the product of row i alone, in every format.
 Speculative and plain greedy decoding therefore see the same logits. fp16/bf16 results are
 bit-identical to the fp32 kernel on the rounded weights; they differ from `F.linear`'s in the last
-bits (another summation order).
+bits (another summation order). w8a8 quantizes each row on its own and sums integers exactly, so it
+keeps the same row-exactness (and its portable path, on CPUs without VNNI, gives the same bits).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ NR = 16  # output columns per panel (linear.c)
 Q8_BLOCK = 32  # k per int8 scale block (linear.c)
 Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
 # weight format name -> linear.c's code
-FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3}
+FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4}
+QUANTIZED = ("int8", "w8a8")  # the formats in Q8_0 blocks
 ISAS = ("avx2", "avx512")  # the tile sets (linear.c): the same bits, AVX-512 where the CPU has it
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
@@ -97,21 +102,68 @@ def pack_q8(weight: Tensor) -> Tensor:
     return out
 
 
-def unpack(panels: Tensor, weights: str, N: int, K: int) -> Tensor:
-    """The fp32 [N, K] weight the kernel computes with (rounded or dequantized): the inverse of
-    `pack_panels` / `pack_q8`."""
-    if weights != "int8":
-        return panels.float().transpose(1, 2).reshape(-1, K)[:N]
+def pack_w8a8(weight: Tensor) -> Tensor:
+    """[N, K] -> [ceil(N/16), ceil(K/32), 576] bytes: `pack_q8`'s blocks (the same scales and
+    values) with each value stored as q + 128 (unsigned) in VNNI order: per group of 4 k, column j's
+    four values at bytes 4j..4j+3 (w8a8.c)."""
+    out = pack_q8(weight)
+    q = out[..., NR * 4:].view(torch.int8).view(*out.shape[:2], Q8_BLOCK // 4, 4, NR)
+    out[..., NR * 4:] = (q.to(torch.int16) + 128).to(torch.uint8).transpose(-1, -2).reshape(*out.shape[:2], Q8_BLOCK * NR)
+    return out
+
+
+def q8_values(panels: Tensor, weights: str) -> tuple[Tensor, Tensor]:
+    """The Q8_0 blocks of packed int8 or w8a8 panels: values [N', B, 32] (as floats, N' = panels x 16)
+    and scales [N', B]."""
     P, B, _ = panels.shape
     scales = panels[..., : NR * 4].view(torch.float32)
-    q = panels[..., NR * 4:].view(torch.int8).view(P, B, Q8_BLOCK, NR).float()
-    w = (q * scales[:, :, None]).permute(0, 3, 1, 2).reshape(P * NR, B * Q8_BLOCK)
-    return w[:N, :K].contiguous()
+    data = panels[..., NR * 4:]
+    if weights == "w8a8":
+        q = data.reshape(P, B, Q8_BLOCK // 4, NR, 4).float().sub(128).transpose(-1, -2).reshape(P, B, Q8_BLOCK, NR)
+    else:
+        q = data.view(torch.int8).view(P, B, Q8_BLOCK, NR).float()
+    return q.permute(0, 3, 1, 2).reshape(P * NR, B, Q8_BLOCK), scales.permute(0, 2, 1).reshape(P * NR, B)
+
+
+def unpack(panels: Tensor, weights: str, N: int, K: int) -> Tensor:
+    """The fp32 [N, K] weight the kernel computes with (rounded or dequantized): the inverse of
+    `pack_panels` / `pack_q8` / `pack_w8a8` (w8a8 also rounds its activations: see `w8a8_linear`)."""
+    if weights not in QUANTIZED:
+        return panels.float().transpose(1, 2).reshape(-1, K)[:N]
+    q, scales = q8_values(panels, weights)
+    return (q * scales[..., None]).reshape(len(q), -1)[:N, :K].contiguous()
+
+
+def quantize_rows(x: Tensor) -> tuple[Tensor, Tensor]:
+    """w8a8's activations: x [M, K] -> values [M, B, 32] (integers, as floats) and scales [M, B],
+    per block of 32 k d = amax / 127 and q = round-half-even(x * (1 / d)), 0 where d is 0 (w8a8.c)."""
+    M, K = x.shape
+    blocks = F.pad(x, (0, -K % Q8_BLOCK)).view(M, -1, Q8_BLOCK)
+    d = blocks.abs().amax(-1) / 127
+    inv = torch.where(d > 0, 1 / torch.where(d > 0, d, 1.0), 0.0)
+    return (blocks * inv[..., None]).round().clamp(-127, 127), d
+
+
+def w8a8_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None, N: int) -> Tensor:
+    """w8a8.c's product in torch (the fallback): per block the exact integer sum of the quantized
+    row and weight values (an fp32 product of integers below 2^24 is exact), times the row's scale,
+    then summed over blocks with the weight's scale, in block order."""
+    xq, d = quantize_rows(x.reshape(x.shape[:-1].numel(), x.shape[-1]))
+    acc = torch.zeros(len(xq), N)
+    for b in range(xq.shape[1]):
+        f = (xq[:, b] @ q[:N, b].T) * d[:, b:b + 1]
+        # fma(f, scale, acc): the product is exact in float64, one rounding of the sum (two at most)
+        acc = f * scales[:N, b] if b == 0 else (f.double() * scales[:N, b].double() + acc.double()).float()
+    if bias is not None:
+        acc = acc + bias
+    return acc.reshape(*x.shape[:-1], N)
 
 
 def _packed(weight: Tensor, weights: str) -> Tensor:
     if weights == "int8":
         return pack_q8(weight)
+    if weights == "w8a8":
+        return pack_w8a8(weight)
     return pack_panels(weight, _HALF.get(weights, torch.float32))
 
 
@@ -119,7 +171,7 @@ class PackedLinear:
     """`y = x @ W.T + bias` for fp32 CPU x of shape [..., K], for inference (no autograd); made by
     `pack`.
 
-    `weights` is the format the weight is kept in (fp32, fp16, bf16, int8); `threads` is the
+    `weights` is the format the weight is kept in (fp32, fp16, bf16, int8, w8a8); `threads` is the
     kernel's thread count (default: the machine's tuned count, kernels/tuning.py), `group` and
     `prefetch` the panel grouping and prefetch distance (tuned alike); they change speed only,
     never results.
@@ -154,7 +206,7 @@ class PackedLinear:
             self._bptr = None if self.bias is None else self.bias.data_ptr()
 
     def _layout(self, weight: Tensor) -> Tensor:
-        if self.backend == "avx2":
+        if self.backend == "avx2" or self.weights == "w8a8":
             return _packed(weight, self.weights)
         if weight.dtype == torch.float32 and self.weights == "fp32":
             return weight  # as before: torch's path on the weight as given
@@ -163,7 +215,7 @@ class PackedLinear:
 
     def dense(self) -> Tensor:
         """The fp32 [out, in] weight this layer computes with (rounded or dequantized)."""
-        if self.backend == "torch":
+        if self.backend == "torch" and self.weights != "w8a8":
             return self.weight
         return unpack(self.weight, self.weights, self.out_features, self.in_features)
 
@@ -177,6 +229,13 @@ class PackedLinear:
         lead = x.shape[:-1]
         if residual is not None and (residual.shape != (*lead, N) or residual.dtype != torch.float32):
             raise TypeError(f"residual must be an fp32 tensor of shape {(*lead, N)}")
+        if self.backend == "torch" and self.weights == "w8a8":
+            if not hasattr(self, "_q8"):
+                self._q8 = q8_values(self.weight, "w8a8")
+            y = w8a8_linear(x, *self._q8, self.bias, N)
+            if residual is not None:
+                y = residual + y
+            return y if out is None else out.copy_(y)
         if self.backend == "torch":
             y = F.linear(x, self.weight, self.bias)
             if residual is not None:
@@ -217,7 +276,7 @@ def _settings(weights: str) -> dict:
 def pack(weight: Tensor, bias: Tensor | None = None, threads: int | None = None,
          weights: str = "fp32") -> PackedLinear:
     """Lay out `weight` [N, K] for the kernel, once, at load time, in format `weights` (fp32,
-    fp16, bf16 or int8; see the module docstring).
+    fp16, bf16, int8 or w8a8; see the module docstring).
 
     The packed copy is ~1x the weight's bytes in that format (N rounded up to 16); drop your
     reference to `weight` afterwards to release it. Falls back to `F.linear` on an fp32 copy of

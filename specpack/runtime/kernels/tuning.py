@@ -29,7 +29,7 @@ import torch
 
 from specpack._machine import cpu_model
 from specpack.runtime.kernels import _lib
-from specpack.runtime.kernels.linear import ISAS, isa_bits
+from specpack.runtime.kernels.linear import ISAS, QUANTIZED, isa_bits
 
 log = logging.getLogger(__name__)
 DEFAULTS = {"group": 1, "prefetch": 128, "isa": "avx2", "isa_few": "avx2"}
@@ -173,7 +173,7 @@ def _random_stream(weights: str, total: int) -> list:
     stream = []
     for _ in range(max(1, -(-total // per))):
         w = torch.empty_like(template.weight)
-        if weights == "int8":
+        if weights in QUANTIZED:
             w.random_(0, 256)
             w[..., : 16 * 4].view(torch.float32).fill_(1e-3)  # the blocks' scales
         else:

@@ -1,0 +1,325 @@
+/* Int8 weights times int8 activations (weight format SP_W8A8, "w8a8"): llama.cpp's Q8_0 x Q8_0 dot
+ * products, with AVX-512 VNNI where the CPU has it. sp_linear (linear.c) hands fmt SP_W8A8 here.
+ *
+ * Weights: the Q8_0 blocks of SP_Q8 (one fp32 scale per 32 k and column, amax / 127), the values
+ * stored as q + 128 (unsigned) in VNNI order: a panel is ceil(K/32) blocks of [16 scales (fp32),
+ * 8 groups of 4 k x 16 columns], each group 64 bytes with column j's four k at bytes 4j..4j+3, so
+ * one vpdpbusd multiplies a group by four activations and sums them into each column's lane.
+ *
+ * Activations: each row is quantized per block of 32 k before the product, on the caller's thread:
+ * d = amax / 127, q = round-half-even(x * (1 / d)) (0 where d is 0), and c = 128 * sum(q), the
+ * product of the weights' +128 offset with the block (subtracted from the integer sum).
+ *
+ * Reduction order (the determinism contract): per row, block and column the integer sum
+ * s_b = sum over the block's k of (w + 128) * q - c is exact whatever order adds it (at most
+ * 32 * 255 * 127 in magnitude), then f_b = float(s_b) * d_b; acc = f_0 * scale_0, then
+ * acc = fma(f_b, scale_b, acc) in block order; then acc + bias, then residual + that. A row's
+ * quantization and sums involve that row only, so row i of an M-row product is bit-identical to
+ * the 1-row product of row i, on any thread count, and the portable path (no VNNI) gives the same
+ * bits as the VNNI tiles. */
+#pragma GCC optimize("fp-contract=off") /* every multiply and add as written, on both paths */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define NR 16                         /* output columns per panel */
+#define QB 32                         /* k per block (one weight scale, one activation scale) */
+#define QG (QB / 4)                   /* groups of 4 k per block */
+#define BLOCK_BYTES (NR * 4 + QB * NR) /* 16 fp32 scales + 32 x 16 bytes = 576 */
+#define CHUNK_BYTES (128 * 1024)
+
+typedef struct {
+    const int8_t *q;     /* [M][B * QB] the quantized rows */
+    const float *d;      /* [M][B] their scales */
+    const int32_t *c;    /* [M][B] 128 * sum(q) per block */
+    const char *w;
+    const float *bias, *res;
+    float *y;
+    int64_t M, N, B, ldy, ldr, prefetch;
+    int vnni_few, vnni_many; /* VNNI tiles for slabs of 1-2 / 3+ rows (sp_linear's isa bits) */
+} qjob_t;
+
+/* ---------------------------------------------------------------- activations */
+
+/* One block's scale and values: the contract's arithmetic, one element at a time. */
+static void quantize_block(const float *xb, int64_t n, int8_t *qb, float *d, int32_t *c)
+{
+    float amax = 0.0f;
+    for (int64_t k = 0; k < n; k++) amax = fabsf(xb[k]) > amax ? fabsf(xb[k]) : amax;
+    const float db = amax / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < QB; k++) {
+        float v = k < n ? nearbyintf(xb[k] * inv) : 0.0f; /* the default mode: half to even */
+        v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
+        qb[k] = (int8_t)v;
+        sum += qb[k];
+    }
+    *d = db;
+    *c = 128 * sum;
+}
+
+/* The same with AVX-512 (the same operations per element: a product, rounding half to even). */
+static __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_block_z(
+    const float *xb, int64_t n, int8_t *qb, float *d, int32_t *c)
+{
+    const __mmask16 m0 = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+    const __mmask16 m1 = n >= 32 ? 0xffff : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+    const __m512 a = _mm512_maskz_loadu_ps(m0, xb), b = _mm512_maskz_loadu_ps(m1, xb + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+    const float db = amax / 127.0f, inv = db > 0.0f ? 1.0f / db : 0.0f;
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    const __m512i qa = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(inv))), lo), hi);
+    const __m512i qc = _mm512_min_epi32(_mm512_max_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(b, _mm512_set1_ps(inv))), lo), hi);
+    _mm_storeu_si128((__m128i *)qb, _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128((__m128i *)(qb + 16), _mm512_cvtepi32_epi8(qc));
+    *d = db;
+    *c = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
+}
+
+static int avx512_here(void)
+{
+    static int ok = -1;
+    if (ok < 0) {
+        __builtin_cpu_init();
+        ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+             && __builtin_cpu_supports("avx512vl");
+    }
+    return ok;
+}
+
+/* x [M, K] (row stride ldx) -> q [M][B * 32], d and c [M][B]. `fast`: AVX-512 (the same bits). */
+static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t B, int8_t *q, float *d,
+                          int32_t *c, int fast)
+{
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t b = 0; b < B; b++) {
+            const int64_t n = K - b * QB < QB ? K - b * QB : QB;
+            (fast ? quantize_block_z : quantize_block)(x + i * ldx + b * QB, n, q + (i * B + b) * QB, d + i * B + b,
+                                                       c + i * B + b);
+        }
+}
+
+/* ---------------------------------------------------------------- portable */
+
+/* Rows [m0, m0 + ms) times panel p's columns [0, cols) into out (row stride ldo), bias added, then
+ * (`with_res`) the residual, as the contract says: one column at a time, plain C. */
+static void panel_portable(const qjob_t *j, int64_t p, int64_t m0, int64_t ms, int64_t cols, float *out,
+                           int64_t ldo, int with_res)
+{
+    const int64_t B = j->B;
+    const char *w = j->w + p * B * BLOCK_BYTES;
+    for (int64_t i = m0; i < m0 + ms; i++)
+        for (int64_t col = 0; col < cols; col++) {
+            float acc = 0.0f;
+            for (int64_t b = 0; b < B; b++) {
+                const char *blk = w + b * BLOCK_BYTES;
+                const uint8_t *u = (const uint8_t *)blk + NR * 4 + col * 4;
+                const int8_t *qb = j->q + (i * B + b) * QB;
+                int32_t s = -j->c[i * B + b];
+                for (int g = 0; g < QG; g++)
+                    for (int t = 0; t < 4; t++) s += (int32_t)u[g * NR * 4 + t] * qb[g * 4 + t];
+                const float f = (float)s * j->d[i * B + b], scale = ((const float *)blk)[col];
+                acc = b == 0 ? f * scale : fmaf(f, scale, acc);
+            }
+            if (j->bias) acc = acc + j->bias[p * NR + col];
+            if (with_res && j->res) acc = j->res[i * j->ldr + p * NR + col] + acc;
+            out[(i - m0) * ldo + col] = acc;
+        }
+}
+
+/* ---------------------------------------------------------------- AVX-512 VNNI */
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma")))
+#define ROWS6(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define CELLS(X, i) X(i, 0) X(i, 1) X(i, 2) X(i, 3) /* row i's four panels */
+#define MR_OF(np) ((np) == 4 ? 3 : 6) /* rows a tile holds: mr x np int and float accumulators <= 24 */
+
+/* Rows [m0, m0 + mr) times np (1, 2 or 4) adjacent panels from `w` over every block, each row's
+ * sums in registers throughout (an integer sum per block, folded into a float one); results (bias
+ * and residual added) to out[np * 16] per row (row stride ldo; res likewise with ldr, NULL: none).
+ * `pf`: prefetch this many bytes ahead of the weights read (0: none). */
+static inline VNNI __attribute__((always_inline)) void qtile(
+    const int np, const int mr, const qjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo,
+    const float *bias, const float *res, int64_t ldr, int64_t pf)
+{
+    const int64_t B = j->B, pb = B * BLOCK_BYTES;
+#define FDECL(i, q) __m512 f##i##q = _mm512_setzero_ps(); __m512i s##i##q = _mm512_setzero_si512();
+#define QDECL(i) CELLS(FDECL, i) const int64_t r##i = m0 + (mr > i ? i : 0);
+    ROWS6(QDECL)
+    for (int64_t b = 0; b < B; b++) {
+        const char *blk = w + b * BLOCK_BYTES;
+        if (pf)
+            for (int q = 0; q < np; q++)
+                for (int64_t l = 0; l < BLOCK_BYTES; l += 64) _mm_prefetch(blk + q * pb + pf + l, _MM_HINT_T1);
+#define SINIT(i, q) if (np > q) s##i##q = c##i;
+#define QINIT(i)                                                                                 \
+        const int32_t *x##i = (const int32_t *)(j->q + (r##i * B + b) * QB);                     \
+        if (mr > i) {                                                                            \
+            const __m512i c##i = _mm512_set1_epi32(-j->c[r##i * B + b]);                         \
+            CELLS(SINIT, i)                                                                      \
+        }
+        ROWS6(QINIT)
+        for (int g = 0; g < QG; g++) {
+            const char *wg = blk + NR * 4 + g * 64;
+            const __m512i u0 = _mm512_loadu_si512(wg);
+            const __m512i u1 = np > 1 ? _mm512_loadu_si512(wg + pb) : u0;
+            const __m512i u2 = np > 2 ? _mm512_loadu_si512(wg + 2 * pb) : u0;
+            const __m512i u3 = np > 3 ? _mm512_loadu_si512(wg + 3 * pb) : u0;
+#define DOT(i, q) if (np > q) s##i##q = _mm512_dpbusd_epi32(s##i##q, u##q, x);
+#define QSTEP(i)                                                                                 \
+            if (mr > i) {                                                                        \
+                const __m512i x = _mm512_set1_epi32(x##i[g]);                                    \
+                CELLS(DOT, i)                                                                    \
+            }
+            ROWS6(QSTEP)
+        }
+        const __m512 d0 = _mm512_loadu_ps((const float *)blk);
+        const __m512 d1 = np > 1 ? _mm512_loadu_ps((const float *)(blk + pb)) : d0;
+        const __m512 d2 = np > 2 ? _mm512_loadu_ps((const float *)(blk + 2 * pb)) : d0;
+        const __m512 d3 = np > 3 ? _mm512_loadu_ps((const float *)(blk + 3 * pb)) : d0;
+#define FOLD(i, q)                                                                               \
+        if (np > q) {                                                                            \
+            const __m512 g = _mm512_mul_ps(_mm512_cvtepi32_ps(s##i##q), a);                      \
+            f##i##q = b == 0 ? _mm512_mul_ps(g, d##q) : _mm512_fmadd_ps(g, d##q, f##i##q);       \
+        }
+#define QFOLD(i)                                                                                 \
+        if (mr > i) {                                                                            \
+            const __m512 a = _mm512_set1_ps(j->d[r##i * B + b]);                                 \
+            CELLS(FOLD, i)                                                                       \
+        }
+        ROWS6(QFOLD)
+    }
+#define STORE(i, q)                                                                              \
+    if (np > q) {                                                                                \
+        __m512 v = f##i##q;                                                                      \
+        if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + q * NR));                          \
+        if (res) v = _mm512_add_ps(_mm512_loadu_ps(res + i * ldr + q * NR), v);                  \
+        _mm512_storeu_ps(out + i * ldo + q * NR, v);                                             \
+    }
+#define QSTORE(i) if (mr > i) { CELLS(STORE, i) }
+    ROWS6(QSTORE)
+}
+
+typedef void (*qtile_fn)(const qjob_t *, const char *, int64_t, float *, int64_t, const float *, const float *,
+                         int64_t, int64_t);
+#define QTILE_FN(NP, R)                                                                          \
+    static VNNI void qtile##NP##_##R(const qjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, \
+                                     const float *bias, const float *res, int64_t ldr, int64_t pf) \
+    { qtile(NP, R, j, w, m0, out, ldo, bias, res, ldr, pf); }
+QTILE_FN(1, 1) QTILE_FN(1, 2) QTILE_FN(1, 3) QTILE_FN(1, 4) QTILE_FN(1, 5) QTILE_FN(1, 6)
+QTILE_FN(2, 1) QTILE_FN(2, 2) QTILE_FN(2, 3) QTILE_FN(2, 4) QTILE_FN(2, 5) QTILE_FN(2, 6)
+QTILE_FN(4, 1) QTILE_FN(4, 2) QTILE_FN(4, 3)
+static const qtile_fn QTILES[5][7] = {
+    {0}, {0, qtile1_1, qtile1_2, qtile1_3, qtile1_4, qtile1_5, qtile1_6},
+    {0, qtile2_1, qtile2_2, qtile2_3, qtile2_4, qtile2_5, qtile2_6}, {0}, {0, qtile4_1, qtile4_2, qtile4_3}};
+
+static int vnni_ok(void)
+{
+    static int ok = -1;
+    if (ok < 0) ok = avx512_here() && __builtin_cpu_supports("avx512vnni");
+    return ok;
+}
+
+int sp_vnni(void) { return vnni_ok(); }
+
+/* ---------------------------------------------------------------- driver */
+
+/* Rows [m0, m0 + ms) (ms <= 16) times panels [p, p + np): full panels straight into y, a partial
+ * last one through scratch [16][16]. */
+static void slab(const qjob_t *j, int64_t p, int np, int64_t m0, int64_t ms, float *scratch)
+{
+    const int64_t n0 = p * NR, cols = j->N - n0 < NR * np ? j->N - n0 : NR * np;
+    const int full = cols == NR * np;
+    float *out = full ? j->y + m0 * j->ldy + n0 : scratch;
+    const int64_t ldo = full ? j->ldy : NR;
+    const float *res = full && j->res ? j->res + m0 * j->ldr + n0 : 0;
+    float bias[4 * NR] = {0};
+    if (j->bias) memcpy(bias, j->bias + n0, cols * sizeof(float));
+    if (!(ms >= 3 ? j->vnni_many : j->vnni_few)) {
+        for (int q = 0; q < np; q++) /* a partial panel's residual is added below, as for the tiles */
+            panel_portable(j, p + q, m0, ms, cols - q * NR > NR ? NR : cols - q * NR, out + q * NR, ldo, full);
+    } else {
+        const int64_t ntiles = (ms + MR_OF(np) - 1) / MR_OF(np);
+        const char *w = j->w + p * j->B * BLOCK_BYTES;
+        for (int64_t t = 0, r = 0; t < ntiles; t++) {
+            const int64_t mr = (ms - r) / (ntiles - t);
+            QTILES[np][mr](j, w, m0 + r, out + r * ldo, ldo, j->bias ? bias : 0, res ? res + r * j->ldr : 0,
+                           j->ldr, t == 0 ? j->prefetch * 64 : 0);
+            r += mr;
+        }
+    }
+    if (!full)
+        for (int64_t i = m0; i < m0 + ms; i++) {
+            float *yi = j->y + i * j->ldy + n0;
+            const float *si = scratch + (i - m0) * NR;
+            if (j->res)
+                for (int64_t c = 0; c < cols; c++) yi[c] = j->res[i * j->ldr + n0 + c] + si[c];
+            else
+                memcpy(yi, si, cols * sizeof(float));
+        }
+}
+
+/* Work item g: panels [4g, 4g + 4), together where all four are full, else in a full pair and
+ * single panels (a partial panel is the last), every row in slabs of 16. */
+static void panel_item(const void *job, int64_t g, float *scratch)
+{
+    const qjob_t *j = job;
+    const int64_t P = (j->N + NR - 1) / NR, p0 = 4 * g, p1 = p0 + 4 < P ? p0 + 4 : P;
+    for (int64_t m0 = 0; m0 < j->M; m0 += 16) {
+        const int64_t ms = j->M - m0 < 16 ? j->M - m0 : 16;
+        for (int64_t p = p0; p < p1;) {
+            const int np = (p + 4) * NR <= j->N && p + 4 <= p1 ? 4 : (p + 2) * NR <= j->N && p + 2 <= p1 ? 2 : 1;
+            slab(j, p, np, m0, ms, scratch);
+            p += np;
+        }
+    }
+}
+
+/* The quantized rows of one call; kept per thread and grown as needed (no allocation per call). */
+static __thread struct { void *mem; int64_t bytes; } rows_buf;
+
+static void *rows_memory(int64_t bytes)
+{
+    if (bytes > rows_buf.bytes) {
+        free(rows_buf.mem);
+        rows_buf.bytes = 0;
+        rows_buf.mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!rows_buf.mem) return 0;
+        rows_buf.bytes = bytes;
+    }
+    return rows_buf.mem;
+}
+
+void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N, const float *bias,
+                   const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int prefetch, int isa)
+{
+    const int64_t B = (K + QB - 1) / QB;
+    if (B == 0) { /* no k: the sums are empty */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t n = 0; n < N; n++) {
+                const float v = bias ? 0.0f + bias[n] : 0.0f;
+                y[i * ldy + n] = res ? res[i * ldr + n] + v : v;
+            }
+        return;
+    }
+    char *mem = rows_memory(M * B * (QB + 8));
+    if (!mem) { /* out of memory for M x K bytes: say so in the output rather than leave it stale */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t n = 0; n < N; n++) y[i * ldy + n] = NAN;
+        return;
+    }
+    int8_t *q = (int8_t *)mem;
+    float *d = (float *)(mem + M * B * QB);
+    int32_t *c = (int32_t *)(d + M * B);
+    quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && avx512_here());
+    const qjob_t job = {q, d, c, w, bias, res, y, M, N, B, ldy, ldr, prefetch > 0 ? prefetch : 0,
+                        (isa & 1) && vnni_ok(), (isa & 2) && vnni_ok()};
+    /* chunks of at most CHUNK_BYTES, and at least 4 per thread (small layers: a balanced finish) */
+    const int64_t items = (N + 4 * NR - 1) / (4 * NR), by_bytes = CHUNK_BYTES / (4 * B * BLOCK_BYTES);
+    const int64_t balanced = items / (4 * (nthreads > 1 ? nthreads : 1));
+    sp_parallel(panel_item, &job, items, by_bytes < balanced ? by_bytes : balanced, nthreads);
+}
