@@ -12,6 +12,9 @@
 void sp_parallel(void (*fn)(const void *job, int64_t item, float *scratch), const void *job,
                  int64_t n_items, int64_t chunk, int nthreads);
 
+/* Whether the CPU and OS run AVX-512F/BW/VL (linear.c). */
+int sp_avx512(void);
+
 /* The kernels a decoder layer is made of (linear.c, attention.c, layers.c), for decoder.c. */
 void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int fmt, int64_t N,
                const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads,
