@@ -1,6 +1,8 @@
 """Serving benchmark: `specpack serve` vs llama.cpp's `llama-server` under concurrent clients.
 
-In ONE run, on the embedded SmolLM2-135M (F32 weights on both sides), closed-loop clients on
+In ONE run, on the embedded SmolLM2-135M (F32 weights on both sides; --weights for another
+precision: specpack `serve --weights X`, llama-server on its nearest GGUF type, F16 for fp16/bf16 and
+Q8_0 for int8/w8a8), closed-loop clients on
 loopback at each concurrency level, greedy, on a code workload (HumanEval prompts, /v1/completions)
 and a chat workload (bench/workloads/chat.jsonl plus open-chat prompts, /v1/chat/completions):
 
@@ -17,7 +19,7 @@ and whether every output equals the same server's 1-client output, plus the rati
 goals name. Never part of CI (it starts servers and takes minutes). Build llama.cpp as
 ../shared/PERF-NOTES.md says, then:
 
-    python bench/serve.py --llama-cpp /path/to/llama.cpp [--clients 1,4,8,16] [--requests 16]
+    python bench/serve.py --llama-cpp /path/to/llama.cpp [--clients 1,4,8,16] [--requests 16] [--weights w8a8]
 """
 
 from __future__ import annotations
@@ -162,9 +164,15 @@ def measure(url: str, model: str, name: str, workload: str, items: list[dict], c
     return run
 
 
-def specpack_server(artifact: Path, port: int, spec: bool, slots: int, backend: str = "torch") -> subprocess.Popen:
+GGUF_TYPES = {"fp32": "f32", "fp16": "f16", "bf16": "f16", "int8": "q8_0", "w8a8": "q8_0"}  # llama.cpp's nearest
+
+
+def specpack_server(artifact: Path, port: int, spec: bool, slots: int, backend: str = "torch",
+                    weights: str = "fp32") -> subprocess.Popen:
     args = [sys.executable, "-m", "specpack", "serve", str(artifact), "--port", str(port), "--max-seqs", str(slots),
             "--max-model-len", "2048", "--backend", backend]
+    if weights != "fp32":
+        args += ["--weights", weights]
     if not spec:
         args += ["--max-concurrency", "0"]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -190,10 +198,10 @@ def llama_server(llama: Path, gguf: Path, port: int, slots: int) -> subprocess.P
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def f32_gguf(llama: Path, hf_dir: Path, out: Path) -> Path:
-    """The target's F32 GGUF, converted once with llama.cpp's own script."""
+def gguf_of(llama: Path, hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
+    """The target's GGUF (F32, or `outtype`: f16, q8_0), converted once with llama.cpp's own script."""
     if not out.is_file():
-        subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", "f32",
+        subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
                         "--outfile", str(out)], check=True, env={**os.environ, "PYTHONPATH": str(llama / "gguf-py")})
     return out
 
@@ -294,6 +302,8 @@ def main() -> int:
                                    "specpack-eagle3,llama-server (and specpack-onnx-* with --onnx)")
     ap.add_argument("--onnx", action="store_true",
                     help="also serve on ONNX Runtime (`serve --backend onnxruntime`, n-gram and off)")
+    ap.add_argument("--weights", default="fp32", choices=sorted(GGUF_TYPES),
+                    help="specpack's `serve --weights` (torch servers); llama-server gets its nearest GGUF type")
     ap.add_argument("--json", type=Path, help="also write every row here")
     ap.add_argument("--prompt-cache", action="store_true", help="let llama-server reuse cached prompt prefixes")
     ap.add_argument("--rounds", type=int, default=2,
@@ -307,10 +317,11 @@ def main() -> int:
     artifact, _ = prepare(cache_dir(), say)
     eagle3 = prepare_eagle3(cache_dir(), say)
     loads = workloads(args.requests)
-    servers = {"specpack-ngram": (lambda p: specpack_server(artifact, p, True, slots), artifact.name),
-               "specpack-plain": (lambda p: specpack_server(artifact, p, False, slots), artifact.name)}
+    w = args.weights
+    servers = {"specpack-ngram": (lambda p: specpack_server(artifact, p, True, slots, weights=w), artifact.name),
+               "specpack-plain": (lambda p: specpack_server(artifact, p, False, slots, weights=w), artifact.name)}
     if eagle3 is not None:
-        servers["specpack-eagle3"] = (lambda p: specpack_server(eagle3, p, True, slots), eagle3.name)
+        servers["specpack-eagle3"] = (lambda p: specpack_server(eagle3, p, True, slots, weights=w), eagle3.name)
     if args.onnx:
         graphs = onnx_copy(artifact, cache_dir() / f"{artifact.name}-onnx")
         servers["specpack-onnx-ngram"] = (lambda p: specpack_server(graphs, p, True, slots, "onnxruntime"),
@@ -318,7 +329,9 @@ def main() -> int:
         servers["specpack-onnx-plain"] = (lambda p: specpack_server(graphs, p, False, slots, "onnxruntime"),
                                           artifact.name)
     if args.llama_cpp:
-        gguf = f32_gguf(args.llama_cpp, cache_dir() / "smollm2-135m-instruct-f32", cache_dir() / "smollm2-f32.gguf")
+        kind = GGUF_TYPES[w]
+        gguf = gguf_of(args.llama_cpp, cache_dir() / "smollm2-135m-instruct-f32", cache_dir() / f"smollm2-{kind}.gguf",
+                        kind)
         servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, gguf, p, slots), "smollm2")
     wanted = set(args.only.split(",")) if args.only else set(servers)
     # llama-server reuses a slot's cached prompt prefix, which specpack does not do (yet): off, so both
