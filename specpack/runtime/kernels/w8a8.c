@@ -141,10 +141,11 @@ static void panel_portable(const qjob_t *j, int64_t p, int64_t m0, int64_t ms, i
 /* Rows [m0, m0 + mr) times np (1, 2 or 4) adjacent panels from `w` over every block, each row's
  * sums in registers throughout (an integer sum per block, folded into a float one); results (bias
  * and residual added) to out[np * 16] per row (row stride ldo; res likewise with ldr, NULL: none).
- * `pf`: prefetch this many bytes ahead of the weights read (0: none). */
+ * `pf`: prefetch this many bytes ahead of the weights read (0: none), for the panels whose bit is set
+ * in `pfmask`. */
 static inline VNNI __attribute__((always_inline)) void qtile(
     const int np, const int mr, const qjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo,
-    const float *bias, const float *res, int64_t ldr, int64_t pf)
+    const float *bias, const float *res, int64_t ldr, int64_t pf, int pfmask)
 {
     const int64_t B = j->B, pb = B * BLOCK_BYTES;
 #define FDECL(i, q) __m512 f##i##q = _mm512_setzero_ps(); __m512i s##i##q = _mm512_setzero_si512();
@@ -154,7 +155,8 @@ static inline VNNI __attribute__((always_inline)) void qtile(
         const char *blk = w + b * BLOCK_BYTES;
         if (pf)
             for (int q = 0; q < np; q++)
-                for (int64_t l = 0; l < BLOCK_BYTES; l += 64) _mm_prefetch(blk + q * pb + pf + l, _MM_HINT_T1);
+                if (pfmask >> q & 1)
+                    for (int64_t l = 0; l < BLOCK_BYTES; l += 64) _mm_prefetch(blk + q * pb + pf + l, _MM_HINT_T1);
 #define SINIT(i, q) if (np > q) s##i##q = c##i;
 #define QINIT(i)                                                                                 \
         const int32_t *x##i = (const int32_t *)(j->q + (r##i * B + b) * QB);                     \
@@ -205,11 +207,11 @@ static inline VNNI __attribute__((always_inline)) void qtile(
 }
 
 typedef void (*qtile_fn)(const qjob_t *, const char *, int64_t, float *, int64_t, const float *, const float *,
-                         int64_t, int64_t);
+                         int64_t, int64_t, int);
 #define QTILE_FN(NP, R)                                                                          \
     static VNNI void qtile##NP##_##R(const qjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, \
-                                     const float *bias, const float *res, int64_t ldr, int64_t pf) \
-    { qtile(NP, R, j, w, m0, out, ldo, bias, res, ldr, pf); }
+                                     const float *bias, const float *res, int64_t ldr, int64_t pf, int pfmask) \
+    { qtile(NP, R, j, w, m0, out, ldo, bias, res, ldr, pf, pfmask); }
 QTILE_FN(1, 1) QTILE_FN(1, 2) QTILE_FN(1, 3) QTILE_FN(1, 4) QTILE_FN(1, 5) QTILE_FN(1, 6)
 QTILE_FN(2, 1) QTILE_FN(2, 2) QTILE_FN(2, 3) QTILE_FN(2, 4) QTILE_FN(2, 5) QTILE_FN(2, 6)
 QTILE_FN(4, 1) QTILE_FN(4, 2) QTILE_FN(4, 3)
@@ -243,12 +245,17 @@ static void slab(const qjob_t *j, int64_t p, int np, int64_t m0, int64_t ms, flo
         for (int q = 0; q < np; q++) /* a partial panel's residual is added below, as for the tiles */
             panel_portable(j, p + q, m0, ms, cols - q * NR > NR ? NR : cols - q * NR, out + q * NR, ldo, full);
     } else {
-        const int64_t ntiles = (ms + MR_OF(np) - 1) / MR_OF(np);
-        const char *w = j->w + p * j->B * BLOCK_BYTES;
+        const int64_t ntiles = (ms + MR_OF(np) - 1) / MR_OF(np), pb = j->B * BLOCK_BYTES;
+        const char *w = j->w + p * pb;
         for (int64_t t = 0, r = 0; t < ntiles; t++) {
             const int64_t mr = (ms - r) / (ntiles - t);
+            /* one tile: it prefetches `prefetch` lines ahead in its own panels; several: they share
+             * prefetching the next np panels (the next work item) so the weights stream while the
+             * later tiles compute from cache */
+            int mask = 0;
+            for (int q = 0; q < np; q++) mask |= (q % ntiles == t) << q;
             QTILES[np][mr](j, w, m0 + r, out + r * ldo, ldo, j->bias ? bias : 0, res ? res + r * j->ldr : 0,
-                           j->ldr, t == 0 ? j->prefetch * 64 : 0);
+                           j->ldr, ntiles == 1 ? j->prefetch * 64 : np * pb, ntiles == 1 ? 15 : mask);
             r += mr;
         }
     }
