@@ -407,3 +407,22 @@ def test_the_kernels_build_wherever_they_can(monkeypatch, tmp_path):
     monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path))
     kl._library.cache_clear()
     assert kl.available(), kl.unavailable_reason()
+
+
+def test_argmax_rows_is_torch_argmax(kernel):
+    """The greedy pick in C gives torch.argmax's index for every row: the first of equal maxima, a NaN
+    above everything (the first NaN), rows of -inf, lengths around the 32-wide vector loop."""
+    from specpack.runtime.kernels.argmax import argmax_rows
+
+    torch.manual_seed(9)
+    for n in (1, 7, 31, 32, 33, 95, 4096, 49152):
+        rows = [torch.randn(n), torch.randint(-2, 3, (n,)).float(), torch.full((n,), float("-inf")),
+                torch.zeros(n)]
+        nan = torch.randn(n)
+        nan[n // 2] = float("nan")
+        nan[-1] = float("nan")
+        late = torch.randint(-2, 3, (n,)).float()
+        late[-1] = 9.0  # the maximum in the tail past the vector loop
+        x = torch.stack(rows + [nan, late])
+        assert argmax_rows(x) == x.argmax(-1).tolist(), n
+        assert argmax_rows(x[:, : max(1, n // 2)]) == x[:, : max(1, n // 2)].argmax(-1).tolist(), n  # row stride > n

@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError
+from specpack.runtime.kernels.argmax import argmax_rows
 
 _MASK = (1 << 64) - 1
 
@@ -108,7 +109,7 @@ class Sampler:
     def pick(self, logits: Tensor, first_position: int) -> list[int]:
         """The target's token for each row of logits [T, V], row t at position first_position + t."""
         if self.greedy:
-            return logits.argmax(-1).tolist()
+            return argmax_rows(logits)
         p = self.probs(logits)
         return [self.race(p[t], first_position + t) for t in range(p.shape[0])]
 
