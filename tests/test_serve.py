@@ -472,8 +472,9 @@ class _ThreadSpy:
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_text_work_stays_off_the_scheduler(slow, stream):
-    """Decoding and stop-string matching run in the thread pool: a long stop string cannot stall
-    the scheduler (and with it every other request)."""
+    """Decoding and stop-string matching run off the scheduler (a stream with long stop strings in
+    the thread pool): a long stop string cannot stall the scheduler (and with it every other
+    request), nor the event loop."""
     slow.gate.set()
     from specpack.runtime.text import encode_prompt
 
@@ -487,6 +488,7 @@ def test_text_work_stays_off_the_scheduler(slow, stream):
                                       temperature=0)
         text = "".join(c.choices[0].text for c in r) if stream else r.choices[0].text
     assert text == want and spy.threads and "specpack-scheduler" not in spy.threads
+    assert all(t.startswith("AnyIO") for t in spy.threads), spy.threads  # stops this long: never the event loop
 
 
 def test_stop_strings_are_held_back_and_cut_like_before():

@@ -27,6 +27,9 @@ def stop_sequences(tokenizer, stops: list[str]) -> list[list[int]]:
     return [tokenizer(s, add_special_tokens=False).input_ids for s in stops if s]
 
 
+CHEAP_TOKENS, CHEAP_STOP_CHARS = 512, 256  # TextStream.cheap's limits
+
+
 @dataclass
 class TextStream:
     """Decodes the growing token list and hands only new, final text to `write`: an incomplete
@@ -47,6 +50,12 @@ class TextStream:
         if text.endswith("\ufffd"):
             return
         self._send(text[: len(text) - self._held_back(text)])
+
+    def cheap(self) -> bool:
+        """Whether the next call is cheap enough to run on an event loop: it decodes every token so
+        far (~10 µs at 64 tokens, ~50 at 512 for SmolLM2's tokenizer) and scans the unsent tail
+        against each stop string."""
+        return len(self.tokens) < CHEAP_TOKENS and sum(len(s) for s in self.stops) <= CHEAP_STOP_CHARS
 
     def flush(self) -> str:
         """Send the rest; return the whole text."""

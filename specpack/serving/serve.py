@@ -360,7 +360,8 @@ class _State:
 
     def _stream(self, request, job: Job, stream, rid: str, chat: bool, body):
         """Server-sent events. The worker only hands each step's token ids over; decoding them and
-        matching stop strings happen here, in the thread pool, off the worker's path."""
+        matching stop strings happen here, off the worker's path: on the event loop while the text is
+        short, in the thread pool once decoding it takes longer than the hop there."""
         from starlette.concurrency import run_in_threadpool
 
         loop, deltas, pending = asyncio.get_running_loop(), asyncio.Queue(), []
@@ -392,7 +393,10 @@ class _State:
             while (item := await _next(request, deltas, job)) is not _DONE:
                 if item is _GONE:
                     return
-                await run_in_threadpool(stream, item)
+                if stream.cheap():
+                    stream(item)  # tens of µs: cheaper here than a thread-pool round trip (~115 µs)
+                else:
+                    await run_in_threadpool(stream, item)
                 if pending:
                     yield chunk(take())
             try:
