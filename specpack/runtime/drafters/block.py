@@ -57,6 +57,7 @@ from specpack.errors import InputError, UnsupportedError
 from specpack.runtime.drafters.base import Draft, DraftJob
 from specpack.runtime.drafters.block_heads import ConfidenceHead, LiLiCorrHead, MarkovHead
 from specpack.runtime.drafters.block_spec import HINT, BlockSpec, block_spec_from_config, block_tensor_shapes
+from specpack.runtime.kernels.argmax import argmax_rows
 from specpack.runtime.models.dense import Block, KVCache, RMSNorm, apply_rope, rope_inv_freq, rope_tables
 from specpack.runtime.models.rows import Rows, Segment
 
@@ -214,7 +215,7 @@ class BlockDrafter(nn.Module):
     def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> list[int]:
         """Draft-vocab logits [J, Vd] -> each job's target id at its draft position `step`."""
         if all(j.sampler is None for j in jobs):
-            return self.draft_to_target[logits.argmax(-1)].tolist()
+            return self.draft_to_target[argmax_rows(logits)].tolist()
         return [_pick(logits[i], j, step, self.draft_to_target) for i, j in enumerate(jobs)]
 
     def _draft_dflash(self, out: BlockOut, jobs: list[DraftJob]) -> list[Draft]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from specpack.runtime.kernels.argmax import argmax_rows
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
 from specpack.runtime.drafters.tree import Branches
@@ -47,7 +48,8 @@ class DraftModelDrafter(nn.Module):
 
     def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> list[int]:
         logits = logits[:, : self.vocab]  # [J, V]
-        return [int(logits[i].argmax()) if j.sampler is None
+        greedy = argmax_rows(logits)
+        return [greedy[i] if j.sampler is None
                 else j.sampler.race(j.sampler.probs(logits[i : i + 1])[0], len(j.context) + step)
                 for i, j in enumerate(jobs)]
 

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from specpack.errors import InputError
+from specpack.runtime.kernels.argmax import argmax_rows
 from specpack.runtime.models.config import RopeScaling, rope_from_config
 from specpack.runtime.models.dense import MLP, Attention, KVCache, RMSNorm, rope_inv_freq, rope_tables
 from specpack.runtime.models.rows import Rows, Segment
@@ -164,9 +165,10 @@ class Eagle3Drafter(nn.Module):
 
     def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> list[int]:
         """Draft-vocab logits [J, Vd] -> each job's target id for its draft position `step`."""
+        greedy = self.draft_to_target[argmax_rows(logits)].tolist()
         if all(j.sampler is None for j in jobs):
-            return self.draft_to_target[logits.argmax(-1)].tolist()
-        return [int(self.draft_to_target[int(logits[i].argmax())]) if j.sampler is None
+            return greedy
+        return [greedy[i] if j.sampler is None
                 else j.sampler.race(j.sampler.probs(logits[i : i + 1])[0], len(j.context) + step,
                                     self.draft_to_target)
                 for i, j in enumerate(jobs)]

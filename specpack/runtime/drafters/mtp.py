@@ -21,6 +21,7 @@ import torch
 from torch import Tensor, nn
 
 from specpack.errors import InputError
+from specpack.runtime.kernels.argmax import argmax_rows
 from specpack.runtime.models.dense import Block, KVCache, RMSNorm
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
@@ -197,7 +198,8 @@ class MtpDrafter(nn.Module):
         return chain, self.target.lm_head(normed[rows.last_rows()]).float()
 
     def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> list[int]:
-        return [int(logits[i].argmax()) if j.sampler is None
+        greedy = argmax_rows(logits)
+        return [greedy[i] if j.sampler is None
                 else j.sampler.race(j.sampler.probs(logits[i : i + 1])[0], len(j.context) + step)
                 for i, j in enumerate(jobs)]
 
