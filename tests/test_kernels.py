@@ -426,3 +426,26 @@ def test_argmax_rows_is_torch_argmax(kernel):
         x = torch.stack(rows + [nan, late])
         assert argmax_rows(x) == x.argmax(-1).tolist(), n
         assert argmax_rows(x[:, : max(1, n // 2)]) == x[:, : max(1, n // 2)].argmax(-1).tolist(), n  # row stride > n
+
+
+def test_w8a8_without_vnni_says_int8_is_the_fast_choice(kernel, monkeypatch, caplog):
+    """On a CPU without AVX-512 VNNI, w8a8 still runs (the portable path, the same bits) and says so."""
+    from torch import nn
+
+    from specpack.runtime.kernels import accelerate
+
+    class NoVnni:
+        def __init__(self, lib):
+            self._lib = lib
+
+        def __getattr__(self, name):
+            return getattr(self._lib, name)
+
+        def sp_vnni(self):
+            return 0
+
+    lib = kernel._library()[0]
+    monkeypatch.setattr(kernel._lib, "_library", lambda: (NoVnni(lib), ""))
+    with caplog.at_level(logging.WARNING, logger=accelerate.__name__):
+        assert accelerate.use_cpu_kernels(nn.Sequential(nn.Linear(64, 64)), "w8a8") == 1
+    assert "no AVX-512 VNNI" in caplog.text and "--weights int8" in caplog.text

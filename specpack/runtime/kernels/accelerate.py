@@ -62,6 +62,7 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
     pools spinning on two cores fight (PERF-NOTES).
     """
     from specpack.runtime.kernels import available, unavailable_reason
+    from specpack.runtime.kernels._lib import _library
 
     if weights not in WEIGHTS:
         raise ValueError(f"unknown weight format {weights!r}: use one of {', '.join(WEIGHTS)}")
@@ -69,8 +70,11 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
         _say_why(unavailable_reason())
         if weights == "fp32":
             return 0
-        log.warning("%s weights run torch's F.linear on fp32 copies of the rounded weights (same values as "
-                    "the kernel's, no memory or speed gain)", weights)
+        log.warning("%s weights run in torch (the kernel's values: %s), without its memory or speed gain", weights,
+                    "its integer arithmetic" if weights == "w8a8" else "F.linear on fp32 copies of the rounded weights")
+    elif weights == "w8a8" and not _library()[0].sp_vnni():
+        log.warning("this CPU has no AVX-512 VNNI: w8a8 runs a portable path many times slower than int8 (the same "
+                    "results); --weights int8 is the fast int8 precision here")
     swapped, narrowed = 0, 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
