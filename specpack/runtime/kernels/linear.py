@@ -199,6 +199,8 @@ class PackedLinear:
         with torch.no_grad():
             self.weight = self._layout(weight.detach())
         self._parallel = self.weight.numel() * self.weight.element_size() >= MIN_PARALLEL_BYTES
+        if self.backend == "torch" and weights == "w8a8":  # the fallback's integer values and scales
+            self._q8 = q8_values(self.weight, weights)
         if self.backend == "avx2":  # looked up once: a call costs a few microseconds in all
             self._fn = _library()[0].sp_linear
             self._fmt = FORMATS[weights]
@@ -229,15 +231,8 @@ class PackedLinear:
         lead = x.shape[:-1]
         if residual is not None and (residual.shape != (*lead, N) or residual.dtype != torch.float32):
             raise TypeError(f"residual must be an fp32 tensor of shape {(*lead, N)}")
-        if self.backend == "torch" and self.weights == "w8a8":
-            if not hasattr(self, "_q8"):
-                self._q8 = q8_values(self.weight, "w8a8")
-            y = w8a8_linear(x, *self._q8, self.bias, N)
-            if residual is not None:
-                y = residual + y
-            return y if out is None else out.copy_(y)
         if self.backend == "torch":
-            y = F.linear(x, self.weight, self.bias)
+            y = w8a8_linear(x, *self._q8, self.bias, N) if self.weights == "w8a8" else F.linear(x, self.weight, self.bias)
             if residual is not None:
                 y = residual + y
             return y if out is None else out.copy_(y)
