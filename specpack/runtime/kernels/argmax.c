@@ -9,7 +9,7 @@
 
 static int64_t argmax_row(const float *v, int64_t n)
 {
-    const __m256i step = _mm256_set1_epi32(8);
+    const __m256i step = _mm256_set1_epi32(32); /* indices a pass of four chains covers */
     __m256 best[4];
     __m256i idx[4], cur[4];
     __m256 nan = _mm256_setzero_ps();
@@ -26,7 +26,7 @@ static int64_t argmax_row(const float *v, int64_t n)
             nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
             best[c] = _mm256_blendv_ps(best[c], x, gt);
             idx[c] = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(idx[c]), _mm256_castsi256_ps(cur[c]), gt));
-            cur[c] = _mm256_add_epi32(cur[c], _mm256_slli_epi32(step, 2));
+            cur[c] = _mm256_add_epi32(cur[c], step);
         }
     float bv[32];
     int32_t bi[32];

@@ -184,7 +184,7 @@ static float softmax_terms(float *s, const int32_t *pos, int64_t n)
  * same chain, so both give the same bits), L its lanes, OP(x) its intrinsic _mm256_x or _mm512_x. */
 #define WEIGHTED_SUMS(NAME, ATTR, VEC, L, OP, SET1)                                                \
     static ATTR void NAME(const attn_job *j, int64_t nq, int64_t G, const float *V, const int32_t *pos, \
-                          const int64_t *npos, int64_t lpos, const float *p, int64_t lds, int64_t n,  \
+                          const int64_t *npos, const float *p, int64_t lds, int64_t n,                \
                           const float *inv, float *acc, int64_t *cur, float *const *outs, int64_t d0)  \
     {                                                                                            \
         const int64_t ld = j->ld;                                                                \
@@ -192,7 +192,7 @@ static float softmax_terms(float *s, const int32_t *pos, int64_t n)
         memset(cur, 0, (size_t)nq * sizeof(int64_t));                                             \
         for (int64_t b1 = VALUE_BLOCK; b1 - VALUE_BLOCK < n; b1 += VALUE_BLOCK)                   \
             for (int64_t qi = 0; qi < nq; qi++) {                                                \
-                const int32_t *ps = pos + qi / G * lpos;                                         \
+                const int32_t *ps = pos + qi / G * n; /* each row's positions, n apart */          \
                 const int64_t m = npos[qi / G];                                                  \
                 const float *pq = p + qi * lds;                                                  \
                 float *aq = acc + qi * 64;                                                       \
@@ -272,7 +272,7 @@ static void item(const void *job, int64_t it, float *scratch)
         inv[qi] = npos[qi / G] ? 1.0f / softmax_terms(s + qi * lds, pos + qi / G * n, npos[qi / G]) : 0.0f;
     int64_t d0 = 0;
     for (; d0 + 64 <= j->dv; d0 += 64)
-        (sp_avx512() ? weighted_sums_z : weighted_sums)(j, nq, G, j->v + base, pos, npos, n, s, lds, n, inv, acc,
+        (sp_avx512() ? weighted_sums_z : weighted_sums)(j, nq, G, j->v + base, pos, npos, s, lds, n, inv, acc,
                                                          cur, outs, d0);
     if (d0 < j->dv)
         for (int64_t qi = 0; qi < nq; qi++)

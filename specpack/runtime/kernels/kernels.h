@@ -15,6 +15,10 @@ void sp_parallel(void (*fn)(const void *job, int64_t item, float *scratch), cons
 /* Whether the CPU and OS run AVX-512F/BW/VL (linear.c). */
 int sp_avx512(void);
 
+/* A partial panel's rows from scratch into y, residual added (linear.c; w8a8.c uses it too). */
+void sp_store_partial(const float *scratch, int64_t m0, int64_t ms, int64_t n0, int64_t cols, const float *res,
+                      int64_t ldr, float *y, int64_t ldy);
+
 /* The kernels a decoder layer is made of (linear.c, attention.c, layers.c), for decoder.c. */
 void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int fmt, int64_t N,
                const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads,

@@ -463,6 +463,21 @@ static const char *block_at(int fmt, const char *w, int64_t k0, const float **sc
     return blk + NR * 4;
 }
 
+/* A partial panel's rows [m0, m0 + ms) from scratch [ms][16] into y's columns [n0, n0 + cols), the
+ * residual (row stride ldr; NULL: none) added as the full panels add it: res + sum. */
+void sp_store_partial(const float *scratch, int64_t m0, int64_t ms, int64_t n0, int64_t cols, const float *res,
+                      int64_t ldr, float *y, int64_t ldy)
+{
+    for (int64_t i = m0; i < m0 + ms; i++) {
+        float *yi = y + i * ldy + n0;
+        const float *si = scratch + (i - m0) * NR;
+        if (res)
+            for (int64_t c = 0; c < cols; c++) yi[c] = res[i * ldr + n0 + c] + si[c];
+        else
+            memcpy(yi, si, cols * sizeof(float));
+    }
+}
+
 /* Rows [m0, m0 + ms) (ms <= 16) times panel p. Rows go in ceil(ms/6) balanced tiles (8 rows: 4 +
  * 4, so each tile keeps >= 8 FMA chains in flight; AVX-512: ceil(ms/12) tiles), over the summation k-blocks: every tile reuses
  * the block from L1, so the panel is read from memory once. */
@@ -500,14 +515,7 @@ static void panel_rows(const job_t *j, int64_t p, int64_t m0, int64_t ms, float 
         }
     }
     if (!full)
-        for (int64_t i = m0; i < m0 + ms; i++) {
-            float *yi = j->y + i * j->ldy + n0;
-            const float *si = scratch + (i - m0) * NR;
-            if (j->res)
-                for (int64_t c = 0; c < cols; c++) yi[c] = j->res[i * j->ldr + n0 + c] + si[c];
-            else
-                memcpy(yi, si, cols * sizeof(float));
-        }
+        sp_store_partial(scratch, m0, ms, n0, cols, j->res, j->ldr, j->y, j->ldy);
 }
 
 /* Rows [m0, m0 + ms) times the full panels p and p + 1 (AVX-512): as `panel_rows`, in

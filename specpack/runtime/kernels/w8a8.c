@@ -80,17 +80,6 @@ static __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_block_
     *c = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qc));
 }
 
-static int avx512_here(void)
-{
-    static int ok = -1;
-    if (ok < 0) {
-        __builtin_cpu_init();
-        ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-             && __builtin_cpu_supports("avx512vl");
-    }
-    return ok;
-}
-
 /* x [M, K] (row stride ldx) -> q [M][B * 32], d and c [M][B]. `fast`: AVX-512 (the same bits). */
 static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t B, int8_t *q, float *d,
                           int32_t *c, int fast)
@@ -222,7 +211,7 @@ static const qtile_fn QTILES[5][7] = {
 static int vnni_ok(void)
 {
     static int ok = -1;
-    if (ok < 0) ok = avx512_here() && __builtin_cpu_supports("avx512vnni");
+    if (ok < 0) ok = sp_avx512() && __builtin_cpu_supports("avx512vnni");
     return ok;
 }
 
@@ -260,14 +249,7 @@ static void slab(const qjob_t *j, int64_t p, int np, int64_t m0, int64_t ms, flo
         }
     }
     if (!full)
-        for (int64_t i = m0; i < m0 + ms; i++) {
-            float *yi = j->y + i * j->ldy + n0;
-            const float *si = scratch + (i - m0) * NR;
-            if (j->res)
-                for (int64_t c = 0; c < cols; c++) yi[c] = j->res[i * j->ldr + n0 + c] + si[c];
-            else
-                memcpy(yi, si, cols * sizeof(float));
-        }
+        sp_store_partial(scratch, m0, ms, n0, cols, j->res, j->ldr, j->y, j->ldy);
 }
 
 /* Work item g: panels [4g, 4g + 4), together where all four are full, else in a full pair and
@@ -322,7 +304,7 @@ void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const voi
     int8_t *q = (int8_t *)mem;
     float *d = (float *)(mem + M * B * QB);
     int32_t *c = (int32_t *)(d + M * B);
-    quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && avx512_here());
+    quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
     const qjob_t job = {q, d, c, w, bias, res, y, M, N, B, ldy, ldr, prefetch > 0 ? prefetch : 0,
                         (isa & 1) && vnni_ok(), (isa & 2) && vnni_ok()};
     /* chunks of at most CHUNK_BYTES, and at least 4 per thread (small layers: a balanced finish) */
