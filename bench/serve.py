@@ -20,6 +20,7 @@ goals name. Never part of CI (it starts servers and takes minutes). Build llama.
 ../shared/PERF-NOTES.md says, then:
 
     python bench/serve.py --llama-cpp /path/to/llama.cpp [--clients 1,4,8,16] [--requests 16] [--weights w8a8]
+                          [--kv-cache fp16]
 """
 
 from __future__ import annotations
@@ -168,11 +169,13 @@ GGUF_TYPES = {"fp32": "f32", "fp16": "f16", "bf16": "f16", "int8": "q8_0", "w8a8
 
 
 def specpack_server(artifact: Path, port: int, spec: bool, slots: int, backend: str = "torch",
-                    weights: str = "fp32") -> subprocess.Popen:
+                    weights: str = "fp32", kv_cache: str = "model") -> subprocess.Popen:
     args = [sys.executable, "-m", "specpack", "serve", str(artifact), "--port", str(port), "--max-seqs", str(slots),
             "--max-model-len", "2048", "--backend", backend]
     if weights != "fp32":
         args += ["--weights", weights]
+    if kv_cache != "model":
+        args += ["--kv-cache", kv_cache]
     if not spec:
         args += ["--max-concurrency", "0"]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -304,6 +307,8 @@ def main() -> int:
                     help="also serve on ONNX Runtime (`serve --backend onnxruntime`, n-gram and off)")
     ap.add_argument("--weights", default="fp32", choices=sorted(GGUF_TYPES),
                     help="specpack's `serve --weights` (torch servers); llama-server gets its nearest GGUF type")
+    ap.add_argument("--kv-cache", default="model", choices=["model", "fp16"],
+                    help="specpack's `serve --kv-cache` (torch servers; llama-server keeps its default F16 cache)")
     ap.add_argument("--json", type=Path, help="also write every row here")
     ap.add_argument("--prompt-cache", action="store_true", help="let llama-server reuse cached prompt prefixes")
     ap.add_argument("--rounds", type=int, default=2,
@@ -317,11 +322,11 @@ def main() -> int:
     artifact, _ = prepare(cache_dir(), say)
     eagle3 = prepare_eagle3(cache_dir(), say)
     loads = workloads(args.requests)
-    w = args.weights
-    servers = {"specpack-ngram": (lambda p: specpack_server(artifact, p, True, slots, weights=w), artifact.name),
-               "specpack-plain": (lambda p: specpack_server(artifact, p, False, slots, weights=w), artifact.name)}
+    o = {"weights": args.weights, "kv_cache": args.kv_cache}
+    servers = {"specpack-ngram": (lambda p: specpack_server(artifact, p, True, slots, **o), artifact.name),
+               "specpack-plain": (lambda p: specpack_server(artifact, p, False, slots, **o), artifact.name)}
     if eagle3 is not None:
-        servers["specpack-eagle3"] = (lambda p: specpack_server(eagle3, p, True, slots, weights=w), eagle3.name)
+        servers["specpack-eagle3"] = (lambda p: specpack_server(eagle3, p, True, slots, **o), eagle3.name)
     if args.onnx:
         graphs = onnx_copy(artifact, cache_dir() / f"{artifact.name}-onnx")
         servers["specpack-onnx-ngram"] = (lambda p: specpack_server(graphs, p, True, slots, "onnxruntime"),

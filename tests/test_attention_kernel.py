@@ -52,3 +52,26 @@ def test_a_row_that_sees_nothing_gets_zeros():
     mask[1, 0] = True  # row 1 sees its own first new key only
     out = ka.attention(q, kc, vc, slot, ctx, end, mask, 0.25)
     assert not out[[0, 2, 3]].any() and out[1].abs().sum() > 0
+
+
+@pytest.mark.parametrize("H, KVH, dk, dv", [(9, 3, 64, 64), (8, 1, 128, 128), (4, 1, 80, 72), (2, 2, 13, 13)])
+@pytest.mark.parametrize("tree", [False, True])
+def test_an_fp16_cache_gives_the_bits_of_its_fp32_widening(H, KVH, dk, dv, tree):
+    """Every fp16 element is widened exactly as it is loaded; nothing after depends on the type."""
+    q, kc, vc, slot, ctx, end, mask = _case(H * 7 + dk, 11, H, KVH, dk, dv, tree)
+    k16 = kc.half()
+    v16 = k16 if vc is kc else vc.half()
+    scale = dk ** -0.5
+    got = ka.attention(q, k16, v16, slot, ctx, end, mask, scale, dv=dv)
+    widened = ka.attention(q, k16.float(), v16.float(), slot, ctx, end, mask, scale, dv=dv)
+    assert torch.equal(got, widened)
+    for r in (0, 5, 10):  # row-exact on fp16 too
+        one = ka.attention(q[r:r + 1], k16, v16, slot[r:r + 1], ctx[r:r + 1], end[r:r + 1],
+                           None if mask is None else mask[r:r + 1], scale, dv=dv)
+        assert torch.equal(one[0], got[r]), r
+
+
+def test_key_and_value_caches_must_share_a_dtype():
+    q, kc, vc, slot, ctx, end, mask = _case(2, 3, 4, 2, 16, 16, False)
+    with pytest.raises(ValueError, match="dtype"):
+        ka.attention(q, kc.half(), vc, slot, ctx, end, mask, 0.25)

@@ -18,22 +18,27 @@ from specpack.runtime.models.weights import load_target
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernel: {kernels.unavailable_reason()}")
 
 
-def test_rope_and_cache_write_are_torchs_bits():
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hd", [16, 12])
+def test_rope_and_cache_write_are_torchs_bits(cache_dtype, hd):
+    """The rotation and the cache write equal torch's ops, the fp16 cache's rounding included."""
     torch.manual_seed(0)
-    R, H, KVH, hd, S, L = 5, 4, 2, 16, 3, 12
+    R, H, KVH, S, L = 5, 4, 2, 3, 12
     cos, sin = rope_tables(rope_inv_freq(hd, 10000.0, None), L, torch.float32, "cpu")
-    qkv = torch.randn(R, (H + 2 * KVH) * hd)
+    qkv = torch.randn(R, (H + 2 * KVH) * hd) * 3
+    qkv[0, -3:] = torch.tensor([70000.0, 1e-6, -2.0**-20])  # fp16 overflow and subnormals round as torch rounds them
     pos, slot, write = torch.tensor([3, 0, 7, 11, 4]), torch.tensor([0, 2, 1, 1, 2]), torch.tensor([2, 9, 0, 5, 1])
-    kc, vc = torch.zeros(S, KVH, L, hd), torch.zeros(S, KVH, L, hd)
+    kc, vc = torch.zeros(S, KVH, L, hd, dtype=cache_dtype), torch.zeros(S, KVH, L, hd, dtype=cache_dtype)
     q, k, v = qkv.clone().split([H * hd, KVH * hd, KVH * hd], -1)
     c, s = cos[pos][:, None], sin[pos][:, None]
     want_q, want_k = apply_rope(q.reshape(R, H, hd), c, s), apply_rope(k.reshape(R, KVH, hd), c, s)
     cr, sr = cos[pos].contiguous(), sin[pos].contiguous()
     _library()[0].sp_rope_cache(qkv.data_ptr(), R, qkv.shape[1], H, KVH, hd, cr.data_ptr(), sr.data_ptr(), hd,
-                                None, None, 0.0, kc.data_ptr(), vc.data_ptr(), *kc.stride()[:3], slot.data_ptr(),
-                                write.data_ptr())
+                                None, None, 0.0, kc.data_ptr(), vc.data_ptr(), int(cache_dtype == torch.float16),
+                                *kc.stride()[:3], slot.data_ptr(), write.data_ptr())
     assert torch.equal(qkv[:, : H * hd].reshape(R, H, hd), want_q)
-    assert torch.equal(kc[slot, :, write], want_k) and torch.equal(vc[slot, :, write], v.reshape(R, KVH, hd))
+    want_v = v.reshape(R, KVH, hd).to(cache_dtype)
+    assert torch.equal(kc[slot, :, write], want_k.to(cache_dtype)) and torch.equal(vc[slot, :, write], want_v)
     untouched = torch.ones(S, L, dtype=torch.bool)
     untouched[slot, write] = False
     assert not kc.permute(0, 2, 1, 3)[untouched].any()

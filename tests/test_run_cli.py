@@ -42,6 +42,18 @@ def test_run_weights_speculative_equals_plain(ngram_artifact, cli, weights):
     assert spec["token_ids"] == plain["token_ids"] and spec["weights"] == weights
 
 
+def test_run_kv_cache_fp16_speculative_equals_plain(ngram_artifact, cli):
+    spec = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "30", "--kv-cache", "fp16")
+    plain = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "30", "--no-spec",
+                      "--kv-cache", "fp16")
+    assert spec["token_ids"] == plain["token_ids"] and spec["kv_cache"] == "fp16"
+
+
+def test_run_kv_cache_needs_the_torch_backend(ngram_artifact, cli):
+    code, out, err = cli("run", ngram_artifact, "--prompt", "x", "--kv-cache", "fp16", "--backend", "onnxruntime")
+    assert code == 2 and "--kv-cache fp16 narrows" in err and "backend onnxruntime" in err and "Traceback" not in err
+
+
 def test_run_weights_needs_the_torch_cpu_path(ngram_artifact, cli):
     code, out, err = cli("run", ngram_artifact, "--prompt", "x", "--weights", "int8", "--dtype", "bfloat16")
     assert code == 2 and "--weights int8 needs the torch backend on the CPU in float32" in err

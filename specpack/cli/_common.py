@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from specpack import __version__
-from specpack.runtime.api import WEIGHTS as WEIGHT_CHOICES
+from specpack.runtime.api import KV_CACHES, WEIGHTS as WEIGHT_CHOICES
 
 JSON = click.option("--json", "json_mode", is_flag=True, help="Print one JSON object for scripts.")
 PUBKEY = click.option("--key", "public_key", type=click.Path(path_type=Path),
@@ -54,6 +54,10 @@ WEIGHTS = click.option("--weights", default="fp32", show_default=True,
                             "activations; w8a8 rounds the activations to int8 blocks too (llama.cpp's Q8_0 "
                             "arithmetic: int8 dot products, several rows about the price of one). Speculation "
                             "stays lossless at each (torch backend, cpu, float32).")
+KV_CACHE = click.option("--kv-cache", default="model", show_default=True, type=click.Choice(KV_CACHES),
+                        help="The target's KV cache: the model's dtype, or fp16 (a float32 model's keys and values "
+                             "rounded to fp16 as written: half the bytes each step reads per cached position, "
+                             "which long contexts and many users are bound by; torch backend, float32).")
 
 
 def tree_shape(value: str | None, option: str):

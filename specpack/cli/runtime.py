@@ -7,7 +7,8 @@ from pathlib import Path
 import click
 
 from specpack._output import emit, progress_enabled
-from specpack.cli._common import BACKEND, DEVICE, DTYPE, JSON, PUBKEY, WEIGHTS, cli, int_list, tree_shape
+from specpack.cli._common import (BACKEND, DEVICE, DTYPE, JSON, KV_CACHE, PUBKEY, WEIGHTS, cli, int_list,
+                                  tree_shape)
 from specpack.cli._common import tree_shapes as parse_tree_shapes
 
 
@@ -33,10 +34,11 @@ from specpack.cli._common import tree_shapes as parse_tree_shapes
 @DEVICE
 @DTYPE
 @WEIGHTS
+@KV_CACHE
 @PUBKEY
 @JSON
 def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
-        draft_tree, no_spec, stop, profile, backend, device, dtype, weights, public_key, json_mode):
+        draft_tree, no_spec, stop, profile, backend, device, dtype, weights, kv_cache, public_key, json_mode):
     """Verify ARTIFACT, then generate with single-model speculative decoding.
 
     Text streams to stdout as it is accepted; the figures (tokens/s, acceptance length, per-position
@@ -49,6 +51,7 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
       specpack run my-artifact --prompt-file story.txt --temperature 0.8 --seed 1
       specpack run my-artifact --backend onnxruntime --prompt "def fib(n):"
       specpack run my-artifact --weights bf16 --prompt "def fib(n):"
+      specpack run my-artifact --weights w8a8 --kv-cache fp16 --prompt-file long.txt
     """
     from specpack.serving.generate import GenerateRequest, generate_text
 
@@ -61,7 +64,8 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
                               profile=profile, draft_tree=tree_shape(draft_tree, "--draft-tree"))
     writer = None if json_mode else (lambda s: click.echo(s, nl=False))
     result = generate_text(artifact, request, public_key=public_key, device=device, dtype=dtype,
-                           write=writer, progress=progress_enabled(json_mode), backend=backend, weights=weights)
+                           write=writer, progress=progress_enabled(json_mode), backend=backend, weights=weights,
+                           kv_cache=kv_cache)
     if json_mode:
         emit(result, True)
     else:
@@ -174,9 +178,10 @@ def profiles(artifact, json_mode):
 @DEVICE
 @DTYPE
 @WEIGHTS
+@KV_CACHE
 @PUBKEY
 def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, draft_tree, api_key, max_body_bytes,
-          max_seqs, max_model_len, max_queue, prefill_chunk, backend, device, dtype, weights, public_key):
+          max_seqs, max_model_len, max_queue, prefill_chunk, backend, device, dtype, weights, kv_cache, public_key):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     /v1/models, /v1/completions and /v1/chat/completions (streaming or not), /health, and /metrics
@@ -198,7 +203,7 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
     from specpack.serving.serve import prepare, run as run_server
 
     plan = prepare(artifact, profile=profile, backend=backend, device=device, dtype=dtype, weights=weights,
-                   public_key=public_key, model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
+                   kv_cache=kv_cache, public_key=public_key, model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
                    draft_tree=tree_shape(draft_tree, "--draft-tree"),
                    progress=progress_enabled(False), api_key=api_key, max_body_bytes=max_body_bytes,
                    max_seqs=max_seqs, max_model_len=max_model_len, max_queue=max_queue, prefill_chunk=prefill_chunk)

@@ -11,11 +11,12 @@ from specpack.errors import InputError, MissingDependencyError
 log = logging.getLogger(__name__)
 DTYPES = ("float32", "float16", "bfloat16")
 WEIGHTS = ("fp32", "fp16", "bf16", "int8", "w8a8")  # kernels/linear.py FORMATS; here without importing torch
+KV_CACHES = ("model", "fp16")  # the target's KV cache: the model's dtype, or fp16
 
 
 def load(path, public_key=None, require_signature: bool | None = None, device: str = "cpu",
          dtype: str = "float32", verify: bool = True, progress: bool = False, backend: str = "torch",
-         weights: str = "fp32", **backend_options):
+         weights: str = "fp32", kv_cache: str = "model", **backend_options):
     """Verify the artifact at `path` (signature when a key is given or required, every digest
     always), then load target and drafter, memory-mapped, into one `SpecModel`.
 
@@ -31,6 +32,10 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
     arithmetic, several rows for about the price of one where the CPU has VNNI). Greedy output
     with speculation equals greedy output without it at every precision. Needs the torch backend on
     the CPU in float32.
+
+    `kv_cache` is the target's KV cache: "model" (the model's dtype) or "fp16" (a float32 model's
+    keys and values rounded to fp16 as they are written: half the bytes every step reads per cached
+    position, which long contexts and many sequences are bound by). Torch backend, float32.
     """
     from specpack.packager import verify as verify_artifact
     from specpack.packager.artifact import read_manifest
@@ -47,13 +52,16 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
         check_paths(path, manifest)  # no links, and no file read from outside the artifact
     _device(device), _dtype(dtype)  # check both before any work
     check_weights(weights, backend, device, dtype)
+    check_kv_cache(kv_cache, backend, dtype)
     if weights != "fp32":
         backend_options["weights"] = weights
+    if kv_cache != "model":
+        backend_options["kv_cache"] = kv_cache
     target, drafter = backends.load(backend, path, manifest, device, dtype, **backend_options)
     model = SpecModel(target, drafter).eval()
     model.manifest, model.verification, model.tokenizer = manifest, report, load_tokenizer(path)
-    log.info("loaded %s (%s drafter) on %s %s/%s, %s weights", path, manifest.drafter.kind, backend, device,
-             dtype, weights)
+    log.info("loaded %s (%s drafter) on %s %s/%s, %s weights, %s KV cache", path, manifest.drafter.kind, backend,
+             device, dtype, weights, kv_cache)
     return model
 
 
@@ -94,6 +102,19 @@ def check_weights(weights: str, backend: str = "torch", device: str = "cpu", dty
     if problems:
         raise InputError(f"--weights {weights} needs the torch backend on the CPU in float32", problems=problems,
                          hint="drop --weights, or use --backend torch --device cpu --dtype float32")
+
+
+def check_kv_cache(kv_cache: str, backend: str = "torch", dtype: str = "float32") -> None:
+    """Refuse a KV cache type this run cannot apply, naming every reason at once."""
+    if kv_cache not in KV_CACHES:
+        raise InputError(f"unknown KV cache type '{kv_cache}'", hint="use one of " + ", ".join(KV_CACHES))
+    if kv_cache == "model":
+        return
+    problems = [p for p, bad in [(f"backend {backend} (its graphs keep their caches in --dtype)", backend != "torch"),
+                                 (f"dtype {dtype} (the cache is already 16-bit)", dtype != "float32")] if bad]
+    if problems:
+        raise InputError(f"--kv-cache {kv_cache} narrows a float32 model's cache on the torch backend",
+                         problems=problems, hint="drop --kv-cache, or use --backend torch --dtype float32")
 
 
 def _dtype(name: str):

@@ -50,7 +50,8 @@ def engine_settings(model, selection, slots: int = 1, measure: bool = False) -> 
 
 def generate_text(artifact, req: GenerateRequest, public_key=None, device: str = "cpu",
                   dtype: str = "float32", write: Callable[[str], None] | None = None,
-                  progress: bool = False, model=None, backend: str = "torch", weights: str = "fp32") -> dict:
+                  progress: bool = False, model=None, backend: str = "torch", weights: str = "fp32",
+                  kv_cache: str = "model") -> dict:
     """Generate for `req` from the artifact (or an already loaded `model`) and return the text,
     token ids and figures as plain data (the `--json` shape of `specpack run`)."""
     from specpack.errors import InputError
@@ -61,7 +62,7 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     if req.temperature < 0:
         raise InputError(f"temperature {req.temperature} is negative", hint="use 0 (greedy) or more")
     model = model or load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress,
-                          backend=backend, weights=weights)
+                          backend=backend, weights=weights, kv_cache=kv_cache)
     tok = model.tokenizer
     ids = encode_prompt(tok, req.prompt, req.chat)
     stream = TextStream(tok, write or (lambda s: None), stops=list(req.stop))
@@ -81,7 +82,7 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
             "finish_reason": result.finish_reason, "speculative": speculative,
             "profile": chosen.profile.name if chosen.profile else None,
             "profile_id": chosen.profile.id if chosen.profile else None, "profile_message": chosen.message,
-            "drafter": model.manifest.drafter.kind, "weights": weights, "draft_len": draft_len,
+            "drafter": model.manifest.drafter.kind, "weights": weights, "kv_cache": kv_cache, "draft_len": draft_len,
             "draft_tree": list(tree) if tree and speculative else None,
             "cost_curve": settings["cost"].to_dict() if "cost" in settings else None, "steps": s.steps,
             "accepted": s.accepted, "acceptance_length": s.acceptance_length,

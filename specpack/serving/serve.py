@@ -68,6 +68,7 @@ class ServerPlan:
 
 def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype: str = "float32",
             weights: str = "fp32", backend: str = "torch", public_key=None, model_name: Optional[str] = None,
+            kv_cache: str = "model",
             max_concurrency: Optional[int] = None,
             draft_len: Optional[int] = None, progress: bool = False, api_key: Optional[str] = None,
             draft_tree=None,
@@ -89,7 +90,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
                    prefill_chunk)
     engines = {"max_sequences": max_seqs} if backend == "tensorrt" else {}  # the engines' sequence dimension
     model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights,
-                 backend=backend, **engines)
+                 kv_cache=kv_cache, backend=backend, **engines)
     selection = select_profile(model.manifest, device, dtype, wanted=profile, backend=backend, weights=weights)
     draft_len = draft_len or selection.draft_len
     tree = draft_tree if draft_tree is not None else selection.tree
@@ -118,7 +119,9 @@ def plan_kv(model, dtype: str, max_seqs: int, max_model_len: Optional[int]) -> t
     from specpack.tuning.profiles import kv_and_weight_bytes, this_machine
 
     max_len = min(max_model_len or model.context_length, model.context_length)
-    _, per_slot = kv_and_weight_bytes(model.manifest, dtype, max_len)
+    kv_dtype = getattr(model.target, "cache_dtype", None)  # the torch decoders' cache may be narrower
+    _, per_slot = kv_and_weight_bytes(model.manifest, dtype, max_len,
+                                      str(kv_dtype).removeprefix("torch.") if kv_dtype is not None else None)
     budget = int(KV_MEMORY_FRACTION * this_machine(gpus=False).memory_available)
     slots = min(max_seqs, budget // max(per_slot, 1))
     if slots < 1:

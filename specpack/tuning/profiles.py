@@ -413,10 +413,12 @@ def _slot(data: dict) -> tuple:
             hw.get("gpu"), data.get("evidence", {}).get("workload", {}).get("sha256"))
 
 
-def kv_and_weight_bytes(manifest, dtype: str, context: int) -> tuple[int, int]:
-    """(weights, KV cache for `context` tokens) in `dtype`, from the manifest's on-disk figures."""
+def kv_and_weight_bytes(manifest, dtype: str, context: int, kv_dtype: str | None = None) -> tuple[int, int]:
+    """(weights, KV cache for `context` tokens) in `dtype` (the target's cache in `kv_dtype` when
+    given), from the manifest's on-disk figures."""
     mem, disk = manifest.memory, DTYPE_BYTES.get(manifest.target.dtype, 4)
     scale = DTYPE_BYTES[dtype] / disk
     weights = int((mem.target_weight_bytes + mem.drafter_weight_bytes) * scale)
-    kv = int((mem.target_kv_bytes_per_token + mem.drafter_kv_bytes_per_token) * scale * context)
+    kv_scale = DTYPE_BYTES[kv_dtype or dtype] / disk
+    kv = int((mem.target_kv_bytes_per_token * kv_scale + mem.drafter_kv_bytes_per_token * scale) * context)
     return weights, kv

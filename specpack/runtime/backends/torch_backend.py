@@ -8,7 +8,7 @@ NAME = "torch"
 
 
 def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", cpu_kernels: bool = True,
-         weights: str = "fp32"):
+         weights: str = "fp32", kv_cache: str = "model"):
     """(Transformer, drafter module) of the verified `artifact`, memory-mapped, on `device`/`dtype`.
     On the CPU in fp32 the linear layers run on specpack's packed kernel (`cpu_kernels=False`, or
     SPECPACK_KERNELS=0, keeps torch's), their weights kept in `weights` (fp32, fp16, bf16, int8, w8a8).
@@ -16,7 +16,10 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", cpu_ke
     With `weights` other than fp32 and a checkpoint stored in 16 bits, the models load as stored
     (views of the mapped files, no fp32 copy of the whole model), the linear layers are packed from
     those, and only the rest (embeddings, norms) is widened to fp32: the peak memory of loading is
-    about the stored size, not twice it."""
+    about the stored size, not twice it.
+
+    `kv_cache` fp16 keeps the target's KV cache in fp16 (a float32 dense target: half the bytes
+    each step reads per cached position; the drafter's own cache stays in the model's dtype)."""
     from specpack.runtime.kernels.accelerate import use_cpu_kernels
     from specpack.runtime.api import _device, _dtype
     from specpack.runtime.spec_model import load_drafter, load_target
@@ -24,6 +27,8 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", cpu_ke
     as_stored = (weights != "fp32" and dtype == "float32" and device == "cpu"
                  and manifest.target.dtype in ("float16", "bfloat16"))
     target = load_target(artifact, _device(device), _dtype(manifest.target.dtype if as_stored else dtype))
+    if kv_cache == "fp16":
+        _narrow_cache(target)
     entry = manifest.drafter
     params = entry.model_dump(exclude={"kind"}) if entry.kind == "ngram" else None
     drafter_dir = Path(artifact) / "drafter" if entry.kind != "ngram" else None
@@ -32,3 +37,16 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", cpu_ke
         use_cpu_kernels(target, weights, widen=as_stored)
         use_cpu_kernels(drafter, weights, widen=as_stored)
     return target, drafter
+
+
+def _narrow_cache(target) -> None:
+    """Keep `target`'s KV cache in fp16 (dense decoders only: the MLA latent cache stays)."""
+    import torch
+
+    from specpack.errors import InputError
+    from specpack.runtime.models.dense import Transformer
+
+    if not isinstance(target, Transformer):
+        raise InputError(f"--kv-cache fp16 is for dense targets; this one is {type(target).__name__}",
+                         hint="drop --kv-cache")
+    target.kv_dtype = torch.float16

@@ -26,7 +26,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "linear.c", "w8a8.c", "attention.c", "argmax.c", "layers.c", "decoder.c")]
-HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h")]
+HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h", "attention_kv.h")]
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=gnu11", "-pthread"]
 CFLAGS = [*COMPILE_FLAGS, "-fPIC", "-shared"]
 PREBUILT = "_native"  # the install-time build: specpack/runtime/kernels/_native<extension suffix>
@@ -90,13 +90,13 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     c_int = ctypes.c_int
     lib.sp_linear.argtypes = [p, i64, i64, i64, p, c_int, i64, p, p, i64, p, i64, c_int, c_int, c_int, c_int]
     lib.sp_linear.restype = None
-    lib.sp_attention.argtypes = [p, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, p, p, p, p, i64,
+    lib.sp_attention.argtypes = [p, i64, i64, i64, p, p, c_int, i64, i64, i64, i64, i64, i64, p, p, p, p, i64,
                                  ctypes.c_float, p, i64, ctypes.c_int]
     lib.sp_attention.restype = None
     f = ctypes.c_float
     lib.sp_rmsnorm.argtypes = [p, i64, i64, i64, p, f, p, i64]
     lib.sp_silu_mul.argtypes = [p, i64, i64, i64, p, i64]
-    lib.sp_rope_cache.argtypes = [p, i64, i64, i64, i64, i64, p, p, i64, p, p, f, p, p, i64, i64, i64, p, p]
+    lib.sp_rope_cache.argtypes = [p, i64, i64, i64, i64, i64, p, p, i64, p, p, f, p, p, c_int, i64, i64, i64, p, p]
     for fn in (lib.sp_rmsnorm, lib.sp_silu_mul, lib.sp_rope_cache):
         fn.restype = None
     lib.sp_decoder_layers.argtypes = [p, i64, i64, p, p, p]

@@ -23,7 +23,10 @@
  *
  * Cache layout: element (slot, kv head, position, i) of the keys at
  * k[slot * slot_stride + head * head_stride + position * ld + i], i < dk; values alike with dv
- * (MLA passes the latent cache as both, dk = latent + rope, dv = latent).
+ * (MLA passes the latent cache as both, dk = latent + rope, dv = latent). The elements are fp32,
+ * or IEEE fp16 (kv16: half the bytes to read per key), widened exactly to fp32 as they are loaded:
+ * a row's result on an fp16 cache is, bit for bit, its result on that cache widened to fp32. The
+ * code that depends on the element type is attention_kv.h, included once per type.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -35,10 +38,12 @@
 #include "simd.h"
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v; /* float, or uint16_t (fp16) with kv16 */
+    int kv16;
     float *out;
     int64_t ldq, ldo;                        /* row strides of q [R, H*dk] and out [R, H*dv] */
-    int64_t slot_stride, head_stride, ld;   /* cache strides, in floats */
+    int64_t slot_stride, head_stride, ld;   /* cache strides, in elements */
     int64_t H, KVH, dk, dv;
     const int64_t *slot, *ctx, *len;
     const uint8_t *mask;
@@ -48,16 +53,6 @@ typedef struct {
 } attn_job;
 
 #define GROUP_ROWS 4 /* rows of one sequence per item: each reads the keys once for all of them */
-
-static inline float dot(const float *a, const float *b, int64_t n)
-{
-    __m256 acc = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    float s = hsum8(acc);
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
-}
 
 /* Per-thread working memory, grown as needed. */
 static __thread char *buf;
@@ -105,48 +100,6 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
     return _mm256_permutevar8x32_ps(u, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* s[qi * lds + t] = scale * q_qi.K[t] for positions t < n (one key every ld floats) and nq queries:
- * exactly `scale * dot(q, key, dk)`, eight keys at a time (eight independent FMA chains sharing each
- * load of q, their lanes summed together), every key read once for all the queries. */
-static void scores(const attn_job *j, const float *const *qs, int64_t nq, const float *K, int64_t n, float *s,
-                   int64_t lds)
-{
-    const int64_t dk = j->dk, ld = j->ld, d8 = dk / 8 * 8;
-    const __m256 scale = _mm256_set1_ps(j->scale);
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
-#define KEYS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
-#define KPTR(i) const float *k##i = K + (t + i) * ld;
-        KEYS(KPTR)
-        for (int64_t qi = 0; qi < nq; qi++) {
-            const float *q = qs[qi];
-#define KDECL(i) __m256 a##i = _mm256_setzero_ps();
-            KEYS(KDECL)
-            for (int64_t i = 0; i < d8; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + i);
-#define KFMA(x) a##x = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k##x + i), a##x);
-                KEYS(KFMA)
-            }
-            __m256 r = hsum8x8(a0, a1, a2, a3, a4, a5, a6, a7);
-            if (d8 < dk) { /* dot's scalar tail, key by key */
-                float part[8];
-                const float *keys[8] = {k0, k1, k2, k3, k4, k5, k6, k7};
-                _mm256_storeu_ps(part, r);
-                for (int k = 0; k < 8; k++)
-                    for (int64_t i = d8; i < dk; i++) part[k] += q[i] * keys[k][i];
-                r = _mm256_loadu_ps(part);
-            }
-            _mm256_storeu_ps(s + qi * lds + t, _mm256_mul_ps(scale, r));
-        }
-#undef KEYS
-#undef KPTR
-#undef KDECL
-#undef KFMA
-    }
-    for (; t < n; t++)
-        for (int64_t qi = 0; qi < nq; qi++) s[qi * lds + t] = j->scale * dot(qs[qi], K + t * ld, dk);
-}
-
 /* s[0..n) = exp(s[pos[t]] - max) (the scores this query's row sees, taken in order, in place),
  * returning their sum: one polynomial, sums in fixed 8-lane groups. */
 static float softmax_terms(float *s, const int32_t *pos, int64_t n)
@@ -177,13 +130,23 @@ static float softmax_terms(float *s, const int32_t *pos, int64_t n)
 
 #define VALUE_BLOCK 32 /* keys per pass over the queries' accumulators: their values stay in L1 */
 
+/* An item's working memory (see item). */
+typedef struct {
+    float *s, *acc, *inv;
+    int64_t *npos, *cur;
+    const float **qs;
+    float **outs;
+    int32_t *pos;
+} item_mem;
+
 /* Query qi's output lanes [d0, d0 + 64): inv[qi] * the sum over its visible keys t of p_qi[t] V[pos[t]],
  * one FMA per key and lane in key order. The keys go in blocks of VALUE_BLOCK positions, every query
  * of the item through a block before the next (its accumulators wait in acc[qi][64]), so each value
  * is read once for all of them. VEC is the vector type (__m256 or __m512: each lane goes through the
- * same chain, so both give the same bits), L its lanes, OP(x) its intrinsic _mm256_x or _mm512_x. */
-#define WEIGHTED_SUMS(NAME, ATTR, VEC, L, OP, SET1)                                                \
-    static ATTR void NAME(const attn_job *j, int64_t nq, int64_t G, const float *V, const int32_t *pos, \
+ * same chain, so both give the same bits), L its lanes, OP(x) its intrinsic _mm256_x or _mm512_x,
+ * LOAD(p) L cache elements (of attention_kv.h's KV_T) as a VEC. */
+#define WEIGHTED_SUMS(NAME, ATTR, VEC, L, OP, SET1, LOAD)                                          \
+    static ATTR void NAME(const attn_job *j, int64_t nq, int64_t G, const KV_T *V, const int32_t *pos,  \
                           const int64_t *npos, const float *p, int64_t lds, int64_t n,                \
                           const float *inv, float *acc, int64_t *cur, float *const *outs, int64_t d0)  \
     {                                                                                            \
@@ -201,9 +164,9 @@ static float softmax_terms(float *s, const int32_t *pos, int64_t n)
                 VEC a[64 / L];                                                                   \
                 for (int i = 0; i < 64 / L; i++) a[i] = OP(loadu_ps)(aq + L * i);                 \
                 for (; c < m && ps[c] < b1; c++) {                                               \
-                    const float *v = V + (int64_t)ps[c] * ld + d0;                               \
+                    const KV_T *v = V + (int64_t)ps[c] * ld + d0;                                \
                     const VEC pt = SET1(pq[c]);                                                  \
-                    for (int i = 0; i < 64 / L; i++) a[i] = OP(fmadd_ps)(pt, OP(loadu_ps)(v + L * i), a[i]); \
+                    for (int i = 0; i < 64 / L; i++) a[i] = OP(fmadd_ps)(pt, LOAD(v + L * i), a[i]); \
                 }                                                                                \
                 for (int i = 0; i < 64 / L; i++) OP(storeu_ps)(aq + L * i, a[i]);                 \
                 cur[qi] = c;                                                                     \
@@ -216,27 +179,21 @@ static float softmax_terms(float *s, const int32_t *pos, int64_t n)
     }
 #define OP256(x) _mm256_##x
 #define OP512(x) _mm512_##x
-WEIGHTED_SUMS(weighted_sums, , __m256, 8, OP256, _mm256_set1_ps)
-WEIGHTED_SUMS(weighted_sums_z, __attribute__((target("avx512f,avx2,fma"))), __m512, 16, OP512, _mm512_set1_ps)
 
-/* Lanes [d0, dv) (fewer than 64) of one query's output, the same sums in a generic loop. */
-static void weighted_rest(const float *V, const int32_t *pos, int64_t n, const float *p, int64_t ld, int64_t d0,
-                          int64_t dv, float inv, float *out)
-{
-    const int64_t w = dv - d0, full = w / 8;
-    const __m256 inv8 = _mm256_set1_ps(inv);
-    __m256 a[8];
-    float rest[8] = {0};
-    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-    for (int64_t t = 0; t < n; t++) {
-        const float *v = V + (int64_t)pos[t] * ld + d0;
-        const __m256 pt = _mm256_set1_ps(p[t]);
-        for (int64_t i = 0; i < full; i++) a[i] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v + 8 * i), a[i]);
-        for (int64_t i = 8 * full; i < w; i++) rest[i - 8 * full] += p[t] * v[i];
-    }
-    for (int64_t i = 0; i < full; i++) _mm256_storeu_ps(out + d0 + 8 * i, _mm256_mul_ps(a[i], inv8));
-    for (int64_t i = 8 * full; i < w; i++) out[d0 + i] = rest[i - 8 * full] * inv;
-}
+/* The cache readers, per element type (attention_kv.h): *_f32 and *_f16. */
+#define KV_T float
+#define KV(name) name##_f32
+#define LOAD1(p) (*(p))
+#define LOAD8(p) _mm256_loadu_ps(p)
+#define LOAD16(p) _mm512_loadu_ps(p)
+#include "attention_kv.h"
+
+#define KV_T uint16_t
+#define KV(name) name##_f16
+#define LOAD1(p) _cvtsh_ss(*(p))
+#define LOAD8(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
+#define LOAD16(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#include "attention_kv.h"
 
 /* Item = (row group, kv head): every query head of that KV head for every row of the group. */
 static void item(const void *job, int64_t it, float *scratch)
@@ -255,29 +212,20 @@ static void item(const void *job, int64_t it, float *scratch)
                 for (int64_t i = 0; i < j->dv; i++) j->out[r * j->ldo + h * j->dv + i] = NAN;
         return;
     }
-    float *s = (float *)mem, *acc = s + nq * lds; /* 32-byte multiples first */
-    int64_t *npos = (int64_t *)(acc + nq * 64), *cur = npos + nr;
-    const float **qs = (const float **)(cur + nq);
-    float **outs = (float **)(qs + nq), *inv = (float *)(outs + nq);
-    int32_t *pos = (int32_t *)(inv + nq);
-    for (int64_t i = 0; i < nr; i++) npos[i] = visible(j, r0 + i, pos + i * n);
+    item_mem m;
+    m.s = (float *)mem, m.acc = m.s + nq * lds; /* 32-byte multiples first */
+    m.npos = (int64_t *)(m.acc + nq * 64), m.cur = m.npos + nr;
+    m.qs = (const float **)(m.cur + nq);
+    m.outs = (float **)(m.qs + nq), m.inv = (float *)(m.outs + nq);
+    m.pos = (int32_t *)(m.inv + nq);
+    for (int64_t i = 0; i < nr; i++) m.npos[i] = visible(j, r0 + i, m.pos + i * n);
     for (int64_t qi = 0; qi < nq; qi++) {
         const int64_t r = r0 + qi / G, h = g * G + qi % G;
-        qs[qi] = j->q + r * j->ldq + h * j->dk;
-        outs[qi] = j->out + r * j->ldo + h * j->dv;
+        m.qs[qi] = j->q + r * j->ldq + h * j->dk;
+        m.outs[qi] = j->out + r * j->ldo + h * j->dv;
     }
     const int64_t base = j->slot[r0] * j->slot_stride + g * j->head_stride;
-    scores(j, qs, nq, j->k + base, n, s, lds);
-    for (int64_t qi = 0; qi < nq; qi++) /* a row that sees nothing attends to nothing: zeros */
-        inv[qi] = npos[qi / G] ? 1.0f / softmax_terms(s + qi * lds, pos + qi / G * n, npos[qi / G]) : 0.0f;
-    int64_t d0 = 0;
-    for (; d0 + 64 <= j->dv; d0 += 64)
-        (sp_avx512() ? weighted_sums_z : weighted_sums)(j, nq, G, j->v + base, pos, npos, s, lds, n, inv, acc,
-                                                         cur, outs, d0);
-    if (d0 < j->dv)
-        for (int64_t qi = 0; qi < nq; qi++)
-            weighted_rest(j->v + base, pos + qi / G * n, npos[qi / G], s + qi * lds, j->ld, d0, j->dv, inv[qi],
-                          outs[qi]);
+    (j->kv16 ? attend_f16 : attend_f32)(j, &m, nq, G, n, lds, base);
 }
 
 /* Rows in groups of at most GROUP_ROWS consecutive rows of one slot (a run of L such rows in
@@ -297,7 +245,7 @@ static int64_t row_groups(const int64_t *slot, int64_t R, int64_t *group)
 }
 
 /* See the comment at the top. A row that sees no key gets zeros. */
-void sp_attention(const float *q, int64_t R, int64_t H, int64_t ldq, const float *k, const float *v,
+void sp_attention(const float *q, int64_t R, int64_t H, int64_t ldq, const void *k, const void *v, int kv16,
                   int64_t KVH, int64_t slot_stride, int64_t head_stride, int64_t ld, int64_t dk,
                   int64_t dv, const int64_t *slot, const int64_t *ctx, const int64_t *len,
                   const uint8_t *mask, int64_t ldm, float scale, float *out, int64_t ldo,
@@ -310,7 +258,7 @@ void sp_attention(const float *q, int64_t R, int64_t H, int64_t ldq, const float
         return;
     }
     const int64_t ng = row_groups(slot, R, group);
-    const attn_job job = {q, k, v, out, ldq, ldo, slot_stride, head_stride, ld, H, KVH, dk, dv,
+    const attn_job job = {q, k, v, kv16, out, ldq, ldo, slot_stride, head_stride, ld, H, KVH, dk, dv,
                           slot, ctx, len, mask, ldm, scale, group};
     sp_parallel(item, &job, ng * KVH, 1, nthreads);
     free(group);

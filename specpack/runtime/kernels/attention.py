@@ -17,17 +17,22 @@ from torch import Tensor
 from specpack.runtime.kernels._lib import _library, available, default_threads
 
 
+CACHE_DTYPES = (torch.float32, torch.float16)  # cache elements the kernel reads (fp16 widened exactly)
+
+
 def usable(q: Tensor, k_cache: Tensor) -> bool:
-    """Whether the kernel can run this attention (fp32 CPU tensors, contiguous head dims, AVX2)."""
-    return (q.dtype == torch.float32 and k_cache.dtype == torch.float32 and not q.is_cuda
+    """Whether the kernel can run this attention (fp32 queries, an fp32 or fp16 cache, CPU tensors,
+    contiguous head dims, AVX2)."""
+    return (q.dtype == torch.float32 and k_cache.dtype in CACHE_DTYPES and not q.is_cuda
             and not k_cache.is_cuda and k_cache.stride(-1) == 1 and available())
 
 
 def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, ctx: Tensor, end: Tensor,
               mask: Tensor | None, scale: float, dv: int | None = None, threads: int | None = None) -> Tensor:
-    """q [R, H, dk]; k_cache, v_cache [S, KVH, L, ld] (views of one layer; MLA passes the latent
-    cache as both, with `dv` its latent width); slot, ctx, end [R] int64; mask [R, W] bool or
-    None. Returns [R, H, dv] fp32."""
+    """q [R, H, dk] fp32; k_cache, v_cache [S, KVH, L, ld] fp32 or fp16 (views of one layer; MLA
+    passes the latent cache as both, with `dv` its latent width); slot, ctx, end [R] int64; mask
+    [R, W] bool or None. Returns [R, H, dv] fp32. On an fp16 cache the result is, bit for bit, the
+    result on that cache widened to fp32."""
     R, H, dk = q.shape
     S, KVH, L, ld = k_cache.shape
     dv = dv or v_cache.shape[-1]
@@ -35,12 +40,12 @@ def attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, slot: Tensor, ctx: Te
     out = torch.empty(R, H, dv, dtype=torch.float32)
     if R == 0:
         return out
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must share strides")
+    if v_cache.stride() != k_cache.stride() or v_cache.dtype != k_cache.dtype:
+        raise ValueError("k_cache and v_cache must share strides and dtype")
     idx = [t.to(torch.int64).contiguous() for t in (slot, ctx, end)]
     m = None if mask is None else mask.to(torch.uint8).contiguous()
     _library()[0].sp_attention(
-        q.data_ptr(), R, H, H * dk, k_cache.data_ptr(), v_cache.data_ptr(), KVH,
+        q.data_ptr(), R, H, H * dk, k_cache.data_ptr(), v_cache.data_ptr(), int(k_cache.dtype == torch.float16), KVH,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), dk, dv,
         idx[0].data_ptr(), idx[1].data_ptr(), idx[2].data_ptr(),
         None if m is None else m.data_ptr(), 0 if m is None else m.shape[1],

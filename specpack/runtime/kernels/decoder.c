@@ -28,13 +28,14 @@ typedef struct { /* what every layer of a forward shares */
     int64_t hidden, heads, kv_heads, hd, inter;
     float eps, scale;
     int32_t threads; /* attention */
-    float *k, *v; /* the caches of layer 0; layer i at + i * layer_stride */
+    void *k, *v; /* the caches of layer 0; layer i at + i * layer_stride elements */
     int64_t layer_stride, slot_stride, head_stride, ld;
     int64_t rows;
     const float *cos, *sin; /* [rows, hd] */
     const int64_t *slot, *write, *ctx, *end;
     const uint8_t *mask; /* [rows, ldm] or NULL */
     int64_t ldm;
+    int64_t kv16; /* cache elements: fp32 (0) or fp16 (1) */
 } sp_forward_t;
 
 static void linear(const sp_lin_t *l, const float *x, int64_t R, const float *res, float *y)
@@ -54,12 +55,13 @@ void sp_decoder_layers(const sp_layer_t *layers, int64_t first, int64_t n, const
     float *m = gu + R * 2 * f->inter;
     for (int64_t i = first; i < first + n; i++) {
         const sp_layer_t *L = layers + i;
-        float *kc = f->k + i * f->layer_stride, *vc = f->v + i * f->layer_stride;
+        const int64_t at = i * f->layer_stride * (f->kv16 ? 2 : 4); /* bytes */
+        void *kc = (char *)f->k + at, *vc = (char *)f->v + at;
         sp_rmsnorm(x, R, H, H, L->in_norm, f->eps, h, H);
         linear(&L->qkv, h, R, NULL, qkv);
         sp_rope_cache(qkv, R, ldq, f->heads, f->kv_heads, hd, f->cos, f->sin, hd, L->q_norm, L->k_norm, f->eps,
-                      kc, vc, f->slot_stride, f->head_stride, f->ld, f->slot, f->write);
-        sp_attention(qkv, R, f->heads, ldq, kc, vc, f->kv_heads, f->slot_stride, f->head_stride, f->ld, hd, hd,
+                      kc, vc, (int)f->kv16, f->slot_stride, f->head_stride, f->ld, f->slot, f->write);
+        sp_attention(qkv, R, f->heads, ldq, kc, vc, (int)f->kv16, f->kv_heads, f->slot_stride, f->head_stride, f->ld, hd, hd,
                      f->slot, f->ctx, f->end, f->mask, f->ldm, f->scale, a, ldo, f->threads);
         linear(&L->o, a, R, x, x2);
         sp_rmsnorm(x2, R, H, H, L->post_norm, f->eps, h, H);

@@ -26,7 +26,7 @@ void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w,
 void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N,
                     const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads,
                     int prefetch, int isa);
-void sp_attention(const float *q, int64_t R, int64_t H, int64_t ldq, const float *k, const float *v,
+void sp_attention(const float *q, int64_t R, int64_t H, int64_t ldq, const void *k, const void *v, int kv16,
                   int64_t KVH, int64_t slot_stride, int64_t head_stride, int64_t ld, int64_t dk,
                   int64_t dv, const int64_t *slot, const int64_t *ctx, const int64_t *len,
                   const uint8_t *mask, int64_t ldm, float scale, float *out, int64_t ldo,
@@ -36,5 +36,5 @@ void sp_rmsnorm(const float *x, int64_t R, int64_t n, int64_t ldx, const float *
 void sp_silu_mul(const float *gu, int64_t R, int64_t n, int64_t ldg, float *y, int64_t ldy);
 void sp_rope_cache(float *qkv, int64_t R, int64_t ldq, int64_t H, int64_t KVH, int64_t hd,
                    const float *cos, const float *sin, int64_t ldc, const float *qn, const float *kn, float eps,
-                   float *kc, float *vc, int64_t slot_stride, int64_t head_stride, int64_t ld,
+                   void *kc, void *vc, int kv16, int64_t slot_stride, int64_t head_stride, int64_t ld,
                    const int64_t *slot, const int64_t *write);

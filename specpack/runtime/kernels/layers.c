@@ -1,5 +1,5 @@
 /* The small ops between a decoder layer's matrix products, fused, for AVX2 + FMA: RMSNorm with its
- * scale, RoPE with the KV-cache write, SiLU times up. Each is one call over every row of a batched
+ * scale, RoPE with the KV-cache write (fp32, or rounded to fp16), SiLU times up. Each is one call over every row of a batched
  * forward (the residual adds ride in the linear kernel's epilogue, linear.c).
  *
  * Row-exact, as the rest of the kernels: every row is computed by one fixed sequence of operations
@@ -91,13 +91,29 @@ static void rope_head(const float *x, const float *cos, const float *sin, int64_
     }
 }
 
+/* x[0..n) into a cache at element `at`: fp32 as is, or rounded to IEEE fp16 (kv16; to nearest
+ * even, as torch's .to(torch.float16) rounds). */
+static void store_kv(void *cache, int64_t at, const float *x, int64_t n, int kv16)
+{
+    if (!kv16) {
+        memcpy((float *)cache + at, x, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *h = (uint16_t *)cache + at;
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) h[i] = _cvtss_sh(x[i], _MM_FROUND_TO_NEAREST_INT);
+}
+
 /* For each row r of a fused q/k/v product qkv [R, (H + 2 KVH) * hd] (row stride ldq): optionally
  * RMSNorm each q and k head (qn, kn: [hd] weights, or NULL; Qwen3), rotate q in place and k into
  * the key cache with cos/sin [R, hd] (row stride ldc), and copy v into the value cache, both at
- * (slot[r], head, write[r]) (cache strides as in attention.c). */
+ * (slot[r], head, write[r]) (cache strides, in elements, as in attention.c; elements fp32, or fp16
+ * with kv16). */
 void sp_rope_cache(float *qkv, int64_t R, int64_t ldq, int64_t H, int64_t KVH, int64_t hd,
                    const float *cos, const float *sin, int64_t ldc, const float *qn, const float *kn, float eps,
-                   float *kc, float *vc, int64_t slot_stride, int64_t head_stride, int64_t ld,
+                   void *kc, void *vc, int kv16, int64_t slot_stride, int64_t head_stride, int64_t ld,
                    const int64_t *slot, const int64_t *write)
 {
     float tmp[1024];
@@ -115,8 +131,9 @@ void sp_rope_cache(float *qkv, int64_t R, int64_t ldq, int64_t H, int64_t KVH, i
         for (int64_t h = 0; h < KVH; h++) {
             float *kh = k + h * hd;
             if (kn) rmsnorm_row(kh, kn, hd, eps, kh);
-            rope_head(kh, c, s, hd, kc + base + h * head_stride);
-            memcpy(vc + base + h * head_stride, v + h * hd, (size_t)hd * sizeof(float));
+            rope_head(kh, c, s, hd, tmp);
+            store_kv(kc, base + h * head_stride, tmp, hd, kv16);
+            store_kv(vc, base + h * head_stride, v + h * hd, hd, kv16);
         }
     }
 }

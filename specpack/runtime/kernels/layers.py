@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from specpack.runtime.kernels._lib import _library, available, default_threads
+from specpack.runtime.kernels.attention import CACHE_DTYPES
 
 MAX_HEAD_DIM = 1024  # sp_rope_cache's scratch
 
@@ -50,7 +51,7 @@ class _Forward(ctypes.Structure):  # sp_forward_t
                 ("head_stride", ctypes.c_int64), ("ld", ctypes.c_int64), ("rows", ctypes.c_int64),
                 ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p), ("slot", ctypes.c_void_p),
                 ("write", ctypes.c_void_p), ("ctx", ctypes.c_void_p), ("end", ctypes.c_void_p),
-                ("mask", ctypes.c_void_p), ("ldm", ctypes.c_int64)]
+                ("mask", ctypes.c_void_p), ("ldm", ctypes.c_int64), ("kv16", ctypes.c_int64)]
 
 
 class Step(NamedTuple):
@@ -88,16 +89,16 @@ class FusedLayers:
 
     def step(self, rows, cos: Tensor, sin: Tensor, cache) -> Step:
         """The per-forward arrays for `rows`; cos, sin: the model's [max_len, hd] tables; cache: the
-        model's KVCache ([layers, slots, kv_heads, max_len, hd] keys and values)."""
+        model's KVCache ([layers, slots, kv_heads, max_len, hd] keys and values, fp32 or fp16)."""
         i64 = [t.to(torch.int64).contiguous() for t in (rows.slot, rows.write, rows.ctx, rows.end)]
         mask = None if rows.mask is None else rows.mask.to(torch.uint8).contiguous()
         arrays = (cos[rows.pos].contiguous(), sin[rows.pos].contiguous(), *i64, mask)
         k, v = cache.k, cache.v
-        if k.stride() != v.stride():
-            raise ValueError("key and value caches must share strides")
+        if k.stride() != v.stride() or k.dtype != v.dtype or k.dtype not in CACHE_DTYPES:
+            raise ValueError("key and value caches must share strides and dtype (fp32 or fp16)")
         f = _Forward(self.hidden, self.heads, self.kv_heads, self.hd, self.inter, self.eps, self.scale, self.threads,
                      k.data_ptr(), v.data_ptr(), *k.stride()[:4], rows.count,
-                     *(_ptr(a) for a in arrays), 0 if mask is None else mask.shape[1])
+                     *(_ptr(a) for a in arrays), 0 if mask is None else mask.shape[1], int(k.dtype == torch.float16))
         return Step(arrays, f, torch.empty(rows.count * self.width))
 
     def layers(self, x: Tensor, st: Step, first: int, n: int) -> Tensor:

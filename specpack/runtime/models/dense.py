@@ -115,8 +115,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache[rows.slot, :, rows.write] = k  # each row into its own sequence's slot: [R, kv_heads, hd]
-        v_cache[rows.slot, :, rows.write] = v
+        # each row into its own sequence's slot: [R, kv_heads, hd] (rounded to the cache's dtype)
+        k_cache[rows.slot, :, rows.write] = k.to(k_cache.dtype)
+        v_cache[rows.slot, :, rows.write] = v.to(v_cache.dtype)
         y = attend(q, k_cache, v_cache, rows)  # [R, heads, hd]
         return self.o_proj(y.reshape(R, self.heads * hd))
 
@@ -165,6 +166,7 @@ class Decoder(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.cache = None
+        self.kv_dtype: torch.dtype | None = None  # the KV cache's elements (None: the model's dtype)
         self.fused = None  # kernels.layers.FusedLayers when the layers run as C calls (see fuse_layers)
         self.register_buffer("cos", None, persistent=False)  # [max_len, rope dims] RoPE tables, with the cache
         self.register_buffer("sin", None, persistent=False)
@@ -177,12 +179,16 @@ class Decoder(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed_tokens.weight.dtype
 
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        return self.kv_dtype or self.dtype
+
     @torch.inference_mode()
     def setup_cache(self, max_len: int, slots: int = 1) -> None:
         """Make room for `slots` sequences of `max_len` positions (reallocating only when either
-        grows) and empty the cache."""
+        grows, or the cache's dtype changed) and empty the cache."""
         c = self.cache
-        if c is None or c.max_len < max_len or c.slots < slots:
+        if c is None or c.max_len < max_len or c.slots < slots or c.k.dtype != self.cache_dtype:
             self.cache = None  # free the old one first
             self.cache = self.new_cache(len(self.layers), max_len, slots)
             self.cos, self.sin = self._rope_tables(max_len)
@@ -279,7 +285,7 @@ class Transformer(Decoder):
 
     def new_cache(self, layers: int, max_len: int, slots: int = 1) -> KVCache:
         s = self.spec
-        return KVCache(layers, s.num_kv_heads, s.head_dim, max_len, self.dtype, self.device, slots)
+        return KVCache(layers, s.num_kv_heads, s.head_dim, max_len, self.cache_dtype, self.device, slots)
 
     def _rope_tables(self, max_len: int) -> tuple[Tensor, Tensor]:
         s = self.spec

@@ -79,8 +79,9 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Rows, scale: float
     """Each row's query heads q [R, H, dk] against its own sequence's cache, [S, KVH, L, ld] per
     layer (MLA: the latent cache as both, `dv` its latent width) -> [R, H, dv].
 
-    On the CPU in fp32 one row-exact kernel call takes every row (kernels/attention.py); elsewhere
-    (CUDA, half precision, no kernel) each segment is one SDPA call."""
+    On the CPU in fp32 (an fp32 or fp16 cache) one row-exact kernel call takes every row
+    (kernels/attention.py); elsewhere (CUDA, half precision, no kernel) each segment is one SDPA
+    call, a cache narrower than q widened first."""
     from specpack.runtime.kernels import attention as kernel
 
     R, H, dk = q.shape
@@ -91,8 +92,8 @@ def attend(q: Tensor, k_cache: Tensor, v_cache: Tensor, rows: Rows, scale: float
     out = q.new_empty(R, H, dv)
     for seg, a in rows.segments:
         e = seg.start + seg.T
-        ks = k_cache[seg.slot : seg.slot + 1, :, :e, :dk]  # [1, KVH, e, dk]
-        vs = v_cache[seg.slot : seg.slot + 1, :, :e, :dv]
+        ks = k_cache[seg.slot : seg.slot + 1, :, :e, :dk].to(q.dtype)  # [1, KVH, e, dk]
+        vs = v_cache[seg.slot : seg.slot + 1, :, :e, :dv].to(q.dtype)
         y = F.scaled_dot_product_attention(q[a : a + seg.T].transpose(0, 1)[None], ks, vs,
                                            attn_mask=_segment_mask(seg, q.device), scale=scale,
                                            enable_gqa=H != ks.shape[1])  # [1, H, T, dv]
