@@ -245,6 +245,32 @@ def test_cost_model_drafts_while_cheap_and_stops_at_the_knee():
     assert choose([4], [[0.5, 0.25, 0.1, 0.05]], 1, with_draft_cost) == [0]  # a head step costs more than it gains
 
 
+def test_the_measured_cost_curve_keeps_each_forwards_fastest_pass_and_never_falls(monkeypatch):
+    """A busy moment lands on one pass of one point (here the one-row forward's first timed pass,
+    35% slow, and a burst on the 8-row one): each point keeps its fastest pass, and a curve that
+    measured 4 rows cheaper than 2 is lifted, never lowered below what fewer rows cost."""
+    from types import SimpleNamespace
+
+    from specpack.runtime.engine import cost
+
+    true_ms = {1: 10.0, 2: 10.4, 4: 10.2, 8: 11.0, 16: 13.0}
+    calls: dict = {}
+
+    def fake(target, slot, start, rows):
+        n = calls[(start, rows)] = calls.get((start, rows), 0) + 1
+        ms = true_ms[rows] + (4.0 if start else 0.0)  # the key probe: 4 ms over 8 rows x 512 keys
+        if (start, rows) == (0, 1) and n == 2 or (start, rows) == (0, 8) and n == 4:
+            ms *= 1.35 if rows == 1 else 2.0
+        return ms
+
+    monkeypatch.setattr(cost, "_time_forward", fake)
+    target = SimpleNamespace(cache=SimpleNamespace(max_len=1024))
+    curve = cost.measure(target, (1, 2, 4, 8, 16), passes=3)
+    assert curve.rows == (1, 2, 4, 8, 16) and curve.ms == (10.0, 10.4, 10.4, 11.0, 13.0)
+    assert curve.key_ms == pytest.approx(4.0 / (8 * 512))
+    assert all(n == 4 for n in calls.values())  # a warm-up pass, then three
+
+
 def test_one_slow_draft_call_does_not_stop_speculation_for_good(monkeypatch):
     """A server's first draft call is cold (a busy neighbour makes any call slow): learned at face
     value it made drafts look dearer than they gain, and with no drafts the ratio was never measured
