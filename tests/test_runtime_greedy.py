@@ -112,6 +112,27 @@ def test_ngram_lookup():
     assert lookup(t([1, 2, 3, 1, 2, 3, 1, 2]), 3, 3, 4).tolist() == [3, 1, 2, 3]
 
 
+@pytest.mark.parametrize("min_n, max_n, vocab", [(1, 3, 3), (2, 4, 5), (1, 1, 2), (3, 3, 4), (1, 3, 50)])
+def test_the_suffix_index_drafts_what_the_scan_drafts(min_n, max_n, vocab):
+    """The drafter's per-slot index (dictionaries updated with each step's tokens) against the
+    stateless scan, on contexts that grow a few tokens a step, and on a context it did not index
+    (a slot reused without start, a shorter or different context): indexed afresh."""
+    from specpack.runtime.drafters.ngram import SuffixIndex
+
+    g = torch.Generator().manual_seed(min_n * 100 + vocab)
+    for trial in range(20):
+        seq = torch.randint(0, vocab, (120,), generator=g)
+        index, size = SuffixIndex(min_n, max_n), 1
+        while size < len(seq):
+            for k in (1, 4):
+                assert torch.equal(index.lookup(seq[:size], k), lookup(seq[:size], min_n, max_n, k)), (trial, size)
+            size += int(torch.randint(1, 4, (1,), generator=g))
+        other = torch.randint(0, vocab, (40,), generator=g)
+        assert torch.equal(index.lookup(other, 3), lookup(other, min_n, max_n, 3))
+        longer = torch.cat([other[:-1], (other[-2:-1] + 1) % vocab, other[:7]])  # last indexed token differs
+        assert torch.equal(index.lookup(longer, 3), lookup(longer, min_n, max_n, 3))
+
+
 def test_half_precision_runs(prompts):
     """bf16 weights, caches and features run end to end (exactness is per precision: not compared)."""
     target = load_target(target_dir("llama"), dtype=torch.bfloat16)

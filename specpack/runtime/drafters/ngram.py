@@ -40,6 +40,41 @@ def continuations(context: Tensor, min_n: int, max_n: int, k: int, count: int) -
     return out
 
 
+class SuffixIndex:
+    """`lookup` for one growing context without scanning it: for each n, where every n-gram last
+    occurred with a token after it, in a dictionary updated with the tokens added since the previous
+    call (a draft step costs ~2 us a sequence, not 15-40 us of tensor scans: at 8 chat sequences the
+    scans were 2% of a server's step time). A context that is not the one indexed (shorter, or its
+    last indexed token differs) is indexed afresh."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.ends: list[dict[tuple, int]] = [{} for _ in range(max_n + 1)]  # ends[n][gram]: latest end
+
+    def lookup(self, context: Tensor, k: int) -> Tensor:
+        """Exactly `lookup(context, min_n, max_n, k)`."""
+        self._extend(context)
+        t, size = self.tokens, len(self.tokens)
+        for n in range(min(self.max_n, size - 1), self.min_n - 1, -1):
+            s = self.ends[n].get(tuple(t[size - n:]))
+            if s is not None:  # s: the first token after the latest earlier occurrence
+                return torch.tensor([t[s + i % (size - s)] for i in range(k)], dtype=context.dtype,
+                                    device=context.device)
+        return context[:0]
+
+    def _extend(self, context: Tensor) -> None:
+        done, size = len(self.tokens), context.shape[0]
+        if size < done or (done and int(context[done - 1]) != self.tokens[-1]):
+            self.__init__(self.min_n, self.max_n)
+            done = 0
+        self.tokens += context[done:].tolist()
+        t = self.tokens
+        for e in range(max(done, 1), size):  # occurrences ending at e, a token after them (e <= size - 1)
+            for n in range(self.min_n, min(self.max_n, e) + 1):
+                self.ends[n][tuple(t[e - n : e])] = e
+
+
 def trie(branches: list[Tensor], budget: int) -> Draft:
     """The continuations merged into a tree (shared prefixes once), each node scored by the share
     of continuations through it; the `budget` best nodes (ties: the most recent occurrence's)."""
@@ -69,18 +104,26 @@ class NgramDrafter(nn.Module):
             raise InputError(f"invalid n-gram sizes min_n={min_n!r}, max_n={max_n!r}",
                              hint="use integers with 1 <= min_n <= max_n")
         self.min_n, self.max_n = min_n, max_n
+        self._index: dict[int, SuffixIndex] = {}  # per cache slot
 
     def reserve(self, slots: int, max_len: int) -> None:
-        """Nothing to allocate: the context is all the state."""
+        """Nothing to allocate: each slot's suffix index grows with its context."""
+        self._index = {}
 
     def start(self, slot: int) -> None:
-        """Nothing to reset."""
+        """A new sequence in `slot`: its index starts empty."""
+        self._index[slot] = SuffixIndex(self.min_n, self.max_n)
 
     def draft(self, jobs: list[DraftJob]) -> list[Draft]:
-        """A chain per job; a job that asks for a tree gets up to `topk` continuations (from
-        distinct earlier occurrences) merged into one."""
-        return [self._tree(j) if branching(j) else Draft(lookup(j.context, self.min_n, self.max_n, j.k))
+        """A chain per job (from the slot's suffix index); a job that asks for a tree gets up to
+        `topk` continuations (from distinct earlier occurrences) merged into one."""
+        return [self._tree(j) if branching(j) else Draft(self._slot_index(j.slot).lookup(j.context, j.k))
                 for j in jobs]
+
+    def _slot_index(self, slot: int) -> SuffixIndex:
+        if slot not in self._index:
+            self._index[slot] = SuffixIndex(self.min_n, self.max_n)
+        return self._index[slot]
 
     def _tree(self, job: DraftJob) -> Draft:
         found = continuations(job.context, self.min_n, self.max_n, job.k, job.tree.topk)
