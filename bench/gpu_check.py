@@ -148,21 +148,24 @@ def check_one(name: str, artifact: Path, prompts, args, env) -> list[dict]:
     say(f"  CPU torch fp32 reference: {ref['plain_tps']:.1f} tok/s plain, {ref['spec_tps']:.1f} spec "
         f"({time.perf_counter() - t0:.0f}s)")
     rows = [compare("cpu torch float32", ref, ref["plain"], True)]
-    runs = [("torch", "float32"), ("torch", "bfloat16")]
+    runs = [("torch", "float32", {}), ("torch", "float32", {"kv_cache": "fp16"}), ("torch", "bfloat16", {})]
+    if manifest.target.architecture.lower().startswith("deepseek"):
+        runs = [r for r in runs if not r[2]]  # MLA targets keep their latent cache (--kv-cache refuses them)
     if env["tensorrt"]:
         from specpack.converters.onnx_export import export_onnx
 
         export_onnx(artifact, progress=False)
         manifest = verify(artifact).manifest
-        runs += [("tensorrt", d) for d in args.trt_dtypes]
-    for backend, dtype in runs:
-        label = f"{args.device} {backend} {dtype}"
+        runs += [("tensorrt", d, {}) for d in args.trt_dtypes]
+    for backend, dtype, options in runs:
+        label = f"{args.device} {backend} {dtype}" + "".join(f" {k}={v}" for k, v in options.items())
         try:
             t0 = time.perf_counter()
-            model = SpecModel(*backends.load(backend, artifact, manifest, device=args.device, dtype=dtype))
+            model = SpecModel(*backends.load(backend, artifact, manifest, device=args.device, dtype=dtype, **options))
             load_s = time.perf_counter() - t0
             got = run_model(model, prompts, args.max_new_tokens, args.draft_len)
-            rows.append({**compare(label, got, ref["plain"], dtype == "float32"), "load_s": load_s})
+            exact = dtype == "float32" and not options  # an fp16 cache rounds: speculative == plain is the test
+            rows.append({**compare(label, got, ref["plain"], exact), "load_s": load_s})
             del model
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
