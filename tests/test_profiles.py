@@ -238,6 +238,32 @@ def test_profiles_are_per_weight_precision(tuned):
         select_profile(both, wanted=int8["id"], machine=_machine())
 
 
+def test_profiles_are_per_kv_cache(tuned):
+    """A profile measured with an fp16 KV cache (`tune --kv-cache fp16`) is picked only for runs with
+    one (its cost curve prices keys at half the bytes), and one measured with the model's cache not for
+    them; profiles from before the field keep their id."""
+    art, result = tuned
+    manifest, p = read_manifest(art), result.profile
+    assert p.kv_cache is None and "kv_cache" not in {k for k, v in p.model_dump(mode="json").items() if v is not None}
+    assert select_profile(manifest, "cpu", "float32", machine=_machine(), kv_cache="fp16").profile is None
+    fp16 = _variant(p, kv_cache="fp16")
+    assert fp16["id"] != p.id and check_profile(fp16, manifest, _machine()).status == RUNNABLE
+    both = manifest.model_copy(update={"profiles": [p.model_dump(mode="json"), fp16]})
+    assert select_profile(both, "cpu", "float32", machine=_machine(), kv_cache="fp16").profile.id == fp16["id"]
+    assert select_profile(both, "cpu", "float32", machine=_machine()).profile == p
+    with pytest.raises(InputError, match="and an fp16 KV cache, this run uses torch/cpu/float32") as err:
+        select_profile(both, wanted=fp16["id"], machine=_machine())
+    assert "--kv-cache fp16" in err.value.hint
+
+
+def test_tune_checks_the_kv_cache_option_first(tuned, workload):
+    from specpack.tuning.tune import tune
+
+    art, _ = tuned
+    with pytest.raises(InputError, match="--kv-cache fp16 narrows"):
+        tune(art, workload, backend="onnxruntime", kv_cache="fp16")
+
+
 
 @pytest.mark.parametrize("text, message, problems", [
     ("", "is empty: no prompts", []),

@@ -92,6 +92,7 @@ def _run_summary(r: dict) -> str:
 @DEVICE
 @DTYPE
 @WEIGHTS
+@KV_CACHE
 @click.option("--concurrency", default="1,2,4,8,16", show_default=True,
               help="Concurrent clients to measure through the serve queue, comma-separated.")
 @click.option("--draft-lens", help="Draft lengths to measure, e.g. 2,4,6 [default: search from the heuristic start].")
@@ -107,7 +108,7 @@ def _run_summary(r: dict) -> str:
 @click.option("--public-key", type=click.Path(path_type=Path), envvar="SPECPACK_PUBLIC_KEY",
               help="Public key (PEM) to check the signature with before tuning [env: SPECPACK_PUBLIC_KEY].")
 @JSON
-def tune(artifact, workload, backend, device, dtype, weights, concurrency, draft_lens, tree_shapes, max_new_tokens,
+def tune(artifact, workload, backend, device, dtype, weights, kv_cache, concurrency, draft_lens, tree_shapes, max_new_tokens,
          repeats, key, plot_dir, public_key, json_mode):
     """Measure ARTIFACT on a workload and store the best settings as a validated profile.
 
@@ -126,7 +127,7 @@ def tune(artifact, workload, backend, device, dtype, weights, concurrency, draft
     from specpack.tuning.report import summary
 
     result = do_tune(artifact, workload, backend=backend, device=device, dtype=dtype, weights=weights,
-                     concurrency=int_list(concurrency, "--concurrency"),
+                     kv_cache=kv_cache, concurrency=int_list(concurrency, "--concurrency"),
                      draft_lens=int_list(draft_lens, "--draft-lens"), max_new_tokens=max_new_tokens,
                      repeats=repeats, key=key, public_key=public_key, progress=progress_enabled(json_mode),
                      plot_dir=plot_dir, tree_shapes=parse_tree_shapes(tree_shapes, "--tree-shapes"))

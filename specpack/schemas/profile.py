@@ -147,6 +147,8 @@ class Profile(_Strict):
     weights: Optional[Literal["fp16", "bf16", "int8", "w8a8"]] = Field(
         None, description="Precision the CPU kernels kept the linear layers' weights in (`--weights`); "
                           "absent: as loaded, in `dtype`.")
+    kv_cache: Optional[Literal["fp16"]] = Field(
+        None, description="The target's KV cache when kept narrower than `dtype` (`--kv-cache`); absent: in `dtype`.")
     drafter: str = Field(description="Drafter kind the profile uses (the manifest's), or `none`.")
     settings: ProfileSettings = Field(description="What run and serve apply when they pick this profile.")
     memory: ProfileMemory = Field(description="Memory this profile needs.")
@@ -162,7 +164,7 @@ def profile_name(backend: str, device: str, dtype: str, drafter: str, draft_len:
 
 def profile_id(data: dict) -> str:
     """The id a profile (as JSON data) should have: a hash of all its fields but `id`. A top-level
-    field left unset (None: `weights`, added later) is left out, so profiles written before it
+    field left unset (None: `weights` and `kv_cache`, added later) is left out, so profiles written before it
     existed keep their id."""
     body = {k: v for k, v in data.items() if k != "id" and v is not None}
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)

@@ -66,7 +66,8 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     tok = model.tokenizer
     ids = encode_prompt(tok, req.prompt, req.chat)
     stream = TextStream(tok, write or (lambda s: None), stops=list(req.stop))
-    chosen = select_profile(model.manifest, device, dtype, wanted=req.profile, backend=backend, weights=weights)
+    chosen = select_profile(model.manifest, device, dtype, wanted=req.profile, backend=backend, weights=weights,
+                            kv_cache=kv_cache)
     draft_len = req.draft_len if req.draft_len is not None else chosen.draft_len
     speculative = req.speculative and (chosen.speculative or req.draft_len is not None or req.draft_tree is not None)
     tree = req.draft_tree if req.draft_tree is not None else chosen.tree

@@ -91,7 +91,8 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     engines = {"max_sequences": max_seqs} if backend == "tensorrt" else {}  # the engines' sequence dimension
     model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights,
                  kv_cache=kv_cache, backend=backend, **engines)
-    selection = select_profile(model.manifest, device, dtype, wanted=profile, backend=backend, weights=weights)
+    selection = select_profile(model.manifest, device, dtype, wanted=profile, backend=backend, weights=weights,
+                               kv_cache=kv_cache)
     draft_len = draft_len or selection.draft_len
     tree = draft_tree if draft_tree is not None else selection.tree
     if tree is not None:

@@ -117,8 +117,9 @@ class ProfileStatus:
     def label(self) -> str:
         if not self.profile:
             return str(self.raw.get("name", "?"))
-        w = self.profile.weights
-        return self.profile.name + (f" ({w} weights)" if w else "")
+        p = self.profile
+        said = [f"{p.weights} weights"] * bool(p.weights) + [f"{p.kv_cache} KV cache"] * bool(p.kv_cache)
+        return p.name + (f" ({', '.join(said)})" if said else "")
 
     def to_dict(self) -> dict:
         p = self.profile
@@ -252,8 +253,9 @@ class Selection:
 
 
 def select_profile(manifest, device: str = "cpu", dtype: str = "float32", wanted: Optional[str] = None,
-                   backend: str = "torch", machine: Optional[Machine] = None, weights: str = "fp32") -> Selection:
-    """The best runnable profile for backend/device/dtype/weights (or the one named `wanted`, by name
+                   backend: str = "torch", machine: Optional[Machine] = None, weights: str = "fp32",
+                   kv_cache: str = "model") -> Selection:
+    """The best runnable profile for backend/device/dtype/weights/KV cache (or the one named `wanted`, by name
     or id), else the artifact's defaults. Best: measured on this hardware first, then the highest
     speedup."""
     device = device.split(":")[0]
@@ -262,10 +264,11 @@ def select_profile(manifest, device: str = "cpu", dtype: str = "float32", wanted
     machine = machine or this_machine(gpus=device == "cuda" or wanted is not None)
     checked = [check_profile(_raw(p), manifest, machine) for p in manifest.profiles]
     if wanted is not None:
-        return _chosen(_find(checked, wanted), backend, device, dtype, weights, machine)
-    fits = [c for c in checked if c.status == RUNNABLE and _setup(c.profile) == (backend, device, dtype, weights)]
+        return _chosen(_find(checked, wanted), (backend, device, dtype, weights, kv_cache), machine)
+    setup = (backend, device, dtype, weights, kv_cache)
+    fits = [c for c in checked if c.status == RUNNABLE and _setup(c.profile) == setup]
     if not fits:
-        return _defaults(manifest, f"no runnable validated profile for {_describe(backend, device, dtype, weights)} "
+        return _defaults(manifest, f"no runnable validated profile for {_describe(*setup)} "
                                    f"(`specpack profiles` says why)")
     best = max(fits, key=lambda c: (not c.notes, c.profile.evidence.speedup, c.profile.evidence.measured_at))
     return _from_profile(best.profile, "picked", machine)
@@ -317,24 +320,26 @@ def _find(checked: list[ProfileStatus], wanted: str) -> ProfileStatus:
     return min(named, key=lambda c: (order[c.status], bool(c.notes), -c.profile.evidence.speedup))
 
 
-def _describe(backend: str, device: str, dtype: str, weights: str) -> str:
-    return f"{backend}/{device}/{dtype}" + (f" with {weights} weights" if weights != "fp32" else "")
+def _describe(backend: str, device: str, dtype: str, weights: str, kv_cache: str = "model") -> str:
+    return (f"{backend}/{device}/{dtype}" + (f" with {weights} weights" if weights != "fp32" else "")
+            + (f" and an {kv_cache} KV cache" if kv_cache != "model" else ""))
 
 
-def _setup(p: Profile) -> tuple[str, str, str, str]:
-    """(backend, device, dtype, weights) a profile was measured with."""
-    return p.backend, p.device, p.dtype, p.weights or "fp32"
+def _setup(p: Profile) -> tuple[str, str, str, str, str]:
+    """(backend, device, dtype, weights, KV cache) a profile was measured with."""
+    return p.backend, p.device, p.dtype, p.weights or "fp32", p.kv_cache or "model"
 
 
-def _chosen(c: ProfileStatus, backend: str, device: str, dtype: str, weights: str, machine: Machine) -> Selection:
+def _chosen(c: ProfileStatus, setup: tuple, machine: Machine) -> Selection:
+    """The profile `c` for a run with `setup` (as `_setup` gives it), or why it cannot be."""
     p = c.profile
     if c.status != RUNNABLE:
         raise InputError(f"profile {p.name} ({p.id}) cannot run here: {c.status}", problems=c.reasons,
                          hint="`specpack profiles ARTIFACT` lists the ones that can")
-    if _setup(p) != (backend, device, dtype, weights):
-        raise InputError(f"profile {p.name} is for {_describe(*_setup(p))}, this run uses "
-                         f"{_describe(backend, device, dtype, weights)}",
-                         hint=f"pass --device {p.device} --dtype {p.dtype} --weights {p.weights or 'fp32'}")
+    if _setup(p) != setup:
+        raise InputError(f"profile {p.name} is for {_describe(*_setup(p))}, this run uses {_describe(*setup)}",
+                         hint=f"pass --device {p.device} --dtype {p.dtype} --weights {p.weights or 'fp32'} "
+                              f"--kv-cache {p.kv_cache or 'model'}")
     return _from_profile(p, "using", machine)
 
 
@@ -409,7 +414,8 @@ def check_writable(artifact: Path, key) -> None:
 
 def _slot(data: dict) -> tuple:
     hw = data.get("evidence", {}).get("hardware", {})
-    return (data.get("backend"), data.get("device"), data.get("dtype"), data.get("weights"), hw.get("cpu_model"),
+    return (data.get("backend"), data.get("device"), data.get("dtype"), data.get("weights"), data.get("kv_cache"),
+            hw.get("cpu_model"),
             hw.get("gpu"), data.get("evidence", {}).get("workload", {}).get("sha256"))
 
 

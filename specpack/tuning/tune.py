@@ -265,6 +265,7 @@ def _valid_shape(s: Shape, longest: int = MAX_DRAFT_LEN) -> bool:
 
 def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype: str = "float32",
          weights: str = "fp32", concurrency: Sequence[int] = (1, 2, 4, 8, 16),
+         kv_cache: str = "model",
          draft_lens: Optional[Sequence[int]] = None,
          max_new_tokens: int = 128, repeats: int = 2, key=None, public_key=None, progress: bool = False,
          plot_dir=None, machine: Optional[Machine] = None,
@@ -275,22 +276,23 @@ def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype:
     Each setting is measured `repeats` times and its fastest pass kept (less noise). Drafters that
     branch also get draft trees measured: `tree_shapes` (depth, top-k, nodes) when given (empty:
     none), else a search from the best draft length."""
-    from specpack.runtime.api import check_weights, load
+    from specpack.runtime.api import check_kv_cache, check_weights, load
 
     _check_options(concurrency, draft_lens, max_new_tokens, repeats, tree_shapes)
     check_weights(weights, backend, device, dtype)
+    check_kv_cache(kv_cache, backend, dtype)
     wl = read_workload(workload)
     check_writable(Path(artifact), key)  # every option is checked before the first write
     recover(Path(artifact))
     start = time.perf_counter()
     model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights,
-                 backend=backend)
+                 kv_cache=kv_cache, backend=backend)
     prompts = encode_workload(model, wl, max_new_tokens)
     with _Progress(progress) as bar:
         figures = _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, tree_shapes)
     machine = machine or this_machine(gpus=device.startswith("cuda"))
     profile = _profile(model, wl, max_new_tokens, backend, device.split(":")[0], dtype, figures, machine,
-                       time.perf_counter() - start, weights)
+                       time.perf_counter() - start, weights, kv_cache)
     path = store_profile(artifact, profile, key)
     result = TuneResult(profile, figures["baseline"], figures["sweep"], path, key is not None)
     if plot_dir is not None:
@@ -409,10 +411,11 @@ def _concurrency_limit(points: list[ConcurrencyPoint]) -> int:
 
 
 def _profile(model, wl: Workload, max_new_tokens, backend, device, dtype, f: dict, machine: Machine,
-             seconds: float, weights: str = "fp32") -> Profile:
+             seconds: float, weights: str = "fp32", kv_cache: str = "model") -> Profile:
     base, best, pays = f["baseline"], f["best"], f["pays"]
     chosen = best if pays else base
-    weight_bytes, kv = kv_and_weight_bytes(model.manifest, dtype, model.context_length)
+    weight_bytes, kv = kv_and_weight_bytes(model.manifest, dtype, model.context_length,
+                                           "float16" if kv_cache == "fp16" else None)
     evidence = Evidence(
         workload=WorkloadInfo(name=wl.name, sha256=wl.sha256, prompts=len(wl.items), max_new_tokens=max_new_tokens,
                               new_tokens=base.stats.new_tokens),
@@ -432,7 +435,7 @@ def _profile(model, wl: Workload, max_new_tokens, backend, device, dtype, f: dic
     memory = ProfileMemory(weights_bytes=weight_bytes, kv_cache_bytes=kv, context_tokens=model.context_length,
                            required_bytes=weight_bytes + kv, measured_peak_bytes=f["peak"])
     return make_profile(backend=backend, device=device, dtype=dtype, weights=None if weights == "fp32" else weights,
-                        drafter=model.manifest.drafter.kind if pays else "none",
+                        kv_cache=None if kv_cache == "model" else kv_cache, drafter=model.manifest.drafter.kind if pays else "none",
                         settings=settings, memory=memory, evidence=evidence)
 
 
