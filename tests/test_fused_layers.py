@@ -111,3 +111,50 @@ def test_fused_layers_can_be_turned_off(tmp_path, monkeypatch):
     assert use_cpu_kernels(model) > 0
     torch.set_num_threads(threads)
     assert model.fused is None
+
+
+@pytest.mark.parametrize("before_residual", [False, True])
+def test_the_eagle3_heads_fused_layer_matches_its_module_path(before_residual):
+    """The head's layer as kernel calls: within 1e-5 of the module path on a batch of draft rows
+    (three sequences, one with a prefix in its cache, one a tree block), the cache written the same,
+    and each row what it is alone (row-exact)."""
+    import specpack
+    from specpack.runtime.models.rows import Rows, Segment
+    from test_engine import artifact
+
+    m = specpack.load(artifact("eagle3"))
+    with torch.inference_mode():
+        _eagle3_layer_both_ways(m.drafter, before_residual)
+
+
+def _eagle3_layer_both_ways(d, before_residual: bool) -> None:
+    from specpack.runtime.models.rows import Rows, Segment
+
+    layer = d.layers[0]
+    layer.norm_before_residual = before_residual
+    assert layer.fuse_layers() and isinstance(layer.fused, kf.FusedEagle3Layer)
+    g = torch.Generator().manual_seed(3)
+    H = d.spec.hidden_size
+    block = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    segs = [Segment(0, 5, 2), Segment(2, 0, 1), Segment(1, 9, 3, block, torch.tensor([9, 10, 10]))]
+    rows = Rows.of(segs, "cpu")
+    emb, h = torch.randn(6, H, generator=g), torch.randn(6, H, generator=g)
+    d.reserve(3, 32)
+    warm = torch.randn(d.cache.k[0].shape, generator=g)  # [slots, kv heads, positions, hd]: earlier positions
+    outs, caches = [], []
+    for fused in (layer.fused, None):
+        d.cache.k[0].copy_(warm)
+        d.cache.v[0].copy_(d.cache.k[0] * 0.5)
+        layer.fused = fused
+        outs.append(layer(emb, h, d.cos[rows.pos, None], d.sin[rows.pos, None], d.cache.k[0], d.cache.v[0], rows))
+        caches.append(d.cache.k[0].clone())
+        if fused is not None:
+            kept = fused
+    layer.fused = kept
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=0)
+    assert torch.equal(caches[0], caches[1])  # RoPE and the cache write are torch's bits
+    alone = Rows.of([Segment(2, 0, 1)], "cpu")
+    one = layer(emb[2:3], h[2:3], d.cos[alone.pos, None], d.sin[alone.pos, None], d.cache.k[0], d.cache.v[0], alone)
+    assert torch.equal(one[0], outs[0][2])
+    layer.norm_before_residual = d.spec.norm_before_residual
+    layer.fuse_layers()

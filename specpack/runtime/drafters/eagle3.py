@@ -102,9 +102,20 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Attention(2 * H, H, s.num_heads, s.num_kv_heads, s.head_dim)
         self.post_attention_layernorm = RMSNorm(H, s.rms_norm_eps)
         self.mlp = MLP(H, s.intermediate_size)
+        self.fused = None  # kernels.layers.FusedEagle3Layer when it runs as C calls (see fuse_layers)
+
+    def fuse_layers(self) -> bool:
+        """Run as kernel calls (kernels/layers.py) when its linear layers run on the packed CPU
+        kernel; True when it now does."""
+        from specpack.runtime.kernels.layers import FusedEagle3Layer
+
+        self.fused = FusedEagle3Layer.of(self)
+        return self.fused is not None
 
     def forward(self, emb, h, cos, sin, k_cache, v_cache, rows: Rows):
         # emb, h: [T, H] -> [T, H]
+        if self.fused is not None:
+            return self.fused(emb, h, cos, sin, k_cache, v_cache, rows)
         normed = self.hidden_norm(h)
         x = torch.cat([self.input_layernorm(emb), normed], dim=-1)  # [T, 2H]
         h = (normed if self.norm_before_residual else h) + self.self_attn(x, cos, sin, k_cache, v_cache, rows)
