@@ -270,12 +270,13 @@ def summary(runs: list[Run], levels: list[int]) -> None:
             print(f"8 clients / specpack 1 client = {own8.tokens_per_s / own1.tokens_per_s:.2f}; ", end="")
         if own8 and l8:
             print(f"8 clients, specpack / llama-server = {own8.tokens_per_s / l8.tokens_per_s:.2f}; ", end="")
-        for spec in ("specpack-ngram", "specpack-eagle3"):
+        for spec in ("specpack-ngram", "specpack-eagle3", "specpack-plain-2"):
             on = [by[(spec, workload, c)].tokens_per_s / max(by[(spec, workload, c)].tokens_per_s,
                                                             by[("specpack-plain", workload, c)].tokens_per_s)
                   for c in levels if (spec, workload, c) in by and ("specpack-plain", workload, c) in by]
             if on:
-                print(f"\n  {spec} (speculation on) / the better of on and off, per level: "
+                what = "a second off server (control)" if spec.endswith("-2") else "speculation on"
+                print(f"\n  {spec} ({what}) / the better of it and specpack-plain, per level: "
                       f"{[round(x, 3) for x in on]} (levels {levels}, top {top})", end="")
                 print(f"\n    the same ratio within each round (both runs minutes apart at most), median "
                       f"[min-max]: {paired(by, spec, workload, levels)}", end="")
@@ -309,6 +310,10 @@ def main() -> int:
                     help="specpack's `serve --weights` (torch servers); llama-server gets its nearest GGUF type")
     ap.add_argument("--kv-cache", default="model", choices=["model", "fp16"],
                     help="specpack's `serve --kv-cache` (torch servers; llama-server keeps its default F16 cache)")
+    ap.add_argument("--control", action="store_true",
+                    help="also run a second, identical speculation-off server (specpack-plain-2): its ratio to "
+                         "the first is the noise floor of the on / off ratios (two processes of one server "
+                         "have read 4%% apart here)")
     ap.add_argument("--json", type=Path, help="also write every row here")
     ap.add_argument("--prompt-cache", action="store_true", help="let llama-server reuse cached prompt prefixes")
     ap.add_argument("--rounds", type=int, default=2,
@@ -327,6 +332,8 @@ def main() -> int:
                "specpack-plain": (lambda p: specpack_server(artifact, p, False, slots, **o), artifact.name)}
     if eagle3 is not None:
         servers["specpack-eagle3"] = (lambda p: specpack_server(eagle3, p, True, slots, **o), eagle3.name)
+    if args.control:  # a second process of the same server: how far apart two identical ones read
+        servers["specpack-plain-2"] = (lambda p: specpack_server(artifact, p, False, slots, **o), artifact.name)
     if args.onnx:
         graphs = onnx_copy(artifact, cache_dir() / f"{artifact.name}-onnx")
         servers["specpack-onnx-ngram"] = (lambda p: specpack_server(graphs, p, True, slots, "onnxruntime"),
@@ -334,7 +341,7 @@ def main() -> int:
         servers["specpack-onnx-plain"] = (lambda p: specpack_server(graphs, p, False, slots, "onnxruntime"),
                                           artifact.name)
     if args.llama_cpp:
-        kind = GGUF_TYPES[w]
+        kind = GGUF_TYPES[args.weights]
         gguf = gguf_of(args.llama_cpp, cache_dir() / "smollm2-135m-instruct-f32", cache_dir() / f"smollm2-{kind}.gguf",
                         kind)
         servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, gguf, p, slots), "smollm2")
