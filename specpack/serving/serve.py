@@ -117,12 +117,10 @@ def plan_kv(model, dtype: str, max_seqs: int, max_model_len: Optional[int]) -> t
     """(slots, positions per slot): `max_seqs` sequences of `max_model_len` (default: the model's
     context) positions, fewer sequences when their KV cache would take more than
     KV_MEMORY_FRACTION of the memory available now; an error when not even one fits."""
-    from specpack.tuning.profiles import kv_and_weight_bytes, this_machine
+    from specpack.tuning.profiles import cache_dtype_name, kv_and_weight_bytes, this_machine
 
     max_len = min(max_model_len or model.context_length, model.context_length)
-    kv_dtype = getattr(model.target, "cache_dtype", None)  # the torch decoders' cache may be narrower
-    _, per_slot = kv_and_weight_bytes(model.manifest, dtype, max_len,
-                                      str(kv_dtype).removeprefix("torch.") if kv_dtype is not None else None)
+    _, per_slot = kv_and_weight_bytes(model.manifest, dtype, max_len, cache_dtype_name(model))
     budget = int(KV_MEMORY_FRACTION * this_machine(gpus=False).memory_available)
     slots = min(max_seqs, budget // max(per_slot, 1))
     if slots < 1:

@@ -419,6 +419,13 @@ def _slot(data: dict) -> tuple:
             hw.get("gpu"), data.get("evidence", {}).get("workload", {}).get("sha256"))
 
 
+def cache_dtype_name(model) -> str | None:
+    """The target's KV cache dtype as kv_and_weight_bytes names it ("float16"), or None where the
+    backend does not say (the graph backends keep theirs in --dtype)."""
+    dtype = getattr(model.target, "cache_dtype", None)
+    return None if dtype is None else str(dtype).removeprefix("torch.")
+
+
 def kv_and_weight_bytes(manifest, dtype: str, context: int, kv_dtype: str | None = None) -> tuple[int, int]:
     """(weights, KV cache for `context` tokens) in `dtype` (the target's cache in `kv_dtype` when
     given), from the manifest's on-disk figures."""

@@ -30,8 +30,8 @@ from specpack.runtime.engine.scheduler import Job, Scheduler, add_stats
 from specpack.runtime.engine.stats import MAX_DRAFT_LEN, MAX_TREE_NODES, MAX_TREE_TOPK, GenerationStats
 from specpack.schemas.profile import (ConcurrencyPoint, CostCurve, DraftLenPoint, Evidence, Profile, ProfileMemory,
                                       ProfileSettings, Software, WorkloadInfo, make_profile)
-from specpack.tuning.profiles import (KERNELS, Machine, check_writable, kernels_build, kv_and_weight_bytes,
-                                      package_version, store_profile, this_machine)
+from specpack.tuning.profiles import (KERNELS, Machine, cache_dtype_name, check_writable, kernels_build,
+                                      kv_and_weight_bytes, package_version, store_profile, this_machine)
 from specpack.tuning.workload import Workload, encode_request, read_workload
 
 log = logging.getLogger(__name__)
@@ -414,8 +414,7 @@ def _profile(model, wl: Workload, max_new_tokens, backend, device, dtype, f: dic
              seconds: float, weights: str = "fp32", kv_cache: str = "model") -> Profile:
     base, best, pays = f["baseline"], f["best"], f["pays"]
     chosen = best if pays else base
-    weight_bytes, kv = kv_and_weight_bytes(model.manifest, dtype, model.context_length,
-                                           "float16" if kv_cache == "fp16" else None)
+    weight_bytes, kv = kv_and_weight_bytes(model.manifest, dtype, model.context_length, cache_dtype_name(model))
     evidence = Evidence(
         workload=WorkloadInfo(name=wl.name, sha256=wl.sha256, prompts=len(wl.items), max_new_tokens=max_new_tokens,
                               new_tokens=base.stats.new_tokens),

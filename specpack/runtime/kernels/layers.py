@@ -81,17 +81,14 @@ class FusedLayers:
         if not (enabled() and available() and model.spec.head_dim <= MAX_HEAD_DIM and model.dtype == torch.float32
                 and model.device.type == "cpu"):
             return None
-        packed = [getattr(m, "packed", None) for b in model.layers
-                  for m in (b.self_attn.qkv_proj, b.self_attn.o_proj, b.mlp.gate_up_proj, b.mlp.down_proj)]
-        if not all(p is not None and p.backend == "avx2" for p in packed):
+        if not all(_on_kernel(b.self_attn, b.mlp) for b in model.layers):
             return None
         return cls(model)
 
     def step(self, rows, cos: Tensor, sin: Tensor, cache) -> Step:
         """The per-forward arrays for `rows`; cos, sin: the model's [max_len, hd] tables; cache: the
         model's KVCache ([layers, slots, kv_heads, max_len, hd] keys and values, fp32 or fp16)."""
-        i64 = [t.to(torch.int64).contiguous() for t in (rows.slot, rows.write, rows.ctx, rows.end)]
-        mask = None if rows.mask is None else rows.mask.to(torch.uint8).contiguous()
+        *i64, mask = _row_arrays(rows)
         arrays = (cos[rows.pos].contiguous(), sin[rows.pos].contiguous(), *i64, mask)
         k, v = cache.k, cache.v
         if k.stride() != v.stride() or k.dtype != v.dtype or k.dtype not in CACHE_DTYPES:
@@ -131,6 +128,18 @@ def _ptr(t: Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _on_kernel(attn, mlp) -> bool:
+    """Whether a layer's four linear layers all run on the packed AVX2/AVX-512 kernel."""
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    return all(getattr(m, "packed", None) is not None and m.packed.backend == "avx2" for m in linears)
+
+
+def _row_arrays(rows) -> tuple:
+    """`rows` as the kernels read it: slot, write, ctx, end (int64) and the mask (uint8, or None)."""
+    i64 = [t.to(torch.int64).contiguous() for t in (rows.slot, rows.write, rows.ctx, rows.end)]
+    return (*i64, None if rows.mask is None else rows.mask.to(torch.uint8).contiguous())
+
+
 class FusedEagle3Layer:
     """An EAGLE-3 head's decoder layer (drafters/eagle3.Eagle3Layer) as kernel calls, for the head's
     every draft step: ~10 calls from Python instead of ~40 torch ops, which at one to a few rows cost
@@ -156,12 +165,9 @@ class FusedEagle3Layer:
 
     @classmethod
     def of(cls, layer) -> "FusedEagle3Layer | None":
-        a, m = layer.self_attn, layer.mlp
+        a = layer.self_attn
         if not (enabled() and available() and a.head_dim <= MAX_HEAD_DIM and a.q_norm is None
-                and layer.input_layernorm.weight.device.type == "cpu"):
-            return None
-        packed = [getattr(x, "packed", None) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
-        if not all(p is not None and p.backend == "avx2" for p in packed):
+                and layer.input_layernorm.weight.device.type == "cpu" and _on_kernel(a, layer.mlp)):
             return None
         return cls(layer)
 
@@ -177,8 +183,7 @@ class FusedEagle3Layer:
         qkv = self.qkv(x)
         ldq = qkv.shape[1]
         cr, sr = cos.reshape(R, hd).contiguous(), sin.reshape(R, hd).contiguous()
-        slot, write, ctx, end = (t.to(torch.int64).contiguous() for t in (rows.slot, rows.write, rows.ctx, rows.end))
-        mask = None if rows.mask is None else rows.mask.to(torch.uint8).contiguous()
+        slot, write, ctx, end, mask = _row_arrays(rows)
         strides = k_cache.stride()[:3]
         lib.sp_rope_cache(qkv.data_ptr(), R, ldq, self.heads, self.kv_heads, hd, cr.data_ptr(), sr.data_ptr(), hd,
                           None, None, self.eps, k_cache.data_ptr(), v_cache.data_ptr(), 0, *strides,
