@@ -85,9 +85,11 @@ def test_fused_forward_matches_the_module_path(tmp_path, family):
 
 
 
-def test_captured_layers_split_the_c_runs_without_changing_a_bit(tmp_path):
-    """Captured hidden states cut the layers into C runs (one call each): the logits are the same
-    bits whatever the cuts, and each captured state is the module path's input of that layer."""
+def test_captured_layers_are_copied_within_one_c_call_without_changing_a_bit(tmp_path):
+    """A forward that captures hidden states for a drafter is still one C call (each return to
+    Python waits for the GIL behind a server's HTTP threads); the logits are the same bits with or
+    without captures, each captured state is the module path's input of that layer (the last id:
+    the output), in the order asked, repeats included; ids past the layers are refused."""
     model = load_target(tiny.make_target(tmp_path / "t", "qwen3"))
     threads = torch.get_num_threads()
     use_cpu_kernels(model)
@@ -95,14 +97,27 @@ def test_captured_layers_split_the_c_runs_without_changing_a_bit(tmp_path):
     ids, n = torch.tensor([5, 17, 99, 3, 250, 7]), len(model.layers)
     model.setup_cache(16)
     whole = model(ids).logits
-    for capture in ([0], [1, n - 1], list(range(n + 1))):
-        model.cache.length = 0
+    calls = []
+    real = model.fused.lib
+
+    class Counting:
+        def __getattr__(self, name):
+            fn = getattr(real, name)
+            return (lambda *a: calls.append(a) or fn(*a)) if name == "sp_decoder_layers" else fn
+
+    model.fused.lib = Counting()
+    for capture in ([0], [n - 1, 1], list(range(n + 1)), [n, 0, n]):
+        model.cache.length, calls[:] = 0, []
         out = model(ids, capture=capture)
-        assert torch.equal(out.logits, whole)
+        assert len(calls) == 1 and torch.equal(out.logits, whole)
         fused, model.fused, model.cache.length = model.fused, None, 0
         want = model(ids, capture=capture).aux
         model.fused = fused
         torch.testing.assert_close(out.aux, want, atol=1e-5, rtol=0)
+    model.fused.lib = real
+    with pytest.raises(ValueError, match="capture layers"):
+        model.fused.layers(torch.zeros(2, model.spec.hidden_size), None, 0, n, [n + 1], torch.empty(2, 0))
+
 
 def test_fused_layers_can_be_turned_off(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECPACK_FUSED", "0")

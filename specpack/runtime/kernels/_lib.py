@@ -99,7 +99,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sp_rope_cache.argtypes = [p, i64, i64, i64, i64, i64, p, p, i64, p, p, f, p, p, c_int, i64, i64, i64, p, p]
     for fn in (lib.sp_rmsnorm, lib.sp_silu_mul, lib.sp_rope_cache):
         fn.restype = None
-    lib.sp_decoder_layers.argtypes = [p, i64, i64, p, p, p]
+    lib.sp_decoder_layers.argtypes = [p, i64, i64, p, p, p, p, i64, p]
     lib.sp_decoder_layers.restype = None
     lib.sp_argmax.argtypes = [p, i64, i64, i64, p]
     lib.sp_argmax.restype = None

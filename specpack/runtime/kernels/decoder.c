@@ -9,6 +9,7 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "kernels.h"
 
@@ -44,10 +45,22 @@ static void linear(const sp_lin_t *l, const float *x, int64_t R, const float *re
               l->prefetch, l->isa);
 }
 
+/* The rows of x [R, H] into column block c of aux (row stride ldaux) for every c with capture[c] == at. */
+static void capture_rows(const float *x, int64_t R, int64_t H, int64_t at, const int64_t *capture, int64_t ncap,
+                         float *aux, int64_t ldaux)
+{
+    for (int64_t c = 0; c < ncap; c++)
+        if (capture[c] == at)
+            for (int64_t r = 0; r < R; r++) memcpy(aux + r * ldaux + c * H, x + r * H, H * sizeof(float));
+}
+
 /* Layers first..first+n-1 of `layers` over x [rows, hidden], in place. scratch: rows x
- * (2 hidden + (heads + 2 kv_heads) hd + heads hd + 3 inter) floats. */
+ * (2 hidden + (heads + 2 kv_heads) hd + heads hd + 3 inter) floats. capture: ncap layer ids whose
+ * input (id first + n: the last layer's output) is copied, as the layers reach it, into column block
+ * c of aux [rows, ncap * hidden] (ncap 0: aux unused), so a forward that feeds a drafter stays one
+ * call. */
 void sp_decoder_layers(const sp_layer_t *layers, int64_t first, int64_t n, const sp_forward_t *f, float *x,
-                       float *scratch)
+                       float *scratch, const int64_t *capture, int64_t ncap, float *aux)
 {
     const int64_t R = f->rows, H = f->hidden, hd = f->hd, ldq = (f->heads + 2 * f->kv_heads) * hd;
     const int64_t ldo = f->heads * hd;
@@ -55,6 +68,7 @@ void sp_decoder_layers(const sp_layer_t *layers, int64_t first, int64_t n, const
     float *m = gu + R * 2 * f->inter;
     for (int64_t i = first; i < first + n; i++) {
         const sp_layer_t *L = layers + i;
+        capture_rows(x, R, H, i, capture, ncap, aux, ncap * H);
         const int64_t at = i * f->layer_stride * (f->kv16 ? 2 : 4); /* bytes */
         void *kc = (char *)f->k + at, *vc = (char *)f->v + at;
         sp_rmsnorm(x, R, H, H, L->in_norm, f->eps, h, H);
@@ -69,4 +83,5 @@ void sp_decoder_layers(const sp_layer_t *layers, int64_t first, int64_t n, const
         sp_silu_mul(gu, R, f->inter, 2 * f->inter, m, f->inter);
         linear(&L->down, m, R, x2, x);
     }
+    capture_rows(x, R, H, first + n, capture, ncap, aux, ncap * H);
 }

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -75,6 +76,7 @@ class FusedLayers:
         self._keep = [_norms(b) for b in model.layers]  # the fp32 norm weights the table points at
         self.table = (_Layer * len(model.layers))(*(_layer(b, n) for b, n in zip(model.layers, self._keep)))
         self.width = 2 * self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.hd + 3 * self.inter
+        self._capture_ids: dict[tuple[int, ...], ctypes.Array] = {}
 
     @classmethod
     def of(cls, model) -> "FusedLayers | None":
@@ -98,11 +100,24 @@ class FusedLayers:
                      *(_ptr(a) for a in arrays), 0 if mask is None else mask.shape[1], int(k.dtype == torch.float16))
         return Step(arrays, f, torch.empty(rows.count * self.width))
 
-    def layers(self, x: Tensor, st: Step, first: int, n: int) -> Tensor:
-        """Layers first..first+n-1 over the rows x [R, hidden] (a fresh tensor, updated in place)."""
-        if n > 0:
+    def layers(self, x: Tensor, st: Step, first: int, n: int, capture: Sequence[int] = (),
+               aux: Tensor | None = None) -> Tensor:
+        """Layers first..first+n-1 over the rows x [R, hidden] (a fresh tensor, updated in place).
+        `capture`: layer ids in first..first+n whose input (first + n: the output) is written, as the
+        layers reach it, into column block c of aux [R, len(capture) * hidden] (fp32, contiguous)."""
+        if capture:
+            R, H = x.shape
+            if not all(first <= c <= first + n for c in capture):
+                raise ValueError(f"capture layers {list(capture)} outside {first}..{first + n}")
+            if aux is None or aux.shape != (R, len(capture) * H) or aux.dtype != torch.float32 \
+                    or not aux.is_contiguous():
+                raise ValueError(f"aux must be a contiguous fp32 [{R}, {len(capture) * H}] tensor")
+        ids = self._capture_ids.get(tuple(capture))
+        if ids is None:  # a model's few capture sets, made once each
+            ids = self._capture_ids[tuple(capture)] = (ctypes.c_int64 * max(1, len(capture)))(*capture)
+        if n > 0 or capture:
             self.lib.sp_decoder_layers(self.table, first, n, ctypes.byref(st.forward), x.data_ptr(),
-                                       st.scratch.data_ptr())
+                                       st.scratch.data_ptr(), ids, len(capture), _ptr(aux) if capture else None)
         return x
 
 

@@ -215,12 +215,10 @@ class Decoder(nn.Module):
         when None). Each segment must fit its slot: start + T <= max_len."""
         self._check_fits(rows)
         x = self.embed_tokens(tokens)  # [R, H]
-        captured = self._fused_layers(x, rows, capture) if self.fused is not None else self._layers(x, rows, capture)
-        x = captured[len(self.layers)]
+        x, aux = (self._fused_layers if self.fused is not None else self._layers)(x, rows, capture)
         if logits_rows is not None:
             x = x[torch.as_tensor(logits_rows, dtype=torch.long, device=x.device)]
         logits = self.lm_head(self.norm(x)).float()
-        aux = torch.cat([captured[i] for i in capture], dim=-1) if capture else None
         return Output(logits, aux)
 
     def compact(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
@@ -235,9 +233,10 @@ class Decoder(nn.Module):
             raise InputError(f"rows do not fit the KV cache of {c.slots} slot(s) x {c.max_len} positions",
                              problems=bad, hint="call setup_cache with a larger max_len or more slots")
 
-    def _layers(self, x: Tensor, rows: Rows, capture: Sequence[int]) -> dict[int, Tensor]:
-        """Every layer over x [R, H] as modules: {i: the input of layer i for i in capture, and
-        len(layers): the last layer's output}."""
+    def _layers(self, x: Tensor, rows: Rows, capture: Sequence[int]) -> tuple[Tensor, Tensor | None]:
+        """Every layer over x [R, H] as modules: the last layer's output, and the inputs of the
+        layers in `capture` (len(layers): the output) side by side, [R, len(capture)·H] (None
+        without a capture)."""
         cos, sin = self.cos[rows.pos, None], self.sin[rows.pos, None]  # [R, 1, rope dims]
         captured = {}
         for i, layer in enumerate(self.layers):
@@ -245,18 +244,15 @@ class Decoder(nn.Module):
                 captured[i] = x
             x = self._layer(i, layer, x, cos, sin, rows)
         captured[len(self.layers)] = x
-        return captured
+        return x, torch.cat([captured[i] for i in capture], dim=-1) if capture else None
 
-    def _fused_layers(self, x: Tensor, rows: Rows, capture: Sequence[int]) -> dict[int, Tensor]:
-        """`_layers` in C: one call per run of layers between captured inputs."""
+    def _fused_layers(self, x: Tensor, rows: Rows, capture: Sequence[int]) -> tuple[Tensor, Tensor | None]:
+        """`_layers` in one C call, which copies the captured inputs as it reaches them (no call per
+        stretch between captures, no copies of x to keep: a return to Python mid-forward waits for
+        the GIL behind a server's HTTP threads)."""
         step = self.fused.step(rows, self.cos, self.sin, self.cache)
-        n = len(self.layers)  # x (the embeddings: a tensor of its own) is updated in place
-        captured, at = {}, 0
-        for i in sorted({c for c in capture if c < n}):
-            x = self.fused.layers(x, step, at, i - at)
-            captured[i], x, at = x, x.clone(), i
-        captured[n] = self.fused.layers(x, step, at, n - at)
-        return captured
+        aux = x.new_empty(len(x), len(capture) * x.shape[1]) if capture else None
+        return self.fused.layers(x, step, 0, len(self.layers), capture, aux), aux  # x: updated in place
 
     def _layer(self, i: int, layer: nn.Module, x: Tensor, cos: Tensor, sin: Tensor, rows: Rows) -> Tensor:
         return layer(x, cos, sin, self.cache.k[i], self.cache.v[i], rows)
