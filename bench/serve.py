@@ -26,7 +26,9 @@ goals name. Never part of CI (it starts servers and takes minutes). Build llama.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import os
 import socket
 import statistics
@@ -210,42 +212,52 @@ def gguf_of(llama: Path, hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
 
 
 def bench_servers(servers: dict, loads: dict, levels: list[int], n_requests: int, max_tokens: int,
-                  rounds: int) -> list[Run]:
-    """Every server up, started one after another (a server without a tuned profile measures its
-    cost curve at start: two measuring at once would each see half the machine), then idle ones
-    sleep; per workload and level, `rounds` rounds in which
-    each server takes its turn, the order rotated each round, so the machine's drift over minutes
-    falls on all of them alike instead of on whichever ran last."""
-    procs, urls = {}, {}
+                  rounds: int, restart: bool = False) -> list[Run]:
+    """Per workload and level, `rounds` rounds in which each server takes its turn, the order rotated
+    each round, so the machine's drift over minutes falls on all of them alike instead of on
+    whichever ran last. Servers are started one after another (a server without a tuned profile
+    measures its cost curve at start: two measuring at once would each see half the machine) and
+    idle ones sleep. With `restart`, every round gets fresh server processes (and each process its
+    own cost curve): what one process happens to get (memory placement, its measured curve) then
+    varies from round to round instead of biasing every round the same way."""
     runs: dict[tuple, Run] = {}
+    reference: dict[tuple, dict] = {}  # per server and workload: its first (1-client) outputs
+    for session in ([[r] for r in range(rounds)] if restart else [list(range(rounds))]):
+        with _running(servers) as urls:
+            for workload, items in loads.items():
+                for name, (_, model, extra) in servers.items():
+                    request(urls[name], model, items[0], 4, extra)  # warm-up
+                for clients in levels:
+                    for r in session:
+                        names = list(servers)
+                        for name in names[r % len(names):] + names[:r % len(names)]:
+                            _, model, extra = servers[name]
+                            run = measure(urls[name], model, name, workload, items, clients,
+                                          max(n_requests, clients), max_tokens, extra)
+                            ref = reference.setdefault((name, workload), run.outputs)
+                            run.identical = all(run.outputs.get(i) == ref.get(i % len(ref)) for i in run.outputs)
+                            key = (name, workload, clients)
+                            runs[key] = runs[key].merged(run) if key in runs else run
+                    for name in servers:
+                        print(json.dumps(runs[(name, workload, clients)].row()), flush=True)
+    return list(runs.values())
+
+
+@contextlib.contextmanager
+def _running(servers: dict):
+    """Every server up, one at a time; yields their URLs; stops them all on the way out."""
+    procs, urls = {}, {}
     try:
-        for name, (start, _, _) in servers.items():  # one at a time: each measures its cost curve alone
+        for name, (start, _, _) in servers.items():
             port = free_port()
             procs[name], urls[name] = start(port), f"http://127.0.0.1:{port}"
             wait_ready(urls[name], procs[name])
-        for workload, items in loads.items():
-            reference = {}
-            for name, (_, model, extra) in servers.items():
-                request(urls[name], model, items[0], 4, extra)  # warm-up
-            for clients in levels:
-                for r in range(rounds):
-                    names = list(servers)
-                    for name in names[r % len(names):] + names[:r % len(names)]:
-                        _, model, extra = servers[name]
-                        run = measure(urls[name], model, name, workload, items, clients, max(n_requests, clients),
-                                      max_tokens, extra)
-                        ref = reference.setdefault(name, run.outputs)  # each server's first (1-client) outputs
-                        run.identical = all(run.outputs.get(i) == ref.get(i % len(ref)) for i in run.outputs)
-                        key = (name, workload, clients)
-                        runs[key] = runs[key].merged(run) if key in runs else run
-                for name in servers:
-                    print(json.dumps(runs[(name, workload, clients)].row()), flush=True)
+        yield urls
     finally:
         for proc in procs.values():
             proc.terminate()
         for proc in procs.values():
             proc.wait(30)
-    return list(runs.values())
 
 
 def summary(runs: list[Run], levels: list[int]) -> None:
@@ -278,21 +290,34 @@ def summary(runs: list[Run], levels: list[int]) -> None:
                 what = "a second off server (control)" if spec.endswith("-2") else "speculation on"
                 print(f"\n  {spec} ({what}) / the better of it and specpack-plain, per level: "
                       f"{[round(x, 3) for x in on]} (levels {levels}, top {top})", end="")
-                print(f"\n    the same ratio within each round (both runs minutes apart at most), median "
-                      f"[min-max]: {paired(by, spec, workload, levels)}", end="")
+                print(f"\n    within each round, median [min-max], and on/off over the rounds (95% interval): "
+                      f"{paired(by, spec, workload, levels)}", end="")
         print()
 
 
+T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
+        12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}  # Student's t, two-sided 95%, by degrees of freedom
+
+
 def paired(by: dict, spec: str, workload: str, levels: list[int]) -> list[str]:
-    """Per level, speculation on / the better of on and off within each round (the drift of the
-    machine between rounds cancels), as median [min-max] over the rounds: how far from 1 the noise
-    alone reaches."""
+    """Per level, from each round's pair (both runs minutes apart at most, so the machine's drift
+    between rounds cancels): speculation on / the better of on and off as median [min-max], how far
+    from 1 the noise alone reaches; then on / off as the geometric mean over the rounds with its 95%
+    interval (Student's t over the rounds' log ratios): the goal "neither more than 3% slower than
+    the better" holds where that mean lies within 0.97-1.03."""
     out = []
     for c in levels:
         a, b = by.get((spec, workload, c)), by.get(("specpack-plain", workload, c))
         if a and b:
             r = [x / max(x, y) for x, y in zip(a.rounds, b.rounds)]
-            out.append(f"{statistics.median(r):.3f} [{min(r):.2f}-{max(r):.2f}]")
+            logs = [math.log(x / y) for x, y in zip(a.rounds, b.rounds)]
+            mean = statistics.fmean(logs)
+            cell = f"{statistics.median(r):.3f} [{min(r):.2f}-{max(r):.2f}]; on/off {math.exp(mean):.3f}"
+            if len(logs) > 1:
+                t = T975[max(k for k in T975 if k <= len(logs) - 1)]
+                half = t * statistics.stdev(logs) / math.sqrt(len(logs))
+                cell += f" ({math.exp(mean - half):.3f}-{math.exp(mean + half):.3f})"
+            out.append(cell)
     return out
 
 
@@ -318,6 +343,9 @@ def main() -> int:
     ap.add_argument("--prompt-cache", action="store_true", help="let llama-server reuse cached prompt prefixes")
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds per level, servers interleaved and rotated (default 2); rates are over all rounds")
+    ap.add_argument("--restart", action="store_true",
+                    help="fresh server processes every round (two processes of one server have read 3-4%% "
+                         "apart here: with a restart per round that difference averages out over the rounds)")
     args = ap.parse_args()
     from specpack.demo import cache_dir, prepare, prepare_eagle3
 
@@ -345,12 +373,13 @@ def main() -> int:
         gguf = gguf_of(args.llama_cpp, cache_dir() / "smollm2-135m-instruct-f32", cache_dir() / f"smollm2-{kind}.gguf",
                         kind)
         servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, gguf, p, slots), "smollm2")
-    wanted = set(args.only.split(",")) if args.only else set(servers)
+    wanted = set(args.only.split(",")) | ({"specpack-plain-2"} if args.control else set()) if args.only else set(servers)
     # llama-server reuses a slot's cached prompt prefix, which specpack does not do (yet): off, so both
     # compute every prompt (--prompt-cache to measure it with llama-server's cache on)
     chosen = {name: (start, model, {"cache_prompt": args.prompt_cache} if name == "llama-server" else None)
               for name, (start, model) in servers.items() if name in wanted}
-    runs = bench_servers(chosen, loads, levels, args.requests, args.max_tokens, max(1, args.rounds))
+    runs = bench_servers(chosen, loads, levels, args.requests, args.max_tokens, max(1, args.rounds),
+                         args.restart)
     summary(runs, levels)
     if args.json:
         args.json.write_text(json.dumps([r.row() for r in runs], indent=1))
