@@ -7,7 +7,7 @@ loopback at each concurrency level, greedy, on a code workload (HumanEval prompt
 and a chat workload (bench/workloads/chat.jsonl plus open-chat prompts, /v1/chat/completions):
 
   specpack serve, speculation on (n-gram; EAGLE-3 too when heads/ has the head)
-  specpack serve, speculation off (--max-concurrency 0)
+  specpack serve, speculation off (--max-concurrency 0; for EAGLE-3 also its own artifact, head loaded)
   llama-server -np 16 (continuous batching), when --llama-cpp names a built llama.cpp tree
   specpack serve --backend onnxruntime (n-gram and off, on an exported copy), with --onnx
 
@@ -270,8 +270,7 @@ def summary(runs: list[Run], levels: list[int]) -> None:
         print(f"{server} | {workload} | {cells} | {last.row()['p95_s']} s | {sum(r.errors for r in rs if r)} | "
               f"{all(r.identical for r in rs if r)}")
     for workload in ("code", "chat"):
-        on, off, llama = (by.get((s, workload, c)) for s, c in [("specpack-ngram", 1), ("specpack-plain", 1),
-                                                                 ("llama-server", 1)])
+        on, llama = (by.get((s, workload, 1)) for s in ("specpack-ngram", "llama-server"))
         top = max(levels)
         own1, own8, l8 = by.get(("specpack-plain", workload, 1)), by.get(("specpack-ngram", workload, 8)), \
             by.get(("llama-server", workload, 8))
@@ -282,24 +281,31 @@ def summary(runs: list[Run], levels: list[int]) -> None:
             print(f"8 clients / specpack 1 client = {own8.tokens_per_s / own1.tokens_per_s:.2f}; ", end="")
         if own8 and l8:
             print(f"8 clients, specpack / llama-server = {own8.tokens_per_s / l8.tokens_per_s:.2f}; ", end="")
-        for spec in ("specpack-ngram", "specpack-eagle3", "specpack-plain-2"):
+        for spec, base in PAIRS:
             on = [by[(spec, workload, c)].tokens_per_s / max(by[(spec, workload, c)].tokens_per_s,
-                                                            by[("specpack-plain", workload, c)].tokens_per_s)
-                  for c in levels if (spec, workload, c) in by and ("specpack-plain", workload, c) in by]
+                                                            by[(base, workload, c)].tokens_per_s)
+                  for c in levels if (spec, workload, c) in by and (base, workload, c) in by]
             if on:
-                what = "a second off server (control)" if spec.endswith("-2") else "speculation on"
-                print(f"\n  {spec} ({what}) / the better of it and specpack-plain, per level: "
+                what = {"specpack-plain-2": "a second off server (control)",
+                        "specpack-eagle3-off": "the EAGLE-3 artifact, speculation off"}.get(spec, "speculation on")
+                print(f"\n  {spec} ({what}) / the better of it and {base}, per level: "
                       f"{[round(x, 3) for x in on]} (levels {levels}, top {top})", end="")
                 print(f"\n    within each round, median [min-max], and on/off over the rounds (95% interval): "
-                      f"{paired(by, spec, workload, levels)}", end="")
+                      f"{paired(by, spec, base, workload, levels)}", end="")
         print()
 
 
+# (speculation on, its off): the n-gram server against the plain one; the EAGLE-3 server against the
+# same artifact served with speculation off (the head loaded, captures made: "on or off" for that
+# deployment) and against the plain one; the control against the plain one
+PAIRS = [("specpack-ngram", "specpack-plain"), ("specpack-eagle3", "specpack-eagle3-off"),
+         ("specpack-eagle3", "specpack-plain"), ("specpack-eagle3-off", "specpack-plain"),
+         ("specpack-plain-2", "specpack-plain")]
 T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
         12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}  # Student's t, two-sided 95%, by degrees of freedom
 
 
-def paired(by: dict, spec: str, workload: str, levels: list[int]) -> list[str]:
+def paired(by: dict, spec: str, off: str, workload: str, levels: list[int]) -> list[str]:
     """Per level, from each round's pair (both runs minutes apart at most, so the machine's drift
     between rounds cancels): speculation on / the better of on and off as median [min-max], how far
     from 1 the noise alone reaches; then on / off as the geometric mean over the rounds with its 95%
@@ -307,7 +313,7 @@ def paired(by: dict, spec: str, workload: str, levels: list[int]) -> list[str]:
     the better" holds where that mean lies within 0.97-1.03."""
     out = []
     for c in levels:
-        a, b = by.get((spec, workload, c)), by.get(("specpack-plain", workload, c))
+        a, b = by.get((spec, workload, c)), by.get((off, workload, c))
         if a and b:
             r = [x / max(x, y) for x, y in zip(a.rounds, b.rounds)]
             logs = [math.log(x / y) for x, y in zip(a.rounds, b.rounds)]
@@ -328,7 +334,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16, help="requests per level (at least one per client)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--only", help="comma-separated servers to run: specpack-ngram,specpack-plain,"
-                                   "specpack-eagle3,llama-server (and specpack-onnx-* with --onnx)")
+                                   "specpack-eagle3,specpack-eagle3-off,llama-server (and specpack-onnx-* with --onnx)")
     ap.add_argument("--onnx", action="store_true",
                     help="also serve on ONNX Runtime (`serve --backend onnxruntime`, n-gram and off)")
     ap.add_argument("--weights", default="fp32", choices=sorted(GGUF_TYPES),
@@ -360,6 +366,7 @@ def main() -> int:
                "specpack-plain": (lambda p: specpack_server(artifact, p, False, slots, **o), artifact.name)}
     if eagle3 is not None:
         servers["specpack-eagle3"] = (lambda p: specpack_server(eagle3, p, True, slots, **o), eagle3.name)
+        servers["specpack-eagle3-off"] = (lambda p: specpack_server(eagle3, p, False, slots, **o), eagle3.name)
     if args.control:  # a second process of the same server: how far apart two identical ones read
         servers["specpack-plain-2"] = (lambda p: specpack_server(artifact, p, False, slots, **o), artifact.name)
     if args.onnx:
