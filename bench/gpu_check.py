@@ -4,13 +4,18 @@ engine on CUDA; the ONNX graph on ONNX Runtime; and a Llama-3-8B-shaped target w
 weights made on the device (decode time against the HBM bandwidth limit, verify(9) / verify(1)).
 
 For each model and backend it prints greedy parity against the CPU torch backend (identical, or the
-first token where it diverges), whether speculative output equals the same backend's plain output
-(the lossless guarantee: a mismatch fails the check), and plain vs speculative tokens/s (speedup).
+first token where it diverges), whether speculative output equals the same backend's plain output,
+and plain vs speculative tokens/s (speedup). Speculative == plain is promised where products are
+row-exact (the CPU kernels; ONNX Runtime): a mismatch there fails the check. Where torch's own
+products run (CUDA, bf16/fp16) bits depend on the row count, so outputs may part after a near-tie:
+there a mismatch fails unless, at its first token, the target's logits for the two tokens are within
+TIE_GAP of each other (printed as "after a near-tie", with the gaps).
 
     python bench/gpu_check.py [--max-new-tokens 64] [--draft-len 4] [--no-real] [--no-8b]
                               [--trt-dtypes float16] [--gguf FILE | --model HF_DIR] [--json OUT.json]
 
-Exit codes: 0 all lossless checks held, 1 a check failed, 2 nothing could run (no CUDA device).
+Exit codes: 0 every lossless check held (near-ties allowed where not promised), 1 a check failed,
+2 nothing could run (no CUDA device).
 """
 
 from __future__ import annotations
@@ -61,7 +66,7 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def run_model(model, prompts, max_new: int, draft_len: int, repeats: int = 2) -> dict:
     """Plain and speculative greedy generations (tokens of the first run; best tokens/s of `repeats`)."""
-    out = {"plain": [], "spec": [], "plain_tps": 0.0, "spec_tps": 0.0, "acceptance_length": []}
+    out = {"plain": [], "spec": [], "plain_tps": 0.0, "spec_tps": 0.0, "acceptance_length": [], "prompts": prompts}
     for ids in prompts:
         model.generate(ids[:8], 4, eos_ids=(), speculative=False)  # warm-up (CUDA context, kernels)
         for mode in ("plain", "spec"):
@@ -74,19 +79,50 @@ def run_model(model, prompts, max_new: int, draft_len: int, repeats: int = 2) ->
     return out
 
 
-def compare(name: str, got: dict, ref: list[list[int]], exact: bool) -> dict:
+# Speculative == plain is promised where every product is row-exact (the CPU kernels: fp32 here, any
+# --kv-cache; ONNX Runtime). Where torch's own products run (CUDA, bf16/fp16) a row's bits depend on how
+# many rows run with it, so greedy outputs may part after a near-tie: there the check asks that the
+# first difference be one, the target's logits for the two tokens at most TIE_GAP apart.
+TIE_GAP = {"float32": 0.02, "float16": 0.5, "bfloat16": 0.5}
+
+
+def compare(name: str, got: dict, ref: list[list[int]], exact: bool, model=None, promised: bool = True,
+            dtype: str = "float32") -> dict:
     diffs = [first_difference(g, r) for g, r in zip(got["plain"], ref)]
     lossless = got["spec"] == got["plain"]
+    ties = [] if lossless or promised or model is None else \
+        [tie_gap(model, ids, p, q) for ids, p, q in zip(got["prompts"], got["plain"], got["spec"]) if p != q]
+    near_tie = bool(ties) and all(g is not None and g[1] <= TIE_GAP.get(dtype, 0.5) for g in ties)
     speedup = got["spec_tps"] / got["plain_tps"] if got["plain_tps"] else 0.0
     al = sum(got["acceptance_length"]) / max(len(got["acceptance_length"]), 1)
     parity = "identical" if all(d is None for d in diffs) else \
         "diverges at token " + ", ".join("-" if d is None else str(d) for d in diffs)
-    say(f"  {name:28s} vs CPU: {parity:24s} spec == plain: {'yes' if lossless else 'NO'}   "
+    gaps = ", ".join("gap ?" if g is None else f"token {g[0]}: gap {g[1]:.3g}" for g in ties)
+    verdict = "yes" if lossless else f"after a near-tie ({gaps}; not promised here)" if near_tie else \
+        "NO" + (f" ({gaps})" if ties else "")
+    say(f"  {name:28s} vs CPU: {parity:24s} spec == plain: {verdict}   "
         f"plain {got['plain_tps']:7.1f} tok/s   spec {got['spec_tps']:7.1f} tok/s   "
         f"speedup {speedup:.2f}x   AL {al:.2f}")
     return {"backend": name, "parity_vs_cpu": parity, "exact_expected": exact, "spec_equals_plain": lossless,
+            "promised": promised, "near_tie": near_tie, "tie_gaps": ties, "ok": lossless or near_tie,
             "plain_tokens_per_s": got["plain_tps"], "spec_tokens_per_s": got["spec_tps"], "speedup": speedup,
             "acceptance_length": al}
+
+
+def tie_gap(model, prompt: list[int], plain: list[int], spec: list[int]) -> tuple[int, float] | None:
+    """Where `spec` first leaves `plain`: (that token's index, |logit(plain's) - logit(spec's)|) of the
+    target after the common prefix, in one forward over it; None where the target cannot say (a graph
+    backend)."""
+    import torch
+
+    d = first_difference(plain, spec)
+    target = model.target
+    if d is None or d >= min(len(plain), len(spec)) or not hasattr(target, "setup_cache"):
+        return None
+    ids = list(prompt) + plain[:d]
+    target.setup_cache(len(ids) + 1, 1)
+    logits = target(torch.tensor(ids, device=target.device), last_only=True).logits[-1].float()
+    return d, abs(float(logits[plain[d]] - logits[spec[d]]))
 
 
 def make_artifacts(work: Path, real: Path | None) -> dict[str, tuple[Path, list[list[int]]]]:
@@ -165,7 +201,8 @@ def check_one(name: str, artifact: Path, prompts, args, env) -> list[dict]:
             load_s = time.perf_counter() - t0
             got = run_model(model, prompts, args.max_new_tokens, args.draft_len)
             exact = dtype == "float32" and not options  # an fp16 cache rounds: speculative == plain is the test
-            rows.append({**compare(label, got, ref["plain"], exact), "load_s": load_s})
+            promised = args.device == "cpu" and dtype == "float32" and backend == "torch"  # the CPU kernels
+            rows.append({**compare(label, got, ref["plain"], exact, model, promised, dtype), "load_s": load_s})
             del model
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -319,9 +356,11 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001
             say(f"Llama-3-8B-shaped target: FAILED: {type(exc).__name__}: {exc}")
             rows.append({"check": "llama-8b-shaped", "error": str(exc)})
-    ok = all(r.get("spec_equals_plain") for r in rows if "backend" in r)
+    ok = all(r.get("ok") for r in rows if "backend" in r)
     exact_misses = [r for r in rows if r.get("exact_expected") and r.get("parity_vs_cpu") != "identical"]
-    say(f"\nlossless (speculative == plain on every backend): {'yes' if ok else 'NO'}")
+    ties = [r["backend"] for r in rows if r.get("near_tie")]
+    say(f"\nlossless (speculative == plain where promised; elsewhere parting only after a near-tie): "
+        f"{'yes' if ok else 'NO'}" + (f" (near-ties: {', '.join(ties)})" if ties else ""))
     if exact_misses:
         say("fp32 outputs that differ from the CPU (other kernels round differently; a near-tie can flip a "
             "greedy token): " + ", ".join(f"{r['model']} / {r['backend']}" for r in exact_misses))
