@@ -112,9 +112,10 @@ class FusedLayers:
             if aux is None or aux.shape != (R, len(capture) * H) or aux.dtype != torch.float32 \
                     or not aux.is_contiguous():
                 raise ValueError(f"aux must be a contiguous fp32 [{R}, {len(capture) * H}] tensor")
-        ids = self._capture_ids.get(tuple(capture))
+        key = tuple(capture)
+        ids = self._capture_ids.get(key)
         if ids is None:  # a model's few capture sets, made once each
-            ids = self._capture_ids[tuple(capture)] = (ctypes.c_int64 * max(1, len(capture)))(*capture)
+            ids = self._capture_ids[key] = (ctypes.c_int64 * max(1, len(key)))(*key)
         if n > 0 or capture:
             self.lib.sp_decoder_layers(self.table, first, n, ctypes.byref(st.forward), x.data_ptr(),
                                        st.scratch.data_ptr(), ids, len(capture), _ptr(aux) if capture else None)
