@@ -429,7 +429,7 @@ def test_argmax_rows_is_torch_argmax(kernel):
 
 
 def test_w8a8_without_vnni_says_int8_is_the_fast_choice(kernel, monkeypatch, caplog):
-    """On a CPU without AVX-512 VNNI, w8a8 still runs (the portable path, the same bits) and says so."""
+    """On a CPU without AVX-512 VNNI, w8a8 still runs (the AVX2 tiles, the same bits) and says so."""
     from torch import nn
 
     from specpack.runtime.kernels import accelerate

@@ -17,7 +17,7 @@ row i of an M-row product is bit-identical to the product of row i alone, in eve
 Speculative and plain greedy decoding therefore see the same logits. fp16/bf16 results are
 bit-identical to the fp32 kernel on the rounded weights; they differ from `F.linear`'s in the last
 bits (another summation order). w8a8 quantizes each row on its own and sums integers exactly, so it
-keeps the same row-exactness (and its portable path, on CPUs without VNNI, gives the same bits).
+keeps the same row-exactness (and its AVX2 tiles, on CPUs without VNNI, give the same bits).
 """
 
 from __future__ import annotations

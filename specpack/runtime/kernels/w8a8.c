@@ -1,5 +1,5 @@
 /* Int8 weights times int8 activations (weight format SP_W8A8, "w8a8"): llama.cpp's Q8_0 x Q8_0 dot
- * products, with AVX-512 VNNI where the CPU has it. sp_linear (linear.c) hands fmt SP_W8A8 here.
+ * products, with AVX-512 VNNI where the CPU has it, else AVX2. sp_linear (linear.c) hands fmt SP_W8A8 here.
  *
  * Weights: the Q8_0 blocks of SP_Q8 (one fp32 scale per 32 k and column, amax / 127), the values
  * stored as q + 128 (unsigned) in VNNI order: a panel is ceil(K/32) blocks of [16 scales (fp32),
@@ -16,8 +16,8 @@
  * 32 * 255 * 127 in magnitude), then f_b = float(s_b) * d_b; acc = f_0 * scale_0, then
  * acc = fma(f_b, scale_b, acc) in block order; then acc + bias, then residual + that. A row's
  * quantization and sums involve that row only, so row i of an M-row product is bit-identical to
- * the 1-row product of row i, on any thread count, and the portable path (no VNNI) gives the same
- * bits as the VNNI tiles. */
+ * the 1-row product of row i, on any thread count, and the AVX2 tiles (CPUs without VNNI) give the
+ * same bits as the VNNI tiles. */
 #pragma GCC optimize("fp-contract=off") /* every multiply and add as written, on both paths */
 #include <immintrin.h>
 #include <math.h>
@@ -93,32 +93,89 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int
         }
 }
 
-/* ---------------------------------------------------------------- portable */
+/* ---------------------------------------------------------------- AVX2 */
 
-/* Rows [m0, m0 + ms) times panel p's columns [0, cols) into out (row stride ldo), bias added, then
- * (`with_res`) the residual, as the contract says: one column at a time, plain C. */
-static void panel_portable(const qjob_t *j, int64_t p, int64_t m0, int64_t ms, int64_t cols, float *out,
-                           int64_t ldo, int with_res)
+#define AVX2 __attribute__((target("avx2,fma")))
+#define MR2 4 /* rows an AVX2 tile holds: 2 x mr integer sums, the float ones spilled once per block */
+
+/* s + the four products of one group and column per lane: |x| times w with x's sign. */
+static inline AVX2 __attribute__((always_inline)) __m256i dot_avx2(__m256i s, __m256i w, __m256i x, __m256i ax,
+                                                                   __m256i ones)
 {
-    const int64_t B = j->B;
-    const char *w = j->w + p * B * BLOCK_BYTES;
-    for (int64_t i = m0; i < m0 + ms; i++)
-        for (int64_t col = 0; col < cols; col++) {
-            float acc = 0.0f;
-            for (int64_t b = 0; b < B; b++) {
-                const char *blk = w + b * BLOCK_BYTES;
-                const uint8_t *u = (const uint8_t *)blk + NR * 4 + col * 4;
-                const int8_t *qb = j->q + (b * j->M + i) * QB;
-                int32_t s = -j->c[b * j->M + i];
-                for (int g = 0; g < QG; g++)
-                    for (int t = 0; t < 4; t++) s += (int32_t)u[g * NR * 4 + t] * qb[g * 4 + t];
-                const float f = (float)s * j->d[b * j->M + i], scale = ((const float *)blk)[col];
-                acc = b == 0 ? f * scale : fmaf(f, scale, acc);
+    return _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, _mm256_sign_epi8(w, x)), ones));
+}
+
+/* Rows [m0, m0 + mr) times the panel at `w` with AVX2 (CPUs without VNNI), llama.cpp's way: per
+ * group, the weights back to signed (xor 0x80), each given the sign of its activation, times the
+ * activation's magnitude (vpmaddubsw: pairs of at most 127 * 127 * 2, no saturation), summed to
+ * 32 bits (vpmaddwd by ones). That is the integer sum s_b of the contract exactly (the +128 offset
+ * and c never enter), folded as the VNNI tiles fold it: the same bits. 16 columns to out per row,
+ * bias and (res != NULL) residual added. */
+static inline AVX2 __attribute__((always_inline)) void qtile_avx2(
+    const int mr, const qjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, const float *bias,
+    const float *res, int64_t ldr)
+{
+    const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    __m256 f[MR2][2];
+    for (int64_t b = 0; b < j->B; b++) {
+        const char *blk = w + b * BLOCK_BYTES;
+        const int32_t *xq = (const int32_t *)(j->q + (b * j->M + m0) * QB);
+        const float *xd = j->d + b * j->M + m0;
+        __m256i s[MR2][2];
+#pragma GCC unroll 4
+        for (int i = 0; i < mr; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int g = 0; g < QG; g++) {
+            const char *wg = blk + NR * 4 + g * 64;
+            const __m256i w0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)wg), flip);
+            const __m256i w1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(wg + 32)), flip);
+#pragma GCC unroll 4
+            for (int i = 0; i < mr; i++) {
+                const __m256i x = _mm256_set1_epi32(xq[i * QG + g]), ax = _mm256_sign_epi8(x, x);
+                s[i][0] = dot_avx2(s[i][0], w0, x, ax, ones);
+                s[i][1] = dot_avx2(s[i][1], w1, x, ax, ones);
             }
-            if (j->bias) acc = acc + j->bias[p * NR + col];
-            if (with_res && j->res) acc = j->res[i * j->ldr + p * NR + col] + acc;
-            out[(i - m0) * ldo + col] = acc;
         }
+        const __m256 d0 = _mm256_loadu_ps((const float *)blk), d1 = _mm256_loadu_ps((const float *)blk + 8);
+#pragma GCC unroll 4
+        for (int i = 0; i < mr; i++) {
+            const __m256 a = _mm256_set1_ps(xd[i]);
+            const __m256 g0 = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][0]), a);
+            const __m256 g1 = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][1]), a);
+            f[i][0] = b == 0 ? _mm256_mul_ps(g0, d0) : _mm256_fmadd_ps(g0, d0, f[i][0]);
+            f[i][1] = b == 0 ? _mm256_mul_ps(g1, d1) : _mm256_fmadd_ps(g1, d1, f[i][1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < 2; h++) {
+            __m256 v = f[i][h];
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * h));
+            if (res) v = _mm256_add_ps(_mm256_loadu_ps(res + i * ldr + 8 * h), v);
+            _mm256_storeu_ps(out + i * ldo + 8 * h, v);
+        }
+}
+
+typedef void (*ytile_fn)(const qjob_t *, const char *, int64_t, float *, int64_t, const float *, const float *,
+                          int64_t);
+#define YTILE_FN(R)                                                                              \
+    static AVX2 void ytile_##R(const qjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, \
+                                const float *bias, const float *res, int64_t ldr)                \
+    { qtile_avx2(R, j, w, m0, out, ldo, bias, res, ldr); }
+YTILE_FN(1) YTILE_FN(2) YTILE_FN(3) YTILE_FN(4)
+static const ytile_fn YTILES[MR2 + 1] = {0, ytile_1, ytile_2, ytile_3, ytile_4};
+
+/* Rows [m0, m0 + ms) times panel p with the AVX2 tiles, in tiles of at most MR2 rows. */
+static void panel_avx2(const qjob_t *j, int64_t p, int64_t m0, int64_t ms, float *out, int64_t ldo,
+                       const float *bias, const float *res)
+{
+    const char *w = j->w + p * j->B * BLOCK_BYTES;
+    const int64_t ntiles = (ms + MR2 - 1) / MR2;
+    for (int64_t t = 0, r = 0; t < ntiles; t++) {
+        const int64_t mr = (ms - r) / (ntiles - t);
+        YTILES[mr](j, w, m0 + r, out + r * ldo, ldo, bias, res ? res + r * j->ldr : 0, j->ldr);
+        r += mr;
+    }
 }
 
 /* ---------------------------------------------------------------- AVX-512 VNNI */
@@ -239,7 +296,7 @@ static void slab(const qjob_t *j, int64_t p, int np, int64_t m0, int64_t ms, flo
     if (j->bias) memcpy(bias, j->bias + n0, cols * sizeof(float));
     if (!(ms >= 3 ? j->vnni_many : j->vnni_few)) {
         for (int q = 0; q < np; q++) /* a partial panel's residual is added below, as for the tiles */
-            panel_portable(j, p + q, m0, ms, cols - q * NR > NR ? NR : cols - q * NR, out + q * NR, ldo, full);
+            panel_avx2(j, p + q, m0, ms, out + q * NR, ldo, j->bias ? bias + q * NR : 0, res ? res + q * NR : 0);
     } else {
         const int64_t ntiles = (ms + MR_OF(np) - 1) / MR_OF(np), pb = j->B * BLOCK_BYTES;
         const char *w = j->w + p * pb;
