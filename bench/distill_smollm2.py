@@ -2,7 +2,8 @@
 imported SmolLM2 target, the seed prompts (byte for byte the same, since the generated-data and
 feature cache is keyed by their digest), the training report line, and the held-out evaluation table.
 
-    python bench/distill_smollm2.py train HEAD OUT CACHE     (STEPS=N overrides the head's step count)
+    python bench/distill_smollm2.py train HEAD OUT CACHE     (STEPS=N overrides the head's step count,
+                                                              SAMPLES=N the continuations per seed prompt)
     python bench/distill_smollm2.py eval HEAD OUT CACHE      (PER_WORKLOAD, MAX_NEW as the scripts say)
 
 HEAD is eagle3 or dspark; SPECPACK_THREADS sets torch's threads.
@@ -63,8 +64,9 @@ def train(head: str, out: Path, cache: Path) -> None:
     options, steps = HEADS[head]
     target, (seeds, n) = target_dir(cache), write_seeds(cache)
     start = time.time()
+    common = {**COMMON, "samples": int(os.environ.get("SAMPLES", COMMON["samples"]))}
     result = distill(target, out, data=seeds, self_generate=n, steps=int(os.environ.get("STEPS", steps)),
-                     command=f"bash {SCRIPTS[head]}", **COMMON, **options)
+                     command=f"bash {SCRIPTS[head]}", **common, **options)
     r = result.record
     print(f"distilled {out} in {time.time() - start:.0f}s (data {r['data']['seconds_this_run']}s, "
           f"training {r['result']['train_seconds']}s); validation: {json.dumps(r['result'].get('validation'))}")

@@ -18,7 +18,8 @@
 # under $SPECPACK_CACHE/distill (default ~/.cache/specpack/distill) and training checkpoints into
 # OUT_DIR, so a re-run after Ctrl-C resumes. SKIP_EVAL=1 skips the measurement; PER_WORKLOAD=N sets
 # how many held-out prompts of each workload it decodes (default 5), MAX_NEW=N the new tokens per prompt
-# (default 128), STEPS=N the training steps (default 1800). The Python half is bench/distill_smollm2.py.
+# (default 128), STEPS=N the training steps (default 1800), SAMPLES=N the continuations per seed prompt
+# (default 4; a new number generates a new data set). The Python half is bench/distill_smollm2.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-heads/smollm2-135m-eagle3}

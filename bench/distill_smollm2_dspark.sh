@@ -17,7 +17,8 @@
 #
 #   bash bench/distill_smollm2_dspark.sh [OUT_DIR]        (default OUT_DIR: heads/smollm2-135m-dspark)
 #
-# All cores (SPECPACK_THREADS to change). STEPS=N sets the training steps (default 1500). Generated data
+# All cores (SPECPACK_THREADS to change). STEPS=N sets the training steps (default 1500), SAMPLES=N the
+# continuations per seed prompt (default 4; a new number generates a new data set). Generated data
 # and features are cached under $SPECPACK_CACHE/distill and training checkpoints into OUT_DIR, so a re-run
 # after Ctrl-C resumes. SKIP_EVAL=1 skips the measurement; PER_WORKLOAD=N sets how many held-out prompts of
 # each workload it decodes (default 5); MAX_NEW=N the new tokens per prompt (default 128).
