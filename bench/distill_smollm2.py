@@ -65,8 +65,9 @@ def train(head: str, out: Path, cache: Path) -> None:
     target, (seeds, n) = target_dir(cache), write_seeds(cache)
     start = time.time()
     common = {**COMMON, "samples": int(os.environ.get("SAMPLES", COMMON["samples"]))}
+    command = " ".join([f"{k}={os.environ[k]}" for k in ("SAMPLES", "STEPS") if k in os.environ] + ["bash", SCRIPTS[head]])
     result = distill(target, out, data=seeds, self_generate=n, steps=int(os.environ.get("STEPS", steps)),
-                     command=f"bash {SCRIPTS[head]}", **common, **options)
+                     command=command, **common, **options)
     r = result.record
     print(f"distilled {out} in {time.time() - start:.0f}s (data {r['data']['seconds_this_run']}s, "
           f"training {r['result']['train_seconds']}s); validation: {json.dumps(r['result'].get('validation'))}")
