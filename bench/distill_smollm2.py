@@ -65,7 +65,8 @@ def train(head: str, out: Path, cache: Path) -> None:
     target, (seeds, n) = target_dir(cache), write_seeds(cache)
     start = time.time()
     common = {**COMMON, "samples": int(os.environ.get("SAMPLES", COMMON["samples"]))}
-    command = " ".join([f"{k}={os.environ[k]}" for k in ("SAMPLES", "STEPS") if k in os.environ] + ["bash", SCRIPTS[head]])
+    overrides = [f"{k}={os.environ[k]}" for k in ("SAMPLES", "STEPS") if k in os.environ]
+    command = " ".join([*overrides, "bash", SCRIPTS[head]])
     result = distill(target, out, data=seeds, self_generate=n, steps=int(os.environ.get("STEPS", steps)),
                      command=command, **common, **options)
     r = result.record
