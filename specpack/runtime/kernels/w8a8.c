@@ -200,7 +200,7 @@ static inline VNNI __attribute__((always_inline)) void qtile(
     ROWS6(QDECL)
     for (int64_t b = 0; b < B; b++) {
         const char *blk = w + b * BLOCK_BYTES;
-        /* this block's rows m0.. at fixed offsets from one pointer each: few general registers, so the
+        /* this block's rows m0.. at fixed offsets from one pointer: few general registers, so the
          * unrolled groups below keep every accumulator and weight in registers (9 rows: 4-7% faster
          * than rows apart, each with its own pointer) */
         const int32_t *xq = (const int32_t *)(j->q + (b * j->M + m0) * QB);
