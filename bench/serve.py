@@ -286,14 +286,12 @@ def summary(runs: list[Run], levels: list[int]) -> None:
         if own8 and l8:
             print(f"8 clients, specpack / llama-server = {own8.tokens_per_s / l8.tokens_per_s:.2f}; ", end="")
         for spec, base in PAIRS:
-            on = [by[(spec, workload, c)].tokens_per_s / max(by[(spec, workload, c)].tokens_per_s,
-                                                            by[(base, workload, c)].tokens_per_s)
-                  for c in levels if (spec, workload, c) in by and (base, workload, c) in by]
-            if on:
-                what = {"specpack-plain-2": "a second off server (control)",
-                        "specpack-eagle3-off": "the EAGLE-3 artifact, speculation off"}.get(spec, "speculation on")
-                print(f"\n  {spec} ({what}) / the better of it and {base}, per level: "
-                      f"{[round(x, 3) for x in on]} (levels {levels}, top {top})", end="")
+            ratios = [by[(spec, workload, c)].tokens_per_s / max(by[(spec, workload, c)].tokens_per_s,
+                                                                by[(base, workload, c)].tokens_per_s)
+                      for c in levels if (spec, workload, c) in by and (base, workload, c) in by]
+            if ratios:
+                print(f"\n  {spec} ({ROLES.get(spec, 'speculation on')}) / the better of it and {base}, per level: "
+                      f"{[round(x, 3) for x in ratios]} (levels {levels}, top {top})", end="")
                 print(f"\n    within each round, median [min-max], and on/off over the rounds (95% interval): "
                       f"{paired(by, spec, base, workload, levels)}", end="")
         print()
@@ -305,6 +303,8 @@ def summary(runs: list[Run], levels: list[int]) -> None:
 PAIRS = [("specpack-ngram", "specpack-plain"), ("specpack-eagle3", "specpack-eagle3-off"),
          ("specpack-eagle3", "specpack-plain"), ("specpack-eagle3-off", "specpack-plain"),
          ("specpack-plain-2", "specpack-plain")]
+ROLES = {"specpack-plain-2": "a second off server (control)",
+         "specpack-eagle3-off": "the EAGLE-3 artifact, speculation off"}  # what a PAIRS entry's first server is
 T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
         12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}  # Student's t, two-sided 95%, by degrees of freedom
 
