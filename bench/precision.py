@@ -7,9 +7,12 @@ For every `--weights` (fp32, fp16, bf16, int8, w8a8: `specpack.load(..., weights
                        and greedy agreement: prompts whose greedy tokens equal fp32's, and the mean
                        share of fp32's tokens before the first difference
   forward cost         one target forward over 1, 9, 16, 32 new rows after 100 cached positions
-                       (median ms), and t(9)/t(1): what verifying a draft of 8 costs
+                       (median ms), and t(9)/t(1): what verifying a draft of 8 costs; every logit,
+                       then greedy rows (the engine's greedy verify: the head screened,
+                       kernels/screen.py)
   decode               tokens/s plain and with the n-gram drafter (and EAGLE-3 when the shipped head
-                       is in heads/), and whether speculative output equals plain output
+                       is in heads/), and whether speculative output equals plain output; plain
+                       decode again without the greedy screen, and whether its output is the same
   llama.cpp            (with llama-cpp-python installed, the bench extra) the same weights as F32, F16
                        and Q8_0 GGUFs: plain tokens/s and prompt lookup, beside fp32, fp16 and int8 / w8a8
 
@@ -91,8 +94,9 @@ def distance(models: dict, ids_list: list[list[int]], max_new: int) -> dict:
     return {w: (d, eq, statistics.mean(pre)) for w, (d, eq, pre) in out.items()}
 
 
-def forward_table(models: dict, rows: list[int], rounds: int = 3) -> dict[str, dict[int, float]]:
-    """{weights: {rows: ms}}: rounds interleave the precisions, so a busy moment hits them alike."""
+def forward_table(models: dict, rows: list[int], rounds: int = 3, greedy: bool = False) -> dict[str, dict[int, float]]:
+    """{weights: {rows: ms}}: rounds interleave the precisions, so a busy moment hits them alike.
+    `greedy`: every row's logits only feed a greedy pick (screened where the model has a screen)."""
     for m in models.values():
         m.target.setup_cache(512)
         m.target(torch.arange(100))
@@ -100,13 +104,14 @@ def forward_table(models: dict, rows: list[int], rounds: int = 3) -> dict[str, d
     for _ in range(rounds):
         for w, m in models.items():
             for n in rows:
-                best[w][n] = min(best[w][n], median_ms(lambda: _forward(m.target, n), 9))
+                best[w][n] = min(best[w][n], median_ms(lambda: _forward(m.target, n, greedy), 9))
     return best
 
 
-def _forward(target, n: int) -> None:
-    target.cache.length = 100
-    target(torch.arange(n))
+def _forward(target, n: int, greedy: bool = False) -> None:
+    from specpack.runtime.models.rows import Rows, Segment
+
+    target.forward_rows(torch.arange(n), Rows.of([Segment(0, 100, n)]), greedy_rows=range(n) if greedy else ())
 
 
 def decode(model, ids_list, max_new: int, spec: bool, draft_len: int, adaptive: bool = True):
@@ -175,11 +180,12 @@ def main() -> None:
     if not args.no_distance:
         print_distance(models, every, args.max_new_tokens)
 
-    print(f"\n## target forward, ms after 100 cached positions (best of 3 interleaved rounds of a median of 9); "
-          f"{busy()}")
-    for w, ms in forward_table(models, rows).items():
-        print(f"{w:5s} " + "  ".join(f"{n} rows {ms[n]:6.2f}" for n in rows)
-              + (f"  t(9)/t(1) {ms[9] / ms[1]:.2f}" if 9 in ms and 1 in ms else ""))
+    for greedy in (False, True):
+        print(f"\n## target forward, ms after 100 cached positions (best of 3 interleaved rounds of a median of 9), "
+              f"{'greedy rows (the head screened)' if greedy else 'every logit'}; {busy()}")
+        for w, ms in forward_table(models, rows, greedy=greedy).items():
+            print(f"{w:5s} " + "  ".join(f"{n} rows {ms[n]:6.2f}" for n in rows)
+                  + (f"  t(9)/t(1) {ms[9] / ms[1]:.2f}" if 9 in ms and 1 in ms else ""))
 
     if not args.no_decode:
         run_decode(args, models, eagle3, pub, by_workload)
@@ -201,9 +207,12 @@ def run_decode(args, models, eagle3, pub, by_workload) -> None:
     for wl, ids_list in by_workload.items():
         for w, m in models.items():
             plain, p, pd = decode(m, ids_list, args.max_new_tokens, False, 1)
+            screen, m.target.screen = m.target.screen, None
+            full, _, fd = decode(m, ids_list, args.max_new_tokens, False, 1)
+            m.target.screen = screen
             spec, s, _ = decode(m, ids_list, args.max_new_tokens, True, args.draft_len)
-            line = (f"{wl:16s} {w:5s} plain {p:6.1f} (decode {pd:6.1f})  n-gram {s:6.1f} ({s / p:.2f}x, "
-                    f"same: {spec == plain})")
+            line = (f"{wl:16s} {w:5s} plain {p:6.1f} (decode {pd:6.1f}; without the screen {fd:6.1f}, "
+                    f"{pd / fd:.2f}x, same: {full == plain})  n-gram {s:6.1f} ({s / p:.2f}x, same: {spec == plain})")
             if w in eagles:
                 e_out, e, _ = decode(eagles[w], ids_list, args.max_new_tokens, True, 3, adaptive=False)
                 line += f"  EAGLE-3 {e:6.1f} ({e / p:.2f}x, same: {e_out == plain})"

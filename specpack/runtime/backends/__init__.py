@@ -5,7 +5,7 @@ Every backend module exposes `NAME` and
     load(artifact, manifest, device, dtype, **options) -> (target, drafter)
 
 `target` quacks like `runtime.model.Decoder` as far as the engine needs: `.spec`, `.device`,
-`.dtype`, `.setup_cache(max_len, slots)`, `.forward_rows(tokens, rows, capture, logits_rows) ->
+`.dtype`, `.setup_cache(max_len, slots)`, `.forward_rows(tokens, rows, capture, logits_rows, greedy_rows) ->
 Output(logits, aux)` over the new rows of many sequences (runtime.rows), `.compact(slot, src, dst)`
 (a verified draft tree's accepted rows moved after the prefix), and the single-sequence
 `target(tokens, positions=None, mask=None, capture=(), last_only=False)` with `.cache.length`.
@@ -312,9 +312,10 @@ class GraphTarget(ManySequenceGraph):
         rows = Rows.of([Segment(0, start, T, mask, positions)], self.device)
         return self.forward_rows(tokens, rows, capture, [T - 1] if last_only else None)
 
-    def forward_rows(self, tokens: Tensor, rows, capture: Sequence[int] = (), logits_rows=None):
+    def forward_rows(self, tokens: Tensor, rows, capture: Sequence[int] = (), logits_rows=None, greedy_rows=()):
         """The contract of `Decoder.forward_rows`: one graph call over every segment (more when
-        `max_tokens_per_call` splits them); each segment's slot ends `T` positions longer."""
+        `max_tokens_per_call` splits them); each segment's slot ends `T` positions longer. Every
+        logit is computed (`greedy_rows` only permits less)."""
         from specpack.runtime.models.dense import Output
 
         name = self._output_of(capture)

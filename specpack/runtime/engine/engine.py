@@ -274,7 +274,8 @@ class Engine:
         self.last_rows = len(plan.tokens)
         f0 = self.clock()
         res = self.target.forward_rows(torch.tensor(plan.tokens, dtype=torch.long, device=self.device),
-                                       Rows.of(plan.segments, self.device), self.capture, plan.logit_rows)
+                                       Rows.of(plan.segments, self.device), self.capture, plan.logit_rows,
+                                       greedy_rows=plan.greedy_rows())
         if self.cost is not None:
             self.cost = self.cost.learn((self.clock() - f0) * 1e3, self.last_rows, plan.keys())
         done = self._commit(plan, res)

@@ -45,14 +45,24 @@ class Proposal:
 
 
 class Plan:
-    """The rows of one step: segments, their tokens, which rows need logits, and per sequence
-    (seq, kind, first row, end row, first logits row, drafts)."""
+    """The rows of one step: segments, their tokens, which rows need logits (and which of those
+    only a greedy pick reads), and per sequence (seq, kind, first row, end row, first logits row,
+    drafts)."""
 
     def __init__(self):
         self.segments: list[Segment] = []
         self.tokens: list[int] = []
         self.logit_rows: list[int] = []
+        self.greedy: list[bool] = []  # per logits row
         self.entries: list[tuple] = []
+
+    def greedy_rows(self) -> list[int]:
+        """The logits rows (indices into `logit_rows`) of greedy sequences."""
+        return [i for i, g in enumerate(self.greedy) if g]
+
+    def _logits(self, s, rows: range) -> None:
+        self.logit_rows += rows
+        self.greedy += [s.sampler.greedy] * len(rows)
 
     def verify(self, s, draft: Proposal) -> None:
         """Generation `s`'s last token (the root) and its draft: a chain, or a tree whose rows see
@@ -65,7 +75,7 @@ class Plan:
             self.segments.append(Segment(s.slot, s.cached, 1 + n, ancestor_mask(draft.parents), at))
         self.tokens += [int(s.buf[s.n - 1])] + draft.tokens
         self.entries.append((s, "verify", a, len(self.tokens), len(self.logit_rows), draft))
-        self.logit_rows += range(a, len(self.tokens))
+        self._logits(s, range(a, len(self.tokens)))
 
     def keys(self) -> int:
         """Keys the plan's rows attend in all (row j of a chain at `start` attends start + j + 1)."""
@@ -78,6 +88,7 @@ class Plan:
         self.segments += other.segments
         self.tokens += other.tokens
         self.logit_rows += [r + a for r in other.logit_rows]
+        self.greedy += other.greedy
         self.entries += [(s, kind, x + a, y + a, None if lr is None else lr + la, d)
                          for s, kind, x, y, lr, d in other.entries]
 
@@ -92,7 +103,7 @@ class Plan:
         first_logit = len(self.logit_rows) if last or s.req.record else None
         self.entries.append((s, "prefill", a, len(self.tokens), first_logit, None))
         if s.req.record:  # recording keeps the target's argmax at every prompt row too
-            self.logit_rows += range(a, len(self.tokens))
+            self._logits(s, range(a, len(self.tokens)))
         elif last:
-            self.logit_rows.append(len(self.tokens) - 1)
+            self._logits(s, range(len(self.tokens) - 1, len(self.tokens)))
         return None if budget is None else budget - take

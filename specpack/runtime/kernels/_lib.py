@@ -25,7 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "linear.c", "w8a8.c", "attention.c", "argmax.c", "layers.c", "decoder.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "linear.c", "w8a8.c", "attention.c", "argmax.c", "layers.c", "decoder.c", "screen.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h", "attention_kv.h")]
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=gnu11", "-pthread"]
 CFLAGS = [*COMPILE_FLAGS, "-fPIC", "-shared"]
@@ -103,6 +103,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sp_decoder_layers.restype = None
     lib.sp_argmax.argtypes = [p, i64, i64, i64, p]
     lib.sp_argmax.restype = None
+    lib.sp_screen.argtypes = [p, i64, i64, i64, p, i64, i64, p, p, c_int, i64, p, c_int]
+    lib.sp_screen.restype = None
     lib.sp_avx512.restype = c_int
     lib.sp_vnni.restype = c_int
     lib.sp_set_spin_us.argtypes = [ctypes.c_long]

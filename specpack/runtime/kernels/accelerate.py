@@ -93,8 +93,9 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
             if hasattr(m, "pack_products"):
                 m.pack_products()
         fused = sum(m.fuse_layers() for m in model.modules() if hasattr(m, "fuse_layers"))
-        log.info("CPU kernels: %d linear layers packed (%s weights), %d decoders fused; torch ops on 1 thread",
-                 swapped, weights, fused)
+        screened = hasattr(model, "screen_head") and model.screen_head()  # the top model's head only
+        log.info("CPU kernels: %d linear layers packed (%s weights), %d decoders fused%s; torch ops on 1 thread",
+                 swapped, weights, fused, ", greedy head screened" if screened else "")
     return swapped
 
 

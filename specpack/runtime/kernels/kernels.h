@@ -38,3 +38,6 @@ void sp_rope_cache(float *qkv, int64_t R, int64_t ldq, int64_t H, int64_t KVH, i
                    const float *cos, const float *sin, int64_t ldc, const float *qn, const float *kn, float eps,
                    void *kc, void *vc, int kv16, int64_t slot_stride, int64_t head_stride, int64_t ld,
                    const int64_t *slot, const int64_t *write);
+
+/* The norms of a row as w8a8 rounds it and of its rounding error (w8a8.c), for screen.c. */
+void sp_w8a8_norms(const float *x, int64_t K, double *hat, double *err);

@@ -93,6 +93,27 @@ static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int
         }
 }
 
+/* The Euclidean norms of row x [K] as this file rounds it (x') and of its rounding error (x - x'), in
+ * double: what the greedy screen (screen.c) bounds the w8a8 product's distance from x's with. */
+void sp_w8a8_norms(const float *x, int64_t K, double *hat, double *err)
+{
+    double h = 0.0, e = 0.0;
+    for (int64_t k0 = 0; k0 < K; k0 += QB) {
+        const int64_t n = K - k0 < QB ? K - k0 : QB;
+        int8_t q[QB];
+        float d;
+        int32_t c;
+        quantize_block(x + k0, n, q, &d, &c);
+        for (int64_t k = 0; k < n; k++) {
+            const double v = (double)q[k] * d; /* exact: 8 bits times 24 */
+            h += v * v;
+            e += (x[k0 + k] - v) * (x[k0 + k] - v);
+        }
+    }
+    *hat = sqrt(h);
+    *err = sqrt(e);
+}
+
 /* ---------------------------------------------------------------- AVX2 */
 
 #define AVX2 __attribute__((target("avx2,fma")))

@@ -168,6 +168,7 @@ class Decoder(nn.Module):
         self.cache = None
         self.kv_dtype: torch.dtype | None = None  # the KV cache's elements (None: the model's dtype)
         self.fused = None  # kernels.layers.FusedLayers when the layers run as C calls (see fuse_layers)
+        self.screen = None  # kernels.screen.GreedyScreen over lm_head, for rows only an argmax reads
         self.register_buffer("cos", None, persistent=False)  # [max_len, rope dims] RoPE tables, with the cache
         self.register_buffer("sin", None, persistent=False)
 
@@ -210,16 +211,28 @@ class Decoder(nn.Module):
 
     @torch.inference_mode()
     def forward_rows(self, tokens: Tensor, rows: Rows, capture: Sequence[int] = (),
-                     logits_rows: Sequence[int] | None = None) -> Output:
+                     logits_rows: Sequence[int] | None = None, greedy_rows: Sequence[int] = ()) -> Output:
         """The new tokens [R] of every segment of `rows` in one pass; logits of `logits_rows` (all
-        when None). Each segment must fit its slot: start + T <= max_len."""
+        when None). Each segment must fit its slot: start + T <= max_len. `greedy_rows` (indices
+        into the logits) are rows only an argmax reads: with a screen (`screen_head`) they come
+        back with their argmax's logit and its few rivals exact, -inf elsewhere."""
         self._check_fits(rows)
         x = self.embed_tokens(tokens)  # [R, H]
         x, aux = (self._fused_layers if self.fused is not None else self._layers)(x, rows, capture)
         if logits_rows is not None:
             x = x[torch.as_tensor(logits_rows, dtype=torch.long, device=x.device)]
-        logits = self.lm_head(self.norm(x)).float()
-        return Output(logits, aux)
+        x = self.norm(x)
+        if self.screen is not None and len(greedy_rows):
+            return Output(self.screen.logits(x, greedy_rows), aux)
+        return Output(self.lm_head(x).float(), aux)
+
+    def screen_head(self) -> bool:
+        """Let greedy rows skip most of the head (kernels/screen.py) where it runs on the packed
+        kernel; True when they now do."""
+        from specpack.runtime.kernels.screen import GreedyScreen
+
+        self.screen = GreedyScreen.of(self.lm_head)
+        return self.screen is not None
 
     def compact(self, slot: int, src: Sequence[int], dst: Sequence[int]) -> None:
         """Move cache rows of `slot` from positions `src` to `dst` (KVCache.compact)."""
