@@ -69,8 +69,12 @@ def test_other_rows_keep_every_logit(fmt):
         assert torch.equal(got[r], full[r])
     check(full[[1, 4]], got[[1, 4]])
     assert torch.equal(sc.logits(x, []), full)
-    many = inputs(ks.MAX_ROWS + 1)
-    assert torch.equal(sc.logits(many, range(len(many))), packed(many))  # a prefill: the full head
+    many = inputs(ks.MAX_ROWS_WITHOUT_VNNI + 1)
+    check(packed(many), sc.logits(many, range(len(many))))
+    sc.max_rows = ks.MAX_ROWS_WITHOUT_VNNI  # as on a CPU without VNNI: wide products get the full head
+    assert torch.equal(sc.logits(many, range(len(many))), packed(many))
+    with pytest.raises(IndexError, match="outside the 7 rows"):
+        sc.logits(x, [2, 7])
 
 
 def test_rows_it_cannot_decide_are_computed_in_full():

@@ -3,17 +3,18 @@
  * of the few columns that pass could not rule out.
  *
  * For output v, the full kernel's value F_v and the cheap pass's A_v differ by at most
- *     b_v = alpha * e_v + beta * n_v
- * where e_v = ||W_v - Q_v|| (the head's row against its int8 copy, Euclidean), n_v = ||W_v|| + ||Q_v||,
- * alpha = ||x'|| and beta = ||x - x'|| + 2 gamma max(||x||, ||x'||), x' the row as w8a8 rounds it and
- * gamma = K u / (1 - K u) (u = 2^-24) covering both products' float rounding: the exact sums differ by
+ *     b_v = alpha * e_v + beta * m_v
+ * where e_v = ||W_v - Q_v|| (the head's row against its int8 copy, Euclidean), m_v = ||W_v||,
+ * alpha = ||x'|| + 2 gamma M, beta = ||x - x'|| + 4 gamma M, x' the row as w8a8 rounds it,
+ * M = max(||x||, ||x'||) and gamma = K u / (1 - K u) (u = 2^-24): the exact sums differ by
  * x'.(Q_v - W_v) + (x' - x).W_v (Cauchy-Schwarz on each), and each kernel's rounding is at most
- * gamma_k sum |x_i W_vi| with k the longest chain of roundings it has (133 in fp32's blocked sums,
- * 51 in int8's, 19 in w8a8's), below gamma = gamma_K for any K they run. So the argmax v* of F has
- * A_v* + b_v* >= F_v* >= F_s >= A_s - b_s for every s: every column whose A_v + b_v reaches
- * L = max_s (A_s - b_s) is a candidate, v* among them; their exact values (`column`, the full
- * kernel's arithmetic for that one column) decide, the first of equal maxima winning as in the full
- * row (`screen_row` widens the bounds for the float arithmetic that compares them). */
+ * gamma_k sum |x_i W_vi| (or |x'_i Q_vi|) with k the longest chain of roundings it has (133 in fp32's
+ * blocked sums, 51 in int8's, 19 in w8a8's), below gamma = gamma_K for any K they run, so together
+ * at most gamma M (||W_v|| + ||Q_v||) <= gamma M (2 m_v + e_v): half of the room given. So the argmax
+ * v* of F has A_v* + b_v* >= F_v* >= F_s >= A_s - b_s for every s: every column whose A_v + b_v
+ * reaches L = max_s (A_s - b_s) is a candidate, v* among them; their exact values (`column`, the
+ * full kernel's arithmetic for that one column) decide, the first of equal maxima winning as in the
+ * full row (`screen_row` widens the bounds for the float arithmetic that compares them). */
 #pragma GCC optimize("fp-contract=off") /* every multiply and add as written: `column` is bit-exact */
 #include <immintrin.h>
 #include <math.h>
@@ -73,7 +74,7 @@ typedef struct {
     int64_t K, ldx;
     float *y; /* in: the cheap pass's rows; out: the screened rows */
     int64_t V, ldy;
-    const float *e, *n; /* [V] each: e_v and n_v */
+    const float *e, *m; /* [V] each: e_v and m_v */
     const char *w;
     int fmt;
     int64_t cap;
@@ -87,16 +88,16 @@ static double norm2(const float *x, int64_t K)
     return sqrt(s);
 }
 
-/* L = max_v fl(a_v - fl(fma(alpha, e_v, fl(beta * n_v)))) over the row, or NaN where a value is not
+/* L = max_v fl(a_v - fl(fma(alpha, e_v, fl(beta * m_v)))) over the row, or NaN where a value is not
  * finite. */
-static float lowest_top(const float *a, const float *e, const float *n, int64_t V, float alpha, float beta)
+static float lowest_top(const float *a, const float *e, const float *m, int64_t V, float alpha, float beta)
 {
     const __m256 al = _mm256_set1_ps(alpha), be = _mm256_set1_ps(beta), zero = _mm256_setzero_ps();
     __m256 lo = _mm256_set1_ps(-INFINITY), bad = zero;
     int64_t v = 0;
     for (; v + 8 <= V; v += 8) {
         const __m256 x = _mm256_loadu_ps(a + v);
-        const __m256 b = _mm256_fmadd_ps(al, _mm256_loadu_ps(e + v), _mm256_mul_ps(be, _mm256_loadu_ps(n + v)));
+        const __m256 b = _mm256_fmadd_ps(al, _mm256_loadu_ps(e + v), _mm256_mul_ps(be, _mm256_loadu_ps(m + v)));
         lo = _mm256_max_ps(lo, _mm256_sub_ps(x, b));
         bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_NEQ_UQ)); /* inf or NaN */
     }
@@ -106,7 +107,7 @@ static float lowest_top(const float *a, const float *e, const float *n, int64_t 
     int nonfinite = _mm256_movemask_ps(bad) != 0;
     for (int i = 0; i < 8; i++) top = l[i] > top ? l[i] : top;
     for (; v < V; v++) {
-        const float b = fmaf(alpha, e[v], beta * n[v]);
+        const float b = fmaf(alpha, e[v], beta * m[v]);
         nonfinite |= !isfinite(a[v]);
         top = a[v] - b > top ? a[v] - b : top;
     }
@@ -115,7 +116,7 @@ static float lowest_top(const float *a, const float *e, const float *n, int64_t 
 
 /* The columns v with fl(a_v + b_v) >= top into cand (their count; past `cap` the count only grows),
  * and the row set to -inf. */
-static int64_t candidates(float *a, const float *e, const float *n, int64_t V, float alpha, float beta, float top,
+static int64_t candidates(float *a, const float *e, const float *m, int64_t V, float alpha, float beta, float top,
                           int32_t *cand, int64_t cap)
 {
     const __m256 al = _mm256_set1_ps(alpha), be = _mm256_set1_ps(beta), t = _mm256_set1_ps(top);
@@ -123,14 +124,14 @@ static int64_t candidates(float *a, const float *e, const float *n, int64_t V, f
     int64_t count = 0, v = 0;
     for (; v + 8 <= V; v += 8) {
         const __m256 x = _mm256_loadu_ps(a + v);
-        const __m256 b = _mm256_fmadd_ps(al, _mm256_loadu_ps(e + v), _mm256_mul_ps(be, _mm256_loadu_ps(n + v)));
+        const __m256 b = _mm256_fmadd_ps(al, _mm256_loadu_ps(e + v), _mm256_mul_ps(be, _mm256_loadu_ps(m + v)));
         unsigned m = (unsigned)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_add_ps(x, b), t, _CMP_GE_OQ));
         _mm256_storeu_ps(a + v, ninf);
         for (; m; m &= m - 1, count++)
             if (count < cap) cand[count] = (int32_t)(v + __builtin_ctz(m));
     }
     for (; v < V; v++) {
-        if (a[v] + fmaf(alpha, e[v], beta * n[v]) >= top) {
+        if (a[v] + fmaf(alpha, e[v], beta * m[v]) >= top) {
             if (count < cap) cand[count] = (int32_t)v;
             count++;
         }
@@ -143,8 +144,8 @@ static int64_t candidates(float *a, const float *e, const float *n, int64_t V, f
  * -1 where a value is not finite, the row is too small to bound in float, or more than `cap`
  * columns pass (the caller computes that row in full). `scratch` holds the candidates' indices.
  * alpha and beta are widened for the float arithmetic above: each evaluation of a_v -+ b_v is off by
- * at most u |a_v| + 4 u b_v, and the slack (16 u on each factor, 16 u M n_v more; |a_v| <= M n_v (1 + gamma)
- * with M = max(||x||, ||x'||)) covers both sides of the comparison. */
+ * at most u |a_v| + 4 u b_v, and the slack (16 u M more on each, then 16 u on each; |a_v| <=
+ * M (m_v + e_v) (1 + gamma)) covers both sides of the comparison. */
 static void screen_row(const void *job_, int64_t r, float *scratch)
 {
     const screen_job_t *job = job_;
@@ -155,21 +156,22 @@ static void screen_row(const void *job_, int64_t r, float *scratch)
     sp_w8a8_norms(x, K, &hat, &err);
     const double u = ldexp(1.0, -24), gamma = K * u / (1.0 - K * u), norm = norm2(x, K);
     const double most = norm > hat ? norm : hat, slack = 1.0 + 16.0 * u;
-    const double alpha = hat * slack, beta = (err + (2.0 * gamma + 16.0 * u) * most) * slack;
+    const double alpha = (hat + (2.0 * gamma + 16.0 * u) * most) * slack;
+    const double beta = (err + (4.0 * gamma + 16.0 * u) * most) * slack;
     job->count[r] = -1;
     if (!(most > 1e-20) || !(most < 1e30) || !isfinite(beta)) return; /* far from underflow and overflow */
-    const float top = lowest_top(y, job->e, job->n, V, (float)alpha, (float)beta);
+    const float top = lowest_top(y, job->e, job->m, V, (float)alpha, (float)beta);
     if (isnan(top)) return;
     int32_t *cand = (int32_t *)scratch;
     const int64_t cap = job->cap < SP_SCRATCH_FLOATS ? job->cap : SP_SCRATCH_FLOATS;
-    const int64_t count = candidates(y, job->e, job->n, V, (float)alpha, (float)beta, top, cand, cap);
+    const int64_t count = candidates(y, job->e, job->m, V, (float)alpha, (float)beta, top, cand, cap);
     if (count > cap) return;
     for (int64_t i = 0; i < count; i++) y[cand[i]] = column(x, K, job->w, job->fmt, cand[i]);
     job->count[r] = count;
 }
 
 /* Screen rows x [R, K] (stride ldx) whose cheap-pass outputs y [R, V] (stride ldy) are given, with
- * bounds [2][V] (e, then n), against the packed head w of format fmt (SP_F32, SP_F16, SP_BF16 or SP_Q8); see the top of this file. */
+ * bounds [2][V] (e, then m), against the packed head w of format fmt (SP_F32, SP_F16, SP_BF16 or SP_Q8); see the top of this file. */
 void sp_screen(const float *x, int64_t R, int64_t K, int64_t ldx, float *y, int64_t V, int64_t ldy,
                const float *bounds, const void *w, int fmt, int64_t cap, int64_t *count, int nthreads)
 {

@@ -1,14 +1,15 @@
 """Greedy picks from a vocabulary head without streaming all of it (screen.c).
 
 Greedy decoding only needs each row's argmax over the vocabulary, yet the head is a large share of
-the weights a token streams (SmolLM2: 113 MB of 538 in fp32, 21%). `GreedyScreen` keeps an int8
-copy of the head (w8a8: Q8_0 weights and int8-rounded activations, a quarter of fp32's bytes,
-0.59 ms against 2.03 ms for one row of SmolLM2's head here, 0.86 against 2.86 for nine) and, per
-row, a rigorous bound on how far each of its outputs can be from the full head's (screen.c's
-header). Every column the bound cannot rule out is computed exactly, with the full kernel's own
-arithmetic, so the pick is the one the full head gives, bit for bit, ties included: typically one to
-a few columns (486 SmolLM2 decode rows: at most 10 with a Q8_0 copy ~0.5% from the weights).
-Rows where more than `CAP` columns pass, or any value is not finite, are computed in full.
+the weights a token streams (SmolLM2: 113 MB of 538 in fp32, 21%). `GreedyScreen` keeps a w8a8 copy
+of the head (Q8_0 weights and int8-rounded activations: a quarter of fp32's bytes, and int8 dot
+products where many rows make the product compute-bound) and, per row, a rigorous bound on how far
+each of its outputs can be from the full head's (screen.c's header). Every column the bound cannot
+rule out is computed exactly, with the full kernel's own arithmetic, so the pick is the one the full
+head gives, bit for bit, ties included. On SmolLM2 (1898 rows of plain and speculative decoding,
+8 benchmark prompts, fp32) a row kept 2 columns (median), 7 (p90), 50 at most. Rows where more than
+`CAP` columns pass, or any value is not finite, are computed in full; so are products of more than
+`MAX_ROWS_WITHOUT_VNNI` rows on a CPU without VNNI.
 
 The screened rows hold the candidates' exact logits and -inf elsewhere: only an argmax may read
 them (the engine asks for them only for greedy sequences). `SPECPACK_GREEDY_SCREEN=0` turns it off.
@@ -25,9 +26,11 @@ from torch import Tensor
 from specpack.runtime.kernels._lib import _library, available
 from specpack.runtime.kernels.linear import FORMATS, PackedLinear, pack, q8_values
 
-CAP = 128  # candidates per row before the row is computed in full
+CAP = 256  # candidates per row before the row is computed in full (screen.c keeps at most 256)
 SCREENED = ("fp32", "fp16", "bf16", "int8")  # the head's formats screen.c recomputes columns of
-MAX_ROWS = 32  # rows per call the screen takes; more (a prefill) run the full head
+# Rows per call the screen takes where the CPU has no VNNI (its w8a8 pass runs AVX2 integer tiles, about
+# int8's speed: a decode step's rows); with VNNI any number (64 rows of SmolLM2's fp32 head: 13.1 -> 5.4 ms)
+MAX_ROWS_WITHOUT_VNNI = 32
 CHUNK = 4096  # head rows per step when computing the bounds (float64 temporaries)
 
 
@@ -43,8 +46,9 @@ class GreedyScreen:
         self.head = head
         dense = head.dense()  # [V, K]: the values the full kernel multiplies by
         self.cheap = pack(dense, weights="w8a8", threads=head.threads)
-        self.bounds = _bounds(dense, self.cheap)  # [2, V]: e_v, n_v
+        self.bounds = _bounds(dense, self.cheap)  # [2, V]: e_v, m_v
         self._fn = _library()[0].sp_screen
+        self.max_rows = None if _library()[0].sp_vnni() else MAX_ROWS_WITHOUT_VNNI
 
     @classmethod
     def of(cls, head) -> "GreedyScreen | None":
@@ -62,13 +66,16 @@ class GreedyScreen:
         argmax is the full product's; see the module docstring), the others in full."""
         R = len(x)
         greedy = sorted(set(greedy))
-        if not greedy or len(greedy) > MAX_ROWS:
+        if greedy and not 0 <= greedy[0] <= greedy[-1] < R:
+            raise IndexError(f"greedy rows {greedy[0]}..{greedy[-1]} outside the {R} rows given")
+        if not greedy or (self.max_rows is not None and len(greedy) > self.max_rows):
             return self.head(x)
         x = x.contiguous()
         if len(greedy) == R:  # the usual step: every row greedy, screened in place
             return self._screen(x, self.cheap(x))
         out = torch.empty(R, self.head.out_features)
-        rows, full = torch.tensor(greedy), torch.tensor(sorted(set(range(R)) - set(greedy)))
+        rows = torch.tensor(greedy, dtype=torch.long)
+        full = torch.tensor(sorted(set(range(R)) - set(greedy)), dtype=torch.long)
         out[full] = self.head(x[full].contiguous())
         xs = x[rows].contiguous()
         out[rows] = self._screen(xs, self.cheap(xs))
@@ -88,8 +95,8 @@ class GreedyScreen:
 
 
 def _bounds(dense: Tensor, cheap: PackedLinear) -> Tensor:
-    """[2, V] fp32: per output v, e_v = ||W_v - Q_v|| and n_v = ||W_v|| + ||Q_v||, from float64 and
-    rounded up (never below the exact value)."""
+    """[2, V] fp32: per output v, e_v = ||W_v - Q_v|| and m_v = ||W_v||, from float64 and rounded up
+    (never below the exact value)."""
     V, K = dense.shape
     q, scales = q8_values(cheap.weight, "w8a8")  # [V', B, 32], [V', B]
     out = torch.empty(2, V, dtype=torch.float64)
@@ -98,6 +105,6 @@ def _bounds(dense: Tensor, cheap: PackedLinear) -> Tensor:
         w = dense[a:b].double()
         qv = (q[a:b].double() * scales[a:b].double()[..., None]).reshape(b - a, -1)[:, :K]
         out[0, a:b] = (w - qv).norm(dim=1)
-        out[1, a:b] = w.norm(dim=1) + qv.norm(dim=1)
+        out[1, a:b] = w.norm(dim=1)
     up = out.float()
     return torch.where(up.double() < out, torch.nextafter(up, torch.tensor(float("inf"))), up).contiguous()
