@@ -10,6 +10,7 @@ and a chat workload (bench/workloads/chat.jsonl plus open-chat prompts, /v1/chat
   specpack serve, speculation off (--max-concurrency 0; for EAGLE-3 also its own artifact, head loaded)
   llama-server -np 16 (continuous batching), when --llama-cpp names a built llama.cpp tree
   specpack serve --backend onnxruntime (n-gram and off, on an exported copy), with --onnx
+  specpack serve, speculation off, the greedy screen off (SPECPACK_GREEDY_SCREEN=0), with --screen-control
 
 Every server is started, one after another (each measures its cost curve alone), and stays up (an idle
 one sleeps); each level runs in --rounds rounds (default 2), the servers taking turns in an order
@@ -175,7 +176,7 @@ GGUF_TYPES = {"fp32": "f32", "fp16": "f16", "bf16": "f16", "int8": "q8_0", "w8a8
 
 
 def specpack_server(artifact: Path, port: int, spec: bool, slots: int, backend: str = "torch",
-                    weights: str = "fp32", kv_cache: str = "model") -> subprocess.Popen:
+                    weights: str = "fp32", kv_cache: str = "model", screen: bool = True) -> subprocess.Popen:
     args = [sys.executable, "-m", "specpack", "serve", str(artifact), "--port", str(port), "--max-seqs", str(slots),
             "--max-model-len", "2048", "--backend", backend]
     if weights != "fp32":
@@ -184,7 +185,8 @@ def specpack_server(artifact: Path, port: int, spec: bool, slots: int, backend: 
         args += ["--kv-cache", kv_cache]
     if not spec:
         args += ["--max-concurrency", "0"]
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {**os.environ, **({} if screen else {"SPECPACK_GREEDY_SCREEN": "0"})}
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
 def onnx_copy(artifact: Path, out: Path) -> Path:
@@ -299,12 +301,14 @@ def summary(runs: list[Run], levels: list[int]) -> None:
 
 # (speculation on, its off): the n-gram server against the plain one; the EAGLE-3 server against the
 # same artifact served with speculation off (the head loaded, captures made: "on or off" for that
-# deployment) and against the plain one; the control against the plain one
+# deployment) and against the plain one; the control against the plain one; the plain one against
+# itself without the greedy screen
 PAIRS = [("specpack-ngram", "specpack-plain"), ("specpack-eagle3", "specpack-eagle3-off"),
          ("specpack-eagle3", "specpack-plain"), ("specpack-eagle3-off", "specpack-plain"),
-         ("specpack-plain-2", "specpack-plain")]
+         ("specpack-plain-2", "specpack-plain"), ("specpack-plain", "specpack-plain-noscreen")]
 ROLES = {"specpack-plain-2": "a second off server (control)",
-         "specpack-eagle3-off": "the EAGLE-3 artifact, speculation off"}  # what a PAIRS entry's first server is
+         "specpack-eagle3-off": "the EAGLE-3 artifact, speculation off",
+         "specpack-plain": "speculation off, the greedy screen on"}  # what a PAIRS entry's first server is
 T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
         12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}  # Student's t, two-sided 95%, by degrees of freedom
 
@@ -349,6 +353,9 @@ def main() -> int:
                     help="also run a second, identical speculation-off server (specpack-plain-2): its ratio to "
                          "the first is the noise floor of the on / off ratios (two processes of one server "
                          "have read 4%% apart here)")
+    ap.add_argument("--screen-control", action="store_true",
+                    help="also run specpack-plain with SPECPACK_GREEDY_SCREEN=0 (every logit computed): what the "
+                         "greedy screen is worth under load")
     ap.add_argument("--json", type=Path, help="also write every row here")
     ap.add_argument("--prompt-cache", action="store_true", help="let llama-server reuse cached prompt prefixes")
     ap.add_argument("--rounds", type=int, default=2,
@@ -373,6 +380,9 @@ def main() -> int:
         servers["specpack-eagle3-off"] = (lambda p: specpack_server(eagle3, p, False, slots, **o), eagle3.name)
     if args.control:  # a second process of the same server: how far apart two identical ones read
         servers["specpack-plain-2"] = (lambda p: specpack_server(artifact, p, False, slots, **o), artifact.name)
+    if args.screen_control:  # plain decoding with every logit computed (kernels/screen.py off)
+        servers["specpack-plain-noscreen"] = (lambda p: specpack_server(artifact, p, False, slots, screen=False, **o),
+                                              artifact.name)
     if args.onnx:
         graphs = onnx_copy(artifact, cache_dir() / f"{artifact.name}-onnx")
         servers["specpack-onnx-ngram"] = (lambda p: specpack_server(graphs, p, True, slots, "onnxruntime"),
@@ -387,6 +397,8 @@ def main() -> int:
     wanted = set(args.only.split(",")) if args.only else set(servers)
     if args.control:  # asked for by name or not, the control runs
         wanted.add("specpack-plain-2")
+    if args.screen_control:
+        wanted.add("specpack-plain-noscreen")
     # llama-server reuses a slot's cached prompt prefix, which specpack does not do (yet): off, so both
     # compute every prompt (--prompt-cache to measure it with llama-server's cache on)
     chosen = {name: (start, model, {"cache_prompt": args.prompt_cache} if name == "llama-server" else None)
