@@ -77,6 +77,24 @@ def test_other_rows_keep_every_logit(fmt):
         sc.logits(x, [2, 7])
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 1e3])
+def test_near_ties_at_every_scale(fmt, scale):
+    """Rows aimed between pairs of columns a hair apart (so the cheap pass's order and the full
+    head's often differ), at small and large magnitudes, K a multiple of no block size."""
+    g = torch.Generator().manual_seed(int(scale * 1000) % 997)
+    V, K = 509, 77
+    w = torch.randn(V, K, generator=g) * 0.05
+    for a in range(0, 40, 2):
+        hair = torch.randn(K, generator=g) * 1e-4
+        w[a + 1] = w[a] + hair - (hair @ w[a]) / (w[a] @ w[a]) * w[a]
+    packed = pack(w, weights=fmt)
+    sc = ks.GreedyScreen.of(packed)
+    pairs = torch.randint(0, 20, (64,), generator=g) * 2
+    x = (packed.dense()[pairs] * 40 + torch.randn(64, K, generator=g) * 0.05) * scale
+    check(packed(x), sc.logits(x, range(64)))
+
+
 def test_rows_it_cannot_decide_are_computed_in_full():
     packed = head("fp32")
     sc = ks.GreedyScreen.of(packed)
