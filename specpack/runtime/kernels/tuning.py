@@ -6,8 +6,8 @@ system, its L3, whether its cores are SMT siblings. The first time a format's we
 a CPU model, `settings` first picks the tile set for three rows or more where the CPU offers two
 (AVX-512 or AVX2: the same bits) by timing 64 rows through one matrix, where the product is
 compute-bound as in a prefill or a wide tree; then it times a stream of packed weights twice the
-L3's size at one and nine rows under each candidate setting (with the tile set for one or two rows
-among them; about a second in all), keeps the fastest (one row weighs double: decoding), and caches
+L3's size (within 64-256 MB) at one and nine rows under each candidate setting (with the tile set for one or
+two rows among them; one to five seconds), keeps the fastest (one row weighs double: decoding), and caches
 it in `$SPECPACK_CACHE/kernels/tuning.json`, keyed by CPU model, cores and kernel source.
 Every setting gives the same bits: only speed changes. The same run times torch's `F.linear` at
 one row on the fp32 stream and logs a warning if the kernel is slower there.
@@ -37,6 +37,10 @@ PREFETCH = (0, 64, 128, 256)  # cache lines ahead
 GROUPS = (1, 4)
 SHAPE = (4096, 1024)  # one matrix of the stream; as many as exceed the L3
 MIN_STREAM = 64 << 20  # bytes, at least twice the L3
+# and at most this: a VM that reports its host's whole L3 (480 MB on a 2-vCPU Xeon here) would stream
+# 960 MB per pass, 17.6 s per format where 256 MB took 4.7 s, chose the same settings and read the same
+# rate (24-26 GB/s: not cache-resident)
+MAX_STREAM = 256 << 20
 REPS = 3
 
 
@@ -114,7 +118,7 @@ def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> 
     (default: twice the L3, at least 64 MB: read from memory, as a model's are each token); return
     the fastest and what was measured."""
     n = _lib.cores()
-    total = stream_bytes or max(MIN_STREAM, 2 * _l3_bytes())
+    total = stream_bytes or min(MAX_STREAM, max(MIN_STREAM, 2 * _l3_bytes()))
     log.info("measuring the CPU kernels' settings for %s weights on %s (once per CPU model)", weights, cpu_model())
     start = time.perf_counter()
     stream = _random_stream(weights, total)
