@@ -140,7 +140,7 @@ def model(kind: str, weights: str):
 
 
 @pytest.mark.parametrize("weights", FORMATS)
-@pytest.mark.parametrize("kind", ["ngram", "eagle3"])
+@pytest.mark.parametrize("kind", ["ngram", "eagle3", "mtp-2"])
 def test_decoding_with_the_screen_gives_the_tokens_without(kind, weights):
     """Greedy and sampled requests batched, with speculation, against each decoded alone without
     speculation and without the screen."""
@@ -163,3 +163,44 @@ def test_decoding_with_the_screen_gives_the_tokens_without(kind, weights):
         del screen.logits
     assert [got[i] for i in range(len(reqs))] == want
     assert calls  # the greedy rows went through the screen
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_mtp_drafts_through_the_screen_draft_the_same(weights):
+    """MTP layers draft through the target's head: greedy chains go through the screen and draft
+    what the full head drafts (the same acceptance, step for step); a tree job keeps every logit."""
+    from specpack.runtime.drafters.base import TreeShape
+
+    m = model("mtp-2", weights)
+    screen = m.target.screen
+    prompt = requests(m)[0].prompt
+    runs = {}
+    for on in (True, False):
+        m.target.screen = screen if on else None
+        try:
+            r = m.generate(prompt, 24, draft_len=2, adaptive=False)
+            t = m.generate(prompt, 24, draft_len=2, adaptive=False, tree=TreeShape(2, 4))
+        finally:
+            m.target.screen = screen
+        runs[on] = (r.tokens, r.stats.accepted, r.stats.steps, t.tokens, t.stats.accepted, t.stats.steps)
+    assert runs[True] == runs[False]
+    drafting, seen = [], []
+    draft, original = m.drafter.draft, screen.logits
+
+    def traced(jobs):
+        drafting.append(True)
+        try:
+            return draft(jobs)
+        finally:
+            drafting.pop()
+
+    m.drafter.draft = traced
+    screen.logits = lambda x, rows: seen.append(bool(drafting)) or original(x, rows)
+    try:
+        m.generate(prompt, 8, draft_len=2, adaptive=False)
+        chain = list(seen)
+        seen.clear()
+        m.generate(prompt, 8, draft_len=2, adaptive=False, tree=TreeShape(2, 4))
+    finally:
+        del screen.logits, m.drafter.draft
+    assert any(chain) and not any(seen)  # the chain's drafting used the screen, the tree's did not

@@ -25,7 +25,7 @@ from specpack.runtime.kernels.argmax import argmax_rows
 from specpack.runtime.models.dense import Block, KVCache, RMSNorm
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
-from specpack.runtime.drafters.tree import Branches
+from specpack.runtime.drafters.tree import Branches, branching
 
 FUSION = ("embed_norm.weight", "hidden_norm.weight", "proj.weight", "final_norm.weight")
 
@@ -190,12 +190,23 @@ class MtpDrafter(nn.Module):
         """The state layer 0 reads, from what left the target's last layer."""
         return self.target.norm(h) if self.spec.target_hidden_state == "final_norm_output" else h
 
-    def _run_layer(self, k: int, h: Tensor, tokens: Tensor, rows: Rows) -> tuple[Tensor, Tensor]:
-        """Layer k over `rows` (inputs h [R, H], tokens [R]) -> (chain hidden [R, H], logits [J, V]
-        of each segment's last row, fp32)."""
+    def _run_layer(self, k: int, h: Tensor, tokens: Tensor, rows: Rows,
+                   jobs: list[DraftJob] = ()) -> tuple[Tensor, Tensor]:
+        """Layer k over `rows` (inputs h [R, H], tokens [R]; segment i is jobs[i]'s) -> (chain hidden
+        [R, H], logits [J, V] of each segment's last row, fp32; every logit without `jobs`)."""
         cos, sin = self.target.cos[rows.pos, None], self.target.sin[rows.pos, None]
         chain, normed = self.layers[k](self.target.embed_tokens(tokens), h, cos, sin, self.caches[k], rows)
-        return chain, self.target.lm_head(normed[rows.last_rows()]).float()
+        return chain, self._head(normed[rows.last_rows()], jobs)
+
+    def _head(self, normed: Tensor, jobs: list[DraftJob]) -> Tensor:
+        """The target's head over one row per job: the rows of greedy chain jobs, whose logits only
+        their argmax reads, through the target's greedy screen when it has one (kernels/screen.py:
+        the same argmax, most of the head skipped), the others in full."""
+        screen = getattr(self.target, "screen", None)
+        greedy = [i for i, j in enumerate(jobs) if j.sampler is None and not branching(j)]
+        if screen is None or not greedy:
+            return self.target.lm_head(normed).float()
+        return screen.logits(normed, greedy)
 
     def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> list[int]:
         greedy = argmax_rows(logits)
@@ -222,7 +233,7 @@ class MtpDrafter(nn.Module):
             rows = Rows.of([Segment(j.slot, s, p - s) for j, s, p in zip(jobs, starts, P)], dev)
             h = torch.cat([self.outs[j.slot, k, s:p] for j, s, p in zip(jobs, starts, P)])
             tokens = torch.cat([q[s + k + 1 : p + k + 1] for q, s, p in zip(seqs, starts, P)])
-            chain, logits = self._run_layer(k, h, tokens, rows)
+            chain, logits = self._run_layer(k, h, tokens, rows, jobs)
             for (seg, a), j in zip(rows.segments, jobs):
                 self.outs[j.slot, k + 1, seg.start : seg.start + seg.T] = chain[a : a + seg.T]
             for i, t in enumerate(self._choose(logits, jobs, k)):
@@ -255,7 +266,7 @@ class MtpDrafter(nn.Module):
             live = [i for i, j in enumerate(jobs) if j.k > step]
             rows = Rows.of([Segment(jobs[i].slot, ends[i][k], 1) for i in live], dev)
             tokens = torch.tensor([drafts[i][-1] for i in live], device=dev)
-            chain, logits = self._run_layer(k, h[live], tokens, rows)
+            chain, logits = self._run_layer(k, h[live], tokens, rows, [jobs[i] for i in live])
             h[live] = chain
             for n, (i, t) in enumerate(zip(live, self._choose(logits, [jobs[i] for i in live], step))):
                 drafts[i].append(t)
