@@ -140,7 +140,7 @@ def model(kind: str, weights: str):
 
 
 @pytest.mark.parametrize("weights", FORMATS)
-@pytest.mark.parametrize("kind", ["ngram", "eagle3", "mtp-2"])
+@pytest.mark.parametrize("kind", ["ngram", "eagle3", "mtp-2", "draft_model"])
 def test_decoding_with_the_screen_gives_the_tokens_without(kind, weights):
     """Greedy and sampled requests batched, with speculation, against each decoded alone without
     speculation and without the screen."""
@@ -204,3 +204,20 @@ def test_mtp_drafts_through_the_screen_draft_the_same(weights):
     finally:
         del screen.logits, m.drafter.draft
     assert any(chain) and not any(seen)  # the chain's drafting used the screen, the tree's did not
+
+
+def test_a_draft_model_drafts_its_greedy_chains_through_its_own_screen():
+    m = model("draft_model", "fp32")
+    screen = m.drafter.model.screen
+    assert screen is not None and m.drafter.vocab == m.drafter.model.spec.vocab_size
+    seen, original = [], screen.logits
+    screen.logits = lambda x, rows: seen.append(list(rows)) or original(x, rows)
+    try:
+        m.generate(requests(m)[0].prompt, 8, draft_len=3, adaptive=False)
+    finally:
+        del screen.logits
+    assert seen and all(rows == [0] for rows in seen)  # one greedy chain: its row, every step
+    from specpack.runtime.drafters.draft_model import DraftModelDrafter
+
+    padded = DraftModelDrafter(m.drafter.model, m.drafter.model.spec.vocab_size - 1)  # rows past the target's
+    assert padded.screen_head() is False

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from specpack.runtime.kernels.argmax import argmax_rows
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
-from specpack.runtime.drafters.tree import Branches
+from specpack.runtime.drafters.tree import Branches, branching
 
 
 class DraftModelDrafter(nn.Module):
@@ -36,6 +36,17 @@ class DraftModelDrafter(nn.Module):
 
     def start(self, slot: int) -> None:
         self.seen[slot] = None
+
+    def screen_head(self) -> bool:
+        """Let greedy chain steps skip most of the draft model's head (kernels/screen.py) where it
+        runs on the packed kernel and has no rows past the target's vocabulary (an argmax over a
+        slice of a screened row is not the slice's argmax); True when they now do."""
+        return self.vocab == self.model.spec.vocab_size and self.model.screen_head()
+
+    @staticmethod
+    def _greedy_rows(jobs: list[DraftJob]) -> list[int]:
+        """The logits rows (one per job) only an argmax reads: greedy jobs drafting a chain."""
+        return [i for i, j in enumerate(jobs) if j.sampler is None and not branching(j)]
 
     def _valid_rows(self, slot: int, context: Tensor) -> int:
         """Cache rows still valid for `context`: the common prefix of what it saw and the context."""
@@ -61,7 +72,8 @@ class DraftModelDrafter(nn.Module):
         keep = [self._valid_rows(j.slot, j.context) for j in jobs]
         rows = Rows.of([Segment(j.slot, k, len(j.context) - k) for j, k in zip(jobs, keep)], dev)
         tokens = torch.cat([j.context[k:] for j, k in zip(jobs, keep)])
-        logits = self.model.forward_rows(tokens, rows, logits_rows=rows.last_rows()).logits
+        logits = self.model.forward_rows(tokens, rows, logits_rows=rows.last_rows(),
+                                         greedy_rows=self._greedy_rows(jobs)).logits
         branches = Branches(jobs)  # jobs that ask for a tree get each step's alternatives as leaves
         drafts = [[t] for t in self._choose(logits, jobs, 0)]
         for i, d in enumerate(drafts):
@@ -70,7 +82,7 @@ class DraftModelDrafter(nn.Module):
             live = [i for i, j in enumerate(jobs) if j.k > step]
             rows = Rows.of([Segment(jobs[i].slot, len(jobs[i].context) + step - 1, 1) for i in live], dev)
             last = torch.tensor([drafts[i][-1] for i in live], device=dev)
-            logits = self.model.forward_rows(last, rows).logits
+            logits = self.model.forward_rows(last, rows, greedy_rows=self._greedy_rows([jobs[i] for i in live])).logits
             for n, (i, t) in enumerate(zip(live, self._choose(logits, [jobs[i] for i in live], step))):
                 drafts[i].append(t)
                 branches.add(i, step, logits[n, : self.vocab], t)

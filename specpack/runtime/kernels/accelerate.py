@@ -93,7 +93,7 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
             if hasattr(m, "pack_products"):
                 m.pack_products()
         fused = sum(m.fuse_layers() for m in model.modules() if hasattr(m, "fuse_layers"))
-        screened = hasattr(model, "screen_head") and model.screen_head()  # the top model's head only
+        screened = hasattr(model, "screen_head") and model.screen_head()  # the target's head, or a draft model's
         log.info("CPU kernels: %d linear layers packed (%s weights), %d decoders fused%s; torch ops on 1 thread",
                  swapped, weights, fused, ", greedy head screened" if screened else "")
     return swapped

@@ -12,8 +12,8 @@ head gives, bit for bit, ties included. On SmolLM2 (1898 rows of plain and specu
 `MAX_ROWS_WITHOUT_VNNI` rows on a CPU without VNNI.
 
 The screened rows hold the candidates' exact logits and -inf elsewhere: only an argmax may read
-them (the engine asks for them only for greedy sequences' rows, an MTP drafter for its greedy chains'
-draft rows). `SPECPACK_GREEDY_SCREEN=0` turns it off.
+them (the engine asks for them only for greedy sequences' rows, MTP and draft-model drafters for
+their greedy chains' draft rows). `SPECPACK_GREEDY_SCREEN=0` turns it off.
 """
 
 from __future__ import annotations
