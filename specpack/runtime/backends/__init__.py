@@ -427,7 +427,7 @@ class GraphMtp:
         n = self.outs.shape[0]
         self.done, self.absorbed = [[0] * self.spec.num_layers for _ in range(n)], [0] * n
 
-    def _run_layer(self, k: int, h: Tensor, tokens: Tensor, rows, jobs=None) -> tuple[Tensor, Tensor]:
+    def _run_layer(self, k: int, h: Tensor, tokens: Tensor, rows, jobs=()) -> tuple[Tensor, Tensor]:
         """As `MtpDrafter._run_layer`: layer k over `rows` -> (chain hidden [R, H], logits [J, V] of
         each segment's last row; every logit: the graph has no screen)."""
         logits, out = self.layers[k]._rows(rows, {"hidden": h.float(), "tokens": tokens.to(self.device)}, {},

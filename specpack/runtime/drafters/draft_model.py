@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from specpack.runtime.kernels.argmax import argmax_rows
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
-from specpack.runtime.drafters.tree import Branches, branching
+from specpack.runtime.drafters.tree import Branches, argmax_only
 
 
 class DraftModelDrafter(nn.Module):
@@ -43,11 +43,6 @@ class DraftModelDrafter(nn.Module):
         slice of a screened row is not the slice's argmax); True when they now do."""
         return self.vocab == self.model.spec.vocab_size and self.model.screen_head()
 
-    @staticmethod
-    def _greedy_rows(jobs: list[DraftJob]) -> list[int]:
-        """The logits rows (one per job) only an argmax reads: greedy jobs drafting a chain."""
-        return [i for i, j in enumerate(jobs) if j.sampler is None and not branching(j)]
-
     def _valid_rows(self, slot: int, context: Tensor) -> int:
         """Cache rows still valid for `context`: the common prefix of what it saw and the context."""
         seen = self.seen[slot]
@@ -73,7 +68,7 @@ class DraftModelDrafter(nn.Module):
         rows = Rows.of([Segment(j.slot, k, len(j.context) - k) for j, k in zip(jobs, keep)], dev)
         tokens = torch.cat([j.context[k:] for j, k in zip(jobs, keep)])
         logits = self.model.forward_rows(tokens, rows, logits_rows=rows.last_rows(),
-                                         greedy_rows=self._greedy_rows(jobs)).logits
+                                         greedy_rows=argmax_only(jobs)).logits
         branches = Branches(jobs)  # jobs that ask for a tree get each step's alternatives as leaves
         drafts = [[t] for t in self._choose(logits, jobs, 0)]
         for i, d in enumerate(drafts):
@@ -82,7 +77,7 @@ class DraftModelDrafter(nn.Module):
             live = [i for i, j in enumerate(jobs) if j.k > step]
             rows = Rows.of([Segment(jobs[i].slot, len(jobs[i].context) + step - 1, 1) for i in live], dev)
             last = torch.tensor([drafts[i][-1] for i in live], device=dev)
-            logits = self.model.forward_rows(last, rows, greedy_rows=self._greedy_rows([jobs[i] for i in live])).logits
+            logits = self.model.forward_rows(last, rows, greedy_rows=argmax_only([jobs[i] for i in live])).logits
             for n, (i, t) in enumerate(zip(live, self._choose(logits, [jobs[i] for i in live], step))):
                 drafts[i].append(t)
                 branches.add(i, step, logits[n, : self.vocab], t)

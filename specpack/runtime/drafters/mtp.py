@@ -25,7 +25,7 @@ from specpack.runtime.kernels.argmax import argmax_rows
 from specpack.runtime.models.dense import Block, KVCache, RMSNorm
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
-from specpack.runtime.drafters.tree import Branches, branching
+from specpack.runtime.drafters.tree import Branches, argmax_only
 
 FUSION = ("embed_norm.weight", "hidden_norm.weight", "proj.weight", "final_norm.weight")
 
@@ -196,17 +196,8 @@ class MtpDrafter(nn.Module):
         [R, H], logits [J, V] of each segment's last row, fp32; every logit without `jobs`)."""
         cos, sin = self.target.cos[rows.pos, None], self.target.sin[rows.pos, None]
         chain, normed = self.layers[k](self.target.embed_tokens(tokens), h, cos, sin, self.caches[k], rows)
-        return chain, self._head(normed[rows.last_rows()], jobs)
-
-    def _head(self, normed: Tensor, jobs: list[DraftJob]) -> Tensor:
-        """The target's head over one row per job: the rows of greedy chain jobs, whose logits only
-        their argmax reads, through the target's greedy screen when it has one (kernels/screen.py:
-        the same argmax, most of the head skipped), the others in full."""
-        screen = getattr(self.target, "screen", None)
-        greedy = [i for i, j in enumerate(jobs) if j.sampler is None and not branching(j)]
-        if screen is None or not greedy:
-            return self.target.lm_head(normed).float()
-        return screen.logits(normed, greedy)
+        # greedy chain jobs' rows through the target's greedy screen, when it has one
+        return chain, self.target.head(normed[rows.last_rows()], argmax_only(jobs))
 
     def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> list[int]:
         greedy = argmax_rows(logits)

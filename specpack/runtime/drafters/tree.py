@@ -123,6 +123,12 @@ def branching(job: DraftJob) -> bool:
     return job.tree is not None and job.tree.topk > 1
 
 
+def argmax_only(jobs: Sequence[DraftJob]) -> list[int]:
+    """The indices of the jobs whose draft logits only an argmax reads (greedy, drafting a chain):
+    their rows may go through a greedy screen (kernels/screen.py)."""
+    return [i for i, j in enumerate(jobs) if j.sampler is None and not branching(j)]
+
+
 def draft_probs(logits: Tensor, jobs: Sequence[DraftJob]) -> Tensor:
     """The drafter's distributions [R, V] from logits [R, V], row r drafting for jobs[r]: its
     sampling settings, or the softmax when greedy."""

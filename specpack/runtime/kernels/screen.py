@@ -24,7 +24,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from specpack.runtime.kernels._lib import _library, available
+from specpack.runtime.kernels._lib import _library
 from specpack.runtime.kernels.linear import FORMATS, PackedLinear, pack, q8_values
 
 CAP = 256  # candidates per row before the row is computed in full (screen.c keeps at most 256)
@@ -54,10 +54,10 @@ class GreedyScreen:
     @classmethod
     def of(cls, head) -> "GreedyScreen | None":
         """A screen for `head` (a PackedLinear, or a module holding one as `.packed`), or None where
-        it has none to offer: kernels off or unavailable, a head kept in w8a8 (it is the cheap
-        pass), or a bias."""
+        it has none to offer: screen or kernels off (the head on torch's fallback), a head kept in
+        w8a8 (it is the cheap pass), or a bias."""
         packed = getattr(head, "packed", head)
-        if (not enabled() or not available() or not isinstance(packed, PackedLinear)
+        if (not enabled() or not isinstance(packed, PackedLinear)
                 or packed.backend != "avx2" or packed.weights not in SCREENED or packed.bias is not None):
             return None
         return cls(packed)
@@ -75,11 +75,11 @@ class GreedyScreen:
         if len(greedy) == R:  # the usual step: every row greedy, screened in place
             return self._screen(x, self.cheap(x))
         out = torch.empty(R, self.head.out_features)
-        rows = torch.tensor(greedy, dtype=torch.long)
-        full = torch.tensor(sorted(set(range(R)) - set(greedy)), dtype=torch.long)
-        out[full] = self.head(x[full].contiguous())
-        xs = x[rows].contiguous()
-        out[rows] = self._screen(xs, self.cheap(xs))
+        screened = torch.zeros(R, dtype=torch.bool)
+        screened[greedy] = True
+        out[~screened] = self.head(x[~screened].contiguous())
+        xs = x[screened].contiguous()
+        out[screened] = self._screen(xs, self.cheap(xs))
         return out
 
     def _screen(self, x: Tensor, y: Tensor) -> Tensor:

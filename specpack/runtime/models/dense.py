@@ -221,10 +221,13 @@ class Decoder(nn.Module):
         x, aux = (self._fused_layers if self.fused is not None else self._layers)(x, rows, capture)
         if logits_rows is not None:
             x = x[torch.as_tensor(logits_rows, dtype=torch.long, device=x.device)]
-        x = self.norm(x)
+        return Output(self.head(self.norm(x), greedy_rows), aux)
+
+    def head(self, x: Tensor, greedy_rows: Sequence[int] = ()) -> Tensor:
+        """lm_head over final-normed rows x [K, H] -> fp32 logits; `greedy_rows` as in `forward_rows`."""
         if self.screen is not None and len(greedy_rows):
-            return Output(self.screen.logits(x, greedy_rows), aux)
-        return Output(self.lm_head(x).float(), aux)
+            return self.screen.logits(x, greedy_rows)
+        return self.lm_head(x).float()
 
     def screen_head(self) -> bool:
         """Let greedy rows skip most of the head (kernels/screen.py) where it runs on the packed
