@@ -173,3 +173,43 @@ def _eagle3_layer_both_ways(d, before_residual: bool) -> None:
     assert torch.equal(one[0], outs[0][2])
     layer.norm_before_residual = d.spec.norm_before_residual
     layer.fuse_layers()
+
+
+def test_the_eagle3_heads_whole_step_is_one_call_matching_its_module_path():
+    """`_forward` with the layer, final norm and lm_head in one C call (FusedEagle3Layer.step): the
+    layer's output bit for bit what the layer alone gives, the logits of the picked rows within fp32
+    rounding of the module path, each row what it is alone; a logit row outside the rows is refused."""
+    import specpack
+    from specpack.runtime.models.rows import Rows, Segment
+    from test_engine import artifact
+
+    d = specpack.load(artifact("eagle3")).drafter
+    layer = d.layers[0]
+    assert layer.fused is not None and layer.fused.head_fuses(d.norm, d.lm_head)
+    g = torch.Generator().manual_seed(5)
+    H = d.spec.hidden_size
+    block = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    rows = Rows.of([Segment(0, 5, 2), Segment(2, 0, 1), Segment(1, 9, 3, block, torch.tensor([9, 10, 10]))], "cpu")
+    h, tokens = torch.randn(6, H, generator=g), torch.randint(0, d.spec.target_vocab_size, (6,), generator=g)
+    picked = [1, 2, 4, 5]
+    d.reserve(3, 32)
+    warm = torch.randn(d.cache.k[0].shape, generator=g)
+    results = []
+    with torch.inference_mode():
+        for fused in (layer.fused, None):
+            d.cache.k[0].copy_(warm)
+            d.cache.v[0].copy_(warm * 0.5)
+            kept, layer.fused = layer.fused, fused
+            results.append(d._forward(h, tokens, rows, picked))
+            layer.fused = kept
+        (out, logits), (ref_out, ref_logits) = results
+        torch.testing.assert_close(out, ref_out, atol=1e-5, rtol=0)
+        torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+        d.cache.k[0].copy_(warm)
+        d.cache.v[0].copy_(warm * 0.5)
+        alone = Rows.of([Segment(2, 0, 1)], "cpu")
+        one_out, one_logits = d._forward(h[2:3], tokens[2:3], alone, [0])
+        assert torch.equal(one_out[0], out[2]) and torch.equal(one_logits[0], logits[1])
+        with pytest.raises(ValueError, match="logit rows"):
+            layer.fused.step(d.embed_tokens(tokens), h, d.cos[rows.pos, None], d.sin[rows.pos, None],
+                             d.cache.k[0], d.cache.v[0], rows, [6], d.norm, d.lm_head)

@@ -170,8 +170,11 @@ class Eagle3Drafter(nn.Module):
         """The head over `rows`: h [R, H] (`fc` output or its own hidden states), tokens [R] the
         target ids of the next positions -> (hidden states [R, H] before the final norm, draft-vocab
         logits [len(logit_rows), Vd])."""
-        out = self.layers[0](self.embed_tokens(tokens), h, self.cos[rows.pos, None], self.sin[rows.pos, None],
-                             self.cache.k[0], self.cache.v[0], rows)
+        layer, args = self.layers[0], (self.cos[rows.pos, None], self.sin[rows.pos, None], self.cache.k[0],
+                                       self.cache.v[0], rows)
+        if layer.fused is not None and layer.fused.head_fuses(self.norm, self.lm_head):  # one C call
+            return layer.fused.step(self.embed_tokens(tokens), h, *args, logit_rows, self.norm, self.lm_head)
+        out = layer(self.embed_tokens(tokens), h, *args)
         return out, self.lm_head(self.norm(out[logit_rows])).float()
 
     def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> list[int]:

@@ -39,10 +39,17 @@ typedef struct { /* what every layer of a forward shares */
     int64_t kv16; /* cache elements: fp32 (0) or fp16 (1) */
 } sp_forward_t;
 
+/* y [R, l->n] = x [R, l->k] (row stride ldx) @ W^T (+ bias) (+ res, row stride ldr; NULL: none). */
+static void linear_ld(const sp_lin_t *l, const float *x, int64_t ldx, int64_t R, const float *res, int64_t ldr,
+                      float *y)
+{
+    sp_linear(x, R, l->k, ldx, l->w, l->fmt, l->n, l->bias, res, res ? ldr : 0, y, l->n, l->threads, l->group,
+              l->prefetch, l->isa);
+}
+
 static void linear(const sp_lin_t *l, const float *x, int64_t R, const float *res, float *y)
 {
-    sp_linear(x, R, l->k, l->k, l->w, l->fmt, l->n, l->bias, res, res ? l->n : 0, y, l->n, l->threads, l->group,
-              l->prefetch, l->isa);
+    linear_ld(l, x, l->k, R, res, l->n, y);
 }
 
 /* The rows of x [R, H] into column block c of aux (row stride ldaux) for every c with capture[c] == at. */
@@ -84,4 +91,50 @@ void sp_decoder_layers(const sp_layer_t *layers, int64_t first, int64_t n, const
         linear(&L->down, m, R, x2, x);
     }
     capture_rows(x, R, H, first + n, capture, ncap, aux, ncap * H);
+}
+
+typedef struct { /* an EAGLE-3 head (drafters/eagle3.py): its one layer, its norms, its draft-vocab head */
+    sp_layer_t layer;      /* in_norm normalises the token embeddings; no q/k norms */
+    const float *hidden_norm; /* normalises the incoming hidden states */
+    const float *final_norm;  /* before `head` */
+    sp_lin_t head;            /* lm_head over the draft vocabulary */
+    int64_t norm_before_residual; /* the attention's residual: normed h (1) or h (0) */
+} sp_eagle3_t;
+
+/* One draft step of an EAGLE-3 head over the rows of f (f->k, f->v: the head's one-layer cache):
+ * emb [R, H] the next tokens' embeddings and h [R, H] the hidden states they follow -> out [R, H]
+ * (the layer's output, before the final norm) and, for the nlogits rows logit_rows, logits
+ * [nlogits, head.n] = head(final_norm(out[row])). The kernels kernels/layers.py's
+ * FusedEagle3Layer called one by one, in the same order, so the same bits, in one call from Python:
+ *
+ *     cat(RMSNorm(emb), RMSNorm(h)) ─ q/k/v ─ RoPE + KV-cache write ─ attention ─ o_proj (+ h)
+ *     ─ RMSNorm ─ gate/up ─ SiLU·up ─ down (+ residual) ─ out ─ RMSNorm ─ lm_head ─ logits
+ *
+ * scratch: R (4 H + (heads + 2 kv_heads) hd + heads hd + 3 inter) + nlogits H floats. */
+void sp_eagle3_step(const sp_eagle3_t *e, const sp_forward_t *f, const float *emb, const float *h, float *out,
+                    const int64_t *logit_rows, int64_t nlogits, float *logits, float *scratch)
+{
+    const sp_layer_t *L = &e->layer;
+    const int64_t R = f->rows, H = f->hidden, hd = f->hd, ldq = (f->heads + 2 * f->kv_heads) * hd;
+    const int64_t ldo = f->heads * hd;
+    float *x = scratch, *qkv = x + R * 2 * H, *a = qkv + R * ldq, *h2 = a + R * ldo, *y = h2 + R * H;
+    float *gu = y + R * H, *m = gu + R * 2 * f->inter, *normed = m + R * f->inter;
+    sp_rmsnorm(emb, R, H, H, L->in_norm, f->eps, x, 2 * H);
+    sp_rmsnorm(h, R, H, H, e->hidden_norm, f->eps, x + H, 2 * H);
+    linear(&L->qkv, x, R, NULL, qkv);
+    sp_rope_cache(qkv, R, ldq, f->heads, f->kv_heads, hd, f->cos, f->sin, hd, NULL, NULL, f->eps, f->k, f->v,
+                  (int)f->kv16, f->slot_stride, f->head_stride, f->ld, f->slot, f->write);
+    sp_attention(qkv, R, f->heads, ldq, f->k, f->v, (int)f->kv16, f->kv_heads, f->slot_stride, f->head_stride,
+                 f->ld, hd, hd, f->slot, f->ctx, f->end, f->mask, f->ldm, f->scale, a, ldo, f->threads);
+    if (e->norm_before_residual)
+        linear_ld(&L->o, a, ldo, R, x + H, 2 * H, h2);
+    else
+        linear_ld(&L->o, a, ldo, R, h, H, h2);
+    sp_rmsnorm(h2, R, H, H, L->post_norm, f->eps, y, H);
+    linear(&L->gate_up, y, R, NULL, gu);
+    sp_silu_mul(gu, R, f->inter, 2 * f->inter, m, f->inter);
+    linear(&L->down, m, R, h2, out);
+    for (int64_t i = 0; i < nlogits; i++)
+        sp_rmsnorm(out + logit_rows[i] * H, 1, H, H, e->final_norm, f->eps, normed + i * H, H);
+    if (nlogits > 0) linear(&e->head, normed, nlogits, NULL, logits);
 }

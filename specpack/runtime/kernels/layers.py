@@ -156,28 +156,36 @@ def _row_arrays(rows) -> tuple:
     return (*i64, None if rows.mask is None else rows.mask.to(torch.uint8).contiguous())
 
 
+class _Eagle3(ctypes.Structure):  # decoder.c's sp_eagle3_t
+    _fields_ = [("layer", _Layer), ("hidden_norm", ctypes.c_void_p), ("final_norm", ctypes.c_void_p),
+                ("head", _Lin), ("norm_before_residual", ctypes.c_int64)]
+
+
 class FusedEagle3Layer:
-    """An EAGLE-3 head's decoder layer (drafters/eagle3.Eagle3Layer) as kernel calls, for the head's
-    every draft step: ~10 calls from Python instead of ~40 torch ops, which at one to a few rows cost
-    more than the layer's matrix products (at one sequence a head step took ~0.85 ms, ~0.4 of it the
-    products). The same operations as `FusedLayers` (RoPE and the residual adds torch's bits, RMSNorm
-    and SiLU within fp32 rounding of torch's); row-exact.
+    """An EAGLE-3 head's decoder layer (drafters/eagle3.Eagle3Layer), and with `step` the head's final
+    norm and draft-vocab lm_head after it, as one C call (kernels/decoder.c's sp_eagle3_step) for the
+    head's every draft step: a tree draft runs one per level, and as ~40 torch ops (or ~10 kernel
+    calls from Python) a step cost more than its matrix products. The same operations as
+    `FusedLayers` (RoPE and the residual adds torch's bits, RMSNorm and SiLU within fp32 rounding of
+    torch's); row-exact.
 
         cat(RMSNorm(emb), RMSNorm(h)) ─ q/k/v ─ RoPE + KV-cache write ─ attention ─ o_proj (+ h)
-        ─ RMSNorm ─ gate/up ─ SiLU·up ─ down (+ residual)"""
+        ─ RMSNorm ─ gate/up ─ SiLU·up ─ down (+ residual) [─ RMSNorm ─ lm_head]"""
 
     def __init__(self, layer):
         a, m = layer.self_attn, layer.mlp
         self.lib = _library()[0]
         self.heads, self.kv_heads, self.hd = a.heads, a.kv_heads, a.head_dim
+        self.hidden, self.inter = m.down_proj.packed.out_features, m.down_proj.packed.in_features
         self.eps = float(layer.input_layernorm.eps)
         self.norms = [n.weight.detach().float().contiguous()
                       for n in (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)]
-        self.qkv, self.o = a.qkv_proj.packed, a.o_proj.packed
-        self.gate_up, self.down = m.gate_up_proj.packed, m.down_proj.packed
-        self.inter = self.down.in_features
+        self.layer = _Layer(_ptr(self.norms[0]), _ptr(self.norms[2]), None, None, _lin(a.qkv_proj.packed),
+                            _lin(a.o_proj.packed), _lin(m.gate_up_proj.packed), _lin(m.down_proj.packed))
         self.norm_before_residual = layer.norm_before_residual
         self.threads = default_threads()
+        self.width = 4 * self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.hd + 3 * self.inter
+        self._heads: dict[int, tuple] = {}  # id(lm_head packed) -> (sp_eagle3_t, its final norm)
 
     @classmethod
     def of(cls, layer) -> "FusedEagle3Layer | None":
@@ -191,28 +199,44 @@ class FusedEagle3Layer:
                  rows) -> Tensor:
         """As Eagle3Layer.forward: emb, h [R, H] fp32; cos, sin [R, 1, hd]; k_cache, v_cache the
         head's [slots, kv_heads, max_len, hd] fp32 cache -> [R, H]."""
-        lib, R, H, hd = self.lib, h.shape[0], h.shape[1], self.hd
+        return self.step(emb, h, cos, sin, k_cache, v_cache, rows)[0]
+
+    def step(self, emb: Tensor, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, rows,
+             logit_rows: Sequence[int] = (), norm=None, lm_head=None) -> tuple[Tensor, Tensor | None]:
+        """`__call__`, then `lm_head(norm(out[logit_rows]))` (norm: the head's final RMSNorm, lm_head
+        its draft-vocab head on the packed kernel: modules, see `head_fuses`) in the same call -> (out [R, H], logits
+        [len(logit_rows), Vd], or None without lm_head)."""
+        R, H, hd = h.shape[0], self.hidden, self.hd
+        if len(logit_rows) and (lm_head is None or not all(0 <= r < R for r in logit_rows)):
+            raise ValueError(f"logit rows {list(logit_rows)} need an lm_head and must lie in 0..{R - 1}")
         emb, h = emb.float().contiguous(), h.float().contiguous()
-        x = torch.empty(R, 2 * H)  # cat(norm(emb), norm(h)), written in place by the two norms
-        lib.sp_rmsnorm(emb.data_ptr(), R, H, H, self.norms[0].data_ptr(), self.eps, x.data_ptr(), 2 * H)
-        lib.sp_rmsnorm(h.data_ptr(), R, H, H, self.norms[1].data_ptr(), self.eps, x.data_ptr() + 4 * H, 2 * H)
-        qkv = self.qkv(x)
-        ldq = qkv.shape[1]
+        *i64, mask = _row_arrays(rows)
         cr, sr = cos.reshape(R, hd).contiguous(), sin.reshape(R, hd).contiguous()
-        slot, write, ctx, end, mask = _row_arrays(rows)
-        strides = k_cache.stride()[:3]
-        lib.sp_rope_cache(qkv.data_ptr(), R, ldq, self.heads, self.kv_heads, hd, cr.data_ptr(), sr.data_ptr(), hd,
-                          None, None, self.eps, k_cache.data_ptr(), v_cache.data_ptr(), 0, *strides,
-                          slot.data_ptr(), write.data_ptr())
-        att = torch.empty(R, self.heads * hd)
-        lib.sp_attention(qkv.data_ptr(), R, self.heads, ldq, k_cache.data_ptr(), v_cache.data_ptr(), 0,
-                         self.kv_heads, *strides, hd, hd, slot.data_ptr(), ctx.data_ptr(), end.data_ptr(),
-                         _ptr(mask), 0 if mask is None else mask.shape[1], hd ** -0.5, att.data_ptr(),
-                         self.heads * hd, self.threads)
-        h2 = self.o(att, residual=x[:, H:] if self.norm_before_residual else h)
-        y = torch.empty(R, H)
-        lib.sp_rmsnorm(h2.data_ptr(), R, H, H, self.norms[2].data_ptr(), self.eps, y.data_ptr(), H)
-        gu = self.gate_up(y)
-        act = torch.empty(R, self.inter)
-        lib.sp_silu_mul(gu.data_ptr(), R, self.inter, 2 * self.inter, act.data_ptr(), self.inter)
-        return self.down(act, residual=h2)
+        f = _Forward(H, self.heads, self.kv_heads, hd, self.inter, self.eps, hd ** -0.5, self.threads,
+                     k_cache.data_ptr(), v_cache.data_ptr(), 0, *k_cache.stride()[:3], R, cr.data_ptr(),
+                     sr.data_ptr(), *(t.data_ptr() for t in i64), _ptr(mask),
+                     0 if mask is None else mask.shape[1], 0)
+        table = self._table(norm, lm_head)
+        out = torch.empty(R, H)
+        logits = None if lm_head is None else torch.empty(len(logit_rows), lm_head.out_features)
+        picked = (ctypes.c_int64 * max(1, len(logit_rows)))(*logit_rows)
+        scratch = torch.empty(R * self.width + len(logit_rows) * H)
+        self.lib.sp_eagle3_step(ctypes.byref(table), ctypes.byref(f), emb.data_ptr(), h.data_ptr(), out.data_ptr(),
+                                picked, len(logit_rows), _ptr(logits), scratch.data_ptr())
+        return out, logits
+
+    def head_fuses(self, norm, lm_head) -> bool:
+        """Whether `step` can run this final norm (an RMSNorm module) and lm_head (a module) too:
+        lm_head on the packed kernel over the hidden size, the norm's epsilon the layer's."""
+        packed = getattr(lm_head, "packed", None)
+        return (packed is not None and packed.backend == "avx2" and packed.in_features == self.hidden
+                and float(norm.eps) == self.eps and norm.weight.device.type == "cpu")
+
+    def _table(self, norm, lm_head) -> "_Eagle3":
+        key = id(lm_head)
+        if key not in self._heads:  # once per head: its fp32 norm weight is kept alive here
+            final = None if norm is None else norm.weight.detach().float().contiguous()
+            head = _Lin() if lm_head is None else _lin(lm_head.packed)
+            self._heads[key] = (_Eagle3(self.layer, _ptr(self.norms[1]), _ptr(final), head,
+                                        int(self.norm_before_residual)), final)
+        return self._heads[key][0]
