@@ -62,12 +62,13 @@ def children(probs: Tensor, ks: Sequence[int], firsts: Sequence[int | None],
     Tokens are `ids[index]` (a drafter's sub-vocabulary; None: the index)."""
     top = torch.topk(probs, min(max(ks) + 1, probs.shape[-1]))
     values, index = top.values.tolist(), top.indices.tolist()
-    name = (lambda i: i) if ids is None else ids.tolist().__getitem__
+    named = index if ids is None else ids[top.indices].tolist()  # the few picked ids, not the whole map
+    name = (lambda i: i) if ids is None else (lambda i: int(ids[i]))
     out = []
     for r, (k, first) in enumerate(zip(ks, firsts)):
-        kids = [] if first is None else [(first, float(probs[r, first]))]
-        kids += [(i, p) for p, i in zip(values[r], index[r]) if p > 0 and i != first][: k - len(kids)]
-        out.append([(name(i), p) for i, p in kids])
+        kids = [] if first is None else [(name(first), float(probs[r, first]))]
+        kids += [(t, p) for p, i, t in zip(values[r], index[r], named[r]) if p > 0 and i != first][: k - len(kids)]
+        out.append(kids)
     return out
 
 
