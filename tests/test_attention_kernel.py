@@ -75,3 +75,27 @@ def test_key_and_value_caches_must_share_a_dtype():
     q, kc, vc, slot, ctx, end, mask = _case(2, 3, 4, 2, 16, 16, False)
     with pytest.raises(ValueError, match="dtype"):
         ka.attention(q, kc.half(), vc, slot, ctx, end, mask, 0.25)
+
+
+@pytest.mark.parametrize("H, KVH, dk, dv", [(9, 3, 64, 64), (8, 1, 128, 128), (8, 2, 64, 64), (4, 1, 80, 72),
+                                            (2, 2, 13, 13)])
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("kv16", [False, True])
+def test_the_avx512_loops_give_the_avx2_bits(H, KVH, dk, dv, tree, kv16):
+    """Scores three queries at a time and value sums six query heads at a time (AVX-512) run each
+    (query, key) through the same chains as the AVX2 loops: the same bits, for any head grouping."""
+    from specpack.runtime.kernels._lib import _library
+
+    lib = _library()[0]
+    if not lib.sp_avx512():
+        pytest.skip("this CPU has no AVX-512: only the AVX2 loops run")
+    q, kc, vc, slot, ctx, end, mask = _case(H * 13 + dk, 11, H, KVH, dk, dv, tree)
+    if kv16:
+        kc, vc = kc.half(), (kc.half() if vc is kc else vc.half())
+    scale = dk ** -0.5
+    try:
+        lib.sp_attention_avx512(0)
+        avx2 = ka.attention(q, kc, vc, slot, ctx, end, mask, scale, dv=dv)
+    finally:
+        lib.sp_attention_avx512(1)
+    assert torch.equal(ka.attention(q, kc, vc, slot, ctx, end, mask, scale, dv=dv), avx2)

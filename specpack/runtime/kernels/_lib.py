@@ -110,6 +110,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sp_avx512.restype = c_int
     lib.sp_vnni.restype = c_int
     lib.sp_set_spin_us.argtypes = [ctypes.c_long]
+    lib.sp_attention_avx512.argtypes = [ctypes.c_int]
+    lib.sp_attention_avx512.restype = None
     lib.sp_source_hash.restype = ctypes.c_char_p
     lib.sp_set_spin_us(SPIN_US)
     return lib

@@ -104,15 +104,20 @@ static inline __m256 hsum8x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 
  * returning their sum: one polynomial, sums in fixed 8-lane groups. */
 static float softmax_terms(float *s, const int32_t *pos, int64_t n)
 {
-    float mx = -INFINITY;
-    for (int64_t t = 0; t < n; t++) {
-        s[t] = s[pos[t]];
-        mx = s[t] > mx ? s[t] : mx;
-    }
+    if (n == 0 || pos[n - 1] != n - 1) /* positions 0..n-1 (a chain's) are already in place */
+        for (int64_t t = 0; t < n; t++) s[t] = s[pos[t]];
+    /* the maximum in eight lanes, then across them: exact, so the order does not matter (one
+     * compare chain over every score bound a row's softmax by its latency) */
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 8 <= n; t += 8) m = _mm256_max_ps(_mm256_loadu_ps(s + t), m); /* a NaN score is skipped, as below */
+    float lanes[8], mx = -INFINITY;
+    _mm256_storeu_ps(lanes, m);
+    for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+    for (; t < n; t++) mx = s[t] > mx ? s[t] : mx;
     const __m256 m8 = _mm256_set1_ps(mx);
     __m256 acc = _mm256_setzero_ps();
-    int64_t t = 0;
-    for (; t + 8 <= n; t += 8) {
+    for (t = 0; t + 8 <= n; t += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), m8));
         _mm256_storeu_ps(s + t, e);
         acc = _mm256_add_ps(acc, e);
@@ -129,6 +134,12 @@ static float softmax_terms(float *s, const int32_t *pos, int64_t n)
 }
 
 #define VALUE_BLOCK 32 /* keys per pass over the queries' accumulators: their values stay in L1 */
+
+/* Whether the AVX-512 loops run (where the CPU has AVX-512): the same bits as the AVX2 ones, which
+ * sp_attention_avx512(0) selects (the tests compare the two). */
+static int zmm_on = 1;
+void sp_attention_avx512(int on) { zmm_on = on; }
+static int zmm(void) { return zmm_on && sp_avx512(); }
 
 /* An item's working memory (see item). */
 typedef struct {
