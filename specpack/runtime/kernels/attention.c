@@ -140,6 +140,7 @@ static float softmax_terms(float *s, const int32_t *pos, int64_t n)
 static int zmm_on = 1;
 void sp_attention_avx512(int on) { zmm_on = on; }
 static int zmm(void) { return zmm_on && sp_avx512(); }
+#define ZMM_ATTR __attribute__((target("avx512f,avx512vl,avx2,fma,f16c"))) /* the AVX-512 loops */
 
 /* An item's working memory (see item). */
 typedef struct {

@@ -70,8 +70,8 @@ WEIGHTED_SUMS(KV(weighted_sums), , __m256, 8, OP256, _mm256_set1_ps, LOAD8)
 /* KV(scores) three queries at a time (AVX-512VL: 32 ymm registers for 24 chains): each key vector is
  * loaded once for three queries instead of once per query, the load ports' work, not the FMAs',
  * being what bounds it. Each (query, key) goes through the same chain and lane sum: the same bits. */
-static __attribute__((target("avx512f,avx512vl,avx2,fma,f16c"))) void KV(scores_z)(
-    const attn_job *j, const float *const *qs, int64_t nq, const KV_T *K, int64_t n, float *s, int64_t lds)
+static ZMM_ATTR void KV(scores_z)(const attn_job *j, const float *const *qs, int64_t nq, const KV_T *K, int64_t n,
+                                  float *s, int64_t lds)
 {
     const int64_t dk = j->dk, ld = j->ld;
     if (dk % 8) { /* a scalar tail per key: the one-query loop */
@@ -118,14 +118,54 @@ static __attribute__((target("avx512f,avx512vl,avx2,fma,f16c"))) void KV(scores_
  * G heads of its KV head) up to six at a time: each value vector is loaded once for all of them and
  * their 4 x 6 accumulators keep the FMA units busy where one query's four chains wait on the FMA
  * latency. Each query's lanes go through the same chain, key by key: the same bits. */
-static __attribute__((target("avx512f,avx2,fma,f16c"))) void KV(weighted_sums_z)(
-    const attn_job *j, int64_t nq, int64_t G, const KV_T *V, const int32_t *pos, const int64_t *npos, const float *p,
-    int64_t lds, int64_t n, const float *inv, float *acc, int64_t *cur, float *const *outs, int64_t d0)
+/* W (a constant where inlined) queries of one row: their sums in acc[W][64] over the keys ps[c..)
+ * below b1 (and below m), p[q * lds + c] query q's weight of key c; returns the next c. */
+static inline ZMM_ATTR __attribute__((always_inline)) int64_t KV(value_chunk)(
+    const int W, const KV_T *V, int64_t ld, int64_t d0, const int32_t *ps, int64_t m, int64_t c, int64_t b1,
+    const float *p, int64_t lds, float *acc)
+{
+#define QS(X) X(0) X(1) X(2) X(3) X(4) X(5)
+#define QLOAD(q)                                                                                 \
+    __m512 a##q##0, a##q##1, a##q##2, a##q##3;                                                   \
+    const float *p##q = p + (W > q ? q : 0) * lds;                                               \
+    if (W > q) {                                                                                 \
+        const float *aq = acc + q * 64;                                                          \
+        a##q##0 = _mm512_loadu_ps(aq), a##q##1 = _mm512_loadu_ps(aq + 16);                      \
+        a##q##2 = _mm512_loadu_ps(aq + 32), a##q##3 = _mm512_loadu_ps(aq + 48);                  \
+    }
+    QS(QLOAD)
+    for (; c < m && ps[c] < b1; c++) {
+        const KV_T *v = V + (int64_t)ps[c] * ld + d0;
+        const __m512 v0 = LOAD16(v), v1 = LOAD16(v + 16), v2 = LOAD16(v + 32), v3 = LOAD16(v + 48);
+#define QFMA(q)                                                                                  \
+        if (W > q) {                                                                             \
+            const __m512 pt = _mm512_set1_ps(p##q[c]);                                           \
+            a##q##0 = _mm512_fmadd_ps(pt, v0, a##q##0), a##q##1 = _mm512_fmadd_ps(pt, v1, a##q##1); \
+            a##q##2 = _mm512_fmadd_ps(pt, v2, a##q##2), a##q##3 = _mm512_fmadd_ps(pt, v3, a##q##3); \
+        }
+        QS(QFMA)
+    }
+#define QSTORE(q)                                                                                \
+    if (W > q) {                                                                                 \
+        float *aq = acc + q * 64;                                                                \
+        _mm512_storeu_ps(aq, a##q##0), _mm512_storeu_ps(aq + 16, a##q##1);                       \
+        _mm512_storeu_ps(aq + 32, a##q##2), _mm512_storeu_ps(aq + 48, a##q##3);                  \
+    }
+    QS(QSTORE)
+#undef QLOAD
+#undef QFMA
+#undef QSTORE
+#undef QS
+    return c;
+}
+
+static ZMM_ATTR void KV(weighted_sums_z)(const attn_job *j, int64_t nq, int64_t G, const KV_T *V, const int32_t *pos,
+                                         const int64_t *npos, const float *p, int64_t lds, int64_t n, const float *inv,
+                                         float *acc, int64_t *cur, float *const *outs, int64_t d0)
 {
     const int64_t ld = j->ld;
     memset(acc, 0, (size_t)nq * 64 * sizeof(float));
     memset(cur, 0, (size_t)nq * sizeof(int64_t));
-#define QS(X) X(0) X(1) X(2) X(3) X(4) X(5)
     for (int64_t b1 = VALUE_BLOCK; b1 - VALUE_BLOCK < n; b1 += VALUE_BLOCK)
         for (int64_t q0 = 0, q1; q0 < nq; q0 = q1) {
             const int64_t r = q0 / G, w = (r + 1) * G - q0 < 6 ? (r + 1) * G - q0 : 6; /* within row r */
@@ -134,39 +174,18 @@ static __attribute__((target("avx512f,avx2,fma,f16c"))) void KV(weighted_sums_z)
             int64_t c = cur[q0];
             q1 = q0 + w;
             if (c >= m || ps[c] >= b1) continue;
-#define QLOAD(q)                                                                                 \
-            __m512 a##q##0, a##q##1, a##q##2, a##q##3;                                           \
-            const float *p##q = p + (q0 + (w > q ? q : 0)) * lds;                                 \
-            if (w > q) {                                                                         \
-                const float *aq = acc + (q0 + q) * 64;                                           \
-                a##q##0 = _mm512_loadu_ps(aq), a##q##1 = _mm512_loadu_ps(aq + 16);              \
-                a##q##2 = _mm512_loadu_ps(aq + 32), a##q##3 = _mm512_loadu_ps(aq + 48);          \
+            const float *pq = p + q0 * lds;
+            float *aq = acc + q0 * 64;
+            switch (w) { /* a loop for each width, without a branch per query inside */
+            case 1: c = KV(value_chunk)(1, V, ld, d0, ps, m, c, b1, pq, lds, aq); break;
+            case 2: c = KV(value_chunk)(2, V, ld, d0, ps, m, c, b1, pq, lds, aq); break;
+            case 3: c = KV(value_chunk)(3, V, ld, d0, ps, m, c, b1, pq, lds, aq); break;
+            case 4: c = KV(value_chunk)(4, V, ld, d0, ps, m, c, b1, pq, lds, aq); break;
+            case 5: c = KV(value_chunk)(5, V, ld, d0, ps, m, c, b1, pq, lds, aq); break;
+            default: c = KV(value_chunk)(6, V, ld, d0, ps, m, c, b1, pq, lds, aq); break;
             }
-            QS(QLOAD)
-            for (; c < m && ps[c] < b1; c++) {
-                const KV_T *v = V + (int64_t)ps[c] * ld + d0;
-                const __m512 v0 = LOAD16(v), v1 = LOAD16(v + 16), v2 = LOAD16(v + 32), v3 = LOAD16(v + 48);
-#define QFMA(q)                                                                                  \
-                if (w > q) {                                                                     \
-                    const __m512 pt = _mm512_set1_ps(p##q[c]);                                   \
-                    a##q##0 = _mm512_fmadd_ps(pt, v0, a##q##0), a##q##1 = _mm512_fmadd_ps(pt, v1, a##q##1); \
-                    a##q##2 = _mm512_fmadd_ps(pt, v2, a##q##2), a##q##3 = _mm512_fmadd_ps(pt, v3, a##q##3); \
-                }
-                QS(QFMA)
-            }
-#define QSTORE(q)                                                                                \
-            if (w > q) {                                                                         \
-                float *aq = acc + (q0 + q) * 64;                                                 \
-                _mm512_storeu_ps(aq, a##q##0), _mm512_storeu_ps(aq + 16, a##q##1);               \
-                _mm512_storeu_ps(aq + 32, a##q##2), _mm512_storeu_ps(aq + 48, a##q##3);          \
-                cur[q0 + q] = c;                                                                 \
-            }
-            QS(QSTORE)
-#undef QLOAD
-#undef QFMA
-#undef QSTORE
+            for (int64_t q = q0; q < q1; q++) cur[q] = c;
         }
-#undef QS
     for (int64_t qi = 0; qi < nq; qi++) {
         const __m512 iv = _mm512_set1_ps(inv[qi]);
         for (int i = 0; i < 4; i++)
