@@ -50,14 +50,14 @@ def main() -> None:
     for _ in range(args.rounds):
         for key, (q, kc, vc, slot, ctx, end) in cases.items():
             outs = []
+            args_ = (q, kc, vc, slot, ctx, end, None, HD ** -0.5)
             for zmm in (0, 1):
                 lib.sp_attention_avx512(zmm)
-                run = lambda: ka.attention(q, kc, vc, slot, ctx, end, None, HD ** -0.5, threads=args.threads)  # noqa: E731
-                outs.append(run())
+                outs.append(ka.attention(*args_, threads=args.threads))
                 reps = max(1, 20000 // (key[0] * key[1]))
                 t0 = time.perf_counter()
                 for _ in range(reps):
-                    run()
+                    ka.attention(*args_, threads=args.threads)
                 times.setdefault((*key, zmm), []).append((time.perf_counter() - t0) / reps)
             if not torch.equal(*outs):
                 raise SystemExit(f"AVX2 and AVX-512 loops differ at context {key[0]}, {key[1]} rows")

@@ -179,9 +179,10 @@ def test_the_eagle3_heads_whole_step_is_one_call_matching_its_module_path():
     """`_forward` with the layer, final norm and lm_head in one C call (FusedEagle3Layer.step): the
     layer's output bit for bit what the layer alone gives, the logits of the picked rows within fp32
     rounding of the module path, each row what it is alone; a logit row outside the rows is refused."""
+    from test_engine import artifact
+
     import specpack
     from specpack.runtime.models.rows import Rows, Segment
-    from test_engine import artifact
 
     d = specpack.load(artifact("eagle3")).drafter
     layer = d.layers[0]

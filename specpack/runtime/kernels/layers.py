@@ -185,7 +185,7 @@ class FusedEagle3Layer:
         self.norm_before_residual = layer.norm_before_residual
         self.threads = default_threads()
         self.width = 4 * self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.hd + 3 * self.inter
-        self._heads: dict[int, tuple] = {}  # id(lm_head packed) -> (sp_eagle3_t, its final norm)
+        self._heads: dict[int, tuple] = {}  # id(lm_head module) -> (sp_eagle3_t, final norm weight, lm_head)
 
     @classmethod
     def of(cls, layer) -> "FusedEagle3Layer | None":
@@ -204,9 +204,11 @@ class FusedEagle3Layer:
     def step(self, emb: Tensor, h: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, rows,
              logit_rows: Sequence[int] = (), norm=None, lm_head=None) -> tuple[Tensor, Tensor | None]:
         """`__call__`, then `lm_head(norm(out[logit_rows]))` (norm: the head's final RMSNorm, lm_head
-        its draft-vocab head on the packed kernel: modules, see `head_fuses`) in the same call -> (out [R, H], logits
-        [len(logit_rows), Vd], or None without lm_head)."""
+        its draft-vocab head on the packed kernel: modules, see `head_fuses`) in the same call ->
+        (out [R, H], logits [len(logit_rows), Vd], or None without lm_head)."""
         R, H, hd = h.shape[0], self.hidden, self.hd
+        if (norm is None) != (lm_head is None):
+            raise ValueError("the head's final norm and lm_head go together")
         if len(logit_rows) and (lm_head is None or not all(0 <= r < R for r in logit_rows)):
             raise ValueError(f"logit rows {list(logit_rows)} need an lm_head and must lie in 0..{R - 1}")
         emb, h = emb.float().contiguous(), h.float().contiguous()
@@ -232,11 +234,11 @@ class FusedEagle3Layer:
         return (packed is not None and packed.backend == "avx2" and packed.in_features == self.hidden
                 and float(norm.eps) == self.eps and norm.weight.device.type == "cpu")
 
-    def _table(self, norm, lm_head) -> "_Eagle3":
+    def _table(self, norm, lm_head) -> _Eagle3:
         key = id(lm_head)
-        if key not in self._heads:  # once per head: its fp32 norm weight is kept alive here
+        if key not in self._heads:  # once per head; the norm weight and the module (so its id) kept alive here
             final = None if norm is None else norm.weight.detach().float().contiguous()
             head = _Lin() if lm_head is None else _lin(lm_head.packed)
             self._heads[key] = (_Eagle3(self.layer, _ptr(self.norms[1]), _ptr(final), head,
-                                        int(self.norm_before_residual)), final)
+                                        int(self.norm_before_residual)), final, lm_head)
         return self._heads[key][0]
