@@ -449,3 +449,27 @@ def test_w8a8_without_vnni_says_int8_is_the_fast_choice(kernel, monkeypatch, cap
     with caplog.at_level(logging.WARNING, logger=accelerate.__name__):
         assert accelerate.use_cpu_kernels(nn.Sequential(nn.Linear(64, 64)), "w8a8") == 1
     assert "no AVX-512 VNNI" in caplog.text and "--weights int8" in caplog.text
+
+
+def test_w8a8_amx_tiles_give_the_vnni_bits(kernel):
+    """AMX (where the CPU and kernel allow it) computes w8a8's integer block sums for slabs of 3+
+    rows; they are exact, and folded as the VNNI tiles fold them: the same bits for every row count,
+    panel grouping, bias and residual, each row what it is alone."""
+    lib = kernel._library()[0]
+    if not lib.sp_amx():
+        pytest.skip("no AMX here (CPU, kernel permission, compiler or SPECPACK_AMX=0)")
+    torch.manual_seed(4)
+    for N, K in [(1000, 576), (576, 1536), (83, 40), (64, 33), (48, 1536)]:
+        w, b = torch.randn(N, K), torch.randn(N)
+        packed = kernel.pack(w, b, threads=2, weights="w8a8")
+        packed._parallel, packed.isa = True, 3  # 3+ row slabs on the VNNI (or AMX) tiles
+        for M in (3, 5, 9, 13, 16, 17, 40):
+            x, res = torch.randn(M, K), torch.randn(M, N)
+            try:
+                lib.sp_w8a8_amx(0)
+                vnni = packed(x, residual=res)
+            finally:
+                lib.sp_w8a8_amx(1)
+            amx = packed(x, residual=res)
+            assert torch.equal(amx, vnni), (N, K, M)
+            assert torch.equal(amx, torch.cat([packed(x[i : i + 1], residual=res[i : i + 1]) for i in range(M)]))

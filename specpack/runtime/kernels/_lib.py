@@ -110,6 +110,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sp_avx512.restype = c_int
     lib.sp_vnni.restype = c_int
     lib.sp_set_spin_us.argtypes = [ctypes.c_long]
+    lib.sp_w8a8_amx.argtypes = [ctypes.c_int]
+    lib.sp_w8a8_amx.restype = None
+    lib.sp_amx.restype = ctypes.c_int
     lib.sp_attention_avx512.argtypes = [ctypes.c_int]
     lib.sp_attention_avx512.restype = None
     lib.sp_source_hash.restype = ctypes.c_char_p

@@ -19,11 +19,15 @@
  * the 1-row product of row i, on any thread count, and the AVX2 tiles (CPUs without VNNI) give the
  * same bits as the VNNI tiles. */
 #pragma GCC optimize("fp-contract=off") /* every multiply and add as written, on both paths */
+#define _GNU_SOURCE
+#include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include "kernels.h"
 
@@ -42,6 +46,7 @@ typedef struct {
     float *y;
     int64_t M, N, B, ldy, ldr, prefetch;
     int vnni_few, vnni_many; /* VNNI tiles for slabs of 1-2 / 3+ rows (sp_linear's isa bits) */
+    int amx;                 /* slabs of 3+ rows through AMX tiles (`amx_panels`) */
 } qjob_t;
 
 /* ---------------------------------------------------------------- activations */
@@ -302,6 +307,132 @@ static int vnni_ok(void)
 
 int sp_vnni(void) { return vnni_ok(); }
 
+/* ---------------------------------------------------------------- AMX */
+
+/* Intel AMX (Sapphire Rapids and later): one TDPBSUD multiplies a block's int8 activations of up to
+ * 16 rows (tile A: rows x 32 bytes, exactly the quantized rows' block-major layout) by a block of a
+ * panel's weights (tile B: 8 x 64 bytes, exactly the VNNI order panels are stored in) into 16 x 16
+ * int32 sums: the contract's integer sums plus c, exact, so subtracting c and folding as the VNNI
+ * tiles fold gives the same bits. The kernel must grant the process the tile data state
+ * (arch_prctl), and a thread loads a tile configuration (for its slab's row count) before use.
+ * SPECPACK_AMX=0, or sp_w8a8_amx(0), keeps the VNNI tiles. */
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define SP_AMX 1 /* the compiler knows AMX */
+#endif
+
+static int amx_on = 1;
+void sp_w8a8_amx(int on) { amx_on = on; }
+
+#ifndef SP_AMX
+static int amx_ok(void) { return 0; }
+int sp_amx(void) { return 0; }
+static void amx_slab(const qjob_t *j, const char *w, int np, int64_t m0, int64_t ms, float *out, int64_t ldo,
+                     const float *bias, const float *res)
+{
+    (void)j, (void)w, (void)np, (void)m0, (void)ms, (void)out, (void)ldo, (void)bias, (void)res;
+}
+#else
+#define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx2,fma")))
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+static int amx_ok(void)
+{
+    static int ok = -1;
+    if (ok < 0) {
+        unsigned a, b, c, d;
+        const char *env = getenv("SPECPACK_AMX");
+        ok = vnni_ok() && !(env && env[0] == '0') && __get_cpuid_count(7, 0, &a, &b, &c, &d)
+             && (d >> 24 & 1) && (d >> 25 & 1) /* AMX-TILE, AMX-INT8 */
+             && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return ok;
+}
+
+int sp_amx(void) { return amx_ok(); }
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tilecfg_t;
+
+static __thread int amx_rows; /* the row count this thread's tile configuration is for (0: none) */
+
+/* Tiles: 0 the rows' activations of a block (A), 1 and 2 weight blocks (B, alternating), 3-6 the
+ * int32 sums of up to four panels (C). */
+static AMX void amx_config(int rows)
+{
+    if (amx_rows == rows) return;
+    tilecfg_t cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    cfg.rows[0] = (uint8_t)rows, cfg.colsb[0] = QB;
+    for (int t = 1; t <= 2; t++) cfg.rows[t] = QG, cfg.colsb[t] = 64;
+    for (int t = 3; t <= 6; t++) cfg.rows[t] = (uint8_t)rows, cfg.colsb[t] = NR * 4;
+    _tile_loadconfig(&cfg);
+    amx_rows = rows;
+}
+
+/* Rows [m0, m0 + ms) (3 <= ms <= 16) times np (1, 2 or 4) adjacent panels from `w`: block b's
+ * integer products on the tiles while block b - 1's sums (stored a step earlier, so not waited for)
+ * are folded as the VNNI tiles fold them; results, bias and (res != NULL) residual added, to
+ * out[np * 16] per row (row stride ldo; res likewise with the job's ldr). */
+static inline AMX __attribute__((always_inline)) void amx_panels(
+    const int np, const qjob_t *j, const char *w, int64_t m0, int64_t ms, float *out, int64_t ldo,
+    const float *bias, const float *res)
+{
+    const int64_t pb = j->B * BLOCK_BYTES;
+    int32_t sums[2][4][16 * NR] __attribute__((aligned(64)));
+    float f[4][16 * NR] __attribute__((aligned(64)));
+    amx_config((int)ms);
+    for (int64_t b = 0; b <= j->B; b++) {
+        if (b < j->B) {
+            const char *wb = w + b * BLOCK_BYTES + NR * 4;
+            int32_t (*s)[16 * NR] = sums[b & 1];
+            _tile_loadd(0, j->q + (b * j->M + m0) * QB, QB);
+            _tile_zero(3);
+            _tile_loadd(1, wb, 64);
+            _tile_dpbsud(3, 0, 1);
+            if (np > 1) { _tile_zero(4); _tile_loadd(2, wb + pb, 64); _tile_dpbsud(4, 0, 2); }
+            if (np > 2) { _tile_zero(5); _tile_loadd(1, wb + 2 * pb, 64); _tile_dpbsud(5, 0, 1); }
+            if (np > 3) { _tile_zero(6); _tile_loadd(2, wb + 3 * pb, 64); _tile_dpbsud(6, 0, 2); }
+            _tile_stored(3, s[0], NR * 4);
+            if (np > 1) _tile_stored(4, s[1], NR * 4);
+            if (np > 2) _tile_stored(5, s[2], NR * 4);
+            if (np > 3) _tile_stored(6, s[3], NR * 4);
+        }
+        if (b == 0) continue;
+        const int64_t bp = b - 1, at = bp * j->M + m0;
+        for (int q = 0; q < np; q++) {
+            const __m512 dw = _mm512_loadu_ps((const float *)(w + q * pb + bp * BLOCK_BYTES));
+            const int32_t *sq = sums[bp & 1][q];
+            float *fq = f[q];
+            for (int64_t i = 0; i < ms; i++) {
+                const __m512i si = _mm512_sub_epi32(_mm512_load_si512(sq + i * NR), _mm512_set1_epi32(j->c[at + i]));
+                const __m512 g = _mm512_mul_ps(_mm512_cvtepi32_ps(si), _mm512_set1_ps(j->d[at + i]));
+                _mm512_store_ps(fq + i * NR, bp == 0 ? _mm512_mul_ps(g, dw) : _mm512_fmadd_ps(g, dw, _mm512_load_ps(fq + i * NR)));
+            }
+        }
+    }
+    for (int q = 0; q < np; q++)
+        for (int64_t i = 0; i < ms; i++) {
+            __m512 v = _mm512_load_ps(f[q] + i * NR);
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + q * NR));
+            if (res) v = _mm512_add_ps(_mm512_loadu_ps(res + i * j->ldr + q * NR), v);
+            _mm512_storeu_ps(out + i * ldo + q * NR, v);
+        }
+}
+
+static AMX void amx_slab(const qjob_t *j, const char *w, int np, int64_t m0, int64_t ms, float *out, int64_t ldo,
+                         const float *bias, const float *res)
+{
+    if (np == 4) amx_panels(4, j, w, m0, ms, out, ldo, bias, res);
+    else if (np == 2) amx_panels(2, j, w, m0, ms, out, ldo, bias, res);
+    else amx_panels(1, j, w, m0, ms, out, ldo, bias, res);
+}
+#endif
+
 /* ---------------------------------------------------------------- driver */
 
 /* Rows [m0, m0 + ms) (ms <= 16) times panels [p, p + np): full panels straight into y, a partial
@@ -315,7 +446,9 @@ static void slab(const qjob_t *j, int64_t p, int np, int64_t m0, int64_t ms, flo
     const float *res = full && j->res ? j->res + m0 * j->ldr + n0 : 0;
     float bias[4 * NR] = {0};
     if (j->bias) memcpy(bias, j->bias + n0, cols * sizeof(float));
-    if (!(ms >= 3 ? j->vnni_many : j->vnni_few)) {
+    if (ms >= 3 && j->amx) {
+        amx_slab(j, j->w + p * j->B * BLOCK_BYTES, np, m0, ms, out, ldo, j->bias ? bias : 0, res);
+    } else if (!(ms >= 3 ? j->vnni_many : j->vnni_few)) {
         for (int q = 0; q < np; q++) /* a partial panel's residual is added below, as for the tiles */
             panel_avx2(j, p + q, m0, ms, out + q * NR, ldo, j->bias ? bias + q * NR : 0, res ? res + q * NR : 0);
     } else {
@@ -391,7 +524,7 @@ void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const voi
     int32_t *c = (int32_t *)(d + M * B);
     quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
     const qjob_t job = {q, d, c, w, bias, res, y, M, N, B, ldy, ldr, prefetch > 0 ? prefetch : 0,
-                        (isa & 1) && vnni_ok(), (isa & 2) && vnni_ok()};
+                        (isa & 1) && vnni_ok(), (isa & 2) && vnni_ok(), (isa & 2) && M >= 3 && amx_on && amx_ok()};
     /* chunks of at most CHUNK_BYTES, and at least 4 per thread (small layers: a balanced finish) */
     const int64_t items = (N + 4 * NR - 1) / (4 * NR), by_bytes = CHUNK_BYTES / (4 * B * BLOCK_BYTES);
     const int64_t balanced = items / (4 * (nthreads > 1 ? nthreads : 1));
