@@ -473,3 +473,11 @@ def test_w8a8_amx_tiles_give_the_vnni_bits(kernel):
             amx = packed(x, residual=res)
             assert torch.equal(amx, vnni), (N, K, M)
             assert torch.equal(amx, torch.cat([packed(x[i : i + 1], residual=res[i : i + 1]) for i in range(M)]))
+    # a forked child (its tile state may start reset) computes the same
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(q, packed, x))  # forked: nothing pickled
+    p.start()
+    got = q.get(timeout=20)
+    p.join(timeout=20)
+    assert got == packed(x).numpy().tobytes() and p.exitcode == 0

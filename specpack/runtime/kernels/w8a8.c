@@ -1,5 +1,6 @@
 /* Int8 weights times int8 activations (weight format SP_W8A8, "w8a8"): llama.cpp's Q8_0 x Q8_0 dot
- * products, with AVX-512 VNNI where the CPU has it, else AVX2. sp_linear (linear.c) hands fmt SP_W8A8 here.
+ * products, with AVX-512 VNNI where the CPU has it (and AMX tiles for slabs of 3+ rows where it has
+ * those too), else AVX2. sp_linear (linear.c) hands fmt SP_W8A8 here.
  *
  * Weights: the Q8_0 blocks of SP_Q8 (one fp32 scale per 32 k and column, amax / 127), the values
  * stored as q + 128 (unsigned) in VNNI order: a panel is ceil(K/32) blocks of [16 scales (fp32),
@@ -23,6 +24,7 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -336,6 +338,11 @@ static void amx_slab(const qjob_t *j, const char *w, int np, int64_t m0, int64_t
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
+static __thread int amx_rows; /* the row count this thread's tile configuration is for (0: none) */
+
+/* A forked child may start with its tile state reset: load the configuration again on first use. */
+static void amx_after_fork(void) { amx_rows = 0; }
+
 static int amx_ok(void)
 {
     static int ok = -1;
@@ -344,7 +351,8 @@ static int amx_ok(void)
         const char *env = getenv("SPECPACK_AMX");
         ok = vnni_ok() && !(env && env[0] == '0') && __get_cpuid_count(7, 0, &a, &b, &c, &d)
              && (d >> 24 & 1) && (d >> 25 & 1) /* AMX-TILE, AMX-INT8 */
-             && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+             && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
+             && pthread_atfork(NULL, NULL, amx_after_fork) == 0;
     }
     return ok;
 }
@@ -356,8 +364,6 @@ typedef struct __attribute__((packed)) {
     uint16_t colsb[16];
     uint8_t rows[16];
 } tilecfg_t;
-
-static __thread int amx_rows; /* the row count this thread's tile configuration is for (0: none) */
 
 /* Tiles: 0 the rows' activations of a block (A), 1 and 2 weight blocks (B, alternating), 3-6 the
  * int32 sums of up to four panels (C). */
