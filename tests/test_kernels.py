@@ -215,19 +215,24 @@ def _child(q, packed, x):
     q.put(packed(x).numpy().tobytes())
 
 
+def _in_forked_child(packed, x) -> tuple[bytes, int]:
+    """packed(x)'s bytes as a forked child computes them (forked: nothing pickled), and its exit code."""
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    p = ctx.Process(target=_child, args=(q, packed, x))
+    p.start()
+    got = q.get(timeout=20)
+    p.join(timeout=20)
+    return got, p.exitcode
+
+
 def test_pool_works_after_fork(kernel):
     torch.manual_seed(3)
     w, x = torch.randn(2048, 576), torch.randn(4, 576)
     packed = kernel.pack(w, threads=2)
     packed._parallel = True
     want = packed(x)  # the parent's pool is running
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(q, packed, x))  # forked: nothing pickled
-    p.start()
-    got = q.get(timeout=20)
-    p.join(timeout=20)
-    assert got == want.numpy().tobytes()
+    assert _in_forked_child(packed, x)[0] == want.numpy().tobytes()
 
 
 def test_disabled_falls_back_to_torch(monkeypatch):
@@ -474,10 +479,5 @@ def test_w8a8_amx_tiles_give_the_vnni_bits(kernel):
             assert torch.equal(amx, vnni), (N, K, M)
             assert torch.equal(amx, torch.cat([packed(x[i : i + 1], residual=res[i : i + 1]) for i in range(M)]))
     # a forked child (its tile state may start reset) computes the same
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_child, args=(q, packed, x))  # forked: nothing pickled
-    p.start()
-    got = q.get(timeout=20)
-    p.join(timeout=20)
-    assert got == packed(x).numpy().tobytes() and p.exitcode == 0
+    got, exitcode = _in_forked_child(packed, x)
+    assert got == packed(x).numpy().tobytes() and exitcode == 0

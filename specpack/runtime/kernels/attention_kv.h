@@ -23,6 +23,14 @@ static inline float KV(dot)(const float *a, const KV_T *b, int64_t n)
     return s;
 }
 
+/* Keys [t, n) (fewer than eight) of `scores`, one dot product each. */
+static void KV(scores_tail)(const attn_job *j, const float *const *qs, int64_t nq, const KV_T *K, int64_t t,
+                            int64_t n, float *s, int64_t lds)
+{
+    for (; t < n; t++)
+        for (int64_t qi = 0; qi < nq; qi++) s[qi * lds + t] = j->scale * KV(dot)(qs[qi], K + t * j->ld, j->dk);
+}
+
 /* s[qi * lds + t] = scale * q_qi.K[t] for positions t < n (one key every ld elements) and nq
  * queries: exactly `scale * dot(q, key, dk)`, eight keys at a time (eight independent FMA chains
  * sharing each load of q, their lanes summed together), every key read once for all the queries. */
@@ -61,8 +69,7 @@ static void KV(scores)(const attn_job *j, const float *const *qs, int64_t nq, co
 #undef KDECL
 #undef KFMA
     }
-    for (; t < n; t++)
-        for (int64_t qi = 0; qi < nq; qi++) s[qi * lds + t] = j->scale * KV(dot)(qs[qi], K + t * ld, dk);
+    KV(scores_tail)(j, qs, nq, K, t, n, s, lds);
 }
 
 WEIGHTED_SUMS(KV(weighted_sums), , __m256, 8, OP256, _mm256_set1_ps, LOAD8)
@@ -110,8 +117,7 @@ static ZMM_ATTR void KV(scores_z)(const attn_job *j, const float *const *qs, int
 #undef KDECL
 #undef KFMA
     }
-    for (; t < n; t++)
-        for (int64_t qi = 0; qi < nq; qi++) s[qi * lds + t] = j->scale * KV(dot)(qs[qi], K + t * ld, dk);
+    KV(scores_tail)(j, qs, nq, K, t, n, s, lds);
 }
 
 /* KV(weighted_sums) in zmm registers, with the query heads of one row (which see the same keys: the
