@@ -481,3 +481,62 @@ def test_w8a8_amx_tiles_give_the_vnni_bits(kernel):
     # a forked child (its tile state may start reset) computes the same
     got, exitcode = _in_forked_child(packed, x)
     assert got == packed(x).numpy().tobytes() and exitcode == 0
+
+
+@pytest.fixture
+def tiles(kernel):
+    if not kernel.bf16_tiles():
+        pytest.skip("no AMX-BF16 tiles here (CPU, kernel permission, compiler or SPECPACK_AMX=0)")
+    return kernel
+
+
+def test_bf16_tiles_are_row_exact_and_near_the_exact_product(tiles):
+    """bf16 on AMX tiles: each row what it is alone, bit for bit, at any thread count, row count, bias
+    and residual (with a partial last panel and K not a multiple of 32); within 1e-5 of the magnitude
+    sum of the exact product of the activations and the rounded weights (the activations carry 16
+    significant bits); the weights are the bf16 kernel's, laid out in pairs."""
+    torch.manual_seed(5)
+    for N, K in [(1000, 576), (576, 1536), (83, 40), (64, 33), (17, 1)]:
+        w, b = torch.randn(N, K), torch.randn(N)
+        packed = tiles.pack(w, b, threads=2, weights="bf16-amx")
+        rounded = tiles.unpack(packed.weight, "bf16-amx", N, K)
+        assert torch.equal(rounded, tiles.unpack(tiles.pack(w, weights="bf16").weight, "bf16", N, K))
+        x, res = torch.randn(40, K), torch.randn(40, N)
+        single = torch.cat([packed(x[i : i + 1], residual=res[i : i + 1]) for i in range(40)])
+        assert within_tolerance(single - res, x, rounded, b), (N, K)
+        for threads in (1, 2, 3):
+            packed.threads, packed._parallel = threads, True
+            for M in (1, 2, 3, 9, 13, 16, 17, 40):
+                assert torch.equal(packed(x[:M], residual=res[:M]), single[:M]), (N, K, M, threads)
+    # a forked child (its tile state may start reset) computes the same
+    got, exitcode = _in_forked_child(packed, x)
+    assert got == packed(x).numpy().tobytes() and exitcode == 0
+
+
+def test_bf16_tiles_are_refused_where_they_do_not_run(kernel, monkeypatch):
+    monkeypatch.setattr(kl, "bf16_tiles", lambda: False)
+    with pytest.raises(TypeError, match="AMX-BF16"):
+        kernel.pack(torch.randn(16, 32), weights="bf16-amx")
+
+
+def test_bf16_asked_for_runs_on_tiles_but_the_head_and_narrowed_layers_do_not(tiles):
+    """`--weights bf16` puts every linear layer but the vocabulary head (which the greedy screen
+    recomputes columns of in the vector kernel's arithmetic) on the tiles; an fp32 model whose layers
+    hold bf16 values keeps the vector kernel, whose bits are fp32's."""
+    from torch import nn
+
+    from specpack.runtime.kernels import accelerate
+
+    def model():
+        m = nn.Module()
+        m.proj, m.lm_head = nn.Linear(64, 64), nn.Linear(64, 100)
+        return m
+
+    asked = model()
+    assert accelerate.use_cpu_kernels(asked, "bf16") == 2
+    assert (asked.proj.packed.weights, asked.lm_head.packed.weights) == ("bf16-amx", "bf16")
+    narrowed = model()
+    with torch.no_grad():
+        narrowed.proj.weight.copy_((narrowed.proj.weight * 1e6).bfloat16().float())  # beyond fp16's range
+    accelerate.use_cpu_kernels(narrowed, "fp32")
+    assert narrowed.proj.packed.weights == "bf16"

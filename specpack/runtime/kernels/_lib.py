@@ -1,4 +1,4 @@
-"""Building and loading the CPU kernels' library (pool.c, linear.c, attention.c, layers.c), once per process.
+"""Building and loading the CPU kernels' library (pool.c, linear.c, w8a8.c, bf16_tiles.c, attention.c, layers.c, ...), once per process.
 
 `pip install` builds the library as part of the package (setup.py: `_native*.so` beside these
 sources), so a machine without a C compiler still gets it. A missing or stale one (the sources
@@ -25,7 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "linear.c", "w8a8.c", "attention.c", "argmax.c", "layers.c", "decoder.c", "screen.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "linear.c", "w8a8.c", "amx.c", "bf16_tiles.c", "attention.c", "argmax.c", "layers.c", "decoder.c", "screen.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h", "attention_kv.h")]
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=gnu11", "-pthread"]
 CFLAGS = [*COMPILE_FLAGS, "-fPIC", "-shared"]
@@ -113,6 +113,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sp_w8a8_amx.argtypes = [ctypes.c_int]
     lib.sp_w8a8_amx.restype = None
     lib.sp_amx.restype = ctypes.c_int
+    lib.sp_bf16_tiles.restype = ctypes.c_int
     lib.sp_attention_avx512.argtypes = [ctypes.c_int]
     lib.sp_attention_avx512.restype = None
     lib.sp_source_hash.restype = ctypes.c_char_p

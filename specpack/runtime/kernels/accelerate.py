@@ -6,7 +6,8 @@ and plain decoding see bit-identical projections. Measured here it also beats to
 prefill-sized inputs (256 rows: lm_head 178 vs 237 ms, gate/up 8.8 vs 24 ms), so it runs everything.
 
 The weights can be kept in fp32 (as loaded), fp16, bf16 or int8 (`weights=`; see kernels/linear.py):
-activations and sums stay fp32; or in w8a8 (int8 weights and int8-rounded activations, int8 dot
+activations and sums stay fp32 (bf16 on a CPU with AMX tiles: each activation split in two bf16
+parts, 16 significant bits, bf16_tiles.c; the vocabulary head keeps the vector kernel); or in w8a8 (int8 weights and int8-rounded activations, int8 dot
 products). Each precision keeps the row-exactness above. At fp32, a layer whose
 every weight is exactly an fp16 (or bf16) value, as a checkpoint stored in 16 bits and widened at load
 is (the shipped drafter heads), is packed in that format: the kernel widens it back to the same fp32
@@ -20,7 +21,10 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from specpack.runtime.kernels.linear import FORMATS as WEIGHTS
+from specpack.runtime.kernels.linear import BF16_TILES, bf16_tiles
+from specpack.runtime.api import WEIGHTS
+
+HEAD = "lm_head"  # the vocabulary head's name in every model here (screened for greedy rows)
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +79,15 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
     elif weights == "w8a8" and not _library()[0].sp_vnni():
         log.warning("this CPU has no AVX-512 VNNI: w8a8 runs AVX2 integer tiles (the same results), about as fast as "
                     "int8 and twice as far from fp32; --weights int8 is the better int8 precision here")
+    # bf16 asked for: AMX tiles where they run (every row count alike; not the head, which the greedy
+    # screen recomputes columns of in linear.c's bf16 arithmetic)
+    tiles = BF16_TILES if weights == "bf16" and bf16_tiles() else "bf16"
     swapped, narrowed = 0, 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _eligible(child, widen and weights != "fp32"):
                 fmt = weights if weights != "fp32" or not available() else exact_format(child.weight)
-                setattr(parent, name, PackedLinearModule(child, fmt))
+                setattr(parent, name, PackedLinearModule(child, tiles if fmt == "bf16" and name != HEAD else fmt))
                 swapped, narrowed = swapped + 1, narrowed + (fmt != weights)
     if narrowed:
         log.info("%d fp32 linear layers hold only 16-bit values: packed in 16 bits (the same bits, half the bytes)",

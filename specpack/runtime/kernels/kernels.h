@@ -1,6 +1,11 @@
-/* What the kernel sources share: the thread pool (pool.c). */
+/* What the kernel sources share: the thread pool (pool.c), AMX's permission and tile configuration
+ * (amx.c), and the kernels decoder.c calls. */
 #pragma once
 #include <stdint.h>
+
+#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
+#define SP_AMX 1 /* the compiler knows AMX */
+#endif
 
 /* Per-thread scratch handed to every item: 16 x 16 floats (a partial linear panel). */
 #define SP_SCRATCH_FLOATS 256
@@ -38,6 +43,22 @@ void sp_rope_cache(float *qkv, int64_t R, int64_t ldq, int64_t H, int64_t KVH, i
                    const float *cos, const float *sin, int64_t ldc, const float *qn, const float *kn, float eps,
                    void *kc, void *vc, int kv16, int64_t slot_stride, int64_t head_stride, int64_t ld,
                    const int64_t *slot, const int64_t *write);
+
+/* AMX (amx.c): the tile data permission, asked once per process (1: granted), and a tile
+ * configuration loaded on the calling thread unless its current one has the same key (> 0). */
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} sp_tilecfg_t;
+int sp_amx_permit(void);
+void sp_amx_load(const sp_tilecfg_t *cfg, int key);
+
+/* bf16 weights on AMX tiles (bf16_tiles.c): whether they run here, and the product sp_linear hands
+ * format SP_BF16T. */
+int sp_bf16_tiles(void);
+void sp_linear_bf16t(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N,
+                     const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads);
 
 /* The norms of a row as w8a8 rounds it and of its rounding error (w8a8.c), for screen.c. */
 void sp_w8a8_norms(const float *x, int64_t K, double *hat, double *err);

@@ -36,7 +36,7 @@
 #define MR_MAX 6       /* rows per register tile: 12 accumulators + 2 weights + 1 broadcast */
 #define CHUNK_BYTES (128 * 1024) /* of weights: ~10 us of work, the most a caller waits for */
 
-enum { SP_F32 = 0, SP_F16 = 1, SP_BF16 = 2, SP_Q8 = 3, SP_W8A8 = 4 /* w8a8.c */ };
+enum { SP_F32 = 0, SP_F16 = 1, SP_BF16 = 2, SP_Q8 = 3, SP_W8A8 = 4 /* w8a8.c */, SP_BF16T = 7 /* bf16_tiles.c */ };
 #define Q8_BLOCK 32                                  /* k per int8 scale block */
 #define Q8_BLOCK_BYTES (NR * 4 + Q8_BLOCK * NR)      /* 16 fp32 scales + 32 x 16 int8 = 576 */
 
@@ -448,6 +448,7 @@ static int64_t k_bytes(int fmt) { return fmt == SP_F32 ? 64 : fmt == SP_Q8 ? Q8_
 int64_t sp_panel_bytes(int fmt, int64_t K)
 {
     if (fmt == SP_Q8 || fmt == SP_W8A8) return (K + Q8_BLOCK - 1) / Q8_BLOCK * Q8_BLOCK_BYTES;
+    if (fmt == SP_BF16T) return (K + 31) / 32 * 32 * NR * 2;
     return K * NR * (fmt == SP_F32 ? 4 : 2);
 }
 
@@ -643,6 +644,10 @@ void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w,
     if (M <= 0 || N <= 0) return;
     if (fmt == SP_W8A8) { /* int8 activations too: its own kernel */
         sp_linear_w8a8(x, M, K, ldx, w, N, bias, res, ldr, y, ldy, nthreads, prefetch, isa);
+        return;
+    }
+    if (fmt == SP_BF16T) { /* bf16 on AMX tiles: its own kernel and reduction order */
+        sp_linear_bf16t(x, M, K, ldx, w, N, bias, res, ldr, y, ldy, nthreads);
         return;
     }
     if (fmt < SP_F32 || fmt > SP_Q8) return;

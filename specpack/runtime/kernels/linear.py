@@ -6,7 +6,11 @@ bytes), int8 (llama.cpp's Q8_0 blocks: one fp32 scale per 32 k and column, a qua
 bytes plus 1/8 for the scales), or w8a8 (the same blocks, and every row of activations rounded to
 int8 blocks of 32 too: llama.cpp's Q8_0 x Q8_0 arithmetic, int8 dot products with AVX-512 VNNI,
 w8a8.c). `PackedLinear(x)` then streams every weight byte once whatever the number of rows M; the
-first four widen the weights to fp32 in registers and keep activations and sums in fp32.
+first four widen the weights to fp32 in registers and keep activations and sums in fp32. On a CPU with
+AMX tiles (Sapphire Rapids and later), `--weights bf16` packs its layers as "bf16-amx" instead
+(bf16_tiles.c: the same rounded weights in AMX's pair layout, each activation split in two bf16 parts,
+16 significant bits, fp32 sums): one tile instruction multiplies up to 16 rows, so verifying 9 rows
+costs ~1.1x one where the vector kernel's fp32 multiply-adds cost ~1.5x.
 Where the kernel cannot run (no compiler, no AVX2/F16C, a failed build, or `SPECPACK_KERNELS=0`),
 `pack` keeps an fp32 copy of the (rounded or dequantized) weight and calls `F.linear` (w8a8: its
 blocks, and `w8a8_linear`, the same integer arithmetic in torch).
@@ -15,7 +19,8 @@ Determinism: every output element is summed in the same fixed k-blocks, one FMA 
 (see linear.c), so results do not depend on M, on the thread count or on the machine's core count:
 row i of an M-row product is bit-identical to the product of row i alone, in every format.
 Speculative and plain greedy decoding therefore see the same logits. fp16/bf16 results are
-bit-identical to the fp32 kernel on the rounded weights; they differ from `F.linear`'s in the last
+bit-identical to the fp32 kernel on the rounded weights (bf16-amx: within ~1e-5 relative of them, a
+model packs every row count alike); they differ from `F.linear`'s in the last
 bits (another summation order). w8a8 quantizes each row on its own and sums integers exactly, so it
 keeps the same row-exactness (and its AVX2 tiles, on CPUs without VNNI, give the same bits).
 """
@@ -39,7 +44,9 @@ NR = 16  # output columns per panel (linear.c)
 Q8_BLOCK = 32  # k per int8 scale block (linear.c)
 Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
 # weight format name -> linear.c's code
-FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4}
+FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4, "bf16-amx": 7}
+BF16_TILES = "bf16-amx"  # bf16 on AMX tiles (bf16_tiles.c): packed only where `bf16_tiles()` says they run
+TILE_K = 32  # k per AMX block (bf16_tiles.c)
 QUANTIZED = ("int8", "w8a8")  # the formats in Q8_0 blocks
 ISAS = ("avx2", "avx512")  # the tile sets (linear.c): the same bits, AVX-512 where the CPU has it
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -112,6 +119,27 @@ def pack_w8a8(weight: Tensor) -> Tensor:
     return out
 
 
+def pack_bf16_tiles(weight: Tensor) -> Tensor:
+    """[N, K] -> [ceil(N/16), ceil(K/32), 16, 16, 2] bf16 (rounded to nearest, zero past N and K): panel p,
+    block b, pair i, column j holds W[16p + j, 32b + 2i] and W[16p + j, 32b + 2i + 1] (bf16_tiles.c)."""
+    N, K = weight.shape
+    P, B = -(-N // NR), -(-K // TILE_K)
+    out = torch.empty(P, B, TILE_K // 2, NR, 2, dtype=torch.bfloat16)
+    _advise_huge_pages(out)
+    for p0 in range(0, P, PACK_PANELS):
+        p1 = min(P, p0 + PACK_PANELS)
+        w = torch.zeros((p1 - p0) * NR, B * TILE_K)
+        w[: max(0, min(N, p1 * NR) - p0 * NR), :K] = weight[p0 * NR: p1 * NR].float()
+        out[p0:p1] = w.view(p1 - p0, NR, B, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
+    return out
+
+
+def bf16_tiles() -> bool:
+    """Whether bf16 weights can run on AMX tiles here (AMX-BF16, AVX512-BF16, the OS's permission, the
+    kernel library; SPECPACK_AMX=0 says no)."""
+    return available() and bool(_library()[0].sp_bf16_tiles())
+
+
 def q8_values(panels: Tensor, weights: str) -> tuple[Tensor, Tensor]:
     """The Q8_0 blocks of packed int8 or w8a8 panels: values [N', B, 32] (as floats, N' = panels x 16)
     and scales [N', B]."""
@@ -128,6 +156,8 @@ def q8_values(panels: Tensor, weights: str) -> tuple[Tensor, Tensor]:
 def unpack(panels: Tensor, weights: str, N: int, K: int) -> Tensor:
     """The fp32 [N, K] weight the kernel computes with (rounded or dequantized): the inverse of
     `pack_panels` / `pack_q8` / `pack_w8a8` (w8a8 also rounds its activations: see `w8a8_linear`)."""
+    if weights == BF16_TILES:
+        return panels.float().permute(0, 3, 1, 2, 4).reshape(len(panels) * NR, -1)[:N, :K].contiguous()
     if weights not in QUANTIZED:
         return panels.float().transpose(1, 2).reshape(-1, K)[:N]
     q, scales = q8_values(panels, weights)
@@ -164,6 +194,8 @@ def _packed(weight: Tensor, weights: str) -> Tensor:
         return pack_q8(weight)
     if weights == "w8a8":
         return pack_w8a8(weight)
+    if weights == BF16_TILES:
+        return pack_bf16_tiles(weight)
     return pack_panels(weight, _HALF.get(weights, torch.float32))
 
 
@@ -191,8 +223,10 @@ class PackedLinear:
             raise TypeError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
         self.weights = weights
         self.bias = None if bias is None else bias.detach().float().contiguous()
+        if weights == BF16_TILES and not bf16_tiles():
+            raise TypeError(f"{BF16_TILES} weights need AMX-BF16 tiles, which do not run here: use bf16")
         self.backend = "avx2" if available() else "torch"
-        tuned = _settings(weights) if self.backend == "avx2" else {}
+        tuned = _settings("bf16" if weights == BF16_TILES else weights) if self.backend == "avx2" else {}
         self.threads = threads or tuned.get("threads") or default_threads()
         self.group, self.prefetch = tuned.get("group", 1), tuned.get("prefetch", 128)
         self.isa = isa_bits(tuned)

@@ -24,12 +24,9 @@
 #include <cpuid.h>
 #include <immintrin.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
 #include "kernels.h"
 
@@ -315,13 +312,8 @@ int sp_vnni(void) { return vnni_ok(); }
  * 16 rows (tile A: rows x 32 bytes, exactly the quantized rows' block-major layout) by a block of a
  * panel's weights (tile B: 8 x 64 bytes, exactly the VNNI order panels are stored in) into 16 x 16
  * int32 sums: the contract's integer sums plus c, exact, so subtracting c and folding as the VNNI
- * tiles fold gives the same bits. The kernel must grant the process the tile data state
- * (arch_prctl), and a thread loads a tile configuration (for its slab's row count) before use.
- * SPECPACK_AMX=0, or sp_w8a8_amx(0), keeps the VNNI tiles. */
-#if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11)
-#define SP_AMX 1 /* the compiler knows AMX */
-#endif
-
+ * tiles fold gives the same bits. The permission and the per-thread configuration (for the slab's
+ * row count) are amx.c's. SPECPACK_AMX=0, or sp_w8a8_amx(0), keeps the VNNI tiles. */
 static int amx_on = 1;
 void sp_w8a8_amx(int on) { amx_on = on; }
 
@@ -335,49 +327,31 @@ static void amx_slab(const qjob_t *j, const char *w, int np, int64_t m0, int64_t
 }
 #else
 #define AMX __attribute__((target("amx-tile,amx-int8,avx512f,avx512bw,avx512vl,avx2,fma")))
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-static __thread int amx_rows; /* the row count this thread's tile configuration is for (0: none) */
-
-/* A forked child may start with its tile state reset: load the configuration again on first use. */
-static void amx_after_fork(void) { amx_rows = 0; }
 
 static int amx_ok(void)
 {
     static int ok = -1;
     if (ok < 0) {
         unsigned a, b, c, d;
-        const char *env = getenv("SPECPACK_AMX");
-        ok = vnni_ok() && !(env && env[0] == '0') && __get_cpuid_count(7, 0, &a, &b, &c, &d)
-             && (d >> 24 & 1) && (d >> 25 & 1) /* AMX-TILE, AMX-INT8 */
-             && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0
-             && pthread_atfork(NULL, NULL, amx_after_fork) == 0;
+        ok = vnni_ok() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 25 & 1) /* AMX-INT8 */
+             && sp_amx_permit();
     }
     return ok;
 }
 
 int sp_amx(void) { return amx_ok(); }
 
-typedef struct __attribute__((packed)) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tilecfg_t;
-
 /* Tiles: 0 the rows' activations of a block (A), 1 and 2 weight blocks (B, alternating), 3-6 the
  * int32 sums of up to four panels (C). */
-static AMX void amx_config(int rows)
+static void amx_config(int rows)
 {
-    if (amx_rows == rows) return;
-    tilecfg_t cfg;
+    sp_tilecfg_t cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     cfg.rows[0] = (uint8_t)rows, cfg.colsb[0] = QB;
     for (int t = 1; t <= 2; t++) cfg.rows[t] = QG, cfg.colsb[t] = 64;
     for (int t = 3; t <= 6; t++) cfg.rows[t] = (uint8_t)rows, cfg.colsb[t] = NR * 4;
-    _tile_loadconfig(&cfg);
-    amx_rows = rows;
+    sp_amx_load(&cfg, rows); /* keys 1-16 (bf16_tiles.c: 17-32) */
 }
 
 /* Rows [m0, m0 + ms) (3 <= ms <= 16) times np (1, 2 or 4) adjacent panels from `w`: block b's
