@@ -17,7 +17,11 @@
  * Each tile element is computed from its own row and column only, so row i of an M-row product is
  * bit-identical to the 1-row product of row i, on any thread count. The bits are not linear.c's bf16
  * kernel's (that one sums exact fp32 products of unsplit x): a model runs one or the other for every
- * row count (kernels/linear.py chooses at pack time), never both. */
+ * row count (kernels/linear.py chooses at pack time), never both.
+ *
+ * fp16 weights stay on the vector kernel: the tiles multiply bf16 only, and splitting each fp16 block
+ * into two bf16 blocks as it is read (three tile products per block) made SmolLM2's layers slower at
+ * one row (14.0-15.3 ms against 11.3-11.5) and no faster at nine (15.0-16.3 against 15.3-15.7). */
 #pragma GCC optimize("fp-contract=off")
 #define _GNU_SOURCE
 #include <cpuid.h>
@@ -112,6 +116,7 @@ static inline TILES __attribute__((always_inline)) void panels(
     _tile_stored(4, out, ldo * 4);
     if (np > 1) _tile_stored(5, out + NR, ldo * 4);
     if (np > 2) { _tile_stored(6, out + 2 * NR, ldo * 4); _tile_stored(7, out + 3 * NR, ldo * 4); }
+    SP_TILE_FENCE();
     if (!bias && !res) return;
     for (int64_t i = 0; i < ms; i++)
         for (int q = 0; q < np; q++) {

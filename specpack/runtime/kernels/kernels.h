@@ -52,6 +52,11 @@ typedef struct __attribute__((packed)) {
     uint8_t rows[16];
 } sp_tilecfg_t;
 int sp_amx_permit(void);
+/* GCC's AMX tile load and store intrinsics are asm statements that do not tell the compiler they read
+ * or write memory, so it may move (or drop) plain stores and loads of the same data across them: a
+ * compiler barrier between the two, wherever a tile reads what the code wrote or the code reads what a
+ * tile stored. */
+#define SP_TILE_FENCE() __asm__ volatile("" ::: "memory")
 void sp_amx_load(const sp_tilecfg_t *cfg, int key);
 
 /* bf16 weights on AMX tiles (bf16_tiles.c): whether they run here, and the product sp_linear hands

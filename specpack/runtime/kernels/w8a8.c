@@ -381,6 +381,7 @@ static inline AMX __attribute__((always_inline)) void amx_panels(
             if (np > 1) _tile_stored(4, s[1], NR * 4);
             if (np > 2) _tile_stored(5, s[2], NR * 4);
             if (np > 3) _tile_stored(6, s[3], NR * 4);
+            SP_TILE_FENCE();
         }
         if (b == 0) continue;
         const int64_t bp = b - 1, at = bp * j->M + m0;
