@@ -8,16 +8,16 @@
 # head, the EAGLE-3 head's 4096-token draft vocabulary (target lm_head rows, frozen); DeepSpec's losses
 # (0.1 CE + 0.9 L1, decay exp(-q/4), confidence BCE), 64 anchor blocks per window of 256 positions.
 #
-# Time on the idle 2-core dev machine, 2 threads (estimated from short runs; the full run has not been made yet):
-#   data: as the EAGLE-3 run, 1808 sequences at ~1.45 sequences/s: ~21 min (none with its cache)
-#   training: 1500 steps of 4 windows x 64 blocks x 5 slots, ~0.75 s/step: ~19 min. A step is ~61 G multiply-adds
-#             against ~65 G for an EAGLE-3 step (0.8 s idle); side by side on the shared, loaded
-#             machine it took 0.7-1.4x an EAGLE-3 step (2.3-4.1 s). Validation (88 held-out sequences) ~1 min
-#   evaluation (5 prompts per workload, 4 modes): ~3 min; total ~44 min (~23 min after the EAGLE-3 run)
+# Measured 2026-12-02 on the 2-core dev machine (Intel Xeon), 2 threads (the shipped head heads/smollm2-135m-dspark):
+#   data: as the EAGLE-3 run, 1808 sequences, ~22 min (none with its cache; 1.1-3 sequences/s)
+#   training: 3000 steps of 4 windows x 64 blocks x 5 slots, 0.67 s/step idle: 44 min (with pauses).
+#             Validation (88 held-out sequences): agreement 0.40 / 0.36 / 0.34 / 0.31 / 0.30 at slots 1-5,
+#             est. AL 1.70 (1500 steps: 0.35 / 0.31 / 0.28 / 0.26 / 0.25, est. AL 1.57)
+#   evaluation (5 prompts per workload, 4 modes): ~2 min
 #
 #   bash bench/distill_smollm2_dspark.sh [OUT_DIR]        (default OUT_DIR: heads/smollm2-135m-dspark)
 #
-# All cores (SPECPACK_THREADS to change). STEPS=N sets the training steps (default 1500), SAMPLES=N the
+# All cores (SPECPACK_THREADS to change). STEPS=N sets the training steps (default 3000), SAMPLES=N the
 # continuations per seed prompt (default 4; a new number generates a new data set). Generated data
 # and features are cached under $SPECPACK_CACHE/distill and training checkpoints into OUT_DIR, so a re-run
 # after Ctrl-C resumes. SKIP_EVAL=1 skips the measurement; PER_WORKLOAD=N sets how many held-out prompts of
