@@ -10,7 +10,7 @@ Prints tokens/s, the ratios, acceptance length, whether outputs are identical, a
 verify forward over 8 new tokens vs 1.
 
     python bench/decode.py [--max-new-tokens 128] [--per-workload 3] [--no-hf] [--no-llama]
-                           [--eagle3-tree DEPTHxTOPKxNODES | none]
+                           [--eagle3-tree DEPTHxTOPKxNODES | none] [--weights fp32|fp16|bf16|int8|w8a8]
 """
 
 from __future__ import annotations
@@ -69,10 +69,10 @@ def humaneval_prompts(n: int) -> list[str]:
 
 
 class Specpack:
-    def __init__(self, artifact, pub):
+    def __init__(self, artifact, pub, weights: str = "fp32"):
         import specpack
 
-        self.model = specpack.load(artifact, public_key=pub)
+        self.model = specpack.load(artifact, public_key=pub, weights=weights)
         self.tok = self.model.tokenizer
 
     def run(self, ids, max_new, spec, draft_len=8, adaptive=True, tree=None):
@@ -207,12 +207,14 @@ def main() -> None:
     ap.add_argument("--eagle3-draft-len", type=int, default=3, help="EAGLE-3 column: draft length (fixed)")
     ap.add_argument("--eagle3-tree", default="5x4x12",
                     help="EAGLE-3 tree column: DEPTHxTOPKxNODES of its dynamic draft trees, or 'none'")
+    ap.add_argument("--weights", default="fp32", help="the specpack columns' weight precision (bench/precision.py "
+                    "compares precisions against llama.cpp's matching GGUFs; the columns here stay F32 and fp32)")
     args = ap.parse_args()
 
     from specpack.demo import cache_dir, find_gguf, prepare, prepare_eagle3
 
     artifact, pub = prepare(cache_dir(), lambda s: print(s, file=sys.stderr))
-    sp = Specpack(artifact, pub)
+    sp = Specpack(artifact, pub, args.weights)
     tok, eos = sp.tok, set(sp.model.target.spec.eos_token_ids)
     one, nine, ratio = sp.verify_ratio()
     print(f"specpack target forward: 1 token {one:.1f} ms, 9 tokens {nine:.1f} ms -> ratio {ratio:.2f} "
@@ -221,7 +223,7 @@ def main() -> None:
                "specpack n-gram": lambda ids: sp.run(ids, args.max_new_tokens, True, args.draft_len)}
     eagle3 = prepare_eagle3(cache_dir(), lambda s: print(s, file=sys.stderr))
     if eagle3 is not None:  # the head shipped in heads/ (bash bench/distill_smollm2.sh)
-        sp_e = Specpack(eagle3, pub)
+        sp_e = Specpack(eagle3, pub, args.weights)
         engines["specpack EAGLE-3"] = lambda ids: sp_e.run(ids, args.max_new_tokens, True, args.eagle3_draft_len,
                                                            adaptive=False)
         if args.eagle3_tree != "none":

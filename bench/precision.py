@@ -1,6 +1,7 @@
 """Each weight precision on the embedded SmolLM2-135M, side by side in one run.
 
-For every `--weights` (fp32, fp16, bf16, int8, w8a8: `specpack.load(..., weights=...)`):
+For every `--weights` (fp32, fp16, bf16, int8, w8a8: `specpack.load(..., weights=...)`; bf16-vector: bf16
+on the vector kernel where `--weights bf16` runs AMX tiles, to compare the two):
 
   distance from fp32   the largest |logit difference| to fp32 over every position of the benchmark
                        prompts followed by fp32's greedy continuation (one teacher-forced forward),
@@ -20,7 +21,7 @@ For every `--weights` (fp32, fp16, bf16, int8, w8a8: `specpack.load(..., weights
 It prints the CPU model, the memory bandwidth one copy reaches and how busy the CPUs were before
 each phase: figures from a shared machine are only comparable within one run.
 
-    python bench/precision.py [--weights fp32,fp16,bf16,int8,w8a8] [--max-new-tokens 64] [--per-workload 2]
+    python bench/precision.py [--weights fp32,fp16,bf16,bf16-vector,int8,w8a8] [--max-new-tokens 64] [--per-workload 2]
                               [--no-decode] [--no-llama] [--rows 1,9,16,32]
 """
 
@@ -39,7 +40,7 @@ import torch  # noqa: E402
 from decode import WORKLOADS, LlamaCpp, chat_ids, f32_gguf, humaneval_prompts, rewrite_gguf  # noqa: E402
 from kernels import busy_fraction, median_ms  # noqa: E402
 
-GGUF_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "F16", "int8": "Q8_0", "w8a8": "Q8_0"}  # llama.cpp's nearest precision
+GGUF_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "F16", "bf16-vector": "F16", "int8": "Q8_0", "w8a8": "Q8_0"}  # llama.cpp's nearest precision
 
 
 def machine() -> str:
@@ -71,9 +72,18 @@ def prompts(tok, per_workload: int) -> dict[str, list[list[int]]]:
 
 
 def load(artifact, pub, weights: str):
+    """The artifact at `weights`; "bf16-vector" is bf16 on the vector kernel where the CPU has AMX tiles
+    (which `--weights bf16` runs on), for the two side by side."""
     import specpack
+    from specpack.runtime.kernels import accelerate
 
-    return specpack.load(artifact, public_key=pub, weights=weights)
+    if weights != "bf16-vector":
+        return specpack.load(artifact, public_key=pub, weights=weights)
+    tiles, accelerate.bf16_tiles = accelerate.bf16_tiles, lambda: False
+    try:
+        return specpack.load(artifact, public_key=pub, weights="bf16")
+    finally:
+        accelerate.bf16_tiles = tiles
 
 
 def distance(models: dict, ids_list: list[list[int]], max_new: int) -> dict:
@@ -189,7 +199,7 @@ def main() -> None:
           f"every logit, and greedy rows (the head screened: kernels/screen.py); {busy()}")
     table = forward_table(models, rows, [t for ids in every for t in ids])
     for (w, greedy), ms in sorted(table.items(), key=lambda kv: kv[0][1]):
-        print(f"{w:5s} {'greedy' if greedy else 'logits'} " + "  ".join(f"{n} rows {ms[n]:6.2f}" for n in rows)
+        print(f"{w:11s} {'greedy' if greedy else 'logits'} " + "  ".join(f"{n} rows {ms[n]:6.2f}" for n in rows)
               + (f"  t(9)/t(1) {ms[9] / ms[1]:.2f}" if 9 in ms and 1 in ms else ""))
 
     if not args.no_decode:
@@ -199,7 +209,7 @@ def main() -> None:
 def print_distance(models, every, max_new) -> None:
     print(f"\n## distance from fp32 ({len(every)} prompts, {max_new} greedy tokens each)")
     for w, (d, eq, pre) in distance(models, every, max_new).items():
-        print(f"{w:5s} max |logit diff| {d:.2e}; greedy equal on {eq}/{len(every)} prompts; "
+        print(f"{w:11s} max |logit diff| {d:.2e}; greedy equal on {eq}/{len(every)} prompts; "
               f"equal up to the first difference: {pre:.0%} of the tokens (mean)")
 
 
@@ -216,7 +226,7 @@ def run_decode(args, models, eagle3, pub, by_workload) -> None:
             full, _, fd = decode(m, ids_list, args.max_new_tokens, False, 1)
             m.target.screen = screen
             spec, s, _ = decode(m, ids_list, args.max_new_tokens, True, args.draft_len)
-            line = (f"{wl:16s} {w:5s} plain {p:6.1f} (decode {pd:6.1f}; without the screen {fd:6.1f}, "
+            line = (f"{wl:16s} {w:11s} plain {p:6.1f} (decode {pd:6.1f}; without the screen {fd:6.1f}, "
                     f"{pd / fd:.2f}x, same: {full == plain})  n-gram {s:6.1f} ({s / p:.2f}x, same: {spec == plain})")
             if w in eagles:
                 e_out, e, _ = decode(eagles[w], ids_list, args.max_new_tokens, True, 3, adaptive=False)
