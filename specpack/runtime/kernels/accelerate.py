@@ -7,8 +7,9 @@ prefill-sized inputs (256 rows: lm_head 178 vs 237 ms, gate/up 8.8 vs 24 ms), so
 
 The weights can be kept in fp32 (as loaded), fp16, bf16 or int8 (`weights=`; see kernels/linear.py):
 activations and sums stay fp32 (bf16 on a CPU with AMX tiles: each activation split in two bf16
-parts, 16 significant bits, bf16_tiles.c; the vocabulary head keeps the vector kernel); or in w8a8 (int8 weights and int8-rounded activations, int8 dot
-products). Each precision keeps the row-exactness above. At fp32, a layer whose
+parts, 16 significant bits, bf16_tiles.c; the vocabulary head keeps the vector kernel); or in w8a8
+(int8 weights and int8-rounded activations, int8 dot products). Each precision keeps the
+row-exactness above. At fp32, a layer whose
 every weight is exactly an fp16 (or bf16) value, as a checkpoint stored in 16 bits and widened at load
 is (the shipped drafter heads), is packed in that format: the kernel widens it back to the same fp32
 values, so the bits are the same, and it streams half the bytes (an EAGLE-3 head's draft step: ~2x).
