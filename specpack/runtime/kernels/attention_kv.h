@@ -64,8 +64,6 @@ static void KV(scores)(const attn_job *j, const float *const *qs, int64_t nq, co
             }
             _mm256_storeu_ps(s + qi * lds + t, _mm256_mul_ps(scale, r));
         }
-#undef KEYS
-#undef KPTR
 #undef KDECL
 #undef KFMA
     }
@@ -88,9 +86,7 @@ static ZMM_ATTR void KV(scores_z)(const attn_job *j, const float *const *qs, int
     const __m256 scale = _mm256_set1_ps(j->scale);
     int64_t t = 0;
     for (; t + 8 <= n; t += 8) {
-#define KEYS(X) X(0) X(1) X(2) X(3) X(4) X(5) X(6) X(7)
-#define KPTR(i) const KV_T *k##i = K + (t + i) * ld;
-        KEYS(KPTR)
+        KEYS(KPTR) /* KV(scores)'s macros, still defined */
         for (int64_t q0 = 0; q0 < nq; q0 += 3) {
             const int64_t w = nq - q0 < 3 ? nq - q0 : 3; /* past the last query: the first again, not stored */
             const float *qa = qs[q0], *qb = qs[w > 1 ? q0 + 1 : q0], *qc = qs[w > 2 ? q0 + 2 : q0];

@@ -36,7 +36,6 @@
 #define NR 16                     /* output columns per panel */
 #define KT 32                     /* k per block: 16 pairs, one tile row of 64 bytes */
 #define BLOCK_BYTES (KT * NR * 2) /* 1 KB */
-#define CHUNK_BYTES (128 * 1024)
 /* Blocks ahead each panel's stream is prefetched (into L1). SmolLM2's decoder layers at bf16, 2 threads,
  * 1 / 9 / 16 rows: none 10.5 / 10.9 / 12.1 ms, one block 10.2 / 10.5 / 11.0, two 9.6 / 10.2 / 11.1, three
  * 9.7 / 10.3 / 11.1 (into L2 instead: 9.9 / 11.2 / 12.5 at two blocks); the vector kernel 10.6 / 13.6 / 19.1. */
@@ -138,8 +137,9 @@ static TILES void slab_tiles(const tjob_t *j, const char *w, int np, int64_t m0,
 
 /* Rows [m0, m0 + ms) times panels [p, p + np): full panels straight into y, a partial last one
  * (np = 1) through scratch [16][16]. */
-static void slab(const tjob_t *j, int64_t p, int np, int64_t m0, int64_t ms, float *scratch)
+static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, float *scratch)
 {
+    const tjob_t *j = job;
     const int64_t n0 = p * NR, cols = j->N - n0 < NR * np ? j->N - n0 : NR * np;
     const int full = cols == NR * np;
     float bias[4 * NR] = {0};
@@ -148,22 +148,6 @@ static void slab(const tjob_t *j, int64_t p, int np, int64_t m0, int64_t ms, flo
                full ? j->ldy : NR, j->bias ? bias : 0, full && j->res ? j->res + m0 * j->ldr + n0 : 0);
     if (!full)
         sp_store_partial(scratch, m0, ms, n0, cols, j->res, j->ldr, j->y, j->ldy);
-}
-
-/* Work item g: panels [4g, 4g + 4), four at once where all are full, else a full pair and single
- * panels (a partial panel is the last), every row in slabs of 16. */
-static void panel_item(const void *job, int64_t g, float *scratch)
-{
-    const tjob_t *j = job;
-    const int64_t P = (j->N + NR - 1) / NR, p0 = 4 * g, p1 = p0 + 4 < P ? p0 + 4 : P;
-    for (int64_t m0 = 0; m0 < j->M; m0 += 16) {
-        const int64_t ms = j->M - m0 < 16 ? j->M - m0 : 16;
-        for (int64_t p = p0; p < p1;) {
-            const int np = (p + 4) * NR <= j->N && p + 4 <= p1 ? 4 : (p + 2) * NR <= j->N && p + 2 <= p1 ? 2 : 1;
-            slab(j, p, np, m0, ms, scratch);
-            p += np;
-        }
-    }
 }
 
 /* Row x's 16 values from `x` (n of them; zeros past) split into hi and lo (see the top). */
@@ -187,39 +171,22 @@ static TILES void split_rows(const float *x, int64_t M, int64_t K, int64_t ldx, 
         }
 }
 
-/* The split rows of one call; kept per thread and grown as needed (no allocation per call). */
-static __thread struct { void *mem; int64_t bytes; } rows_buf;
-
-static void *rows_memory(int64_t bytes)
-{
-    if (bytes > rows_buf.bytes) {
-        free(rows_buf.mem);
-        rows_buf.bytes = 0;
-        rows_buf.mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!rows_buf.mem) return 0;
-        rows_buf.bytes = bytes;
-    }
-    return rows_buf.mem;
-}
-
 void sp_linear_bf16t(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N,
                      const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads)
 {
     const int64_t B = (K + KT - 1) / KT;
-    uint16_t *mem = sp_bf16_tiles() && B > 0 ? rows_memory(2 * M * B * KT * 2) : 0;
-    if (!mem) { /* no k, no tiles (the format is packed only where they run) or no memory */
+    if (B == 0) { /* no k: the sums are empty */
+        sp_empty_product(M, N, bias, res, ldr, y, ldy);
+        return;
+    }
+    uint16_t *mem = sp_bf16_tiles() ? sp_rows_memory(2 * M * B * KT * 2) : 0;
+    if (!mem) { /* no tiles (the format is packed only where they run) or no memory: NaNs, never stale */
         for (int64_t i = 0; i < M; i++)
-            for (int64_t n = 0; n < N; n++) {
-                const float v = B > 0 ? NAN : bias ? 0.0f + bias[n] : 0.0f;
-                y[i * ldy + n] = res && B == 0 ? res[i * ldr + n] + v : v;
-            }
+            for (int64_t n = 0; n < N; n++) y[i * ldy + n] = NAN;
         return;
     }
     split_rows(x, M, K, ldx, B, mem, mem + M * B * KT);
     const tjob_t job = {mem, mem + M * B * KT, w, bias, res, y, M, N, B, ldy, ldr};
-    /* chunks of at most CHUNK_BYTES, and at least 4 per thread (small layers: a balanced finish) */
-    const int64_t items = (N + 4 * NR - 1) / (4 * NR), by_bytes = CHUNK_BYTES / (4 * B * BLOCK_BYTES);
-    const int64_t balanced = items / (4 * (nthreads > 1 ? nthreads : 1));
-    sp_parallel(panel_item, &job, items, by_bytes < balanced ? by_bytes : balanced, nthreads);
+    sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES, nthreads);
 }
 #endif

@@ -20,9 +20,21 @@ void sp_parallel(void (*fn)(const void *job, int64_t item, float *scratch), cons
 /* Whether the CPU and OS run AVX-512F/BW/VL (linear.c). */
 int sp_avx512(void);
 
-/* A partial panel's rows from scratch into y, residual added (linear.c; w8a8.c uses it too). */
+/* What the panel kernels share (linear.c; w8a8.c and bf16_tiles.c use them): a partial panel's rows
+ * from scratch into y, residual added; */
 void sp_store_partial(const float *scratch, int64_t m0, int64_t ms, int64_t n0, int64_t cols, const float *res,
                       int64_t ldr, float *y, int64_t ldy);
+/* a call's activation scratch (quantized or split rows), per thread, grown as needed (NULL: no memory); */
+void *sp_rows_memory(int64_t bytes);
+/* y = res + bias for a product over no k (bias, res: NULL for none); */
+void sp_empty_product(int64_t M, int64_t N, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy);
+/* and the product of M rows by N columns over the pool: groups of four panels (`group_bytes` of weights
+ * each) per work item, four at once where all are full, else a full pair and single panels (a partial
+ * panel is the last), every row in slabs of 16, each slab(job, p, np, m0, ms, scratch) computing rows
+ * [m0, m0 + ms) times panels [p, p + np); chunks of at most 128 KB of weights, and at least four per
+ * thread (small layers: a balanced finish). */
+typedef void (*sp_slab_fn)(const void *job, int64_t p, int np, int64_t m0, int64_t ms, float *scratch);
+void sp_parallel_slabs(sp_slab_fn slab, const void *job, int64_t M, int64_t N, int64_t group_bytes, int nthreads);
 
 /* The kernels a decoder layer is made of (linear.c, attention.c, layers.c), for decoder.c. */
 void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int fmt, int64_t N,

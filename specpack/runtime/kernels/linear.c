@@ -28,6 +28,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -481,6 +482,59 @@ void sp_store_partial(const float *scratch, int64_t m0, int64_t ms, int64_t n0, 
         else
             memcpy(yi, si, cols * sizeof(float));
     }
+}
+
+/* The activation scratch of one call, kept per thread and grown as needed (no allocation per call). */
+static __thread struct { void *mem; int64_t bytes; } rows_buf;
+
+void *sp_rows_memory(int64_t bytes)
+{
+    if (bytes > rows_buf.bytes) {
+        free(rows_buf.mem);
+        rows_buf.bytes = 0;
+        rows_buf.mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!rows_buf.mem) return 0;
+        rows_buf.bytes = bytes;
+    }
+    return rows_buf.mem;
+}
+
+void sp_empty_product(int64_t M, int64_t N, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy)
+{
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t n = 0; n < N; n++) {
+            const float v = bias ? 0.0f + bias[n] : 0.0f;
+            y[i * ldy + n] = res ? res[i * ldr + n] + v : v;
+        }
+}
+
+typedef struct {
+    sp_slab_fn slab;
+    const void *job;
+    int64_t M, N;
+} slabs_t;
+
+/* Work item g of sp_parallel_slabs: panels [4g, 4g + 4). */
+static void slab_group(const void *arg, int64_t g, float *scratch)
+{
+    const slabs_t *s = arg;
+    const int64_t P = (s->N + NR - 1) / NR, p0 = 4 * g, p1 = p0 + 4 < P ? p0 + 4 : P;
+    for (int64_t m0 = 0; m0 < s->M; m0 += 16) {
+        const int64_t ms = s->M - m0 < 16 ? s->M - m0 : 16;
+        for (int64_t p = p0; p < p1;) {
+            const int np = (p + 4) * NR <= s->N && p + 4 <= p1 ? 4 : (p + 2) * NR <= s->N && p + 2 <= p1 ? 2 : 1;
+            s->slab(s->job, p, np, m0, ms, scratch);
+            p += np;
+        }
+    }
+}
+
+void sp_parallel_slabs(sp_slab_fn slab, const void *job, int64_t M, int64_t N, int64_t group_bytes, int nthreads)
+{
+    const slabs_t s = {slab, job, M, N};
+    const int64_t items = (N + 4 * NR - 1) / (4 * NR), by_bytes = CHUNK_BYTES / (group_bytes > 0 ? group_bytes : 1);
+    const int64_t balanced = items / (4 * (nthreads > 1 ? nthreads : 1));
+    sp_parallel(slab_group, &s, items, by_bytes < balanced ? by_bytes : balanced, nthreads);
 }
 
 /* Rows [m0, m0 + ms) (ms <= 16) times panel p. Rows go in ceil(ms/6) balanced tiles (8 rows: 4 +

@@ -89,6 +89,14 @@ def pack_panels(weight: Tensor, dtype=torch.float32) -> Tensor:
     return panels
 
 
+def _padded_rows(weight: Tensor, p0: int, p1: int, width: int) -> Tensor:
+    """The rows of panels [p0, p1) of `weight` [N, K] as fp32 [(p1 - p0) * 16, width], zero past N and K."""
+    N, K = weight.shape
+    w = torch.zeros((p1 - p0) * NR, width)
+    w[: max(0, min(N, p1 * NR) - p0 * NR), :K] = weight[p0 * NR: p1 * NR].float()
+    return w
+
+
 def pack_q8(weight: Tensor) -> Tensor:
     """[N, K] -> [ceil(N/16), ceil(K/32), 576] bytes: per panel and block of 32 k, the 16 columns'
     scales (fp32, amax / 127) then the 32 x 16 int8 values round(W / scale), k-major."""
@@ -100,9 +108,8 @@ def pack_q8(weight: Tensor) -> Tensor:
     q = out[..., NR * 4:].view(torch.int8).view(P, B, Q8_BLOCK, NR)
     for p0 in range(0, P, PACK_PANELS):
         p1 = min(P, p0 + PACK_PANELS)
-        w = torch.zeros((p1 - p0) * NR, B * Q8_BLOCK)
-        w[: max(0, min(N, p1 * NR) - p0 * NR), :K] = weight[p0 * NR: p1 * NR].float()
-        w = w.view(p1 - p0, NR, B, Q8_BLOCK).permute(0, 2, 3, 1)  # [p, B, 32 (k), 16 (column)]
+        w = _padded_rows(weight, p0, p1, B * Q8_BLOCK).view(p1 - p0, NR, B, Q8_BLOCK)
+        w = w.permute(0, 2, 3, 1)  # [p, B, 32 (k), 16 (column)]
         d = w.abs().amax(dim=2) / 127  # [p, B, 16]
         scales[p0:p1] = d
         q[p0:p1] = torch.where(d[:, :, None] > 0, w / d[:, :, None], 0).round().clamp(-127, 127)
@@ -128,9 +135,8 @@ def pack_bf16_tiles(weight: Tensor) -> Tensor:
     _advise_huge_pages(out)
     for p0 in range(0, P, PACK_PANELS):
         p1 = min(P, p0 + PACK_PANELS)
-        w = torch.zeros((p1 - p0) * NR, B * TILE_K)
-        w[: max(0, min(N, p1 * NR) - p0 * NR), :K] = weight[p0 * NR: p1 * NR].float()
-        out[p0:p1] = w.view(p1 - p0, NR, B, TILE_K // 2, 2).permute(0, 2, 3, 1, 4)
+        w = _padded_rows(weight, p0, p1, B * TILE_K).view(p1 - p0, NR, B, TILE_K // 2, 2)
+        out[p0:p1] = w.permute(0, 2, 3, 1, 4)
     return out
 
 

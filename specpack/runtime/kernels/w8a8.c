@@ -34,7 +34,6 @@
 #define QB 32                         /* k per block (one weight scale, one activation scale) */
 #define QG (QB / 4)                   /* groups of 4 k per block */
 #define BLOCK_BYTES (NR * 4 + QB * NR) /* 16 fp32 scales + 32 x 16 bytes = 576 */
-#define CHUNK_BYTES (128 * 1024)
 
 typedef struct {
     const int8_t *q;     /* [B][M][QB] the quantized rows, block-major */
@@ -418,8 +417,9 @@ static AMX void amx_slab(const qjob_t *j, const char *w, int np, int64_t m0, int
 
 /* Rows [m0, m0 + ms) (ms <= 16) times panels [p, p + np): full panels straight into y, a partial
  * last one through scratch [16][16]. */
-static void slab(const qjob_t *j, int64_t p, int np, int64_t m0, int64_t ms, float *scratch)
+static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, float *scratch)
 {
+    const qjob_t *j = job;
     const int64_t n0 = p * NR, cols = j->N - n0 < NR * np ? j->N - n0 : NR * np;
     const int full = cols == NR * np;
     float *out = full ? j->y + m0 * j->ldy + n0 : scratch;
@@ -451,50 +451,15 @@ static void slab(const qjob_t *j, int64_t p, int np, int64_t m0, int64_t ms, flo
         sp_store_partial(scratch, m0, ms, n0, cols, j->res, j->ldr, j->y, j->ldy);
 }
 
-/* Work item g: panels [4g, 4g + 4), together where all four are full, else in a full pair and
- * single panels (a partial panel is the last), every row in slabs of 16. */
-static void panel_item(const void *job, int64_t g, float *scratch)
-{
-    const qjob_t *j = job;
-    const int64_t P = (j->N + NR - 1) / NR, p0 = 4 * g, p1 = p0 + 4 < P ? p0 + 4 : P;
-    for (int64_t m0 = 0; m0 < j->M; m0 += 16) {
-        const int64_t ms = j->M - m0 < 16 ? j->M - m0 : 16;
-        for (int64_t p = p0; p < p1;) {
-            const int np = (p + 4) * NR <= j->N && p + 4 <= p1 ? 4 : (p + 2) * NR <= j->N && p + 2 <= p1 ? 2 : 1;
-            slab(j, p, np, m0, ms, scratch);
-            p += np;
-        }
-    }
-}
-
-/* The quantized rows of one call; kept per thread and grown as needed (no allocation per call). */
-static __thread struct { void *mem; int64_t bytes; } rows_buf;
-
-static void *rows_memory(int64_t bytes)
-{
-    if (bytes > rows_buf.bytes) {
-        free(rows_buf.mem);
-        rows_buf.bytes = 0;
-        rows_buf.mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!rows_buf.mem) return 0;
-        rows_buf.bytes = bytes;
-    }
-    return rows_buf.mem;
-}
-
 void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N, const float *bias,
                    const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int prefetch, int isa)
 {
     const int64_t B = (K + QB - 1) / QB;
     if (B == 0) { /* no k: the sums are empty */
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t n = 0; n < N; n++) {
-                const float v = bias ? 0.0f + bias[n] : 0.0f;
-                y[i * ldy + n] = res ? res[i * ldr + n] + v : v;
-            }
+        sp_empty_product(M, N, bias, res, ldr, y, ldy);
         return;
     }
-    char *mem = rows_memory(M * B * (QB + 8));
+    char *mem = sp_rows_memory(M * B * (QB + 8));
     if (!mem) { /* out of memory for M x K bytes: say so in the output rather than leave it stale */
         for (int64_t i = 0; i < M; i++)
             for (int64_t n = 0; n < N; n++) y[i * ldy + n] = NAN;
@@ -506,8 +471,5 @@ void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const voi
     quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
     const qjob_t job = {q, d, c, w, bias, res, y, M, N, B, ldy, ldr, prefetch > 0 ? prefetch : 0,
                         (isa & 1) && vnni_ok(), (isa & 2) && vnni_ok(), (isa & 2) && M >= 3 && amx_on && amx_ok()};
-    /* chunks of at most CHUNK_BYTES, and at least 4 per thread (small layers: a balanced finish) */
-    const int64_t items = (N + 4 * NR - 1) / (4 * NR), by_bytes = CHUNK_BYTES / (4 * B * BLOCK_BYTES);
-    const int64_t balanced = items / (4 * (nthreads > 1 ? nthreads : 1));
-    sp_parallel(panel_item, &job, items, by_bytes < balanced ? by_bytes : balanced, nthreads);
+    sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES, nthreads);
 }
