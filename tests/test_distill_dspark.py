@@ -227,3 +227,27 @@ def test_windows_wholly_inside_a_long_prompt_are_skipped():
     assert b.batch(b.wins)["anchor_pos"].tolist() == [[9, 10, 11]]  # every position after the prompt
     out = b.batch([b.wins[i] for i in b.indices(0)], step=0)
     assert out["anchor_pos"].shape == (2, 2) and out["valid"].any()
+
+
+def test_soft_cross_entropy_is_the_weighted_mean_against_the_targets_distribution():
+    """`soft_ce_alpha` (EAGLE-3's loss, not DeepSpec's): -sum(p_target · log q) per slot, weighted as
+    the L1 term is (exp(-q / gamma) on the slots inside the text)."""
+    from specpack.distill.dspark import DSparkOptions
+    from specpack.distill.dspark_train import DSparkObjective
+    from specpack.distill.vocab import DraftVocab
+
+    g = torch.Generator().manual_seed(0)
+    W, A, B, V = 2, 3, 4, 16
+    logits, confidence = torch.randn(W, A, B, V, generator=g), torch.randn(W, A, B, generator=g)
+    teacher = torch.randn(W, A, B, V, generator=g).softmax(-1)
+    valid = torch.rand(W, A, B, generator=g) > 0.3
+    b = {"aux": None, "ctx_pos": None, "anchors": None, "anchor_pos": None, "prev": None, "teacher": teacher,
+         "valid": valid, "label": torch.randint(0, V, (W, A, B), generator=g)}
+    vocab = DraftVocab(ids=torch.arange(V), target_size=V, coverage=1.0)
+    options = DSparkOptions(ce_alpha=0.0, l1_alpha=0.0, soft_ce_alpha=1.0, confidence_alpha=0.0)
+    loss, _ = DSparkObjective(None, options, vocab).losses(lambda *a: (logits, confidence), b, None, None)
+    w = valid * torch.exp(-torch.arange(B) / options.loss_decay_gamma)
+    soft = -(teacher * logits.log_softmax(-1)).sum(-1)
+    assert torch.allclose(loss, (soft * w).sum() / w.sum())
+    assert DSparkOptions(ce_alpha=0, l1_alpha=0, soft_ce_alpha=0.5).problems(V) == []
+    assert "soft_ce_alpha -1" in " ".join(DSparkOptions(soft_ce_alpha=-1).problems(V))

@@ -43,6 +43,7 @@ class DSparkOptions:
     loss_decay_gamma: float = 4.0  # slot q's loss weight exp(-q / gamma)
     ce_alpha: float = 0.1  # cross-entropy against the target's argmax
     l1_alpha: float = 0.9  # L1 distance to the target's distribution (on the draft vocab)
+    soft_ce_alpha: float = 0.0  # cross-entropy against the target's distribution (EAGLE-3's loss; not DeepSpec's)
     confidence_alpha: float = 1.0  # BCE of the confidence head
     confidence_target: str = "greedy"  # greedy: argmax match (what greedy decoding accepts); overlap: sum min(p, q)
     mask_token_id: int | None = None  # None: the highest token id the data never shows (an unused row)
@@ -61,10 +62,10 @@ class DSparkOptions:
                for name in ("block_size", "layers", "markov_rank", "anchors")
                if not (isinstance(getattr(self, name), int) and getattr(self, name) > 0)]
         out += [f"DSpark {name} {getattr(self, name)!r} must be a number >= 0"
-                for name in ("ce_alpha", "l1_alpha", "confidence_alpha")
+                for name in ("ce_alpha", "l1_alpha", "soft_ce_alpha", "confidence_alpha")
                 if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) >= 0)]
-        if not out and self.ce_alpha + self.l1_alpha <= 0:
-            out.append("DSpark ce_alpha + l1_alpha is 0: nothing would train the draft tokens")
+        if not out and self.ce_alpha + self.l1_alpha + self.soft_ce_alpha <= 0:
+            out.append("DSpark ce_alpha + l1_alpha + soft_ce_alpha is 0: nothing would train the draft tokens")
         if not (isinstance(self.loss_decay_gamma, (int, float)) and self.loss_decay_gamma > 0):
             out.append(f"DSpark loss_decay_gamma {self.loss_decay_gamma!r} must be positive")
         if self.confidence_target not in CONFIDENCE_TARGETS:

@@ -8,6 +8,8 @@ From deepseek-ai/DeepSpec @ afdfa7c9382a3341a3e6f17756dd816da79f132c:
 - deepspec/modeling/dspark/loss.py: loss weights exp(-q / loss_decay_gamma) on the valid slots;
   ce_alpha · CE(labels) + l1_alpha · ||softmax(draft) - softmax(target)||_1 + confidence_alpha ·
   BCE-with-logits(confidence, accept_rate = 1 - L1 / 2, detached); tau = 1 + sum of cumprods.
+  `soft_ce_alpha` adds what the EAGLE-3 head trains on (not in DeepSpec): the cross-entropy against
+  the target's whole distribution, a denser signal for the argmax that greedy decoding accepts.
 Here the labels are the target's argmax at every position (DeepSpec trains on the target's own
 text, so its labels are the same thing), the target's distribution is restricted to the draft
 vocabulary (the EAGLE-3 trainer's soft labels), and the confidence target is, by default, what
@@ -92,12 +94,13 @@ class DSparkObjective(Objective):
         log_q = logits.log_softmax(-1)
         ce = -log_q.gather(-1, b["label"].clamp(min=0)[..., None]).squeeze(-1)
         l1 = (log_q.exp() - b["teacher"]).abs().sum(-1)
+        soft = -(b["teacher"] * log_q).sum(-1)
         hit = logits.detach().argmax(-1) == b["label"]
         target = hit.float() if o.confidence_target == "greedy" else (1 - l1.detach() / 2).clamp(0, 1)
         bce = F.binary_cross_entropy_with_logits(confidence, target, reduction="none")
         den = w.sum().clamp(min=1e-6)
-        loss = (o.ce_alpha * (ce * w_ce).sum() / w_ce.sum().clamp(min=1e-6) + o.l1_alpha * (l1 * w).sum() / den
-                + o.confidence_alpha * (bce * w).sum() / den)
+        loss = (o.ce_alpha * (ce * w_ce).sum() / w_ce.sum().clamp(min=1e-6)
+                + (o.l1_alpha * l1 + o.soft_ce_alpha * soft + o.confidence_alpha * bce).mul(w).sum() / den)
         return loss, _tally(hit, confidence.detach(), b["valid"])
 
     def tally(self, head, b: dict, cfg: TrainConfig, draft_ids: Tensor) -> Tally:
