@@ -17,7 +17,7 @@ from eagle_fixtures import one_thread  # noqa: F401
 from specpack.converters.onnx_export import ONNX_DIR, OPSET, export_onnx, read_index
 from specpack.packager import BuildOptions, build, verify
 from specpack.runtime import backends
-from specpack.runtime.drafters.base import DraftJob
+from specpack.runtime.drafters.base import DraftJob, TreeShape
 from specpack.runtime.spec_model import SpecModel, load_target
 from test_runtime_block import VARIANTS, features, head, sampler, sequence
 
@@ -120,6 +120,10 @@ def test_load_on_onnxruntime_decodes_as_torch_and_plain(layout):
         want, got = (m.generate(p, 16, draft_len=1 + 2 * i, eos_ids=()) for m in (ref, ort))
         assert got.tokens == want.tokens == plain, (layout, i)
         assert got.stats.position_accepted == want.stats.position_accepted
+        if ort.drafter.tree_drafts:  # DFlash and DSpark trees (LiLiCorr drafts chains)
+            want, got = (m.generate(p, 16, draft_len=3, eos_ids=(), tree=TreeShape(2, 5)) for m in (ref, ort))
+            assert got.tokens == want.tokens == plain, (layout, i, "tree")
+            assert got.stats.position_accepted == want.stats.position_accepted
 
 
 def test_signed_export_lists_the_block_graphs(tmp_path, keypair):

@@ -14,8 +14,9 @@ import eagle_fixtures as ef
 import tiny
 from eagle_fixtures import one_thread, target_dir  # noqa: F401
 from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.drafters.base import DraftJob
+from specpack.runtime.drafters.base import DraftJob, TreeShape
 from specpack.runtime.drafters.block import load_block
+from specpack.runtime.drafters.tree import depths
 from specpack.runtime import kernels
 from specpack.runtime.engine.sampling import Sampler, SamplingParams
 from specpack.runtime.models.config import target_spec_from_config
@@ -148,6 +149,57 @@ def test_greedy_speculative_equals_plain(llama, prompts, plain, tmp_path, varian
     for i, (prompt, want) in enumerate(zip(prompts, plain)):
         got = model.generate(prompt, 20, draft_len=1 + i % 6, eos_ids=())
         assert got.tokens == want, f"prompt {i}"
+        tree = model.generate(prompt, 20, draft_len=2 + i % 5, eos_ids=(), tree=TreeShape(2 + i % 2, 4 + i))
+        assert tree.tokens == want, f"prompt {i}, tree"
+    assert model.drafter.tree_drafts == (variant != "lilicorr")
+
+
+@pytest.mark.parametrize("variant", ["dflash", "dspark", "dspark-rnn-reduced"])
+def test_trees_follow_the_slots_joint_distribution(llama, tmp_path, variant):
+    """A block drafter's tree is the top of its own joint distribution: a node's score is the product
+    along its path of each slot's probability after the token before it (DSpark: the Markov bias of
+    that token, and the rnn type's state along the path); the root's children are the first slot's
+    top-k, and every node of a deeper level hangs under one of the k likeliest of the level above."""
+    target = llama[0]
+    drafter = load_drafter("block", None, head(tmp_path / "h", variant), target)
+    seq = sequence(llama[1], 3)
+    target.setup_cache(64)
+    job = DraftJob(0, seq, target(seq, capture=drafter.capture_layers).aux[:-1], 4, None, TreeShape(3, 24))
+    drafter.reset(64)
+    draft = drafter.draft([job])[0]
+    parents, tokens = draft.parents.tolist(), draft.tokens.tolist()
+    assert len(tokens) > 20 and max(depths(parents)) > 2  # 3 + 9 + 9 (+ 9 where N > 3) candidates
+    drafter.reset(64)
+    with torch.inference_mode():
+        drafter._absorb([job])
+        out = drafter._block([job])
+
+    def probs(path):  # each slot's distribution along `path` (node ids), the anchor before it
+        prev, state, out_probs = seq[-1:], None, []
+        for q in range(len(path) + 1):
+            logits = out.logits[0, q].float()
+            if drafter.markov_head is not None:
+                _, bias, state = drafter.markov_head.step(prev, out.hidden[0, q][None], state)
+                logits = logits + bias[0]
+            out_probs.append(drafter._scaled(logits).softmax(-1))
+            prev = torch.tensor([tokens[path[q]]]) if q < len(path) else prev
+        return out_probs
+
+    index = {int(t): i for i, t in enumerate(drafter.draft_to_target)}
+    for n in range(len(tokens)):
+        path = [n]
+        while parents[path[-1]] >= 0:
+            path.append(parents[path[-1]])
+        path = path[::-1]
+        dist = probs(path[:-1])
+        want = torch.tensor([float(d[index[tokens[m]]]) for d, m in zip(dist, path)]).prod()
+        assert float(draft.scores[n]) == pytest.approx(float(want), rel=1e-4), (n, path)
+        top = drafter.draft_to_target[dist[-1].topk(3).indices].tolist()
+        assert tokens[n] in top, (n, path)  # among its parent's top-3 children
+    for d in range(2, max(depths(parents)) + 1):  # expanded parents: the likeliest of their level
+        level = [n for n, dn in enumerate(depths(parents)) if dn == d - 1]
+        best = sorted(level, key=lambda n: -float(draft.scores[n]))[:3]
+        assert {parents[n] for n, dn in enumerate(depths(parents)) if dn == d} <= set(best)
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no CPU kernel")

@@ -155,11 +155,13 @@ def first_child(tokens, parents, target):
     return path, [tokens[n] for n in path] + [target(path[-1] if path else -1)]
 
 
-@pytest.fixture(scope="module", params=["eagle3", "ngram", "draft_model"])
-def tree_drafter(request, eagle, target):
+@pytest.fixture(scope="module", params=["eagle3", "ngram", "draft_model", "dflash", "dspark"])
+def tree_drafter(request, eagle, target, tmp_path_factory):
     if request.param == "draft_model":
         torch.manual_seed(2)
         return DraftModelDrafter(Transformer(target.spec).requires_grad_(False), V)
+    if request.param in ("dflash", "dspark"):
+        return block_head(target, tmp_path_factory.mktemp("block"), request.param)
     return eagle if request.param == "eagle3" else NgramDrafter(1, 3)
 
 
@@ -177,9 +179,10 @@ def test_the_bound_rejects_a_wrong_tree_rule(target, eagle, monkeypatch):
     assert stat > 5 * critical
 
 
-def test_trees_branch_and_sample_the_same_tokens_as_plain_decoding(target, eagle):
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_trees_branch_and_sample_the_same_tokens_as_plain_decoding(target, eagle, kind, tmp_path):
     """Seeded sampling: the same tokens with trees, chains or no speculation; and the trees branch."""
-    model = SpecModel(target, eagle)
+    model = SpecModel(target, eagle if kind == "eagle3" else block_head(target, tmp_path, kind))
     runs = [model.generate(PROMPT, 12, draft_len=3, temperature=1.0, seed=s, eos_ids=(), **kw)
             for s in range(8) for kw in ({"tree": TREE}, {}, {"speculative": False})]
     assert all(runs[i].tokens == runs[i + 1].tokens == runs[i + 2].tokens for i in range(0, len(runs), 3))

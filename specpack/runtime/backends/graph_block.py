@@ -38,6 +38,7 @@ class GraphBlock:
                                              BlockDrafter._choose)
     _draft_dflash, _draft_dspark, _draft_lilicorr = (BlockDrafter._draft_dflash, BlockDrafter._draft_dspark,
                                                      BlockDrafter._draft_lilicorr)
+    tree_drafts, _tree, _slot_logits = BlockDrafter.tree_drafts, BlockDrafter._tree, BlockDrafter._slot_logits
     max_tokens_per_call: int | None = None  # context rows per graph call (None: all at once)
 
     def __init__(self, spec: BlockSpec, heads: dict[str, Tensor], context_graph, step_graph, device: torch.device,

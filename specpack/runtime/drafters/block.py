@@ -8,7 +8,9 @@ mask tokens; each layer attends [context < p | the whole block] (within the bloc
 causal where `layer_causal` says so). The block's keys are scratch: the next job overwrites them.
 Then per algorithm: DFlash samples every slot independently; DSpark corrects slot i's logits
 with a Markov bias from the token drafted before it and estimates its acceptance; LiLiCorr
-rescores each slot's top-k candidates jointly and walks the lattice (block_heads.py).
+rescores each slot's top-k candidates jointly and walks the lattice (block_heads.py). A job that
+asks for a tree (DraftJob.tree; DFlash and DSpark) gets the likeliest paths of the drafter's own
+joint distribution over the block's slots instead of one chain (`_tree`), from the same forward.
 
 Every block runs the trained slots in full (N = draft_slots) and a job asking for k < N tokens
 gets the first k, so a draft never depends on its length (DeepSpec and z-lab always run the whole
@@ -57,6 +59,7 @@ from specpack.errors import InputError, UnsupportedError
 from specpack.runtime.drafters.base import Draft, DraftJob
 from specpack.runtime.drafters.block_heads import ConfidenceHead, LiLiCorrHead, MarkovHead
 from specpack.runtime.drafters.block_spec import HINT, BlockSpec, block_spec_from_config, block_tensor_shapes
+from specpack.runtime.drafters.tree import Tree, branching, children, draft_probs
 from specpack.runtime.kernels.argmax import argmax_rows
 from specpack.runtime.models.dense import Block, KVCache, RMSNorm, apply_rope, rope_inv_freq, rope_tables
 from specpack.runtime.models.rows import Rows, Segment
@@ -141,13 +144,31 @@ class BlockDrafter(nn.Module):
 
     # ---- drafting --------------------------------------------------------------------------
 
+    @property
+    def tree_drafts(self) -> bool:
+        """DFlash and DSpark grow trees over their slots' distributions (DraftJob.tree, `_tree`);
+        LiLiCorr's walk through its scored lattice drafts chains only."""
+        return self.spec.lilicorr is None
+
     @torch.inference_mode()
     def draft(self, jobs: list[DraftJob]) -> list[Draft]:
         """absorb the new context -> the query block -> the algorithm's tokens (at most
-        draft_slots per job) and, for DSpark with a confidence head, their confidences."""
+        draft_slots per job) and, for DSpark with a confidence head, their confidences; jobs that
+        ask for a tree get one (`_tree`)."""
         self._absorb(jobs)
         out = self._block(jobs)
-        return getattr(self, f"_draft_{self.spec.algorithm}")(out, jobs)
+        trees = [i for i, j in enumerate(jobs) if branching(j)] if self.tree_drafts else []
+        if not trees:
+            return getattr(self, f"_draft_{self.spec.algorithm}")(out, jobs)
+        drafts: list[Draft | None] = [self._tree(out, i, jobs[i]) if i in trees else None for i in range(len(jobs))]
+        chains = [i for i, d in enumerate(drafts) if d is None]
+        if chains:
+            pick = torch.tensor(chains, device=out.hidden.device)
+            made = getattr(self, f"_draft_{self.spec.algorithm}")(
+                BlockOut(out.hidden[pick], out.logits[pick]), [jobs[i] for i in chains])
+            for i, d in zip(chains, made):
+                drafts[i] = d
+        return drafts
 
     def _fresh(self, jobs: list[DraftJob]) -> list[tuple[DraftJob, int]]:
         """(job, r) for each job with r > 0 new committed positions; checks none was skipped."""
@@ -244,6 +265,44 @@ class BlockDrafter(nn.Module):
         conf = torch.stack(confidences, 1).cpu() if confidences else None
         return [Draft(chosen[i, :n].clone(), None if conf is None else conf[i, :n].clone())
                 for i, n in enumerate(lengths)]
+
+    def _tree(self, out: BlockOut, i: int, job: DraftJob) -> Draft:
+        """Job i's tree over its block's slots (EAGLE-2's dynamic tree over the drafter's own joint
+        distribution): slot q expands the top-k nodes of depth q by cumulative probability, each
+        into its top-k children from slot q's logits, DSpark's corrected by the Markov bias of that
+        node's own token (and its own state: the rnn type's runs along each path); DFlash's slots
+        are independent, so every node of a depth gets the same children (a Medusa-style tree).
+        The job keeps its best `nodes`. A sampled job's first child at each node is its chain's
+        keyed choice there (as EAGLE-3's trees: the multi-draft rule verifies them)."""
+        depth, k = min(job.k, self.spec.draft_slots), job.tree.topk
+        tree, h, base = Tree(), out.hidden[i], out.logits[i]
+        anchor = job.context[-1:].to(h.device)
+        frontier, states = [-1], [None]  # the nodes expanded at this depth, their Markov states
+        for q in range(depth):
+            if q:
+                frontier = tree.best(q, k)
+                states = [next_state[n] for n in frontier]
+            prev = torch.tensor([tree.tokens[n] for n in frontier], device=h.device) if q else anchor
+            logits, next_states = self._slot_logits(base[q], h[q], prev, states)
+            probs = draft_probs(logits, [job] * len(frontier))
+            firsts = [None if job.sampler is None
+                      else job.sampler.race_index(probs[r], len(job.context) + q, self.draft_to_target)
+                      for r in range(len(frontier))]
+            next_state = {}
+            for node, kids, state in zip(frontier, children(probs, [k] * len(frontier), firsts, self.draft_to_target),
+                                         next_states):
+                for token, p in kids:
+                    next_state[tree.add(node, token, p)] = state
+        return tree.draft(job.tree.nodes)
+
+    def _slot_logits(self, base: Tensor, h: Tensor, prev: Tensor, states: list) -> tuple[Tensor, list]:
+        """One slot's scaled logits [F, Vd] after each of F nodes (tokens `prev` [F], Markov states
+        `states`), and each node's children's Markov state."""
+        if self.markov_head is None:
+            return self._scaled(base[None].expand(len(prev), -1)), [None] * len(prev)
+        state = None if states[0] is None else torch.stack(states)
+        _, bias, state = self.markov_head.step(prev, h[None].expand(len(prev), -1), state)
+        return self._scaled(base[None] + bias), [None] * len(prev) if state is None else list(state)
 
     def _draft_lilicorr(self, out: BlockOut, jobs: list[DraftJob]) -> list[Draft]:
         """Top-k candidates per slot, scored jointly over all N slots; each job walks its first k
