@@ -76,7 +76,8 @@ def train(head: str, out: Path, cache: Path) -> None:
 
 def modes(head: str, model) -> list[tuple[str, dict]]:
     """(label, generate options) per row of the table: fixed draft lengths, and the head's own way of
-    choosing: EAGLE-3's adaptive length, DSpark's confidence head through a cost curve measured here."""
+    choosing: EAGLE-3's adaptive length, DSpark's confidence head through a cost curve measured here
+    (and its draft trees: 3 children per node, 12 nodes)."""
     if head == "eagle3":
         return [(f"fixed D={d}", dict(draft_len=d, adaptive=False)) for d in (3, 4, 5)] + \
             [("adaptive D=5", dict(draft_len=5, adaptive=True))]
@@ -86,8 +87,11 @@ def modes(head: str, model) -> list[tuple[str, dict]]:
     model.target.setup_cache(64)
     curve = measure(model.target, rows=(1, 2, 4, 8))
     print(f"cost curve {curve.to_dict()}")
+    from specpack.runtime.drafters.base import TreeShape
+
     return [(f"fixed D={d}", dict(draft_len=d, adaptive=False)) for d in (3, 4, slots)] + \
-        [(f"confidence D={slots}", dict(draft_len=slots, adaptive=False, cost=curve))]
+        [(f"confidence D={slots}", dict(draft_len=slots, adaptive=False, cost=curve)),
+         (f"tree {slots}x3x12", dict(draft_len=slots, adaptive=False, tree=TreeShape(3, 12)))]
 
 
 def evaluate(head: str, out: Path, cache: Path) -> None:
