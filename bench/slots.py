@@ -6,10 +6,12 @@ the runtime falling far below the training record's validation agreement (traini
 figures per slot k, from greedy decoding with the head (fixed draft length, every output checked
 equal to plain decoding):
 
-  per position   teacher-forced: at every `--every`-th position of the greedy text, a fresh draft from
-                 the whole context (the drafter reset, fed every target feature at once) against the
-                 text's next tokens; "run" is the mean run of leading correct slots + 1 (the AL a
-                 drafter of this draft length would reach if every position were a step)
+  per position   at every `--every`-th position of the greedy text, a fresh draft from the whole
+                 context (the drafter reset, fed every target feature at once) against the text's next
+                 tokens; "run" is the mean run of leading correct slots + 1 (the AL a drafter of this
+                 draft length would reach if every position were a step). Slot 1 and the run compare
+                 with training's validation figures; later slots do not (the draft feeds its own tokens
+                 forward, training feeds the true ones)
   per step       what decoding verified: each draft against the tokens that followed it; "run" is the
                  measured acceptance length. Steps skip the positions accepted drafts cover (the easy
                  ones), so per step sits below per position even for a correctly bound head.
