@@ -59,7 +59,7 @@ from specpack.errors import InputError, UnsupportedError
 from specpack.runtime.drafters.base import Draft, DraftJob
 from specpack.runtime.drafters.block_heads import ConfidenceHead, LiLiCorrHead, MarkovHead
 from specpack.runtime.drafters.block_spec import HINT, BlockSpec, block_spec_from_config, block_tensor_shapes
-from specpack.runtime.drafters.tree import Tree, branching, children, draft_probs
+from specpack.runtime.drafters.tree import Tree, branch, branching
 from specpack.runtime.kernels.argmax import argmax_rows
 from specpack.runtime.models.dense import Block, KVCache, RMSNorm, apply_rope, rope_inv_freq, rope_tables
 from specpack.runtime.models.rows import Rows, Segment
@@ -157,18 +157,13 @@ class BlockDrafter(nn.Module):
         ask for a tree get one (`_tree`)."""
         self._absorb(jobs)
         out = self._block(jobs)
-        trees = [i for i, j in enumerate(jobs) if branching(j)] if self.tree_drafts else []
+        chain = getattr(self, f"_draft_{self.spec.algorithm}")
+        trees = {i for i, j in enumerate(jobs) if branching(j)} if self.tree_drafts else set()
         if not trees:
-            return getattr(self, f"_draft_{self.spec.algorithm}")(out, jobs)
-        drafts: list[Draft | None] = [self._tree(out, i, jobs[i]) if i in trees else None for i in range(len(jobs))]
-        chains = [i for i, d in enumerate(drafts) if d is None]
-        if chains:
-            pick = torch.tensor(chains, device=out.hidden.device)
-            made = getattr(self, f"_draft_{self.spec.algorithm}")(
-                BlockOut(out.hidden[pick], out.logits[pick]), [jobs[i] for i in chains])
-            for i, d in zip(chains, made):
-                drafts[i] = d
-        return drafts
+            return chain(out, jobs)
+        rest = [i for i in range(len(jobs)) if i not in trees]
+        made = iter(chain(BlockOut(out.hidden[rest], out.logits[rest]), [jobs[i] for i in rest]) if rest else [])
+        return [self._tree(out, i, j) if i in trees else next(made) for i, j in enumerate(jobs)]
 
     def _fresh(self, jobs: list[DraftJob]) -> list[tuple[DraftJob, int]]:
         """(job, r) for each job with r > 0 new committed positions; checks none was skipped."""
@@ -277,22 +272,14 @@ class BlockDrafter(nn.Module):
         depth, k = min(job.k, self.spec.draft_slots), job.tree.topk
         tree, h, base = Tree(), out.hidden[i], out.logits[i]
         anchor = job.context[-1:].to(h.device)
-        frontier, states = [-1], [None]  # the nodes expanded at this depth, their Markov states
+        state = {-1: None}  # node -> the Markov state its children start from
         for q in range(depth):
-            if q:
-                frontier = tree.best(q, k)
-                states = [next_state[n] for n in frontier]
+            frontier = tree.best(q, k) if q else [-1]  # the nodes expanded into slot q
             prev = torch.tensor([tree.tokens[n] for n in frontier], device=h.device) if q else anchor
-            logits, next_states = self._slot_logits(base[q], h[q], prev, states)
-            probs = draft_probs(logits, [job] * len(frontier))
-            firsts = [None if job.sampler is None
-                      else job.sampler.race_index(probs[r], len(job.context) + q, self.draft_to_target)
-                      for r in range(len(frontier))]
-            next_state = {}
-            for node, kids, state in zip(frontier, children(probs, [k] * len(frontier), firsts, self.draft_to_target),
-                                         next_states):
-                for token, p in kids:
-                    next_state[tree.add(node, token, p)] = state
+            logits, after = self._slot_logits(base[q], h[q], prev, [state[n] for n in frontier])
+            added = branch([tree] * len(frontier), frontier, logits, [job] * len(frontier), q,
+                           [k] * len(frontier), self.draft_to_target)
+            state.update((node, s) for nodes, s in zip(added, after) for node in nodes)
         return tree.draft(job.tree.nodes)
 
     def _slot_logits(self, base: Tensor, h: Tensor, prev: Tensor, states: list) -> tuple[Tensor, list]:

@@ -20,7 +20,7 @@ from specpack.runtime.models.config import RopeScaling, rope_from_config
 from specpack.runtime.models.dense import MLP, Attention, KVCache, RMSNorm, rope_inv_freq, rope_tables
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
-from specpack.runtime.drafters.tree import Tree, branching, children, draft_probs, fed_block
+from specpack.runtime.drafters.tree import Tree, branch, branching, fed_block
 
 REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps",
             "target_hidden_size", "aux_layer_ids", "draft_vocab_size", "target_vocab_size")
@@ -256,14 +256,8 @@ class Eagle3Drafter(nn.Module):
                 step: int) -> None:
         """Row r of draft-vocab logits [R, Vd] gives trees[r] the children of node parents[r] (-1:
         the root): the top-k (a sampled job's race winner first, as its chain would draft)."""
-        probs = draft_probs(logits, jobs)
-        firsts = [None if j.sampler is None else
-                  j.sampler.race_index(probs[r], len(j.context) + step, self.draft_to_target)
-                  for r, j in enumerate(jobs)]
-        ks = [j.tree.topk if branching(j) else 1 for j in jobs]
-        for tree, parent, kids in zip(trees, parents, children(probs, ks, firsts, self.draft_to_target)):
-            for token, p in kids:
-                tree.add(parent, token, p)
+        branch(trees, parents, logits, jobs, step, [j.tree.topk if branching(j) else 1 for j in jobs],
+               self.draft_to_target)
 
     def reset(self, max_len: int) -> None:
         """One sequence (slot 0), for `propose`."""

@@ -140,6 +140,19 @@ def draft_probs(logits: Tensor, jobs: Sequence[DraftJob]) -> Tensor:
     return probs
 
 
+def branch(trees: Sequence["Tree"], parents: Sequence[int], logits: Tensor, jobs: Sequence[DraftJob], step: int,
+           ks: Sequence[int], ids: Tensor | None = None) -> list[list[int]]:
+    """Row r of logits [R, V] gives trees[r] up to ks[r] children of node parents[r] (-1: the root):
+    jobs[r]'s draft distribution at draft position `step`, a sampled job's keyed choice first (as its
+    chain would draft), then the likeliest others. Tokens are `ids[index]` (None: the index).
+    Returns each row's added nodes."""
+    probs = draft_probs(logits, jobs)
+    firsts = [None if j.sampler is None else j.sampler.race_index(probs[r], len(j.context) + step, ids)
+              for r, j in enumerate(jobs)]
+    return [[tree.add(parent, token, p) for token, p in kids]
+            for tree, parent, kids in zip(trees, parents, children(probs, ks, firsts, ids))]
+
+
 class Branches:
     """Chain drafters (MTP layers, a draft model) grown into trees: each step's chosen token
     continues the chain, its top-k alternatives from the same distribution become leaves beside it
