@@ -55,12 +55,11 @@ class Recorder:
         self.log += [(len(j.context), d.tokens.tolist()) for j, d in zip(jobs, made) if j.slot == 0]
         return made
 
-    def fresh(self, target, text: list[int], at: int, k: int) -> list[int]:
-        """The draft for position `at` of `text` from scratch: the whole context's features at once."""
+    def fresh(self, text: list[int], aux: torch.Tensor, at: int, k: int) -> list[int]:
+        """The draft for position `at` of `text` from scratch, every context feature at once (aux:
+        the target's features of the whole text; a position's depend on the tokens before it only)."""
         from specpack.runtime.drafters.base import DraftJob
 
-        target.setup_cache(len(text) + 8)
-        aux = target(torch.tensor(text[:at]), capture=self.drafter.capture_layers).aux
         self.drafter.reset(len(text) + 16)
         return self.inner([DraftJob(0, torch.tensor(text[:at]), aux[: at - 1], k, None)])[0].tokens.tolist()
 
@@ -100,14 +99,16 @@ def measure(name: str, prompts: int, max_new: int, every: int) -> None:
         if spec.tokens != plain:
             sys.exit(f"{name}: speculative output differs from plain decoding")
         full = ids + list(plain)
+        model.target.setup_cache(len(full) + 8)
+        aux = model.target(torch.tensor(full), capture=model.drafter.capture_layers).aux
         steps = [(at, d) for at, d in rec.log if at + k <= len(full)]
         for at, d in steps:
             step.add(d, full[at : at + k])
-        fresh = {at: rec.fresh(model.target, full, at, k) for at, _ in steps[::every]}
+        fresh = {at: rec.fresh(full, aux, at, k) for at, _ in steps[::every]}
         differ += sum(fresh[at] != d for at, d in steps if at in fresh)
         compared += sum(at in fresh for at, _ in steps)
         for at in range(len(ids), len(full) - k, every):
-            position.add(fresh[at] if at in fresh else rec.fresh(model.target, full, at, k), full[at : at + k])
+            position.add(fresh[at] if at in fresh else rec.fresh(full, aux, at, k), full[at : at + k])
     record = json.loads((src / "training.json").read_text()) if (src / "training.json").is_file() else {}
     val = record.get("result", {}).get("validation")
     print(f"\n{name} ({model.manifest.drafter.kind}, draft length {k}, {prompts} HumanEval prompts, "
