@@ -28,7 +28,8 @@ COMMON = dict(samples=4, temperature=0.7, gen_tokens=128, draft_vocab=4096, seq_
               seed=0, train_lm_head=False, dtype="float16", progress=True)
 HEADS = {  # distill() options and default steps per head
     "eagle3": (dict(), 1800),
-    "dspark": (dict(head="dspark", dspark={"block_size": 5, "layers": 3, "markov_rank": 64, "anchors": 64}), 3000),
+    "dspark": (dict(head="dspark", dspark={"block_size": 5, "layers": 3, "markov_rank": 64, "anchors": 64,
+                                           "l1_alpha": 0.0, "soft_ce_alpha": 0.9}), 3000),  # soft labels: BENCHMARKS
 }
 SCRIPTS = {"eagle3": "bench/distill_smollm2.sh", "dspark": "bench/distill_smollm2_dspark.sh"}
 

@@ -5,14 +5,16 @@
 # The data is bench/distill_smollm2.sh's (same seeds, continuations and target layers): both scripts share
 # one feature cache, so after the EAGLE-3 run this one skips the ~21 min of generation.
 # Head: 3 Qwen3 layers (q/k norm) over anchor-first blocks of 5, vanilla Markov head of rank 64, confidence
-# head, the EAGLE-3 head's 4096-token draft vocabulary (target lm_head rows, frozen); DeepSpec's losses
-# (0.1 CE + 0.9 L1, decay exp(-q/4), confidence BCE), 64 anchor blocks per window of 256 positions.
+# head, the EAGLE-3 head's 4096-token draft vocabulary (target lm_head rows, frozen); losses 0.1 CE on the
+# target's greedy token + 0.9 cross-entropy against the target's whole distribution (EAGLE-3's soft labels, in
+# place of DeepSpec's 0.9 L1: validation est. AL 1.75 vs 1.70, decoding AL +0.03..+0.22, BENCHMARKS.md),
+# decay exp(-q/4), confidence BCE; 64 anchor blocks per window of 256 positions.
 #
 # Measured 2026-12-02 on the 2-core dev machine (Intel Xeon), 2 threads (the shipped head heads/smollm2-135m-dspark):
 #   data: as the EAGLE-3 run, 1808 sequences, ~22 min (none with its cache; 1.1-3 sequences/s)
-#   training: 3000 steps of 4 windows x 64 blocks x 5 slots, 0.67 s/step idle: 44 min (with pauses).
-#             Validation (88 held-out sequences): agreement 0.40 / 0.36 / 0.34 / 0.31 / 0.30 at slots 1-5,
-#             est. AL 1.70 (1500 steps: 0.35 / 0.31 / 0.28 / 0.26 / 0.25, est. AL 1.57)
+#   training: 3000 steps of 4 windows x 64 blocks x 5 slots, 0.67-1.8 s/step: 44-89 min (busy machine).
+#             Validation (88 held-out sequences): agreement 0.41 / 0.37 / 0.35 / 0.32 / 0.31 at slots 1-5,
+#             est. AL 1.75 (DeepSpec's CE + L1 recipe, same steps: 0.40 / 0.36 / 0.34 / 0.31 / 0.30, est. AL 1.70)
 #   evaluation (5 prompts per workload, 4 modes): ~2 min
 #
 #   bash bench/distill_smollm2_dspark.sh [OUT_DIR]        (default OUT_DIR: heads/smollm2-135m-dspark)

@@ -174,13 +174,19 @@ def test_bad_dspark_options_are_reported_together(tiny_target, work, tmp_path):
 def test_cli_dspark_flags(tiny_target, work, tmp_path, cli):
     code, _, err = cli("distill", tiny_target, "-o", tmp_path / "h", "--data", work["prompts"], "--block-size", "4")
     assert code == 2 and "Traceback" not in err and "block_size (--block-size) given for an EAGLE-3 head" in err
+    code, _, err = cli("distill", tiny_target, "-o", tmp_path / "h", "--data", work["prompts"],
+                       "--distribution-loss", "soft-ce")
+    assert code == 2 and "soft_ce_alpha (--distribution-loss) given for an EAGLE-3 head" in err
     code, _, err = cli("distill", tiny_target, "-o", tmp_path / "h", "--data", work["prompts"], "--head", "dspark",
                        "--draft-layers", "0", "--markov-rank", "0")
     assert code == 2 and "DSpark layers 0 must be a positive integer" in err and "markov_rank 0" in err
     code, out, err = cli("distill", tiny_target, "-o", tmp_path / "h", "--data", work["prompts"], "--head", "dspark",
                          "--block-size", "3", "--draft-layers", "1", "--markov-rank", "8", "--steps", "2",
-                         "--seq-len", "32", "--batch-size", "2", "--draft-vocab", "128", "--json")
+                         "--seq-len", "32", "--batch-size", "2", "--draft-vocab", "128", "--distribution-loss",
+                         "soft-ce", "--json")
     assert code == 0, err
+    assert {k: json.loads(out)["record"]["training"][k] for k in ("l1_alpha", "soft_ce_alpha")} == \
+        {"l1_alpha": 0.0, "soft_ce_alpha": 0.9}
     config = read_json(tmp_path / "h" / "config.json")
     assert (config["block_size"], config["num_hidden_layers"], config["markov_rank"]) == (3, 1, 8)
 

@@ -9,6 +9,8 @@ import click
 from specpack._output import emit, progress_enabled
 from specpack.cli._common import JSON, cli
 
+DISTRIBUTION_LOSSES = {"l1": {"l1_alpha": 0.9, "soft_ce_alpha": 0.0}, "soft-ce": {"l1_alpha": 0.0, "soft_ce_alpha": 0.9}}
+
 
 @cli.command()
 @click.argument("target", type=click.Path(path_type=Path))
@@ -19,6 +21,9 @@ from specpack.cli._common import JSON, cli
 @click.option("--block-size", type=int, help="DSpark: draft slots per block [default: 5].")
 @click.option("--draft-layers", type=int, help="DSpark: backbone layers [default: 3].")
 @click.option("--markov-rank", type=int, help="DSpark: rank of the Markov head [default: 64].")
+@click.option("--distribution-loss", type=click.Choice(sorted(DISTRIBUTION_LOSSES)),
+              help="DSpark: 0.9 x L1 (DeepSpec's) or 0.9 x cross-entropy (EAGLE-3's soft labels; the shipped "
+                   "SmolLM2 head's) to the target's distribution, beside 0.1 x CE on its token [default: l1].")
 @click.option("--data", type=click.Path(path_type=Path),
               help='JSONL of {"text"}, {"messages"} or {"prompt"[, "completion"]} lines.')
 @click.option("--self-generate", type=int,
@@ -40,21 +45,22 @@ from specpack.cli._common import JSON, cli
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Continue from OUT's checkpoint.")
 @JSON
-def distill(target, out, head, block_size, draft_layers, markov_rank, data, self_generate, samples, temperature,
-            gen_tokens, draft_vocab, steps, seq_len, lr, batch_size, train_lm_head, dtype, seed, resume, json_mode):
+def distill(target, out, head, block_size, draft_layers, markov_rank, distribution_loss, data, self_generate, samples,
+            temperature, gen_tokens, draft_vocab, steps, seq_len, lr, batch_size, train_lm_head, dtype, seed, resume, json_mode):
     """Train an EAGLE-3 or DSpark head for TARGET against its own outputs (CPU-capable, resumable, seeded).
 
     \b
     Examples:
       specpack distill smollm2-135m -o smollm2-eagle3 --self-generate 512 --samples-per-prompt 4
       specpack distill smollm2-135m -o smollm2-dspark --self-generate 512 --head dspark
+      specpack distill smollm2-135m -o smollm2-dspark --self-generate 512 --head dspark --distribution-loss soft-ce
       specpack distill ./target -o head --data chats.jsonl --draft-vocab 16384
       specpack build smollm2-135m --drafter smollm2-eagle3 -o smollm2-eagle3-artifact
     """
     from specpack.distill import distill as do_distill
 
     given = {"block_size": block_size, "layers": draft_layers, "markov_rank": markov_rank}
-    dspark = {k: v for k, v in given.items() if v is not None}
+    dspark = {k: v for k, v in given.items() if v is not None} | DISTRIBUTION_LOSSES.get(distribution_loss, {})
     result = do_distill(target, out, data=data, self_generate=self_generate, samples=samples, temperature=temperature,
                         gen_tokens=gen_tokens, draft_vocab=draft_vocab,
                         steps=steps, seq_len=seq_len, lr=lr, batch_size=batch_size, train_lm_head=train_lm_head,

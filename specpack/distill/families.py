@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from specpack.distill.vocab import DraftVocab
 
-FLAGS = {"block_size": " (--block-size)", "layers": " (--draft-layers)", "markov_rank": " (--markov-rank)"}
+FLAGS = {"block_size": " (--block-size)", "layers": " (--draft-layers)", "markov_rank": " (--markov-rank)",
+         "l1_alpha": " (--distribution-loss)", "soft_ce_alpha": " (--distribution-loss)"}
 
 
 class Eagle3:
