@@ -12,14 +12,17 @@ equal to plain decoding):
                  draft length would reach if every position were a step). Slot 1 and the run compare
                  with training's validation figures; later slots do not (the draft feeds its own tokens
                  forward, training feeds the true ones)
+  after a miss   (with --every 1) per position, at the positions right after one whose fresh draft
+                 missed slot 1: where decoding's steps land after a rejection
   per step       what decoding verified: each draft against the tokens that followed it; "run" is the
                  measured acceptance length. Steps skip the positions accepted drafts cover (the easy
-                 ones), so per step sits below per position even for a correctly bound head.
+                 ones), so per step sits below per position even for a correctly bound head; "after a
+                 miss" shows how much of that gap the misses' clustering alone explains.
 
 A fresh draft must equal the incremental one decoding made at the same position (the drafter's own
 cache kept across steps): the script counts the steps where they differ (`incremental != fresh`).
 
-    python bench/slots.py [--heads eagle3,dspark | DIR,...] [--prompts 5] [--max-new-tokens 128] [--every 3]
+    python bench/slots.py [--heads eagle3,dspark | DIR,...] [--prompts 5] [--max-new-tokens 128] [--every 3 | 1]
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ def measure(name: str, prompts: int, max_new: int, every: int) -> None:
     model = specpack.load(art)
     k = DRAFT_LEN.get(model.manifest.drafter.kind, 3)
     rec, tok = Recorder(model.drafter), model.tokenizer
-    position, step, differ, compared = Tally(k), Tally(k), 0, 0
+    position, after_miss, step, differ, compared = Tally(k), Tally(k), Tally(k), 0, 0
     for text in humaneval_prompts(prompts):
         ids = tok(text).input_ids
         plain = model.generate(ids, max_new_tokens=max_new, speculative=False).tokens
@@ -107,8 +110,14 @@ def measure(name: str, prompts: int, max_new: int, every: int) -> None:
         fresh = {at: rec.fresh(full, aux, at, k) for at, _ in steps[::every]}
         differ += sum(fresh[at] != d for at, d in steps if at in fresh)
         compared += sum(at in fresh for at, _ in steps)
+        missed = set()
         for at in range(len(ids), len(full) - k, every):
-            position.add(fresh[at] if at in fresh else rec.fresh(full, aux, at, k), full[at : at + k])
+            draft = fresh[at] if at in fresh else rec.fresh(full, aux, at, k)
+            position.add(draft, full[at : at + k])
+            if at - 1 in missed:
+                after_miss.add(draft, full[at : at + k])
+            if draft[:1] != full[at : at + 1]:
+                missed.add(at)
     record = json.loads((src / "training.json").read_text()) if (src / "training.json").is_file() else {}
     val = record.get("result", {}).get("validation")
     print(f"\n{name} ({model.manifest.drafter.kind}, draft length {k}, {prompts} HumanEval prompts, "
@@ -117,6 +126,8 @@ def measure(name: str, prompts: int, max_new: int, every: int) -> None:
         print(f"  training validation  {' / '.join(f'{a:.2f}' for a in val['agreement'])}  "
               f"run {val['estimated_acceptance_length']:.2f}")
     print(f"  per position         {position.line()}")
+    if after_miss.n:
+        print(f"  after a miss         {after_miss.line()}")
     print(f"  per step             {step.line()}")
     print(f"  incremental drafts   {compared - differ} of {compared} equal to fresh ones"
           + ("" if not differ else "  <- the drafter's cache across steps differs from a fresh start"))
