@@ -1,5 +1,5 @@
 """The shipped DSpark recipe (bench/distill_smollm2_dspark.sh) on its data plus the target's continuations of
-extra seed prompts (default bench/workloads/stdlib_code.jsonl: 671 distinct code prompts), generated into
+extra seed prompts (default bench/seeds/stdlib_code.jsonl: 671 distinct code prompts), generated into
 their own feature cache and appended; the experiment of BENCHMARKS.md's 2026-12-03 DSpark section.
 
     SPECPACK_THREADS=2 python bench/distill_dspark_extra.py OUT [EXTRA.jsonl]     (NEW_SAMPLES=2: greedy + 1)
@@ -16,7 +16,7 @@ import torch
 
 from specpack.distill import data
 
-EXTRA = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).resolve().parent / "workloads" / "stdlib_code.jsonl"
+EXTRA = Path(sys.argv[2]) if len(sys.argv) > 2 else Path(__file__).resolve().parent / "seeds" / "stdlib_code.jsonl"
 CACHE = Path(os.environ.get("SPECPACK_CACHE", Path.home() / ".cache" / "specpack"))
 build_features = data.build_features
 

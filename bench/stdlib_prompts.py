@@ -2,9 +2,9 @@
 `def name(signature):` and the docstring's first paragraph, for the target to write the body. Distinct code
 prompts for distilling a head where no code dataset can be downloaded (HumanEval holds 164 problems).
 The module list is fixed and sorted; the functions found depend on the Python version, so the output is
-kept in bench/workloads/stdlib_code.jsonl (made with Python 3.11: 671 prompts; none is a HumanEval problem).
+kept in bench/seeds/stdlib_code.jsonl (made with Python 3.11: 671 prompts; none is a HumanEval problem).
 
-    python bench/stdlib_prompts.py > bench/workloads/stdlib_code.jsonl
+    python bench/stdlib_prompts.py > bench/seeds/stdlib_code.jsonl
 """
 import importlib, inspect, json, sys, textwrap, warnings
 warnings.simplefilter("ignore")
