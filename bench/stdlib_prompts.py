@@ -2,12 +2,19 @@
 `def name(signature):` and the docstring's first paragraph, for the target to write the body. Distinct code
 prompts for distilling a head where no code dataset can be downloaded (HumanEval holds 164 problems).
 The module list is fixed and sorted; the functions found depend on the Python version, so the output is
-kept in bench/seeds/stdlib_code.jsonl (made with Python 3.11: 671 prompts; none is a HumanEval problem).
+kept in bench/seeds/stdlib_code.jsonl (made with Python 3.11: 671 prompts, none a HumanEval problem; 658
+distinct: `os.path` repeats `posixpath`, kept as the 2026-12-03 experiment used it; drop one for new data).
 
     python bench/stdlib_prompts.py > bench/seeds/stdlib_code.jsonl
 """
-import importlib, inspect, json, sys, textwrap, warnings
-warnings.simplefilter("ignore")
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+import warnings
+
 MODULES = sorted("""abc argparse ast base64 bisect calendar cgi cmd codecs colorsys configparser copy csv dataclasses
 datetime decimal difflib dis email.utils enum filecmp fileinput fnmatch fractions ftplib functools getopt gettext
 glob gzip hashlib heapq hmac html html.parser http.cookies imaplib inspect ipaddress itertools json keyword
@@ -17,30 +24,39 @@ sched secrets selectors shelve shlex shutil smtplib socket socketserver statisti
 sysconfig tabnanny tarfile tempfile textwrap threading timeit token tokenize trace traceback turtle types
 typing urllib.parse urllib.request uu uuid warnings wave weakref webbrowser xml.dom.minidom xml.etree.ElementTree
 zipfile zipimport""".split())
-out, seen = [], set()
-for m in MODULES:
+
+
+def prompt(name: str, fn) -> str | None:
+    """The prompt for one public function: a signature under 100 characters, a docstring of 40+
+    characters whose first paragraph is at most 400."""
+    doc = inspect.getdoc(fn)
+    if not doc or len(doc) < 40:
+        return None
     try:
-        mod = importlib.import_module(m)
-    except Exception:
-        continue
-    for name, obj in sorted(vars(mod).items()):
-        if name.startswith("_") or not inspect.isfunction(obj) or obj.__module__ != mod.__name__:
-            continue
-        doc = inspect.getdoc(obj)
-        if not doc or len(doc) < 40 or (m, name) in seen:
-            continue
+        sig = str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return None
+    para = doc.split("\n\n")[0].strip()
+    if len(sig) > 100 or "<" in sig or len(para) > 400:
+        return None
+    return f'def {name}{sig}:\n    """{para.replace(chr(10), chr(10) + "    ")}\n    """\n'
+
+
+def prompts() -> list[str]:
+    out = []
+    for m in MODULES:
         try:
-            sig = str(inspect.signature(obj))
-        except (TypeError, ValueError):
+            mod = importlib.import_module(m)
+        except Exception:  # removed in this Python (cgi, uu, ...)
             continue
-        if len(sig) > 100 or "<" in sig:
-            continue
-        para = doc.split("\n\n")[0].strip()
-        if len(para) > 400:
-            continue
-        seen.add((m, name))
-        body = textwrap.indent(para, "    ")
-        out.append({"prompt": f'def {name}{sig}:\n    """{body.strip()}\n    """\n'})
-print(len(out), file=sys.stderr)
-for r in out:
-    print(json.dumps(r))
+        for name, obj in sorted(vars(mod).items()):
+            if not name.startswith("_") and inspect.isfunction(obj) and obj.__module__ == mod.__name__:
+                out += [p] if (p := prompt(name, obj)) else []
+    return out
+
+
+if __name__ == "__main__":
+    warnings.simplefilter("ignore")  # deprecated modules warn on import
+    made = prompts()
+    print(f"{len(made)} prompts", file=sys.stderr)
+    sys.stdout.write("".join(json.dumps({"prompt": p}) + "\n" for p in made))
