@@ -29,7 +29,7 @@ def with_extra(target_dir, target, tokenizer, records, self_generate, gen_tokens
     recs = data.read_jsonl(EXTRA)
     extra = build_features(target_dir, target, tokenizer, recs, len(recs), gen_tokens,
                            CACHE / "distill" / f"extra-{EXTRA.stem}", capture, progress,
-                           data.Sampling(int(os.environ.get("NEW_SAMPLES", 2)), 0.7, 1))
+                           data.Sampling(int(os.environ.get("NEW_SAMPLES", 2)), bench.COMMON["temperature"], 1))
     extra.groups = extra.groups + int(base.groups.max()) + 1
     print(f"bench data {len(base.starts)} sequences, {base.num_tokens} tokens; extra {len(extra.starts)} sequences, "
           f"{extra.num_tokens} tokens", flush=True)

@@ -110,14 +110,13 @@ def measure(name: str, prompts: int, max_new: int, every: int) -> None:
         fresh = {at: rec.fresh(full, aux, at, k) for at, _ in steps[::every]}
         differ += sum(fresh[at] != d for at, d in steps if at in fresh)
         compared += sum(at in fresh for at, _ in steps)
-        missed = set()
+        last_miss = None
         for at in range(len(ids), len(full) - k, every):
             draft = fresh[at] if at in fresh else rec.fresh(full, aux, at, k)
             position.add(draft, full[at : at + k])
-            if at - 1 in missed:
+            if last_miss == at - 1:
                 after_miss.add(draft, full[at : at + k])
-            if draft[:1] != full[at : at + 1]:
-                missed.add(at)
+            last_miss = at if draft[:1] != full[at : at + 1] else last_miss
     record = json.loads((src / "training.json").read_text()) if (src / "training.json").is_file() else {}
     val = record.get("result", {}).get("validation")
     print(f"\n{name} ({model.manifest.drafter.kind}, draft length {k}, {prompts} HumanEval prompts, "

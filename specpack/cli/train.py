@@ -9,7 +9,8 @@ import click
 from specpack._output import emit, progress_enabled
 from specpack.cli._common import JSON, cli
 
-DISTRIBUTION_LOSSES = {"l1": {"l1_alpha": 0.9, "soft_ce_alpha": 0.0}, "soft-ce": {"l1_alpha": 0.0, "soft_ce_alpha": 0.9}}
+DISTRIBUTION_LOSSES = {"l1": {"l1_alpha": 0.9, "soft_ce_alpha": 0.0},  # DSparkOptions fields per --distribution-loss
+                       "soft-ce": {"l1_alpha": 0.0, "soft_ce_alpha": 0.9}}
 
 
 @cli.command()
@@ -46,7 +47,8 @@ DISTRIBUTION_LOSSES = {"l1": {"l1_alpha": 0.9, "soft_ce_alpha": 0.0}, "soft-ce":
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Continue from OUT's checkpoint.")
 @JSON
 def distill(target, out, head, block_size, draft_layers, markov_rank, distribution_loss, data, self_generate, samples,
-            temperature, gen_tokens, draft_vocab, steps, seq_len, lr, batch_size, train_lm_head, dtype, seed, resume, json_mode):
+            temperature, gen_tokens, draft_vocab, steps, seq_len, lr, batch_size, train_lm_head, dtype, seed, resume,
+            json_mode):
     """Train an EAGLE-3 or DSpark head for TARGET against its own outputs (CPU-capable, resumable, seeded).
 
     \b
