@@ -2,8 +2,9 @@
 `def name(signature):` and the docstring's first paragraph, for the target to write the body. Distinct code
 prompts for distilling a head where no code dataset can be downloaded (HumanEval holds 164 problems).
 The module list is fixed and sorted; the functions found depend on the Python version, so the output is
-kept in bench/seeds/stdlib_code.jsonl (made with Python 3.11: 671 prompts, none a HumanEval problem; 658
-distinct: `os.path` repeats `posixpath`, kept as the 2026-12-03 experiment used it; drop one for new data).
+kept in bench/seeds/stdlib_code.jsonl (made with Python 3.11: 671 prompts, none a HumanEval problem; 652
+distinct: `os.path` repeats `posixpath`, kept as the 2026-12-03 experiment used it; bench/distill_smollm2.py
+reads the distinct ones).
 
     python bench/stdlib_prompts.py > bench/seeds/stdlib_code.jsonl
 """
