@@ -1,5 +1,5 @@
-"""Open-chat seed prompts for distilling a head, beside bench/stdlib_prompts.py's code prompts: ~650 distinct
-requests (stories, explanations, advice, recipes, letters, plans, comparisons, hypotheticals, ...) from
+"""Open-chat seed prompts for distilling a head, beside bench/stdlib_prompts.py's code prompts: distinct
+requests (575: stories, explanations, advice, recipes, letters, plans, comparisons, hypotheticals, ...) from
 fixed topic lists, none of them one of the held-out open-chat prompts (bench/distill_smollm2.py OPEN_CHAT,
 bench/workloads/chat.jsonl) nor one of specpack.distill.data.builtin_prompts(). Each list is paired with
 its form once, so no two prompts differ by a single swapped word across a whole product of lists.
@@ -120,9 +120,10 @@ the first day of school|an empty playground"""
 GOALS = """losing weight|building strength|running a 10k|improving flexibility|a busy parent|a beginner over fifty|
 training for a hike|better posture|home workouts without equipment|a desk worker with back pain|
 swimming endurance|cycling to work|recovering from a long break|improving balance|a student with little time"""
-MESSAGES = """a friend before an exam|a team after losing a match|someone starting a new job|a nervous public speaker|
-a student who failed a test|a colleague going on maternity leave|a runner before a marathon|
-someone moving to a new city|a volunteer group|a sibling graduating|a retiring teacher|a child on their first day of school|
+MESSAGES = """a friend before an exam|a team after losing a match|someone starting a new job|
+a nervous public speaker|a student who failed a test|a colleague going on maternity leave|a runner before a marathon|
+someone moving to a new city|a volunteer group|a sibling graduating|a retiring teacher|
+a child on their first day of school|
 a friend recovering from illness|new employees|a team finishing a hard project"""
 SUMMARIES = """the life of a honeybee|how the Internet grew|the causes of the First World War|the story of the Titanic|
 the discovery of penicillin|the first Moon landing|the life of Marie Curie|the rise of smartphones|
@@ -187,11 +188,8 @@ def prompts() -> list[str]:
 
 
 def main() -> None:
-    seen = set()
-    for p in prompts():
-        if p not in seen:
-            seen.add(p)
-            print(json.dumps({"messages": [{"role": "user", "content": p}]}))
+    for p in dict.fromkeys(prompts()):
+        print(json.dumps({"messages": [{"role": "user", "content": p}]}))
 
 
 if __name__ == "__main__":
