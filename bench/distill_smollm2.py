@@ -90,12 +90,11 @@ def modes(head: str, model) -> list[tuple[str, dict]]:
     if head == "eagle3":
         return [(f"fixed D={d}", dict(draft_len=d, adaptive=False)) for d in (3, 4, 5)] + \
             [("adaptive D=5", dict(draft_len=5, adaptive=True))]
-    from specpack.runtime.engine.cost import measure
+    from specpack.serving.generate import with_draft_prior
 
     slots = model.manifest.drafter.draft_slots
-    model.target.setup_cache(64)
-    curve = measure(model.target, rows=(1, 2, 4, 8))
-    print(f"cost curve {curve.to_dict()}")
+    curve = with_draft_prior(model, model.measure_cost((1, 2, 4, 8)))  # as `specpack run` prices drafts
+    print(f"cost curve {curve.to_dict()}, draft ratio {curve.draft_ratio:.3f}")
     from specpack.runtime.drafters.base import TreeShape
 
     return [(f"fixed D={d}", dict(draft_len=d, adaptive=False)) for d in (3, 4, slots)] + \
@@ -113,7 +112,8 @@ def evaluate(head: str, out: Path, cache: Path) -> None:
     per_workload, max_new = int(os.environ.get("PER_WORKLOAD", 5)), int(os.environ.get("MAX_NEW", 128))
     art = cache / "distill" / f"eval-artifact-{head}"  # unsigned, rebuilt each run, removed at the end
     build(BuildOptions(target=target_dir(cache), drafter=str(out), out=art, force=True))
-    model = specpack.load(art)  # the runtime `specpack run` uses (packed CPU kernels)
+    weights = os.environ.get("WEIGHTS", "fp32")  # the CPU kernels' weight precision, plain and speculative alike
+    model = specpack.load(art, weights=weights)  # the runtime `specpack run` uses (packed CPU kernels)
     tok = model.tokenizer
 
     def chat(messages):
@@ -125,15 +125,20 @@ def evaluate(head: str, out: Path, cache: Path) -> None:
     humaneval = [tok(p["prompt"]).input_ids for p in list(read_problems().values())[:HELD_OUT]]
     model.generate(open_chat[0][:16], max_new_tokens=8, speculative=False)  # warm-up
     rows = modes(head, model)
-    print(f"held-out prompts: {per_workload} per workload, {max_new} new tokens, greedy, "
-          f"{os.environ.get('SPECPACK_THREADS', torch.get_num_threads())} thread(s)")
+    print(f"held-out prompts: {per_workload} per workload, {max_new} new tokens, greedy, {weights} weights, "
+          f"{os.environ.get('SPECPACK_THREADS', torch.get_num_threads())} thread(s); plain and every mode take "
+          "turns on each prompt (this machine drifts by 10-30% over minutes)")
     print(f"{'workload':10s} {'draft':>14s} {'AL':>5s} {'plain tok/s':>12s} {head + ' tok/s':>13s} {'speedup':>8s}"
           "  identical")
     for name, prompts in (("open-chat", open_chat[:per_workload]), ("humaneval", humaneval[:per_workload])):
-        plain = [model.generate(ids, max_new_tokens=max_new, speculative=False) for ids in prompts]
+        turns = [("plain", dict(speculative=False)), *rows]
+        done = {label: [] for label, _ in turns}
+        for ids in prompts:
+            for label, options in turns:
+                done[label].append(model.generate(ids, max_new_tokens=max_new, **options))
+        plain = done.pop("plain")
         p_tps = statistics.mean(r.stats.tokens_per_s for r in plain)
-        for label, options in rows:
-            runs = [model.generate(ids, max_new_tokens=max_new, **options) for ids in prompts]
+        for label, runs in done.items():
             same = all(r.tokens == q.tokens for r, q in zip(runs, plain))
             al = 1 + sum(r.stats.accepted for r in runs) / sum(r.stats.steps for r in runs)
             s_tps = statistics.mean(r.stats.tokens_per_s for r in runs)

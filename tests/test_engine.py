@@ -245,6 +245,21 @@ def test_cost_model_drafts_while_cheap_and_stops_at_the_knee():
     assert choose([4], [[0.5, 0.25, 0.1, 0.05]], 1, with_draft_cost) == [0]  # a head step costs more than it gains
 
 
+def test_a_block_drafter_pays_one_head_step_for_its_whole_draft():
+    """Priced a head step per position, a block drafter (one forward drafts every slot) looked five
+    times dearer at depth 5 than it is, and the cost model kept its drafts short; priced as one
+    step, it drafts the block. Drafts already made (a confidence head cuts them) cost only rows."""
+    from dataclasses import replace
+
+    per_position = CostModel((1, 8), (10.0, 10.8), draft_ratio=0.3)
+    parallel = replace(per_position, parallel_drafts=True)
+    likely = [[0.7, 0.49, 0.34, 0.24, 0.17]]
+    assert parallel.time(6, depth=5, jobs=1) == parallel.time(6, depth=1, jobs=1) < per_position.time(6, 5, 1)
+    assert choose([5], likely, 1, per_position) == [2] and choose([5], likely, 1, parallel) == [5]
+    dear = CostModel((1, 8), (10.0, 10.8), draft_ratio=5.0)
+    assert choose([4], likely, 1, dear) == [0] and choose([4], likely, 1, dear, drafted=True) == [4]
+
+
 def test_the_measured_cost_curve_keeps_each_forwards_fastest_pass_and_never_falls(monkeypatch):
     """A busy moment lands on one pass of one point (here the one-row forward's first timed pass,
     35% slow, and a burst on the 8-row one): each point keeps its fastest pass, and a curve that

@@ -222,6 +222,33 @@ def test_greedy_equals_plain_on_the_packed_cpu_kernels(prompts, tmp_path):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="no CPU kernel")
+@pytest.mark.parametrize("variant", ["dflash-everything", "dspark"])
+def test_packed_drafter_layers_run_fused_as_the_module_path_does(llama, tmp_path, variant):
+    """On the packed kernel the drafter's layers run as C calls, one per run of layers of the same
+    causality (dflash-everything: a causal layer, then a non-causal one): the query block's hidden
+    states and logits are the module path's within fp32 rounding."""
+    from specpack.runtime.kernels.accelerate import use_cpu_kernels
+    from specpack.runtime.kernels.layers import FusedLayers
+
+    target, hf = llama
+    drafter, threads = load_block(None, head(tmp_path / "h", variant), target), torch.get_num_threads()
+    try:
+        assert use_cpu_kernels(drafter) > 0 and isinstance(drafter.fused, FusedLayers)
+        seq = sequence(hf, 5)
+        drafter.reset(64)
+        job = DraftJob(0, seq[:9], features(hf, seq)[:8], 4, None)
+        with torch.inference_mode():
+            drafter._absorb([job])
+            fused = drafter._block([job])
+            drafter.fused = None
+            module = drafter._block([job])
+        torch.testing.assert_close(fused.hidden, module.hidden, atol=1e-5, rtol=0)
+        torch.testing.assert_close(fused.logits, module.logits, atol=1e-4, rtol=0)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def small_target(vocab: int = 8):
     """A 2-layer target over a tiny vocabulary: random drafts are often right, so blocks get accepted."""
     cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -292,6 +319,31 @@ def test_confidence_trims_drafts_through_the_cost_model(tmp_path, monkeypatch):
     monkeypatch.setattr(drafter, "draft", lambda jobs: [Draft(d.tokens) for d in draft(jobs)])
     assert with_confidence < verified()
 
+
+
+def test_a_confidence_head_is_asked_for_the_whole_block(tmp_path, monkeypatch):
+    """A block costs one forward whatever its length and the confidence head then cuts it to what is
+    worth verifying: the engine asks for every slot (the record's survival, lowered by those cuts,
+    would otherwise ask for ever fewer), within what is left to generate."""
+    from specpack.runtime.engine import Engine, Request
+    from specpack.runtime.engine.cost import CostModel
+
+    target, cfg = small_target()
+    prompt = torch.randint(0, 8, (6,), generator=torch.Generator().manual_seed(0)).tolist()
+    want = SpecModel(target).generate(prompt, 24, speculative=False, eos_ids=()).tokens
+    drafter = load_block(None, small_head(tmp_path / "h", cfg, algorithm="dspark", layout="anchor_first",
+                                          block_size=5), target)
+    draft, asked = drafter.draft, []  # (draft length asked, the most it could be)
+
+    def record(jobs):
+        asked.extend((j.k, min(5, 24 - (len(j.context) - len(prompt)) - 1)) for j in jobs)
+        return draft(jobs)
+
+    monkeypatch.setattr(drafter, "draft", record)
+    engine = Engine(target, drafter, slots=1, max_len=64, cost=CostModel((1, 24), (10.0, 56.0)), prior=(0.99,) * 5)
+    assert engine.cost.parallel_drafts
+    assert engine.run([Request(prompt, 24, draft_len=5)])[0].tokens == want
+    assert len(asked) > 2 and all(k == most for k, most in asked)
 
 
 def test_drafts_the_confidence_head_always_cuts_stop_being_asked_for(tmp_path, monkeypatch):

@@ -41,11 +41,19 @@ def engine_settings(model, selection, slots: int = 1, measure: bool = False) -> 
     elif measure and selection.speculative and model.drafter is not None:
         out["cost"] = model.measure_cost(tuple(r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * slots))
         log.info("cost curve measured: %s", out["cost"].to_dict())
-    if "cost" in out and not getattr(model.drafter, "free_drafts", False):
-        mem = model.manifest.memory  # a head's forward costs about its share of the weights (learned as it runs)
-        share = mem.drafter_weight_bytes / max(mem.target_weight_bytes, 1)
-        out["cost"] = out["cost"].with_draft_ratio(max(0.02, share))
+    if "cost" in out:
+        out["cost"] = with_draft_prior(model, out["cost"])
     return out
+
+
+def with_draft_prior(model, cost):
+    """`cost` (engine.cost.CostModel) with the drafter's starting draft ratio: a head's forward costs
+    about its share of the weights (the engine learns the real ratio as it drafts, and drifts back
+    to this one while nobody drafts); n-gram drafts are free."""
+    if getattr(model.drafter, "free_drafts", False):
+        return cost
+    mem = model.manifest.memory
+    return cost.with_draft_ratio(max(0.02, mem.drafter_weight_bytes / max(mem.target_weight_bytes, 1)))
 
 
 def generate_text(artifact, req: GenerateRequest, public_key=None, device: str = "cpu",

@@ -32,13 +32,14 @@ HEAD_PREFIXES = ("markov_head.", "confidence_head.", "lilicorr.")  # the heads t
 class GraphBlock:
     """The block drafter as two exported graphs (see the module docstring)."""
 
-    kind = "block"
+    kind, parallel_drafts = "block", True
     draft, start, reset, propose = BlockDrafter.draft, BlockDrafter.start, BlockDrafter.reset, BlockDrafter.propose
     _fresh, _logit_rows, _scaled, _choose = (BlockDrafter._fresh, BlockDrafter._logit_rows, BlockDrafter._scaled,
                                              BlockDrafter._choose)
     _draft_dflash, _draft_dspark, _draft_lilicorr = (BlockDrafter._draft_dflash, BlockDrafter._draft_dspark,
                                                      BlockDrafter._draft_lilicorr)
     tree_drafts, _tree, _slot_logits = BlockDrafter.tree_drafts, BlockDrafter._tree, BlockDrafter._slot_logits
+    estimates_acceptance = BlockDrafter.estimates_acceptance
     max_tokens_per_call: int | None = None  # context rows per graph call (None: all at once)
 
     def __init__(self, spec: BlockSpec, heads: dict[str, Tensor], context_graph, step_graph, device: torch.device,

@@ -9,6 +9,10 @@ A drafter drafts for many sequences at once, each in a slot of its own state:
     draft(jobs) -> [Draft]    one draft per `DraftJob`, in one batched pass where it can; a tree
                               when the job asks for one and the drafter can branch (`tree_drafts`)
 
+and may say how the engine prices its drafts: `free_drafts` (n-gram: nothing), `parallel_drafts`
+(block drafters: one forward drafts every position; else a forward per position), and
+`estimates_acceptance` (its drafts carry Draft.confidence, which cuts them before verification).
+
 and, for single-sequence use (tests, references), `reset(max_len)` (one slot) and
 `propose(context, feats, k, sampler) -> Draft` (slot 0).
 """

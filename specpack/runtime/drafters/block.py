@@ -48,6 +48,7 @@ Sampling is the engine's keyed rule: position q of a job races the drafter's own
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import NamedTuple
@@ -83,6 +84,7 @@ class BlockDrafter(nn.Module):
     forward runs every job's query block, then the algorithm's heads choose the tokens."""
 
     kind = "block"
+    parallel_drafts = True  # one forward drafts every slot: the engine prices a draft as one head step
 
     def __init__(self, spec: BlockSpec, target):
         super().__init__()
@@ -109,6 +111,7 @@ class BlockDrafter(nn.Module):
         self.confidence_head = ConfidenceHead(spec) if spec.confidence_with_markov is not None else None
         self.lilicorr = LiLiCorrHead(spec) if spec.lilicorr is not None else None
         self.cache: KVCache | None = None
+        self.fused = None  # kernels.layers.FusedLayers when the layers run as C calls (see fuse_layers)
         self.lengths: list[int] = []  # committed context positions per slot
         for name in ("cos", "sin", "draft_to_target", "anchor_ctx"):  # with the cache (reserve)
             self.register_buffer(name, None, persistent=False)
@@ -129,6 +132,14 @@ class BlockDrafter(nn.Module):
             self.anchor_ctx = w.new_zeros(slots, s.hidden_size)
         self.lengths = [0] * self.cache.slots
 
+    def fuse_layers(self) -> bool:
+        """Run the layers as C calls (kernels/layers.py) when their linear layers run on the packed
+        CPU kernel; True when they now do."""
+        from specpack.runtime.kernels.layers import FusedLayers
+
+        self.fused = FusedLayers.of(self.spec, self.layers)
+        return self.fused is not None
+
     def start(self, slot: int) -> None:
         """A new sequence takes `slot`."""
         self.lengths[slot] = 0
@@ -143,6 +154,11 @@ class BlockDrafter(nn.Module):
         return self.draft([DraftJob(0, context, feats, draft_len, sampler)])[0]
 
     # ---- drafting --------------------------------------------------------------------------
+
+    @property
+    def estimates_acceptance(self) -> bool:
+        """DSpark's confidence head rates each drafted position (Draft.confidence)."""
+        return self.confidence_head is not None
 
     @property
     def tree_drafts(self) -> bool:
@@ -212,10 +228,7 @@ class BlockDrafter(nn.Module):
         full = torch.ones(T, T, dtype=torch.bool)
         rows = {causal: Rows.of([Segment(j.slot, self.lengths[j.slot], T, None if causal else full) for j in jobs],
                                 dev) for causal in set(s.layer_causal)}
-        pos = next(iter(rows.values())).pos
-        cos, sin = self.cos[pos, None], self.sin[pos, None]
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, self.cache.k[i], self.cache.v[i], rows[s.layer_causal[i]])
+        x = self._layers(x, rows)
         a = s.first_prediction
         hidden = self.norm(x).view(len(jobs), T, -1)[:, a : a + s.draft_slots]  # [J, N, H]
         logits = self.lm_head(hidden[:, : self._logit_rows(jobs)])  # [J, n, Vd]
@@ -223,6 +236,22 @@ class BlockDrafter(nn.Module):
             return BlockOut(hidden, logits)
         log_probs, candidates = logits.float().log_softmax(-1).topk(s.lilicorr.candidate_topk, -1)
         return BlockOut(hidden, None, candidates, log_probs, self.target_embed(candidates))
+
+    def _layers(self, x: Tensor, rows: dict[bool, Rows]) -> Tensor:
+        """Every layer over the query rows x [R, H], each with the rows of its causality; fused: a C
+        call per run of layers alike (x updated in place)."""
+        causal = self.spec.layer_causal
+        if self.fused is not None:
+            steps = {c: self.fused.step(r, self.cos, self.sin, self.cache) for c, r in rows.items()}
+            for c, run in itertools.groupby(range(len(causal)), key=causal.__getitem__):
+                run = list(run)
+                self.fused.layers(x, steps[c], run[0], len(run))
+            return x
+        pos = next(iter(rows.values())).pos
+        cos, sin = self.cos[pos, None], self.sin[pos, None]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, self.cache.k[i], self.cache.v[i], rows[causal[i]])
+        return x
 
     def _scaled(self, logits: Tensor) -> Tensor:
         scale = self.spec.logit_scale

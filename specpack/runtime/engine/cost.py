@@ -5,7 +5,8 @@ A step costs `step_ms(rows)` for the target forward (rows = every sequence's 1 +
 rows; flat while streaming the weights dominates, then rising past the compute knee; measured at an
 empty cache), plus `key_ms` per attended key (a row attends its whole sequence: attention and the
 per-sequence work grow with context, which the engine learns online from its own step times), plus,
-for model drafters, `draft_ratio * step_ms(jobs)` per sequential draft step over `jobs` sequences (a
+for model drafters, `draft_ratio * step_ms(jobs)` per sequential draft step over `jobs` sequences (one per
+drafted position; one in all for a block drafter, whose one forward drafts every position; a
 head's forward costs about its share of the weights; learned as it drafts) and the head's catch-up:
 a sequence that has not drafted for a while first feeds the head every position committed since
 (its first draft of the prompt, too), `draft_ratio` times a target row each. Draft position j of sequence i adds one
@@ -38,6 +39,9 @@ class CostModel:
     rows: tuple[int, ...]
     ms: tuple[float, ...]
     draft_ratio: float = 0.0
+    # one head forward drafts every position (block drafters: DFlash, DSpark, LiLiCorr), so a draft of
+    # any length costs one head step; else each position costs one (EAGLE-3, MTP, draft models)
+    parallel_drafts: bool = False
     key_ms: float = 0.0  # per row per attended key (measured at start when possible, then learned online)
     key_ms_measured: float = 0.0  # the start-up measurement: online learning stays within a factor 4 of it
 
@@ -64,10 +68,14 @@ class CostModel:
         x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
         return np.where(rows <= xs[0], ys[0], y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
 
+    def passes(self, depth):
+        """The head forwards a draft `depth` positions deep takes (an int, or elementwise an array)."""
+        return np.minimum(depth, 1) if self.parallel_drafts else depth
+
     def time(self, rows: int, depth: int = 0, jobs: int = 0, keys: int = 0, absorbed: int = 0) -> float:
-        """A step of `rows` target rows attending `keys` keys in all, after `depth` draft steps over
-        `jobs` sequences that first fed the head `absorbed` committed positions."""
-        draft = depth * self.draft_ratio * self.step_ms(jobs) if depth and jobs else 0.0
+        """A step of `rows` target rows attending `keys` keys in all, after a draft `depth` positions
+        deep over `jobs` sequences that first fed the head `absorbed` committed positions."""
+        draft = self.passes(depth) * self.draft_ratio * self.step_ms(jobs) if depth and jobs else 0.0
         return self.step_ms(rows) + self.key_ms * keys + draft + self.absorb_ms() * absorbed
 
     def row_ms(self) -> float:
@@ -238,7 +246,7 @@ MARGIN = 0.03  # drafts must promise this much more throughput than none: smalle
 def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows: int, cost: CostModel,
            contexts: Sequence[int] | None = None, base_keys: int = 0, margin: float = MARGIN,
            pending: Sequence[int] | None = None, sunk_rows: int = 0, sunk_keys: int = 0,
-           widths: Sequence[int] | None = None) -> list[int]:
+           widths: Sequence[int] | None = None, drafted: bool = False) -> list[int]:
     """Draft lengths for sequences that may draft up to `limits[i]` tokens with survivals
     `survival[i]`, on top of `base_rows` rows attending `base_keys` keys (each sequence's last
     token); a draft row of sequence i attends about `contexts[i]` keys, and its first one makes the
@@ -246,7 +254,8 @@ def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows
     head step. The step also carries `sunk_rows` prompt rows
     (`sunk_keys` keys) that must run anyway: they set where on the curve draft rows are priced, but
     their cost is not held against the drafts (else a step made slow by a prefill chunk would make
-    any draft look cheap). No drafts unless they promise `margin` more tokens per millisecond."""
+    any draft look cheap). No drafts unless they promise `margin` more tokens per millisecond.
+    `drafted`: the drafts are made (a confidence head cuts them): only their rows are priced."""
     lengths = [0] * len(limits)
     cut = [surv[:k] for surv, k in zip(survival, limits)]
     if not any(cut):
@@ -255,7 +264,7 @@ def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows
     order = np.lexsort((j, -s))  # best first; equal survivals: the shorter draft first, then the sequence
     s, j, i = s[order], j[order], i[order]
     take = _best_prefix(s, j, i, len(limits), base_rows, cost, contexts, base_keys, margin, sunk_rows, sunk_keys,
-                        pending, widths, draft=True)
+                        pending, widths, draft=not drafted)
     for n, k in zip(i[:take].tolist(), j[:take].tolist()):
         lengths[n] = max(lengths[n], k)
     return lengths
@@ -310,7 +319,7 @@ def _best_prefix(s: np.ndarray, j: np.ndarray, i: np.ndarray, sequences: int, ba
         first = j == 1
         depth = np.maximum.accumulate(j)
         jobs = np.cumsum(first * (np.asarray(widths)[i] if widths else 1))
-        time = time + np.where(jobs > 0, depth * cost.draft_ratio * cost.step_ms_many(jobs), 0.0)
+        time = time + np.where(jobs > 0, cost.passes(depth) * cost.draft_ratio * cost.step_ms_many(jobs), 0.0)
         if pending:
             time = time + cost.absorb_ms() * np.cumsum(first * np.asarray(pending)[i])
     rate = tokens / (own + time - floor)

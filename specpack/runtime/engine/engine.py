@@ -27,7 +27,7 @@ features of committed positions the drafter has not seen yet.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -178,6 +178,8 @@ class Engine:
                  prior=DEFAULT_PRIOR, capture: tuple[int, ...] = ()):
         self.target, self.drafter = target, drafter
         self.slots, self.max_len, self.prefill_chunk = slots, max_len, prefill_chunk
+        if cost is not None and getattr(drafter, "parallel_drafts", False):
+            cost = replace(cost, parallel_drafts=True)  # a draft of any length is one head forward
         self.cost, self.prior = cost, tuple(prior)
         self.draft_prior = cost.draft_ratio if cost is not None else 0.0  # where the learned ratio drifts back to
         self._quiet: tuple = (None, 0)  # (the sequences and prompt rows of a step nobody drafted in, steps left)
@@ -324,9 +326,14 @@ class Engine:
         limits = [min(s.req.draft_len, s.budget - 1) if s.req.speculative else 0 for s in seqs]
         contexts = [s.n for s in seqs]
         widths = [shape.topk if shape else 1 for shape in map(self._shape, seqs)]
-        return costs.choose(limits, [s.acceptance.survival(k) for s, k in zip(seqs, limits)],
-                            len(seqs), self.cost, contexts, sum(contexts), pending=pending,
-                            sunk_rows=prefill_rows, sunk_keys=prefill_keys, widths=widths)
+        chosen = costs.choose(limits, [s.acceptance.survival(k) for s, k in zip(seqs, limits)],
+                              len(seqs), self.cost, contexts, sum(contexts), pending=pending,
+                              sunk_rows=prefill_rows, sunk_keys=prefill_keys, widths=widths)
+        if self.cost.parallel_drafts and getattr(self.drafter, "estimates_acceptance", False):
+            # a whole block costs what one position does, and the drafter's own estimates then cut
+            # each draft to what is worth verifying (`_trim`): better informed than the record
+            return [limit if k else 0 for k, limit in zip(chosen, limits)]
+        return chosen
 
     def _shape(self, s: Generation) -> TreeShape | None:
         """The tree `s` asks for, its nodes within its slot (None: a chain)."""
@@ -373,7 +380,8 @@ class Engine:
         limits = [len(d) if survival[i] else 0 for i, d in enumerate(drafts)]
         contexts = [s.n for s in decoding]
         sunk = _sunk(decoding, drafts, {i for i, surv in enumerate(survival) if surv}, prefill_rows, prefill_keys)
-        keep = costs.choose(limits, survival, len(decoding), self.cost, contexts, sum(contexts), margin=0.0, **sunk)
+        keep = costs.choose(limits, survival, len(decoding), self.cost, contexts, sum(contexts), margin=0.0,
+                            drafted=True, **sunk)
         return [d.keep(range(k)) if survival[i] else d for i, (d, k) in enumerate(zip(drafts, keep))]
 
     def _prune(self, decoding, drafts: list[Proposal], prefill_rows: int, prefill_keys: int) -> list[Proposal]:
@@ -399,7 +407,7 @@ class Engine:
         if self.cost is None or getattr(self.drafter, "free_drafts", False):
             return
         ms = max(seconds * 1e3 - self.cost.absorb_ms() * absorbed, 0.0)
-        ratio = ms / (depth * self.cost.step_ms(rows))
+        ratio = ms / (self.cost.passes(depth) * self.cost.step_ms(rows))
         old = self.cost.draft_ratio
         if old:  # one slow call (the first, cold; a busy neighbour) moves the estimate a little only: a
             ratio = min(ratio, 4 * old)  # ratio that stopped every draft could never be measured again

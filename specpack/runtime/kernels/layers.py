@@ -63,29 +63,30 @@ class Step(NamedTuple):
 
 
 class FusedLayers:
-    """The layers of a dense `Transformer` whose linear layers all run on the packed kernel; made
-    by `of`, which says None where they cannot run fused."""
+    """Dense decoder layers (`dense.Block`: a `Transformer`'s, a block drafter's) whose linear layers
+    all run on the packed kernel, sized by `spec` (a TargetSpec, a BlockSpec); made by `of`, which
+    says None where they cannot run fused."""
 
-    def __init__(self, model):
-        s = model.spec
+    def __init__(self, s, layers):
         self.lib = _library()[0]
         self.heads, self.kv_heads, self.hd = s.num_heads, s.num_kv_heads, s.head_dim
         self.hidden, self.inter, self.eps = s.hidden_size, s.intermediate_size, float(s.rms_norm_eps)
         self.scale = self.hd ** -0.5
         self.threads = default_threads()
-        self._keep = [_norms(b) for b in model.layers]  # the fp32 norm weights the table points at
-        self.table = (_Layer * len(model.layers))(*(_layer(b, n) for b, n in zip(model.layers, self._keep)))
+        self._keep = [_norms(b) for b in layers]  # the fp32 norm weights the table points at
+        self.table = (_Layer * len(layers))(*(_layer(b, n) for b, n in zip(layers, self._keep)))
         self.width = 2 * self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.hd + 3 * self.inter
         self._capture_ids: dict[tuple[int, ...], ctypes.Array] = {}
 
     @classmethod
-    def of(cls, model) -> "FusedLayers | None":
-        if not (enabled() and available() and model.spec.head_dim <= MAX_HEAD_DIM and model.dtype == torch.float32
-                and model.device.type == "cpu"):
+    def of(cls, spec, layers) -> "FusedLayers | None":
+        w = layers[0].input_layernorm.weight
+        if not (enabled() and available() and spec.head_dim <= MAX_HEAD_DIM and w.dtype == torch.float32
+                and w.device.type == "cpu"):
             return None
-        if not all(_on_kernel(b.self_attn, b.mlp) for b in model.layers):
+        if not all(_on_kernel(b.self_attn, b.mlp) for b in layers):
             return None
-        return cls(model)
+        return cls(spec, layers)
 
     def step(self, rows, cos: Tensor, sin: Tensor, cache) -> Step:
         """The per-forward arrays for `rows`; cos, sin: the model's [max_len, hd] tables; cache: the

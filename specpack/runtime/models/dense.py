@@ -292,7 +292,7 @@ class Transformer(Decoder):
         runs on the packed CPU kernel; True when it now does."""
         from specpack.runtime.kernels.layers import FusedLayers
 
-        self.fused = FusedLayers.of(self)
+        self.fused = FusedLayers.of(self.spec, self.layers)
         return self.fused is not None
 
     def new_cache(self, layers: int, max_len: int, slots: int = 1) -> KVCache:
