@@ -255,6 +255,7 @@ def test_a_block_drafter_pays_one_head_step_for_its_whole_draft():
     parallel = replace(per_position, parallel_drafts=True)
     likely = [[0.7, 0.49, 0.34, 0.24, 0.17]]
     assert parallel.time(6, depth=5, jobs=1) == parallel.time(6, depth=1, jobs=1) < per_position.time(6, 5, 1)
+    assert type(parallel.passes(5)) is int and parallel.passes(np.array([0, 1, 5])).tolist() == [0, 1, 1]
     assert choose([5], likely, 1, per_position) == [2] and choose([5], likely, 1, parallel) == [5]
     dear = CostModel((1, 8), (10.0, 10.8), draft_ratio=5.0)
     assert choose([4], likely, 1, dear) == [0] and choose([4], likely, 1, dear, drafted=True) == [4]

@@ -70,7 +70,9 @@ class CostModel:
 
     def passes(self, depth):
         """The head forwards a draft `depth` positions deep takes (an int, or elementwise an array)."""
-        return np.minimum(depth, 1) if self.parallel_drafts else depth
+        if not self.parallel_drafts:
+            return depth
+        return np.minimum(depth, 1) if isinstance(depth, np.ndarray) else min(depth, 1)
 
     def time(self, rows: int, depth: int = 0, jobs: int = 0, keys: int = 0, absorbed: int = 0) -> float:
         """A step of `rows` target rows attending `keys` keys in all, after a draft `depth` positions
