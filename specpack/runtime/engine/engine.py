@@ -401,8 +401,9 @@ class Engine:
         return [d.keep(keep[i]) if i in ranked else d for i, d in enumerate(drafts)]
 
     def _learn_draft_cost(self, seconds: float, depth: int, rows: int, absorbed: int) -> None:
-        """A model drafter's step time relative to a target step over as many rows (one per chain,
-        a tree's top-k per expanded level), as a moving average, after its catch-up on `absorbed`
+        """A model drafter's time per head forward (one per drafted level; one per call for a block
+        drafter: `CostModel.passes`) relative to a target step over as many rows (one per chain, a
+        tree's top-k per expanded level), as a moving average, after its catch-up on `absorbed`
         positions (n-gram drafts are free: nothing to learn)."""
         if self.cost is None or getattr(self.drafter, "free_drafts", False):
             return
