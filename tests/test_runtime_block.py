@@ -226,8 +226,9 @@ def test_greedy_equals_plain_on_the_packed_cpu_kernels(prompts, tmp_path):
 @pytest.mark.parametrize("variant", ["dflash-everything", "dspark"])
 def test_packed_drafter_layers_run_fused_as_the_module_path_does(llama, tmp_path, variant):
     """On the packed kernel the drafter's layers run as C calls, one per run of layers of the same
-    causality (dflash-everything: a causal layer, then a non-causal one): the query block's hidden
-    states and logits are the module path's within fp32 rounding."""
+    causality (dflash-everything: a causal layer, then a non-causal one), and its context's keys
+    and values for every layer in one: the cache, the query block's hidden states and logits are the
+    module path's within fp32 rounding."""
     from specpack.runtime.kernels.accelerate import use_cpu_kernels
     from specpack.runtime.kernels.layers import FusedLayers
 
@@ -240,9 +241,15 @@ def test_packed_drafter_layers_run_fused_as_the_module_path_does(llama, tmp_path
         job = DraftJob(0, seq[:9], features(hf, seq)[:8], 4, None)
         with torch.inference_mode():
             drafter._absorb([job])
-            fused = drafter._block([job])
+            kv = drafter.cache.k[:, 0, :, :8].clone(), drafter.cache.v[:, 0, :, :8].clone()
+            fused, kernel = drafter._block([job]), drafter.fused
             drafter.fused = None
+            drafter.reset(64)
+            drafter._absorb([job])
+            torch.testing.assert_close(kv, (drafter.cache.k[:, 0, :, :8], drafter.cache.v[:, 0, :, :8]),
+                                       atol=1e-5, rtol=0)
             module = drafter._block([job])
+            assert kernel is not None and kv[0].abs().sum() > 0
         torch.testing.assert_close(fused.hidden, module.hidden, atol=1e-5, rtol=0)
         torch.testing.assert_close(fused.logits, module.logits, atol=1e-4, rtol=0)
     finally:

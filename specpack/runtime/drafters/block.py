@@ -202,13 +202,16 @@ class BlockDrafter(nn.Module):
             return
         w = self.norm.weight
         ctx = self.hidden_norm(self.fc(torch.cat([j.feats for j, _ in fresh]).to(w.device, w.dtype)))  # [R, H]
-        slot = torch.cat([torch.full((r,), j.slot) for j, r in fresh]).to(w.device)
-        pos = torch.cat([torch.arange(self.lengths[j.slot], self.lengths[j.slot] + r) for j, r in fresh]).to(w.device)
-        cos, sin = self.cos[pos, None], self.sin[pos, None]
-        for i, layer in enumerate(self.layers):
-            k, v = _context_kv(layer.self_attn, ctx, cos, sin)
-            self.cache.k[i][slot, :, pos] = k  # [R, kv_heads, hd] into each row's slot and position
-            self.cache.v[i][slot, :, pos] = v
+        rows = Rows.of([Segment(j.slot, self.lengths[j.slot], r) for j, r in fresh], w.device)
+        if self.fused is not None:  # every layer's keys and values in one C call
+            self.fused.context_kv(ctx.contiguous(), self.fused.step(rows, self.cos, self.sin, self.cache), 0,
+                                  len(self.layers))
+        else:
+            cos, sin = self.cos[rows.pos, None], self.sin[rows.pos, None]
+            for i, layer in enumerate(self.layers):
+                k, v = _context_kv(layer.self_attn, ctx, cos, sin)
+                self.cache.k[i][rows.slot, :, rows.write] = k  # [R, kv_heads, hd] into each row's slot and position
+                self.cache.v[i][rows.slot, :, rows.write] = v
         last = torch.tensor([r for _, r in fresh]).cumsum(0) - 1
         self.anchor_ctx[[j.slot for j, _ in fresh]] = ctx[last.to(w.device)]
         for j, r in fresh:
@@ -272,21 +275,26 @@ class BlockDrafter(nn.Module):
 
     def _draft_dspark(self, out: BlockOut, jobs: list[DraftJob]) -> list[Draft]:
         """Left to right: slot q's logits + the Markov bias of the token before it (the anchor,
-        then the draft just chosen); its confidence from the same pair."""
+        then the draft just chosen); then every slot's confidence from the same pairs, in one product
+        (row-exact: the bits of one product per slot)."""
         lengths = [min(j.k, self.spec.draft_slots) for j in jobs]
         h, base = out.hidden[:, : max(lengths)], out.logits  # [J, k, H], [J, k, Vd]
         prev = torch.stack([j.context[-1] for j in jobs]).to(h.device)
-        state, tokens, confidences = None, [], []
+        greedy = all(j.sampler is None for j in jobs)
+        state, tokens, embedded = None, [], []
         for q in range(h.shape[1]):
-            e, bias = None, 0
+            bias = 0
             if self.markov_head is not None:
                 e, bias, state = self.markov_head.step(prev, h[:, q], state)
-            if self.confidence_head is not None:
-                confidences.append(self.confidence_head(h[:, q], e))
-            tokens.append(self._choose(self._scaled(base[:, q] + bias), jobs, q))
-            prev = torch.tensor(tokens[-1], device=h.device)
-        chosen = torch.tensor(tokens, dtype=torch.long).T  # [J, k]
-        conf = torch.stack(confidences, 1).cpu() if confidences else None
+                embedded.append(e)
+            logits = self._scaled(base[:, q] + bias)
+            prev = self.draft_to_target[argmax_rows(logits)] if greedy else \
+                torch.tensor(self._choose(logits, jobs, q), device=h.device)
+            tokens.append(prev)
+        chosen = torch.stack(tokens, 1).cpu()  # [J, k]
+        conf = None
+        if self.confidence_head is not None:
+            conf = self.confidence_head(h, torch.stack(embedded, 1) if embedded else None).cpu()  # [J, k]
         return [Draft(chosen[i, :n].clone(), None if conf is None else conf[i, :n].clone())
                 for i, n in enumerate(lengths)]
 

@@ -101,6 +101,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         fn.restype = None
     lib.sp_decoder_layers.argtypes = [p, i64, i64, p, p, p, p, i64, p]
     lib.sp_decoder_layers.restype = None
+    lib.sp_context_kv.argtypes = [p, i64, i64, p, p, p]
+    lib.sp_context_kv.restype = None
     lib.sp_eagle3_step.argtypes = [p, p, p, p, p, p, i64, p, p]
     lib.sp_eagle3_step.restype = None
     lib.sp_argmax.argtypes = [p, i64, i64, i64, p]

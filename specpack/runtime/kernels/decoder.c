@@ -93,6 +93,25 @@ void sp_decoder_layers(const sp_layer_t *layers, int64_t first, int64_t n, const
     capture_rows(x, R, H, first + n, capture, ncap, aux, ncap * H);
 }
 
+/* A block drafter's context (drafters/block.py): the rows ctx [rows, hidden] (the target's features,
+ * fc and hidden_norm applied) are the keys and values every layer first..first+n-1 attends, each
+ * layer's own k/v projection of the same rows (no norm before it), k_norm, RoPE and the cache write
+ * as a forward's. q comes out of the fused q/k/v product with them and is dropped.
+ * scratch: rows (heads + 2 kv_heads) hd floats. */
+void sp_context_kv(const sp_layer_t *layers, int64_t first, int64_t n, const sp_forward_t *f, const float *ctx,
+                   float *scratch)
+{
+    const int64_t R = f->rows, ldq = (f->heads + 2 * f->kv_heads) * f->hd;
+    for (int64_t i = first; i < first + n; i++) {
+        const sp_layer_t *L = layers + i;
+        const int64_t at = i * f->layer_stride * (f->kv16 ? 2 : 4); /* bytes */
+        linear(&L->qkv, ctx, R, NULL, scratch);
+        sp_rope_cache(scratch, R, ldq, f->heads, f->kv_heads, f->hd, f->cos, f->sin, f->hd, L->q_norm, L->k_norm,
+                      f->eps, (char *)f->k + at, (char *)f->v + at, (int)f->kv16, f->slot_stride, f->head_stride,
+                      f->ld, f->slot, f->write);
+    }
+}
+
 typedef struct { /* an EAGLE-3 head (drafters/eagle3.py): its one layer, its norms, its draft-vocab head */
     sp_layer_t layer;      /* in_norm normalises the token embeddings; no q/k norms */
     const float *hidden_norm; /* normalises the incoming hidden states */

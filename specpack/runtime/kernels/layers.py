@@ -122,6 +122,14 @@ class FusedLayers:
                                        st.scratch.data_ptr(), ids, len(capture), _ptr(aux) if capture else None)
         return x
 
+    def context_kv(self, ctx: Tensor, st: Step, first: int, n: int) -> None:
+        """A block drafter's context rows ctx [R, hidden] (fp32, contiguous; `st` made for their rows)
+        as the keys and values of layers first..first+n-1: each layer's k/v projection of the same
+        rows, k_norm and RoPE, written into the cache at the rows' positions (decoder.c's sp_context_kv)."""
+        if ctx.dtype != torch.float32 or not ctx.is_contiguous() or ctx.shape != (st.forward.rows, self.hidden):
+            raise ValueError(f"ctx must be a contiguous fp32 [{st.forward.rows}, {self.hidden}] tensor")
+        self.lib.sp_context_kv(self.table, first, n, ctypes.byref(st.forward), ctx.data_ptr(), st.scratch.data_ptr())
+
 
 def _norms(block) -> tuple:
     w = lambda norm: None if norm is None else norm.weight.detach().float().contiguous()  # noqa: E731
