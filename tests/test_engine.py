@@ -248,7 +248,8 @@ def test_cost_model_drafts_while_cheap_and_stops_at_the_knee():
 def test_a_block_drafter_pays_one_head_step_for_its_whole_draft():
     """Priced a head step per position, a block drafter (one forward drafts every slot) looked five
     times dearer at depth 5 than it is, and the cost model kept its drafts short; priced as one
-    step, it drafts the block. Drafts already made (a confidence head cuts them) cost only rows."""
+    step, it drafts the block. Drafts already made (a confidence head cuts them) cost only rows,
+    weighed against the step's rate with their drafting in it."""
     from dataclasses import replace
 
     per_position = CostModel((1, 8), (10.0, 10.8), draft_ratio=0.3)
@@ -259,6 +260,10 @@ def test_a_block_drafter_pays_one_head_step_for_its_whole_draft():
     assert choose([5], likely, 1, per_position) == [2] and choose([5], likely, 1, parallel) == [5]
     dear = CostModel((1, 8), (10.0, 10.8), draft_ratio=5.0)
     assert choose([4], likely, 1, dear) == [0] and choose([4], likely, 1, dear, drafted=True) == [4]
+    # where a row costs 40% of a step, the rows alone pay for two positions; a draft that took 10 ms
+    # or 40 ms is part of the step whatever is kept, so positions are weighed against that whole rate
+    steep = CostModel((1, 2, 4, 8), (10.0, 14.0, 22.0, 38.0))
+    assert [choose([5], likely, 1, steep, drafted=True, drafted_ms=ms) for ms in (0, 10, 40)] == [[2], [3], [5]]
 
 
 def test_the_measured_cost_curve_keeps_each_forwards_fastest_pass_and_never_falls(monkeypatch):

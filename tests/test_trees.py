@@ -201,6 +201,9 @@ def test_the_cost_model_keeps_likely_nodes_with_their_ancestors():
     assert choose_nodes(survival, node_depths, 2, flat, [10, 10], 20) == [[0, 1, 2, 3, 4, 5], [0, 1]]
     steep = CostModel((1, 2, 4, 8), (10.0, 14.0, 22.0, 38.0))  # every row costs 40% of a step
     assert choose_nodes(survival, node_depths, 2, steep, [10, 10], 20) == [[0, 2, 5], []]  # a path, whole
+    # a draft that took 40 ms is part of the step whatever is verified: a row is weighed against the
+    # step's whole rate, so the second sequence's likeliest node now pays (at 0.3 tokens for 4 ms)
+    assert choose_nodes(survival, node_depths, 2, steep, [10, 10], 20, drafted_ms=40) == [[0, 2, 5], [0]]
     saturated = CostModel((1, 64), (10.0, 640.0))
     assert choose_nodes(survival, node_depths, 2, saturated, [10, 10], 20) == [[], []]
     parents = [-1, 0, -1, 1]  # a node whose draft probability beats its parent's estimate is capped by it

@@ -248,7 +248,7 @@ MARGIN = 0.03  # drafts must promise this much more throughput than none: smalle
 def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows: int, cost: CostModel,
            contexts: Sequence[int] | None = None, base_keys: int = 0, margin: float = MARGIN,
            pending: Sequence[int] | None = None, sunk_rows: int = 0, sunk_keys: int = 0,
-           widths: Sequence[int] | None = None, drafted: bool = False) -> list[int]:
+           widths: Sequence[int] | None = None, drafted: bool = False, drafted_ms: float = 0.0) -> list[int]:
     """Draft lengths for sequences that may draft up to `limits[i]` tokens with survivals
     `survival[i]`, on top of `base_rows` rows attending `base_keys` keys (each sequence's last
     token); a draft row of sequence i attends about `contexts[i]` keys, and its first one makes the
@@ -257,7 +257,8 @@ def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows
     (`sunk_keys` keys) that must run anyway: they set where on the curve draft rows are priced, but
     their cost is not held against the drafts (else a step made slow by a prefill chunk would make
     any draft look cheap). No drafts unless they promise `margin` more tokens per millisecond.
-    `drafted`: the drafts are made (a confidence head cuts them): only their rows are priced."""
+    `drafted`: the drafts are made (a confidence head cuts them): only their rows are priced, and
+    the `drafted_ms` they took counts in the step's time whatever is kept (see `_best_prefix`)."""
     lengths = [0] * len(limits)
     cut = [surv[:k] for surv, k in zip(survival, limits)]
     if not any(cut):
@@ -266,7 +267,7 @@ def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows
     order = np.lexsort((j, -s))  # best first; equal survivals: the shorter draft first, then the sequence
     s, j, i = s[order], j[order], i[order]
     take = _best_prefix(s, j, i, len(limits), base_rows, cost, contexts, base_keys, margin, sunk_rows, sunk_keys,
-                        pending, widths, draft=not drafted)
+                        pending, widths, draft=not drafted, drafted_ms=drafted_ms if drafted else 0.0)
     for n, k in zip(i[:take].tolist(), j[:take].tolist()):
         lengths[n] = max(lengths[n], k)
     return lengths
@@ -274,12 +275,12 @@ def choose(limits: Sequence[int], survival: Sequence[Sequence[float]], base_rows
 
 def choose_nodes(survival: Sequence[Sequence[float]], depths: Sequence[Sequence[int]], base_rows: int,
                  cost: CostModel, contexts: Sequence[int] | None = None, base_keys: int = 0, margin: float = 0.0,
-                 sunk_rows: int = 0, sunk_keys: int = 0) -> list[list[int]]:
+                 sunk_rows: int = 0, sunk_keys: int = 0, drafted_ms: float = 0.0) -> list[list[int]]:
     """Which drafted nodes each sequence verifies (ascending indices): nodes n of sequence i with
     estimated survival `survival[i][n]` (never above its parent's; parents first) at depth
     `depths[i][n]`, taken in order of survival while tokens per millisecond keep rising, as
-    `choose` does (the drafting itself is done: only verification rows are priced), so every kept
-    node's ancestors are kept."""
+    `choose` does (the drafting itself is done, in `drafted_ms`: only verification rows are priced),
+    so every kept node's ancestors are kept."""
     keep: list[list[int]] = [[] for _ in survival]
     if not any(survival):
         return keep
@@ -287,7 +288,8 @@ def choose_nodes(survival: Sequence[Sequence[float]], depths: Sequence[Sequence[
     order = np.lexsort((n, i, -s))  # best first; equal survivals: by sequence, then parents first
     s, n, i = s[order], n[order] - 1, i[order]
     d = np.concatenate([np.asarray(x, dtype=np.int64) for x in depths if len(x)])[order]
-    take = _best_prefix(s, d, i, len(survival), base_rows, cost, contexts, base_keys, margin, sunk_rows, sunk_keys)
+    take = _best_prefix(s, d, i, len(survival), base_rows, cost, contexts, base_keys, margin, sunk_rows, sunk_keys,
+                        drafted_ms=drafted_ms)
     for q, m in zip(i[:take].tolist(), n[:take].tolist()):
         keep[q].append(m)
     return [sorted(k) for k in keep]
@@ -304,14 +306,18 @@ def _candidates(survival: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.nda
 
 def _best_prefix(s: np.ndarray, j: np.ndarray, i: np.ndarray, sequences: int, base_rows: int, cost: CostModel,
                  contexts, base_keys: int, margin: float, sunk_rows: int, sunk_keys: int, pending=None, widths=None,
-                 draft: bool = False) -> int:
+                 draft: bool = False, drafted_ms: float = 0.0) -> int:
     """How many candidates to verify, each one row, best first: candidate c is sequence `i[c]`'s row
     at depth `j[c]` with survival `s[c]`. The prefix with the most tokens per millisecond (each
     sequence's last token counts one), none unless that beats no drafts by `margin`. With `draft`,
-    the head's steps are priced too. Every prefix at once (numpy; the engine asks each step)."""
+    the head's steps are priced too. `drafted_ms`: drafts already made took that long; it is spent
+    whatever is verified, yet it is part of the step: a row is worth its time when its tokens beat
+    the step's whole rate, drafting included, not the rate of the verification alone (which would
+    cut a costly draft to its first rows, the more the dearer it was). Every prefix at once (numpy;
+    the engine asks each step)."""
     rows, keys = base_rows + sunk_rows, base_keys + sunk_keys
     floor = cost.time(rows, keys=keys)  # this step without drafts
-    own = cost.time(base_rows, keys=base_keys)  # what the decoding rows alone would cost
+    own = cost.time(base_rows, keys=base_keys) + drafted_ms  # what the decoding rows alone would cost
     base = sequences / own
     tokens = np.cumsum(np.concatenate([[float(sequences)], s]))[1:]  # summed in order, as one by one
     n_rows = rows + np.arange(1, len(s) + 1)

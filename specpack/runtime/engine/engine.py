@@ -360,17 +360,20 @@ class Engine:
             return drafts
         t0 = time.perf_counter()
         made = self.drafter.draft(jobs)
-        self._learn_draft_cost(time.perf_counter() - t0, max(j.k for j in jobs),
+        seconds = time.perf_counter() - t0
+        self._learn_draft_cost(seconds, max(j.k for j in jobs),
                                sum(j.tree.topk if j.tree else 1 for j in jobs),
                                sum(len(j.feats) for j in jobs if j.feats is not None))
         for i, d in zip(owners, made):
             drafts[i] = Proposal.of(d)
-        drafts = self._trim(decoding, drafts, made, owners, prefill_rows, prefill_keys)
-        return self._prune(decoding, drafts, prefill_rows, prefill_keys)
+        drafts = self._trim(decoding, drafts, made, owners, prefill_rows, prefill_keys, seconds * 1e3)
+        return self._prune(decoding, drafts, prefill_rows, prefill_keys, seconds * 1e3)
 
-    def _trim(self, decoding, drafts, made, owners, prefill_rows: int, prefill_keys: int) -> list[Proposal]:
+    def _trim(self, decoding, drafts, made, owners, prefill_rows: int, prefill_keys: int,
+              drafted_ms: float) -> list[Proposal]:
         """Drafters that estimate each position's acceptance (DSpark's confidence head) get their
-        drafts cut to what the cost model says is worth verifying."""
+        drafts cut to what the cost model says is worth verifying (the `drafted_ms` their drafting
+        took is part of the step's time: costs.choose)."""
         confident = [(i, d.confidence) for i, d in zip(owners, made) if d.confidence is not None]
         if self.cost is None or not confident:
             return drafts
@@ -381,13 +384,15 @@ class Engine:
         contexts = [s.n for s in decoding]
         sunk = _sunk(decoding, drafts, {i for i, surv in enumerate(survival) if surv}, prefill_rows, prefill_keys)
         keep = costs.choose(limits, survival, len(decoding), self.cost, contexts, sum(contexts), margin=0.0,
-                            drafted=True, **sunk)
+                            drafted=True, drafted_ms=drafted_ms, **sunk)
         return [d.keep(range(k)) if survival[i] else d for i, (d, k) in enumerate(zip(drafts, keep))]
 
-    def _prune(self, decoding, drafts: list[Proposal], prefill_rows: int, prefill_keys: int) -> list[Proposal]:
+    def _prune(self, decoding, drafts: list[Proposal], prefill_rows: int, prefill_keys: int,
+               drafted_ms: float = 0.0) -> list[Proposal]:
         """Trees (drafts with node probabilities) keep the nodes the cost model says are worth
         verifying, taken in order of estimated survival (each sequence's calibration of its
-        drafter's probabilities) while tokens per millisecond keep rising."""
+        drafter's probabilities) while tokens per millisecond, the drafting's `drafted_ms` included,
+        keep rising."""
         ranked = [i for i, d in enumerate(drafts) if d.scores is not None]
         if self.cost is None or not ranked:
             return drafts
@@ -397,7 +402,8 @@ class Engine:
             node_depths[i] = depths(drafts[i].tree_parents())
         contexts = [s.n for s in decoding]
         sunk = _sunk(decoding, drafts, set(ranked), prefill_rows, prefill_keys)
-        keep = costs.choose_nodes(survival, node_depths, len(decoding), self.cost, contexts, sum(contexts), **sunk)
+        keep = costs.choose_nodes(survival, node_depths, len(decoding), self.cost, contexts, sum(contexts),
+                                  drafted_ms=drafted_ms, **sunk)
         return [d.keep(keep[i]) if i in ranked else d for i, d in enumerate(drafts)]
 
     def _learn_draft_cost(self, seconds: float, depth: int, rows: int, absorbed: int) -> None:
