@@ -388,7 +388,7 @@ class Engine:
         return [d.keep(range(k)) if survival[i] else d for i, (d, k) in enumerate(zip(drafts, keep))]
 
     def _prune(self, decoding, drafts: list[Proposal], prefill_rows: int, prefill_keys: int,
-               drafted_ms: float = 0.0) -> list[Proposal]:
+               drafted_ms: float) -> list[Proposal]:
         """Trees (drafts with node probabilities) keep the nodes the cost model says are worth
         verifying, taken in order of estimated survival (each sequence's calibration of its
         drafter's probabilities) while tokens per millisecond, the drafting's `drafted_ms` included,
