@@ -483,6 +483,32 @@ def test_w8a8_amx_tiles_give_the_vnni_bits(kernel):
     assert got == packed(x).numpy().tobytes() and exitcode == 0
 
 
+AFTER_TORCH_AMX = """
+import torch
+from specpack.runtime.kernels import linear as kl
+torch.manual_seed(0)
+w, x = torch.randn(256, 512), torch.randn(8, 512)
+products = [kl.pack(w, weights=f) for f in ("w8a8", kl.BF16_TILES if kl.bf16_tiles() else "w8a8")]
+before = [p(x) for p in products]
+torch.randn(64, 512, dtype=torch.bfloat16) @ torch.randn(512, 512, dtype=torch.bfloat16)  # oneDNN
+assert all(torch.equal(p(x), y) for p, y in zip(products, before))
+"""
+
+
+def test_amx_kernels_run_after_torchs_own_amx_products(kernel):
+    """torch's bf16 matmuls on the CPU (oneDNN) use AMX themselves and release the tiles afterwards:
+    the thread that called them must load its tile configuration again before its next tile
+    instruction, not take it as still loaded (that was an illegal instruction, the process killed by
+    SIGILL). In a child process, so such a crash fails this test rather than the run."""
+    import subprocess
+    import sys
+
+    if not kernel._library()[0].sp_amx():
+        pytest.skip("no AMX here (CPU, kernel permission, compiler or SPECPACK_AMX=0)")
+    done = subprocess.run([sys.executable, "-c", AFTER_TORCH_AMX], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+
+
 @pytest.fixture
 def tiles(kernel):
     if not kernel.bf16_tiles():

@@ -5,7 +5,9 @@
  * where any thread's alternate signal stack is too small for the larger signal frame; the request
  * is made once, the first time a kernel asks. A thread loads a tile configuration (rows and bytes
  * per row of each tile) before its first tile instruction; `sp_amx_load` skips the load while the
- * thread's current configuration has the same key. A forked child loads its configuration again.
+ * thread's current configuration has the same key, a key the caller of each kernel call forgets
+ * (`sp_amx_forget`: other code on that thread may have released the tiles). A forked child loads its
+ * configuration again.
  * SPECPACK_AMX=0 refuses the permission: every kernel then keeps its vector path. */
 #define _GNU_SOURCE
 #include <cpuid.h>
@@ -20,6 +22,7 @@
 #ifndef SP_AMX
 int sp_amx_permit(void) { return 0; }
 void sp_amx_load(const sp_tilecfg_t *cfg, int key) { (void)cfg, (void)key; }
+void sp_amx_forget(void) {}
 #else
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
@@ -47,4 +50,6 @@ __attribute__((target("amx-tile"))) void sp_amx_load(const sp_tilecfg_t *cfg, in
     _tile_loadconfig(cfg);
     loaded = key;
 }
+
+void sp_amx_forget(void) { loaded = 0; }
 #endif

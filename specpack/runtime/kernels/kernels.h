@@ -70,6 +70,12 @@ int sp_amx_permit(void);
  * tile stored. */
 #define SP_TILE_FENCE() __asm__ volatile("" ::: "memory")
 void sp_amx_load(const sp_tilecfg_t *cfg, int key);
+/* The calling thread's configuration is no longer taken as loaded: code outside these kernels may have
+ * run on it since its last tile instruction, and released the tiles (oneDNN does after its own AMX
+ * products, as torch's bf16 matmuls on the CPU run) or loaded its own configuration; a tile
+ * instruction after a release, with the configuration still taken as ours, is an illegal
+ * instruction. sp_parallel calls it for its caller on every call (its workers run only these kernels). */
+void sp_amx_forget(void);
 
 /* bf16 weights on AMX tiles (bf16_tiles.c): whether they run here, and the product sp_linear hands
  * format SP_BF16T. */

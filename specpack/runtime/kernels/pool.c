@@ -134,6 +134,7 @@ const char *sp_source_hash(void) { return SP_SOURCE_HASH; }
 void sp_parallel(item_fn fn, const void *job, int64_t n_items, int64_t chunk, int nthreads)
 {
     if (n_items <= 0) return;
+    sp_amx_forget(); /* the caller ran other code since its last call: its tile configuration may be gone */
     chunk = chunk < 1 ? 1 : chunk;
     const int64_t nchunks = (n_items + chunk - 1) / chunk;
     if (nthreads > nchunks) nthreads = (int)nchunks;
