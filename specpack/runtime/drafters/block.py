@@ -260,17 +260,18 @@ class BlockDrafter(nn.Module):
         scale = self.spec.logit_scale
         return (logits if scale is None else logits * scale).float()
 
-    def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> list[int]:
-        """Draft-vocab logits [J, Vd] -> each job's target id at its draft position `step`."""
+    def _choose(self, logits: Tensor, jobs: list[DraftJob], step: int) -> Tensor:
+        """Draft-vocab logits [J, Vd] -> each job's target id at its draft position `step`, [J]."""
         if all(j.sampler is None for j in jobs):
-            return self.draft_to_target[argmax_rows(logits)].tolist()
-        return [_pick(logits[i], j, step, self.draft_to_target) for i, j in enumerate(jobs)]
+            return self.draft_to_target[argmax_rows(logits)]
+        return torch.tensor([_pick(logits[i], j, step, self.draft_to_target) for i, j in enumerate(jobs)],
+                            device=logits.device)
 
     def _draft_dflash(self, out: BlockOut, jobs: list[DraftJob]) -> list[Draft]:
         """Every slot on its own: argmax, or the keyed sample of softmax(logits) per position."""
         lengths = [min(j.k, self.spec.draft_slots) for j in jobs]
         logits = self._scaled(out.logits)  # [J, k, Vd]
-        chosen = torch.tensor([self._choose(logits[:, q], jobs, q) for q in range(logits.shape[1])]).T
+        chosen = torch.stack([self._choose(logits[:, q], jobs, q) for q in range(logits.shape[1])], 1).cpu()
         return [Draft(chosen[i, :n].clone()) for i, n in enumerate(lengths)]
 
     def _draft_dspark(self, out: BlockOut, jobs: list[DraftJob]) -> list[Draft]:
@@ -280,16 +281,13 @@ class BlockDrafter(nn.Module):
         lengths = [min(j.k, self.spec.draft_slots) for j in jobs]
         h, base = out.hidden[:, : max(lengths)], out.logits  # [J, k, H], [J, k, Vd]
         prev = torch.stack([j.context[-1] for j in jobs]).to(h.device)
-        greedy = all(j.sampler is None for j in jobs)
         state, tokens, embedded = None, [], []
         for q in range(h.shape[1]):
             bias = 0
             if self.markov_head is not None:
                 e, bias, state = self.markov_head.step(prev, h[:, q], state)
                 embedded.append(e)
-            logits = self._scaled(base[:, q] + bias)
-            prev = self.draft_to_target[argmax_rows(logits)] if greedy else \
-                torch.tensor(self._choose(logits, jobs, q), device=h.device)
+            prev = self._choose(self._scaled(base[:, q] + bias), jobs, q)
             tokens.append(prev)
         chosen = torch.stack(tokens, 1).cpu()  # [J, k]
         conf = None
