@@ -13,6 +13,7 @@ import eagle_fixtures as ef
 import mtp_layouts as ml
 import tiny
 from eagle_fixtures import one_thread  # noqa: F401
+from specpack.errors import InputError
 from specpack.packager import BuildOptions, NgramParams, build
 from specpack.runtime.drafters.base import TreeShape
 from specpack.runtime.engine import Engine, Request, SamplingParams
@@ -86,7 +87,8 @@ def _prompts(vocab: int, n: int = 6) -> list[list[int]]:
 
 def alone(m: SpecModel, req: Request) -> list[int]:
     """`req` decoded alone, without speculation."""
-    return m.generate(req.prompt, req.max_new_tokens, temperature=req.params.temperature, seed=req.seed,
+    return m.generate(req.prompt, req.max_new_tokens, temperature=req.params.temperature, top_k=req.params.top_k,
+                      top_p=req.params.top_p, seed=req.seed,
                       eos_ids=req.eos, stop=req.stop, speculative=False).tokens
 
 
@@ -216,6 +218,71 @@ def _family_model(family: str, backend: str) -> SpecModel:
     out = build(BuildOptions(target=ef.target_dir(family), drafter="ngram", out=tmp / "art", ngram=NgramParams(1, 3, 4))).out
     export_onnx(out, progress=False)
     return specpack.load(out, backend=backend)
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnxruntime"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_lookup_drafts_are_lossless_and_the_drafter_catches_up_after_them(kind, backend, monkeypatch):
+    """Request.lookup: steps whose context repeats verify a copy of what followed (no drafter call),
+    the others the drafter's draft (chains and trees), which then first reads the features of every
+    position committed meanwhile. Greedy and seeded sampling give plain decoding's tokens, alone and
+    batched; a drafter whose drafts are lookups already (n-gram) is left as it is. Suffixes from one
+    token: the tiny MTP target never repeats three."""
+    from specpack.runtime.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "LOOKUP_N", (1, 4))
+    m = model(kind, backend)
+    copied = drafted = 0
+    for temperature in (0.0, 0.9):
+        reqs = requests(m, temperature)
+        for i, r in enumerate(reqs):
+            r.lookup, r.max_new_tokens = 6, r.max_new_tokens + 6
+            r.tree = TreeShape(3, 8) if i % 3 == 2 else None
+            r.params = SamplingParams(temperature, top_k=2)  # sampled, yet repeating: lookups hit
+        want = [alone(m, r) for r in reqs]
+        for slots in (1, 3):
+            seqs = Engine(m.target, m.drafter, slots=slots, max_len=64, prefill_chunk=5).generate_all(reqs)
+            assert [s.new for s in seqs] == want, (kind, backend, temperature, slots)
+            assert all(s.stats.lookup_accepted <= s.stats.accepted for s in seqs)
+            copied += sum(s.stats.lookup_steps for s in seqs)
+            drafted += sum(s.stats.steps - s.stats.lookup_steps for s in seqs)
+    assert (copied == 0) if kind == "ngram" else (copied and drafted), (copied, drafted)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "draft_model", "mtp-2", "block"])
+def test_after_lookup_steps_the_drafter_drafts_as_if_it_had_drafted_every_step(kind, monkeypatch):
+    """The features of positions committed while lookups drafted reach the drafter at its next call:
+    every draft it makes equals the first draft of a fresh sequence whose prompt is the context so
+    far (a drafter that saw each position as it came)."""
+    from specpack.runtime.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "LOOKUP_N", (1, 4))
+    m = model(kind, "torch")
+    calls = []
+    draft = m.drafter.draft
+    monkeypatch.setattr(m.drafter, "draft", lambda jobs: calls.append((jobs[0].context.tolist(), out := draft(jobs)))
+                        or out, raising=False)
+    reqs = [r for r in requests(m)[3:]]
+    for r in reqs:
+        r.lookup, r.max_new_tokens, r.eos, r.stop = 6, 24, (), ()
+    seqs = Engine(m.target, m.drafter, slots=1, max_len=64).generate_all(reqs)
+    assert sum(s.stats.lookup_steps for s in seqs) and len(calls) > len(reqs)
+    made = list(calls)
+    for context, got in made[:: max(1, len(made) // 8)]:
+        calls.clear()
+        Engine(m.target, m.drafter, slots=1, max_len=64).generate_all(
+            [Request(context[:-1], reqs[0].draft_len + 2, draft_len=reqs[0].draft_len, eos=())])
+        assert calls[0][0] == context
+        want = got[0].tokens.tolist()  # drafted near the end of its budget: maybe shorter
+        assert calls[0][1][0].tokens.tolist()[: len(want)] == want, (kind, len(context))
+
+
+def test_a_lookup_length_out_of_range_is_refused():
+    m = model("eagle3", "torch")
+    engine = Engine(m.target, m.drafter, slots=1, max_len=64)
+    for bad in (-1, 17, 2.5):
+        with pytest.raises(InputError, match="lookup draft length"):
+            engine.add(Request([5, 6, 7], 4, lookup=bad))
 
 
 @pytest.mark.parametrize("kind", ["ngram", "eagle3", "mtp-2"])

@@ -120,6 +120,7 @@ def test_stop_string_cuts_text(ngram_artifact, cli):
     (["--prompt", "x", "--temperature", "-1"], "temperature -1.0 is negative"),
     (["--prompt", "x", "--draft-tree", "4x99"], "draft tree of top-k 4 with 99 nodes is out of range"),
     (["--prompt", "x", "--draft-tree", "four"], "expected TOPKxNODES"),
+    (["--prompt", "x", "--lookup", "17"], "lookup draft length 17 is out of range"),
     (["--prompt", "word " * 600], "but the context holds 512"),
 ])
 def test_bad_run_inputs(ngram_artifact, cli, args, text):
@@ -207,6 +208,17 @@ def test_every_drafter_kind_runs_with_no_options(every_kind, cli, kind):
     spec = _run_json(cli, art, "--prompt", "def add(a, b):", "--max-new-tokens", "12")
     plain = _run_json(cli, art, "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--no-spec")
     assert spec["draft_len"] == want and spec["token_ids"] == plain["token_ids"]
+
+
+def test_run_with_lookup_copies_where_the_text_repeats_and_equals_no_spec(every_kind, cli):
+    art, _ = every_kind["eagle3"]
+    prompt = PROMPT + "\n" + PROMPT
+    plain = _run_json(cli, art, "--prompt", prompt, "--max-new-tokens", "24", "--no-spec")
+    spec = _run_json(cli, art, "--prompt", prompt, "--max-new-tokens", "24", "--lookup", "8")
+    assert spec["token_ids"] == plain["token_ids"] and spec["lookup"] == 8
+    assert 0 <= spec["lookup_accepted"] <= spec["accepted"] and spec["lookup_steps"] <= spec["steps"]
+    code, _, err = cli("run", art, "--prompt", prompt, "--max-new-tokens", "24", "--lookup", "8")
+    assert code == 0 and ", lookup 8 (" in err, err
 
 
 def test_serve_and_tune_start_from_a_draft_length_the_drafter_runs(every_kind):

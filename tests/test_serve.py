@@ -562,6 +562,25 @@ def test_unusable_api_key_is_refused_before_loading(artifact, key):
     assert any("--api-key" in p for p in err.value.problems)
 
 
+def test_a_lookup_length_out_of_range_is_refused_before_loading(artifact):
+    from specpack.errors import InputError
+
+    with pytest.raises(InputError, match="invalid serve options") as err:
+        prepare(artifact, lookup=17)
+    assert any("--lookup 17" in p for p in err.value.problems)
+
+
+def test_the_cli_hands_lookup_to_every_request(artifact, cli, monkeypatch):
+    import specpack.serving.serve as serve_module
+    from specpack.runtime.engine.scheduler import Job, Scheduler
+
+    made = []
+    monkeypatch.setattr(serve_module, "run", lambda plan, host, port: None)
+    monkeypatch.setattr(serve_module, "Scheduler", lambda *a, **k: made.append(Scheduler(*a, **k)) or made[-1])
+    assert cli("serve", artifact, "--lookup", "6")[0] == 0
+    assert made[-1].lookup == 6 and made[-1]._request(Job([1, 2, 3], 4)).lookup == 6
+
+
 def test_cli_takes_the_key_from_the_environment(artifact, cli, monkeypatch):
     import specpack.serving.serve as serve_module
 

@@ -27,6 +27,10 @@ from specpack.cli._common import tree_shapes as parse_tree_shapes
               "start says drafts do not pay].")
 @click.option("--draft-tree", help="Draft trees of TOPKxNODES (e.g. 4x24, draft-len deep) or 'chain' "
                                    "[default: the profile's].")
+@click.option("--lookup", type=int, default=0, show_default=True, metavar="N",
+              help="Where the text so far repeats, draft up to max(draft length, N) tokens copied from what followed "
+                   "its last 3-4 tokens before, instead of asking the drafter (free; code and quoting gain most). "
+                   "0: off.")
 @click.option("--no-spec", is_flag=True, help="Decode without speculation (the baseline).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--profile", help="Profile name or id [default: the best runnable validated profile].")
@@ -38,7 +42,7 @@ from specpack.cli._common import tree_shapes as parse_tree_shapes
 @PUBKEY
 @JSON
 def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k, top_p, seed, draft_len,
-        draft_tree, no_spec, stop, profile, backend, device, dtype, weights, kv_cache, public_key, json_mode):
+        draft_tree, lookup, no_spec, stop, profile, backend, device, dtype, weights, kv_cache, public_key, json_mode):
     """Verify ARTIFACT, then generate with single-model speculative decoding.
 
     Text streams to stdout as it is accepted; the figures (tokens/s, acceptance length, per-position
@@ -51,6 +55,7 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
       specpack run my-artifact --prompt-file story.txt --temperature 0.8 --seed 1
       specpack run my-artifact --backend onnxruntime --prompt "def fib(n):"
       specpack run my-artifact --weights bf16 --prompt "def fib(n):"
+      specpack run my-artifact --lookup 8 --prompt-file refactor-this.py
       specpack run my-artifact --weights w8a8 --kv-cache fp16 --prompt-file long.txt
     """
     from specpack.serving.generate import GenerateRequest, generate_text
@@ -61,7 +66,7 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
     request = GenerateRequest(prompt=text, chat=chat, max_new_tokens=max_new_tokens,
                               temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                               draft_len=draft_len, speculative=not no_spec, stop=list(stop),
-                              profile=profile, draft_tree=tree_shape(draft_tree, "--draft-tree"))
+                              profile=profile, draft_tree=tree_shape(draft_tree, "--draft-tree"), lookup=lookup)
     writer = None if json_mode else (lambda s: click.echo(s, nl=False))
     result = generate_text(artifact, request, public_key=public_key, device=device, dtype=dtype,
                            write=writer, progress=progress_enabled(json_mode), backend=backend, weights=weights,
@@ -76,7 +81,8 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
 def _run_summary(r: dict) -> str:
     pos = ", ".join(f"{p:.2f}" for p in r["per_position_acceptance"]) or "-"
     tree = f", trees {r['draft_tree'][0]}x{r['draft_tree'][1]}" if r.get("draft_tree") else ""
-    mode = f"speculative, draft length {r['draft_len']}{tree}" if r["speculative"] else "no speculation"
+    lookup = f", lookup {r['lookup']} ({r['lookup_steps']} steps copied)" if r.get("lookup") else ""
+    mode = f"speculative, draft length {r['draft_len']}{tree}{lookup}" if r["speculative"] else "no speculation"
     return (f"--- {len(r['token_ids'])} tokens in {r['seconds']:.2f}s: {r['tokens_per_s']:.1f} tokens/s "
             f"({mode}); finish: {r['finish_reason']}\n"
             f"    acceptance length {r['acceptance_length']:.2f} over {r['steps']} steps; per position: {pos}\n"
@@ -165,6 +171,9 @@ def profiles(artifact, json_mode):
 @click.option("--draft-len", type=int, help="Draft tokens per step [default: the profile's].")
 @click.option("--draft-tree", help="Draft trees of TOPKxNODES (e.g. 4x24, draft-len deep) or 'chain' "
                                    "[default: the profile's].")
+@click.option("--lookup", type=int, default=0, show_default=True, metavar="N",
+              help="Where a request's text repeats, draft up to max(draft length, N) tokens copied from what followed "
+                   "its last 3-4 tokens before, instead of asking the drafter. 0: off.")
 @click.option("--api-key", envvar="SPECPACK_API_KEY",
               help="Require 'Authorization: Bearer KEY' on every route but /health [env: SPECPACK_API_KEY].")
 @click.option("--max-body-bytes", type=int, default=2**20, show_default=True,
@@ -181,8 +190,9 @@ def profiles(artifact, json_mode):
 @WEIGHTS
 @KV_CACHE
 @PUBKEY
-def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, draft_tree, api_key, max_body_bytes,
-          max_seqs, max_model_len, max_queue, prefill_chunk, backend, device, dtype, weights, kv_cache, public_key):
+def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, draft_tree, lookup, api_key,
+          max_body_bytes, max_seqs, max_model_len, max_queue, prefill_chunk, backend, device, dtype, weights, kv_cache,
+          public_key):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     /v1/models, /v1/completions and /v1/chat/completions (streaming or not), /health, and /metrics
@@ -205,7 +215,7 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
 
     plan = prepare(artifact, profile=profile, backend=backend, device=device, dtype=dtype, weights=weights,
                    kv_cache=kv_cache, public_key=public_key, model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
-                   draft_tree=tree_shape(draft_tree, "--draft-tree"),
+                   draft_tree=tree_shape(draft_tree, "--draft-tree"), lookup=lookup,
                    progress=progress_enabled(False), api_key=api_key, max_body_bytes=max_body_bytes,
                    max_seqs=max_seqs, max_model_len=max_model_len, max_queue=max_queue, prefill_chunk=prefill_chunk)
     click.echo(plan.selection.message, err=True)

@@ -42,7 +42,7 @@ class SpecModel(nn.Module):
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
                  eos_ids: Sequence[int] | None = None, stop: Sequence[Sequence[int]] | None = None,
                  speculative: bool = True, on_tokens: Callable[[list[int]], None] | None = None,
-                 adaptive: bool | None = None, cost=None, prior=None, tree=None) -> GenerationResult:
+                 adaptive: bool | None = None, cost=None, prior=None, tree=None, lookup: int = 0) -> GenerationResult:
         """Generate up to `max_new_tokens` after `prompt_ids`: the batched engine with one sequence.
 
         `draft_len` is the longest draft; with `adaptive` the loop drafts fewer tokens while the
@@ -60,14 +60,16 @@ class SpecModel(nn.Module):
         see GenerationStats for the counters. With a `cost` model (engine.cost.CostModel, e.g. a
         profile's) the draft length of each step follows it and the acceptance record (from `prior`).
         `tree` (drafters.base.TreeShape: children per node, nodes in all) drafts trees `draft_len`
-        deep where the drafter can branch, verified in one forward (lossless as chains are)."""
+        deep where the drafter can branch, verified in one forward (lossless as chains are). With
+        `lookup` N, a step where the context's last tokens occurred before drafts up to max(draft_len, N)
+        tokens copied from what followed them instead of asking the drafter (free; see Request.lookup)."""
         prompt = prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else [int(t) for t in prompt_ids]
         if adaptive is None:
             adaptive = bool(getattr(self.drafter, "adaptive_draft_len", False))
         req = Request(prompt, max_new_tokens, SamplingParams(float(temperature), int(top_k), float(top_p)), seed,
                       self.target.spec.eos_token_ids if eos_ids is None else tuple(eos_ids),
                       tuple(tuple(s) for s in stop or () if s), speculative, draft_len, adaptive, on_tokens,
-                      tree=tree)
+                      tree=tree, lookup=lookup)
         if speculative and self.drafter is None:
             raise InputError("speculative decoding needs a drafter", hint="pass speculative=False or load one")
         size = min(self.context_length, len(prompt) + (max_new_tokens if isinstance(max_new_tokens, int) else 1))

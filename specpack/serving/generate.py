@@ -23,6 +23,7 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     profile: str | None = None  # validated profile name or id; None: the best runnable one, else defaults
     draft_tree: tuple | None = None  # drafters.base.TreeShape (top-k 1: chains); None: the profile's
+    lookup: int = 0  # prompt-lookup drafts of up to this many tokens where the context repeats (Request.lookup)
 
 
 def engine_settings(model, selection, slots: int = 1, measure: bool = False) -> dict:
@@ -85,14 +86,15 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,
                             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                             seed=req.seed, stop=stop_sequences(tok, req.stop),
-                            speculative=speculative, on_tokens=stream, tree=tree, **settings)
+                            speculative=speculative, on_tokens=stream, tree=tree, lookup=req.lookup, **settings)
     s = result.stats
     return {"text": stream.flush(), "token_ids": result.tokens, "prompt_tokens": len(ids),
             "finish_reason": result.finish_reason, "speculative": speculative,
             "profile": chosen.profile.name if chosen.profile else None,
             "profile_id": chosen.profile.id if chosen.profile else None, "profile_message": chosen.message,
             "drafter": model.manifest.drafter.kind, "weights": weights, "kv_cache": kv_cache, "draft_len": draft_len,
-            "draft_tree": list(tree) if tree and speculative else None,
+            "draft_tree": list(tree) if tree and speculative else None, "lookup": req.lookup if speculative else 0,
+            "lookup_steps": s.lookup_steps, "lookup_accepted": s.lookup_accepted,
             "cost_curve": settings["cost"].to_dict() if "cost" in settings else None, "steps": s.steps,
             "accepted": s.accepted, "acceptance_length": s.acceptance_length,
             "accepted_depth_steps": s.depth_steps,

@@ -71,15 +71,15 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
             kv_cache: str = "model",
             max_concurrency: Optional[int] = None,
             draft_len: Optional[int] = None, progress: bool = False, api_key: Optional[str] = None,
-            draft_tree=None,
+            draft_tree=None, lookup: int = 0,
             max_body_bytes: int = MAX_BODY_BYTES, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
             max_queue: Optional[int] = None, prefill_chunk: int = 64, measure_cost: bool = True) -> ServerPlan:
     """Verify and load `artifact` on `backend`, pick its best runnable profile (or `profile`), plan the
     KV cache (`max_seqs` slots of `max_model_len` positions, fewer when memory is short), build the app.
     `max_concurrency` / `draft_len` / `draft_tree` (a TreeShape; top-k 1: chains) override what the
-    profile says; `api_key` is required from
-    clients on every route but /health; with `measure_cost` the engine's cost curve is measured at
-    start when the profile has none."""
+    profile says; `lookup` N drafts copies of the context where it repeats (engine Request.lookup);
+    `api_key` is required from clients on every route but /health; with `measure_cost` the engine's
+    cost curve is measured at start when the profile has none."""
     from specpack.runtime.api import load, require
     from specpack.runtime.engine.engine import check_tree
     from specpack.serving.generate import engine_settings
@@ -87,7 +87,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
 
     require("fastapi", "serve")
     _check_options(max_concurrency, draft_len, api_key, max_body_bytes, max_seqs, max_model_len, max_queue,
-                   prefill_chunk)
+                   prefill_chunk, lookup)
     engines = {"max_sequences": max_seqs} if backend == "tensorrt" else {}  # the engines' sequence dimension
     model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights,
                  kv_cache=kv_cache, backend=backend, **engines)
@@ -103,7 +103,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     scheduler = Scheduler(model, slots, max_len, draft_len, speculative=selection.speculative,
                           max_queue=max_queue if max_queue is not None else 4 * slots, prefill_chunk=prefill_chunk,
                           max_concurrency=max_concurrency if max_concurrency is not None else selection.max_concurrency,
-                          listener=Metrics(), tree=tree if tree is not None and tree.topk > 1 else None,
+                          listener=Metrics(), tree=tree if tree is not None and tree.topk > 1 else None, lookup=lookup,
                           **engine_settings(model, selection, slots, measure_cost))
     name = model_name or model.manifest.name
     log.info("%s", selection.message)
@@ -135,7 +135,7 @@ def plan_kv(model, dtype: str, max_seqs: int, max_model_len: Optional[int]) -> t
 
 def _check_options(max_concurrency: Optional[int], draft_len: Optional[int], api_key: Optional[str],
                    max_body_bytes: int, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
-                   max_queue: Optional[int] = None, prefill_chunk: int = 64) -> None:
+                   max_queue: Optional[int] = None, prefill_chunk: int = 64, lookup: int = 0) -> None:
     from specpack.runtime.engine.stats import MAX_DRAFT_LEN
 
     problems = []
@@ -143,6 +143,8 @@ def _check_options(max_concurrency: Optional[int], draft_len: Optional[int], api
         problems.append(f"--max-concurrency {max_concurrency} is negative")
     if draft_len is not None and not 1 <= draft_len <= MAX_DRAFT_LEN:
         problems.append(f"--draft-len {draft_len} is outside 1..{MAX_DRAFT_LEN}")
+    if not 0 <= lookup <= MAX_DRAFT_LEN:
+        problems.append(f"--lookup {lookup} is outside 0..{MAX_DRAFT_LEN}")
     if api_key is not None and not re.fullmatch(r"[\x21-\x7e]+", api_key):
         problems.append("--api-key must be printable ASCII with no spaces (and not empty)")
     if max_body_bytes < 1:

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from specpack.errors import InputError
 from specpack.runtime.drafters.base import DraftJob, TreeShape
+from specpack.runtime.drafters.ngram import SuffixIndex
 from specpack.runtime.drafters.tree import depths
 from specpack.runtime.engine import cost as costs
 from specpack.runtime.engine.sampling import Sampler, SamplingParams, accept, accept_tree
@@ -46,6 +47,9 @@ from specpack.runtime.models.rows import Rows
 # Per-position acceptance a sequence starts from when nothing better is known (a profile's measured
 # figures replace it): optimistic enough that a fresh sequence drafts, then its own record decides.
 DEFAULT_PRIOR = (0.6, 0.55, 0.5, 0.45, 0.4)
+# Suffix lengths a prompt-lookup draft (Request.lookup) must match, longest first. From 2, a chat turn's
+# common word pairs hit twice as often (8% of steps against 3-4%) for no gain (BENCHMARKS.md).
+LOOKUP_N = (3, 4)
 
 
 @dataclass
@@ -64,6 +68,9 @@ class Request:
     on_tokens: Callable[[list[int]], None] | None = None  # each step's new tokens (may raise to cancel)
     record: bool = False  # keep the captured states and the target's argmax at every committed position
     tree: TreeShape | None = None  # draft trees of this shape where the drafter can branch; None: chains
+    # where the context's last LOOKUP_N tokens occurred before, draft up to max(draft_len, lookup) tokens
+    # copied from what followed (free: no drafter call) instead of the drafter's; 0: never
+    lookup: int = 0
 
 
 def check_tree(tree: TreeShape | None) -> None:
@@ -101,6 +108,7 @@ class Generation:
         self.length = DraftLength(req.draft_len, req.adaptive)
         self.acceptance = costs.Acceptance(prior, start=start)  # starts from the engine's record
         self.calibration = costs.Calibration(start=calibration)  # its tree drafts' probabilities vs acceptance
+        self.lookup = SuffixIndex(*LOOKUP_N) if req.lookup and req.speculative else None
         self.stats = GenerationStats(prompt_tokens=len(req.prompt))
         self.started = time.perf_counter()
 
@@ -220,6 +228,9 @@ class Engine:
         if req.speculative and hasattr(self.drafter, "check_draft_len"):  # e.g. MTP: no more steps than layers
             self.drafter.check_draft_len(req.draft_len)
         check_tree(req.tree)
+        if not (isinstance(req.lookup, int) and 0 <= req.lookup <= MAX_DRAFT_LEN):
+            raise InputError(f"lookup draft length {req.lookup!r} is out of range",
+                             hint=f"use 0 (off) or 1..{MAX_DRAFT_LEN}")
 
     @property
     def has_room(self) -> bool:
@@ -347,13 +358,16 @@ class Engine:
         drafts = [Proposal([]) for _ in decoding]
         jobs, owners = [], []
         for i, (s, k) in enumerate(zip(decoding, self._lengths(decoding, prefill_rows, prefill_keys))):
-            if k > 0:
+            copied = self._copied(s, k)
+            if copied is not None:  # its features stay pending: the drafter catches up when next asked
+                drafts[i] = copied
+            elif k > 0:
                 feats = torch.cat(s.pending) if s.pending else None
                 s.pending, s.pending_rows, s.drafted, s.asked = [], 0, True, k
                 jobs.append(DraftJob(s.slot, s.context(), feats, k, None if s.sampler.greedy else s.sampler,
                                      self._shape(s)))
                 owners.append(i)
-        if not jobs:  # nobody drafts: the records drift back to their priors (probe later)
+        if not jobs:  # the drafter drafts for nobody: the records drift back to their priors (probe later)
             self.acceptance.update(0, 0)
             if self.cost is not None and self.draft_prior and self.cost.draft_ratio > self.draft_prior:
                 self.cost = self.cost.with_draft_ratio(0.95 * self.cost.draft_ratio + 0.05 * self.draft_prior)
@@ -368,6 +382,14 @@ class Engine:
             drafts[i] = Proposal.of(d)
         drafts = self._trim(decoding, drafts, made, owners, prefill_rows, prefill_keys, seconds * 1e3)
         return self._prune(decoding, drafts, prefill_rows, prefill_keys, seconds * 1e3)
+
+    def _copied(self, s: Generation, k: int) -> Proposal | None:
+        """`s`'s prompt-lookup draft this step (Request.lookup), None when it has none: no lookup, no
+        draft asked for (k = 0), a drafter whose drafts are lookups already, or no earlier occurrence."""
+        if s.lookup is None or k <= 0 or getattr(self.drafter, "free_drafts", False):
+            return None
+        found = s.lookup.lookup(s.context(), min(max(k, s.req.lookup), s.budget - 1))
+        return Proposal(found.tolist(), copied=True) if len(found) else None
 
     def _trim(self, decoding, drafts, made, owners, prefill_rows: int, prefill_keys: int,
               drafted_ms: float) -> list[Proposal]:
@@ -428,7 +450,7 @@ class Engine:
                 if kind == "verify" and (draft.parents is not None or draft.scores is not None):
                     self._accept_tree(s, draft, res.logits[lrow : lrow + len(draft) + 1], res.aux, a)
                 elif kind == "verify":
-                    self._accept(s, draft.tokens, res.logits[lrow : lrow + len(draft) + 1], res.aux, a)
+                    self._accept(s, draft, res.logits[lrow : lrow + len(draft) + 1], res.aux, a)
                 else:
                     self._prefilled(s, a, b, res, lrow)
             except Exception as exc:  # noqa: BLE001 - a callback (client gone) ends only its sequence
@@ -437,13 +459,17 @@ class Engine:
                 done.append(s)
         return done
 
-    def _accept(self, s: Generation, drafts: list[int], logits: Tensor, aux: Tensor | None, a: int) -> None:
+    def _accept(self, s: Generation, draft: Proposal, logits: Tensor, aux: Tensor | None, a: int) -> None:
         target = s.sampler.pick(logits, s.n)  # the target's tokens at positions n..n+k
-        kept, tokens = accept(drafts, target)
+        kept, tokens = accept(draft.tokens, target)
         s.cached += kept + 1  # roll back: the rejected drafts' positions are dropped
         self._keep_features(s, aux, slice(a, a + kept + 1))
         self._record(s, aux, slice(a, a + kept + 1), logits[: kept + 1])
-        self._counted(s, len(drafts), len(drafts), kept)
+        if draft.copied:  # the drafter's records (acceptance, draft length) are of its own drafts only
+            s.stats.count(len(draft), kept)
+            s.stats.lookup_steps, s.stats.lookup_accepted = s.stats.lookup_steps + 1, s.stats.lookup_accepted + kept
+        else:
+            self._counted(s, len(draft), len(draft), kept)
         s.emit(tokens)
 
     def _accept_tree(self, s: Generation, draft: Proposal, logits: Tensor, aux: Tensor | None, a: int) -> None:

@@ -22,6 +22,7 @@ class Proposal:
     tokens: list[int]
     parents: list[int] | None = None  # None: a chain
     scores: list[float] | None = None
+    copied: bool = False  # copied from the context (Request.lookup), not the drafter's
 
     @classmethod
     def of(cls, d: Draft) -> "Proposal":
@@ -41,7 +42,7 @@ class Proposal:
         index, old = {n: i for i, n in enumerate(nodes)}, self.tree_parents()
         parents = [index[old[n]] if old[n] >= 0 else -1 for n in nodes]
         return Proposal([self.tokens[n] for n in nodes], None if is_chain(parents) else parents,
-                        None if self.scores is None else [self.scores[n] for n in nodes])
+                        None if self.scores is None else [self.scores[n] for n in nodes], self.copied)
 
 
 class Plan:

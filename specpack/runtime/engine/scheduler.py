@@ -62,9 +62,10 @@ class Scheduler:
     def __init__(self, model, slots: int = 8, max_len: Optional[int] = None, draft_len: int = 4,
                  speculative: bool = True, max_queue: int = 64, prefill_chunk: Optional[int] = 64,
                  adaptive: Optional[bool] = None, cost=None, max_concurrency: Optional[int] = None,
-                 listener=None, prior=None, tree=None):
+                 listener=None, prior=None, tree=None, lookup: int = 0):
         self.model, self.draft_len, self.max_queue, self.listener = model, draft_len, max_queue, listener
         self.tree = tree  # drafters.base.TreeShape of every speculative job's drafts; None: chains
+        self.lookup = lookup  # every speculative job's prompt-lookup draft length (Request.lookup; 0: off)
         self.max_concurrency = max_concurrency
         self.speculative = speculative and model.drafter is not None
         self.adaptive = bool(getattr(model.drafter, "adaptive_draft_len", False)) if adaptive is None else adaptive
@@ -201,7 +202,7 @@ class Scheduler:
         return Request(list(job.prompt_ids), job.max_new_tokens,
                        SamplingParams(float(job.temperature), int(job.top_k), float(job.top_p)), job.seed,
                        tuple(self.model.target.spec.eos_token_ids), tuple(tuple(s) for s in job.stop if s),
-                       speculative, self.draft_len, self.adaptive, on_tokens, tree=self.tree)
+                       speculative, self.draft_len, self.adaptive, on_tokens, tree=self.tree, lookup=self.lookup)
 
     def _drop_cancelled(self) -> None:
         for key, (job, seq) in list(self._running.items()):

@@ -21,6 +21,8 @@ class GenerationStats:
     position_tried: list[int] = field(default_factory=list)  # [k]: verified with all before it accepted
     position_accepted: list[int] = field(default_factory=list)
     depth_steps: list[int] = field(default_factory=list)  # [d]: verifications whose accepted path was d deep
+    lookup_steps: int = 0  # verifications of drafts copied from the context (Request.lookup)
+    lookup_accepted: int = 0  # their draft tokens kept
     prefill_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
