@@ -62,6 +62,26 @@ def test_rmsnorm_and_silu_mul_within_rounding_of_torch():
         torch.testing.assert_close(m, F.silu(g) * u, rtol=1e-6, atol=1e-6)
 
 
+def test_fused_layers_run_on_the_threads_of_their_own_weight_format(tmp_path):
+    """Not on the thread count of the format tuned last in the process (the greedy screen's w8a8
+    head, after the model's own: one thread chosen for it once ran every layer on one)."""
+    from specpack.runtime.kernels import _lib
+
+    model = load_target(tiny.make_target(tmp_path / "llama", "llama"))
+    use_cpu_kernels(model)
+    linears = [lin for b in model.layers for lin in kf._linears(b.self_attn, b.mlp)]
+    for lin in linears:
+        lin.packed.threads = 2
+    try:
+        _lib.set_tuned_threads(None)
+        _lib.set_tuned_threads(1)
+        assert kf.FusedLayers.of(model.spec, model.layers).threads == 2
+        linears[-1].packed.threads = 3
+        assert kf.FusedLayers.of(model.spec, model.layers).threads == 3
+    finally:
+        _lib.set_tuned_threads(None)
+
+
 @pytest.mark.parametrize("family", ["llama", "llama3", "qwen2", "qwen3", "mistral"])
 def test_fused_forward_matches_the_module_path(tmp_path, family):
     """Same weights, same cache positions: fused logits within 1e-5 of the module path's, and a

@@ -373,6 +373,31 @@ def test_settings_are_measured_once_per_cpu_model_and_cached(kernel, tmp_path, m
         tuning._lib.set_tuned_threads(None)
 
 
+def test_fewer_threads_are_chosen_only_when_clearly_faster():
+    from specpack.runtime.kernels import tuning
+
+    c = [{"group": 4, "threads": 2}, {"group": 4, "threads": 1}, {"group": 1, "threads": 2}]
+    assert tuning._fastest(c, {0: 10.5, 1: 10.0, 2: 12.0}, 2) == c[0]  # 5% faster: noise, all cores kept
+    assert tuning._fastest(c, {0: 11.5, 1: 10.0, 2: 12.0}, 2) == c[1]  # 15% faster: one thread
+    assert tuning._fastest(c, {0: 10.0, 1: 9.0, 2: 9.5}, 2) == c[2]  # the fastest on every core
+
+
+def test_attention_takes_the_most_threads_any_weight_format_was_tuned_to(kernel):
+    """The greedy screen's w8a8 head is tuned after a model's own format: a single-thread choice for
+    it must not become the thread count of the kernels without weights (test_fused_layers: nor of
+    the model's fused layers)."""
+    from specpack.runtime.kernels import _lib
+
+    cores = _lib.cores()
+    try:
+        _lib.set_tuned_threads(None)
+        _lib.set_tuned_threads(cores)
+        _lib.set_tuned_threads(1)  # the format tuned last
+        assert _lib.default_threads() == cores
+    finally:
+        _lib.set_tuned_threads(None)
+
+
 def test_tuning_off_keeps_the_defaults(kernel, monkeypatch):
     from specpack.runtime.kernels import tuning
 

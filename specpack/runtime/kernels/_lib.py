@@ -201,9 +201,11 @@ _tuned_threads: int | None = None
 
 
 def set_tuned_threads(n: int | None) -> None:
-    """The thread count the tuning measurement chose (kernels/tuning.py), or None."""
+    """A thread count a tuning measurement chose (kernels/tuning.py, per weight format), or None to
+    forget them: kernels without weights of their own (attention) take the most any format chose; a
+    kernel with weights takes its format's."""
     global _tuned_threads
-    _tuned_threads = n
+    _tuned_threads = None if n is None else max(n, _tuned_threads or 0)
 
 
 def default_threads() -> int:

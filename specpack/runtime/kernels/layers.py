@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from specpack.runtime.kernels._lib import _library, available, default_threads
+from specpack.runtime.kernels._lib import _library, available
 from specpack.runtime.kernels.attention import CACHE_DTYPES
 
 MAX_HEAD_DIM = 1024  # sp_rope_cache's scratch
@@ -72,7 +72,7 @@ class FusedLayers:
         self.heads, self.kv_heads, self.hd = s.num_heads, s.num_kv_heads, s.head_dim
         self.hidden, self.inter, self.eps = s.hidden_size, s.intermediate_size, float(s.rms_norm_eps)
         self.scale = self.hd ** -0.5
-        self.threads = default_threads()
+        self.threads = _threads([lin for b in layers for lin in _linears(b.self_attn, b.mlp)])
         self._keep = [_norms(b) for b in layers]  # the fp32 norm weights the table points at
         self.table = (_Layer * len(layers))(*(_layer(b, n) for b, n in zip(layers, self._keep)))
         self.width = 2 * self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.hd + 3 * self.inter
@@ -153,10 +153,21 @@ def _ptr(t: Tensor | None):
     return None if t is None else t.data_ptr()
 
 
+def _linears(attn, mlp) -> tuple:
+    """A layer's four linear layers."""
+    return attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj
+
+
 def _on_kernel(attn, mlp) -> bool:
     """Whether a layer's four linear layers all run on the packed AVX2/AVX-512 kernel."""
-    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-    return all(getattr(m, "packed", None) is not None and m.packed.backend == "avx2" for m in linears)
+    return all(getattr(m, "packed", None) is not None and m.packed.backend == "avx2" for m in _linears(attn, mlp))
+
+
+def _threads(linears) -> int:
+    """The threads a fused call over `linears` (packed) runs on: the most their weight formats' settings
+    chose (not the latest format tuned in the process: the greedy screen's w8a8 head is tuned after a
+    model's own layers)."""
+    return max(m.packed.threads for m in linears)
 
 
 def _row_arrays(rows) -> tuple:
@@ -192,7 +203,7 @@ class FusedEagle3Layer:
         self.layer = _Layer(_ptr(self.norms[0]), _ptr(self.norms[2]), None, None, _lin(a.qkv_proj.packed),
                             _lin(a.o_proj.packed), _lin(m.gate_up_proj.packed), _lin(m.down_proj.packed))
         self.norm_before_residual = layer.norm_before_residual
-        self.threads = default_threads()
+        self.threads = _threads(_linears(a, m))
         self.width = 4 * self.hidden + (2 * self.heads + 2 * self.kv_heads) * self.hd + 3 * self.inter
         self._heads: dict[int, tuple] = {}  # id(lm_head module) -> (sp_eagle3_t, final norm weight, lm_head)
 
