@@ -75,9 +75,9 @@ class Specpack:
         self.model = specpack.load(artifact, public_key=pub, weights=weights)
         self.tok = self.model.tokenizer
 
-    def run(self, ids, max_new, spec, draft_len=8, adaptive=True, tree=None):
+    def run(self, ids, max_new, spec, draft_len=8, adaptive=True, tree=None, lookup=0):
         r = self.model.generate(ids, max_new_tokens=max_new, speculative=spec, draft_len=draft_len, adaptive=adaptive,
-                                tree=tree)
+                                tree=tree, lookup=lookup)
         return r.tokens, r.stats.tokens_per_s, r.stats.acceptance_length
 
     def verify_ratio(self) -> tuple[float, float, float]:
@@ -207,6 +207,8 @@ def main() -> None:
     ap.add_argument("--eagle3-draft-len", type=int, default=3, help="EAGLE-3 column: draft length (fixed)")
     ap.add_argument("--eagle3-tree", default="5x4x12",
                     help="EAGLE-3 tree column: DEPTHxTOPKxNODES of its dynamic draft trees, or 'none'")
+    ap.add_argument("--lookup", type=int, default=8, help="EAGLE-3 + lookup columns: the head's chain and tree with "
+                    "prompt lookup (`--lookup N`: copies of up to N tokens where the context repeats); 0: none")
     ap.add_argument("--weights", default="fp32", help="the specpack columns' weight precision (bench/precision.py "
                     "compares precisions against llama.cpp's matching GGUFs; the columns here stay F32 and fp32)")
     args = ap.parse_args()
@@ -232,6 +234,13 @@ def main() -> None:
             depth, topk, nodes = (int(x) for x in args.eagle3_tree.split("x"))
             engines["specpack EAGLE-3 tree"] = lambda ids: sp_e.run(ids, args.max_new_tokens, True, depth,
                                                                     adaptive=False, tree=TreeShape(topk, nodes))
+        if args.lookup:
+            engines["specpack EAGLE-3 + lookup"] = lambda ids: sp_e.run(
+                ids, args.max_new_tokens, True, args.eagle3_draft_len, adaptive=False, lookup=args.lookup)
+            if args.eagle3_tree != "none":
+                engines["specpack EAGLE-3 tree + lookup"] = lambda ids: sp_e.run(
+                    ids, args.max_new_tokens, True, depth, adaptive=False, tree=TreeShape(topk, nodes),
+                    lookup=args.lookup)
     if not args.no_ort:  # exports the artifact's ONNX graphs first (re-signed with the demo key)
         from ort_column import ort_engines
 
@@ -259,7 +268,8 @@ def main() -> None:
     report(engines, prompts, args.max_new_tokens)
 
 
-SPECULATIVE = ("specpack n-gram", "specpack EAGLE-3", "specpack EAGLE-3 tree")
+SPECULATIVE = ("specpack n-gram", "specpack EAGLE-3", "specpack EAGLE-3 tree", "specpack EAGLE-3 + lookup",
+               "specpack EAGLE-3 tree + lookup")
 
 
 def report(engines, prompts, max_new) -> None:

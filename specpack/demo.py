@@ -100,21 +100,21 @@ def prepare_eagle3(cache: Path, say) -> Path | None:
 
 
 def compare(models: dict, name: str, prompt: str, max_new: int, say, text: bool = True) -> dict:
-    """Plain decoding, then each drafter's artifact (`models`: label -> loaded model) on `prompt`
-    (`text`: print plain decoding's text too)."""
+    """Plain decoding, then each drafter's artifact (`models`: label -> (loaded model, its `--lookup`))
+    on `prompt` (`text`: print plain decoding's text too)."""
     from specpack.serving.generate import GenerateRequest, generate_text
 
-    def run(model, spec):
-        req = GenerateRequest(prompt=prompt, chat=True, max_new_tokens=max_new, speculative=spec)
+    def run(model, spec, lookup=0):
+        req = GenerateRequest(prompt=prompt, chat=True, max_new_tokens=max_new, speculative=spec, lookup=lookup)
         return generate_text(None, req, model=model)
 
-    plain = run(next(iter(models.values())), False)
-    fast = {label: run(model, True) for label, model in models.items()}
+    plain = run(next(iter(models.values()))[0], False)
+    fast = {label: run(model, True, lookup) for label, (model, lookup) in models.items()}
     same = all(r["token_ids"] == plain["token_ids"] for r in fast.values())
     say(f"\n=== {name} ===\n" + (f"{plain['text'].strip()}\n" if text else ""))
-    say(f"  {'plain':9s}{plain['tokens_per_s']:6.1f} tokens/s")
+    say(f"  {'plain':18s}{plain['tokens_per_s']:6.1f} tokens/s")
     for label, r in fast.items():
-        say(f"  {label:9s}{r['tokens_per_s']:6.1f} tokens/s   acceptance length {r['acceptance_length']:.2f}   "
+        say(f"  {label:18s}{r['tokens_per_s']:6.1f} tokens/s   acceptance length {r['acceptance_length']:.2f}   "
             f"speedup {r['tokens_per_s'] / plain['tokens_per_s']:.2f}x")
     say(f"  outputs identical: {'yes' if same else 'NO'} ({len(plain['token_ids'])} tokens)")
     return {"name": name, "identical": same,
@@ -126,18 +126,20 @@ def main(max_new_tokens: int = 128) -> int:
 
     say = print
     artifact, pub = prepare(cache_dir(), say)
-    models = {"n-gram": specpack.load(artifact, public_key=pub)}
+    models = {"n-gram": (specpack.load(artifact, public_key=pub), 0)}
     for label in SHIPPED:
         built = prepare_head(cache_dir(), label, say)
         if built is not None:
-            models[label] = specpack.load(built, public_key=pub)
-    for model in models.values():
+            models[label] = (specpack.load(built, public_key=pub), 0)
+    if "EAGLE-3" in models:  # the head, and prompt lookup where the text repeats (--lookup 8)
+        models["EAGLE-3 + lookup"] = (models["EAGLE-3"][0], 8)
+    for model in {id(m): m for m, _ in models.values()}.values():
         say(f"verified: {model.verification.trust}")
         model.generate([1, 2, 3], max_new_tokens=4, speculative=False)  # warm-up
     results = [compare(models, name, prompt, max_new_tokens, say) for name, prompt in PROMPTS.items()]
     # the fastest CPU precision: int8 weights and int8 activations (llama.cpp's Q8_0 arithmetic)
-    fast = {"n-gram": specpack.load(artifact, public_key=pub, weights="w8a8")}
-    fast["n-gram"].generate([1, 2, 3], max_new_tokens=4, speculative=False)  # warm-up
+    fast = {"n-gram": (specpack.load(artifact, public_key=pub, weights="w8a8"), 0)}
+    fast["n-gram"][0].generate([1, 2, 3], max_new_tokens=4, speculative=False)  # warm-up
     name = next(iter(PROMPTS))
     results.append(compare(fast, f"{name}, int8 weights and activations (--weights w8a8)", PROMPTS[name],
                            max_new_tokens, say, text=False))
