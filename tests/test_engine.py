@@ -277,6 +277,32 @@ def test_after_lookup_steps_the_drafter_drafts_as_if_it_had_drafted_every_step(k
         assert calls[0][1][0].tokens.tolist()[: len(want)] == want, (kind, len(context))
 
 
+def test_with_a_cost_model_copies_are_cut_to_the_rows_worth_verifying(monkeypatch):
+    """Where a row costs little (a flat curve) a lookup's copy is verified whole; where every row
+    doubles the step, none of it is; the tokens stay plain decoding's either way."""
+    from specpack.runtime.engine import engine as engine_module
+    from specpack.runtime.engine.plan import Plan
+
+    monkeypatch.setattr(engine_module, "LOOKUP_N", (1, 4))
+    m = model("eagle3", "torch")
+    verified = []
+    monkeypatch.setattr(Plan, "verify", lambda self, s, d, f=Plan.verify: verified.append(d) or f(self, s, d))
+    flat = CostModel((1, 8, 32, 64), (10.0, 10.2, 10.8, 40.0))
+    steep = CostModel((1, 2, 4, 8, 16), (10.0, 20.0, 40.0, 80.0, 160.0))
+    copied = {}
+    for name, curve in (("flat", flat), ("steep", steep)):
+        verified.clear()
+        reqs = requests(m)[3:]
+        for r in reqs:
+            r.lookup, r.max_new_tokens, r.eos, r.stop = 6, 24, (), ()
+        want = [alone(m, r) for r in reqs]
+        engine = Engine(m.target, m.drafter, slots=3, max_len=64, cost=curve)
+        assert [s.new for s in engine.generate_all(reqs)] == want, name
+        copied[name] = [len(d) for d in verified if d.copied]
+    assert copied["flat"] and max(copied["flat"]) >= 6
+    assert not copied["steep"]
+
+
 def test_a_lookup_length_out_of_range_is_refused():
     m = model("eagle3", "torch")
     engine = Engine(m.target, m.drafter, slots=1, max_len=64)

@@ -50,6 +50,9 @@ DEFAULT_PRIOR = (0.6, 0.55, 0.5, 0.45, 0.4)
 # Suffix lengths a prompt-lookup draft (Request.lookup) must match, longest first. From 2, a chat turn's
 # common word pairs hit twice as often (8% of steps against 3-4%) for no gain (BENCHMARKS.md).
 LOOKUP_N = (3, 4)
+# Per-position acceptance of a lookup's copy before a sequence has its own record: on HumanEval a third of
+# the steps copy and keep ~4 of 8 tokens (BENCHMARKS.md, bench/lookup.py)
+LOOKUP_PRIOR = (0.8, 0.8, 0.75, 0.75, 0.7, 0.7, 0.7, 0.7)
 
 
 @dataclass
@@ -109,6 +112,7 @@ class Generation:
         self.acceptance = costs.Acceptance(prior, start=start)  # starts from the engine's record
         self.calibration = costs.Calibration(start=calibration)  # its tree drafts' probabilities vs acceptance
         self.lookup = SuffixIndex(*LOOKUP_N) if req.lookup and req.speculative else None
+        self.copies = costs.Acceptance(LOOKUP_PRIOR)  # its lookups' record (the cost model prices them)
         self.stats = GenerationStats(prompt_tokens=len(req.prompt))
         self.started = time.perf_counter()
 
@@ -371,7 +375,7 @@ class Engine:
             self.acceptance.update(0, 0)
             if self.cost is not None and self.draft_prior and self.cost.draft_ratio > self.draft_prior:
                 self.cost = self.cost.with_draft_ratio(0.95 * self.cost.draft_ratio + 0.05 * self.draft_prior)
-            return drafts
+            return self._trim_copies(decoding, drafts, prefill_rows, prefill_keys, 0.0)
         t0 = time.perf_counter()
         made = self.drafter.draft(jobs)
         seconds = time.perf_counter() - t0
@@ -381,7 +385,8 @@ class Engine:
         for i, d in zip(owners, made):
             drafts[i] = Proposal.of(d)
         drafts = self._trim(decoding, drafts, made, owners, prefill_rows, prefill_keys, seconds * 1e3)
-        return self._prune(decoding, drafts, prefill_rows, prefill_keys, seconds * 1e3)
+        drafts = self._prune(decoding, drafts, prefill_rows, prefill_keys, seconds * 1e3)
+        return self._trim_copies(decoding, drafts, prefill_rows, prefill_keys, seconds * 1e3)
 
     def _copied(self, s: Generation, k: int) -> Proposal | None:
         """`s`'s prompt-lookup draft this step (Request.lookup), None when it has none: no lookup, no
@@ -390,6 +395,23 @@ class Engine:
             return None
         found = s.lookup.lookup(s.context(), min(max(k, s.req.lookup), s.budget - 1))
         return Proposal(found.tolist(), copied=True) if len(found) else None
+
+    def _trim_copies(self, decoding, drafts: list[Proposal], prefill_rows: int, prefill_keys: int,
+                     drafted_ms: float) -> list[Proposal]:
+        """With a cost model, lookups' copies are cut to what is worth verifying as a confidence
+        head's drafts are (`_trim`), by each sequence's record of its copies' acceptance: under load
+        a copy of 8 is not 8 rows for every sequence."""
+        copied = {i for i, d in enumerate(drafts) if d.copied}
+        if self.cost is None or not copied:
+            return drafts
+        limits = [len(d) if i in copied else 0 for i, d in enumerate(drafts)]
+        survival = [decoding[i].copies.survival(k) if k else [] for i, k in enumerate(limits)]
+        contexts = [s.n for s in decoding]
+        keep = costs.choose(limits, survival, len(decoding), self.cost, contexts, sum(contexts), margin=0.0,
+                            drafted=True, drafted_ms=drafted_ms,
+                            **_sunk(decoding, drafts, copied, prefill_rows, prefill_keys))
+        return [(d.keep(range(k)) if k else Proposal([])) if i in copied else d
+                for i, (d, k) in enumerate(zip(drafts, keep))]
 
     def _trim(self, decoding, drafts, made, owners, prefill_rows: int, prefill_keys: int,
               drafted_ms: float) -> list[Proposal]:
@@ -466,6 +488,7 @@ class Engine:
         self._keep_features(s, aux, slice(a, a + kept + 1))
         self._record(s, aux, slice(a, a + kept + 1), logits[: kept + 1])
         if draft.copied:  # the drafter's records (acceptance, draft length) are of its own drafts only
+            s.copies.update(len(draft), kept)
             s.stats.count(len(draft), kept)
             s.stats.lookup_steps, s.stats.lookup_accepted = s.stats.lookup_steps + 1, s.stats.lookup_accepted + kept
         else:
