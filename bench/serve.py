@@ -6,7 +6,8 @@ Q8_0 for int8/w8a8), closed-loop clients on
 loopback at each concurrency level, greedy, on a code workload (HumanEval prompts, /v1/completions)
 and a chat workload (bench/workloads/chat.jsonl plus open-chat prompts, /v1/chat/completions):
 
-  specpack serve, speculation on (n-gram; EAGLE-3 too when heads/ has the head)
+  specpack serve, speculation on (n-gram; EAGLE-3 too when heads/ has the head, and EAGLE-3 with
+    prompt lookup, `serve --lookup N`, with --lookup N)
   specpack serve, speculation off (--max-concurrency 0; for EAGLE-3 also its own artifact, head loaded)
   llama-server -np 16 (continuous batching), when --llama-cpp names a built llama.cpp tree
   specpack serve --backend onnxruntime (n-gram and off, on an exported copy), with --onnx
@@ -176,7 +177,8 @@ GGUF_TYPES = {"fp32": "f32", "fp16": "f16", "bf16": "f16", "int8": "q8_0", "w8a8
 
 
 def specpack_server(artifact: Path, port: int, spec: bool, slots: int, backend: str = "torch",
-                    weights: str = "fp32", kv_cache: str = "model", screen: bool = True) -> subprocess.Popen:
+                    weights: str = "fp32", kv_cache: str = "model", screen: bool = True,
+                    lookup: int = 0) -> subprocess.Popen:
     args = [sys.executable, "-m", "specpack", "serve", str(artifact), "--port", str(port), "--max-seqs", str(slots),
             "--max-model-len", "2048", "--backend", backend]
     if weights != "fp32":
@@ -185,6 +187,8 @@ def specpack_server(artifact: Path, port: int, spec: bool, slots: int, backend: 
         args += ["--kv-cache", kv_cache]
     if not spec:
         args += ["--max-concurrency", "0"]
+    if lookup:
+        args += ["--lookup", str(lookup)]
     env = {**os.environ, **({} if screen else {"SPECPACK_GREEDY_SCREEN": "0"})}
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
@@ -304,10 +308,12 @@ def summary(runs: list[Run], levels: list[int]) -> None:
 # deployment) and against the plain one; the control against the plain one; the plain one against
 # itself without the greedy screen
 PAIRS = [("specpack-ngram", "specpack-plain"), ("specpack-eagle3", "specpack-eagle3-off"),
+         ("specpack-eagle3-lookup", "specpack-eagle3-off"), ("specpack-eagle3-lookup", "specpack-eagle3"),
          ("specpack-eagle3", "specpack-plain"), ("specpack-eagle3-off", "specpack-plain"),
          ("specpack-plain-2", "specpack-plain"), ("specpack-plain", "specpack-plain-noscreen")]
 ROLES = {"specpack-plain-2": "a second off server (control)",
          "specpack-eagle3-off": "the EAGLE-3 artifact, speculation off",
+         "specpack-eagle3-lookup": "EAGLE-3 with --lookup",
          "specpack-plain": "speculation off, the greedy screen on"}  # what a PAIRS entry's first server is
 T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
         12: 2.18, 15: 2.13, 20: 2.09, 30: 2.04}  # Student's t, two-sided 95%, by degrees of freedom
@@ -358,6 +364,7 @@ def main() -> int:
                          "greedy screen is worth under load")
     ap.add_argument("--json", type=Path, help="also write every row here")
     ap.add_argument("--prompt-cache", action="store_true", help="let llama-server reuse cached prompt prefixes")
+    ap.add_argument("--lookup", type=int, default=0, help="also serve EAGLE-3 with --lookup N (specpack-eagle3-lookup)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds per level, servers interleaved and rotated (default 2); rates are over all rounds")
     ap.add_argument("--restart", action="store_true",
@@ -378,6 +385,9 @@ def main() -> int:
     if eagle3 is not None:
         servers["specpack-eagle3"] = (lambda p: specpack_server(eagle3, p, True, slots, **o), eagle3.name)
         servers["specpack-eagle3-off"] = (lambda p: specpack_server(eagle3, p, False, slots, **o), eagle3.name)
+        if args.lookup:
+            servers["specpack-eagle3-lookup"] = (lambda p: specpack_server(eagle3, p, True, slots, lookup=args.lookup,
+                                                                           **o), eagle3.name)
     if args.control:  # a second process of the same server: how far apart two identical ones read
         servers["specpack-plain-2"] = (lambda p: specpack_server(artifact, p, False, slots, **o), artifact.name)
     if args.screen_control:  # plain decoding with every logit computed (kernels/screen.py off)
