@@ -112,7 +112,7 @@ class Generation:
         self.acceptance = costs.Acceptance(prior, start=start)  # starts from the engine's record
         self.calibration = costs.Calibration(start=calibration)  # its tree drafts' probabilities vs acceptance
         self.lookup = SuffixIndex(*LOOKUP_N) if req.lookup and req.speculative else None
-        self.copies = costs.Acceptance(LOOKUP_PRIOR)  # its lookups' record (the cost model prices them)
+        self.copies = costs.Acceptance(LOOKUP_PRIOR) if self.lookup else None  # its copies' record
         self.stats = GenerationStats(prompt_tokens=len(req.prompt))
         self.started = time.perf_counter()
 
@@ -389,11 +389,14 @@ class Engine:
         return self._trim_copies(decoding, drafts, prefill_rows, prefill_keys, seconds * 1e3)
 
     def _copied(self, s: Generation, k: int) -> Proposal | None:
-        """`s`'s prompt-lookup draft this step (Request.lookup), None when it has none: no lookup, no
-        draft asked for (k = 0), a drafter whose drafts are lookups already, or no earlier occurrence."""
-        if s.lookup is None or k <= 0 or getattr(self.drafter, "free_drafts", False):
+        """`s`'s prompt-lookup draft this step (Request.lookup), None when it has none: no lookup,
+        speculation off for the step, a drafter whose drafts are lookups already, no earlier occurrence,
+        or no draft asked for (k = 0) where no cost model prices the copy (`_trim_copies`: with one, a
+        copy is weighed even where the head's drafts are not worth making)."""
+        if s.lookup is None or not self.speculate or getattr(self.drafter, "free_drafts", False):
             return None
-        found = s.lookup.lookup(s.context(), min(max(k, s.req.lookup), s.budget - 1))
+        n = min(max(k, s.req.lookup), s.budget - 1) if k > 0 or self.cost is not None else 0
+        found = s.lookup.lookup(s.context(), n) if n > 0 else ()
         return Proposal(found.tolist(), copied=True) if len(found) else None
 
     def _trim_copies(self, decoding, drafts: list[Proposal], prefill_rows: int, prefill_keys: int,
