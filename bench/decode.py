@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels import median_ms  # noqa: E402  (bench/kernels.py)
+from kernel_bench import median_ms  # noqa: E402
 from specpack.demo import CODE as CODE2  # noqa: E402  (the demo's copy-heavy class)
 
 CODE = '''def moving_average(values, window):

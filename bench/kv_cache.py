@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from decode import humaneval_prompts  # noqa: E402
-from kernels import median_ms  # noqa: E402
+from kernel_bench import median_ms  # noqa: E402
 from precision import busy, machine  # noqa: E402
 
 CACHES = ("model", "fp16")

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
 
 from decode import WORKLOADS, LlamaCpp, chat_ids, f32_gguf, humaneval_prompts, rewrite_gguf  # noqa: E402
-from kernels import busy_fraction, median_ms  # noqa: E402
+from kernel_bench import busy_fraction, median_ms  # noqa: E402
 
 GGUF_TYPES = {"fp32": "F32", "fp16": "F16", "bf16": "F16", "bf16-vector": "F16", "int8": "Q8_0", "w8a8": "Q8_0"}  # llama.cpp's nearest precision
 

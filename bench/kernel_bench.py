@@ -6,7 +6,7 @@ ratio t(M)/t(1). Paths: torch `F.linear` (MKL), NumPy/OpenBLAS on a K-major copy
 stream (30 layers + head) per path, and (with --decoder) a decode-like loop with the small torch
 ops between the matmuls, under each thread setting.
 
-    python bench/kernels.py [--reps 30] [--rounds 3] [--ms 1,2,4,8,9,16] [--decoder]
+    python bench/kernel_bench.py [--reps 30] [--rounds 3] [--ms 1,2,4,8,9,16] [--decoder]
 
 Each path runs its own phase (pools of different libraries spinning at once would fight), a
 shape's phases repeat --rounds times, and every figure is the median over rounds of medians. Each
