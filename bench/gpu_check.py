@@ -1,8 +1,9 @@
 """A prepared GPU check (< 5 minutes on one GPU): the torch CUDA backend and, where TensorRT is
 importable, the TensorRT backend, on a tiny model and on the embedded SmolLM2-135M; the batched
-engine on CUDA; the ONNX graph on ONNX Runtime; a Llama-3-8B-shaped target with random bf16 weights
-made on the device (decode time against the HBM bandwidth limit, verify(9) / verify(1)); then
-SmolLM2 with the heads shipped in heads/ (EAGLE-3, DSpark: model drafters on CUDA).
+engine on CUDA (half its sequences with prompt lookup, `--lookup 8`); the ONNX graph on ONNX Runtime;
+a Llama-3-8B-shaped target with random bf16 weights made on the device (decode time against the HBM
+bandwidth limit, verify(9) / verify(1)); then SmolLM2 with the heads shipped in heads/ (EAGLE-3,
+DSpark: model drafters on CUDA).
 
 For each model and backend it prints greedy parity against the CPU torch backend (identical, or the
 first token where it diverges), whether speculative output equals the same backend's plain output,
@@ -253,9 +254,11 @@ def batched(name: str, artifact: Path, prompts, args) -> dict:
     from specpack.runtime.engine import Engine, Request
 
     model = specpack.load(artifact, device=args.device)
-    reqs = [Request(list(p), args.max_new_tokens, eos=(), draft_len=args.draft_len) for p in prompts] * 2
+    reqs = [Request(list(p), args.max_new_tokens, eos=(), draft_len=args.draft_len, lookup=lookup)
+            for lookup in (0, 8) for p in prompts]  # half with prompt lookup (`--lookup 8`)
     t0 = time.perf_counter()
-    alone = [model.generate(r.prompt, r.max_new_tokens, draft_len=r.draft_len, eos_ids=()).tokens for r in reqs]
+    alone = [model.generate(r.prompt, r.max_new_tokens, draft_len=r.draft_len, eos_ids=(), lookup=r.lookup).tokens
+             for r in reqs]
     torch.cuda.synchronize() if args.device == "cuda" else None
     serial_s = time.perf_counter() - t0
     engine = Engine(model.target, model.drafter, slots=len(reqs), max_len=max(len(r.prompt) for r in reqs)
@@ -264,9 +267,10 @@ def batched(name: str, artifact: Path, prompts, args) -> dict:
     together = [r.tokens for r in engine.run(reqs)]
     torch.cuda.synchronize() if args.device == "cuda" else None
     batch_s = time.perf_counter() - t0
-    same = [a == b for a, b in zip(alone, together)]
-    say(f"  batched engine ({len(reqs)} sequences): {sum(same)}/{len(same)} identical to alone, "
-        f"{serial_s / batch_s:.2f}x the serial tokens/s")
+    n = len(prompts)  # and each prompt's tokens with lookup equal its tokens without
+    same = [a == b for a, b in zip(alone, together)] + [a == b for a, b in zip(together[:n], together[n:])]
+    say(f"  batched engine ({len(reqs)} sequences, half with lookup): {sum(same)}/{len(same)} checks identical "
+        f"(each alone and batched; with and without lookup), {serial_s / batch_s:.2f}x the serial tokens/s")
     return {"model": name, "check": "batched engine", "identical": sum(same), "of": len(same),
             "speedup_vs_serial": serial_s / batch_s}
 
