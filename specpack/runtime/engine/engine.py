@@ -407,12 +407,8 @@ class Engine:
         copied = {i for i, d in enumerate(drafts) if d.copied}
         if self.cost is None or not copied:
             return drafts
-        limits = [len(d) if i in copied else 0 for i, d in enumerate(drafts)]
-        survival = [decoding[i].copies.survival(k) if k else [] for i, k in enumerate(limits)]
-        contexts = [s.n for s in decoding]
-        keep = costs.choose(limits, survival, len(decoding), self.cost, contexts, sum(contexts), margin=0.0,
-                            drafted=True, drafted_ms=drafted_ms,
-                            **_sunk(decoding, drafts, copied, prefill_rows, prefill_keys))
+        survival = [s.copies.survival(len(d)) if i in copied else [] for i, (s, d) in enumerate(zip(decoding, drafts))]
+        keep = self._worth(decoding, drafts, survival, prefill_rows, prefill_keys, drafted_ms)
         return [(d.keep(range(k)) if k else Proposal([])) if i in copied else d
                 for i, (d, k) in enumerate(zip(drafts, keep))]
 
@@ -427,12 +423,20 @@ class Engine:
         survival = [[] for _ in decoding]
         for i, c in confident:
             survival[i] = torch.cumprod(c.float().cpu(), 0).tolist()
-        limits = [len(d) if survival[i] else 0 for i, d in enumerate(drafts)]
-        contexts = [s.n for s in decoding]
-        sunk = _sunk(decoding, drafts, {i for i, surv in enumerate(survival) if surv}, prefill_rows, prefill_keys)
-        keep = costs.choose(limits, survival, len(decoding), self.cost, contexts, sum(contexts), margin=0.0,
-                            drafted=True, drafted_ms=drafted_ms, **sunk)
+        keep = self._worth(decoding, drafts, survival, prefill_rows, prefill_keys, drafted_ms)
         return [d.keep(range(k)) if survival[i] else d for i, (d, k) in enumerate(zip(drafts, keep))]
+
+    def _worth(self, decoding, drafts: list[Proposal], survival: list[list[float]], prefill_rows: int,
+               prefill_keys: int, drafted_ms: float) -> list[int]:
+        """How many tokens of each made draft with a survival estimate (`survival[i]`, one per token;
+        empty: the draft stays as it is, carried by the step) the cost model says are worth verifying,
+        the `drafted_ms` the drafting took counted in the step's time (costs.choose)."""
+        cut = {i for i, surv in enumerate(survival) if surv}
+        limits = [len(d) if i in cut else 0 for i, d in enumerate(drafts)]
+        contexts = [s.n for s in decoding]
+        return costs.choose(limits, survival, len(decoding), self.cost, contexts, sum(contexts), margin=0.0,
+                            drafted=True, drafted_ms=drafted_ms,
+                            **_sunk(decoding, drafts, cut, prefill_rows, prefill_keys))
 
     def _prune(self, decoding, drafts: list[Proposal], prefill_rows: int, prefill_keys: int,
                drafted_ms: float) -> list[Proposal]:
@@ -492,8 +496,7 @@ class Engine:
         self._record(s, aux, slice(a, a + kept + 1), logits[: kept + 1])
         if draft.copied:  # the drafter's records (acceptance, draft length) are of its own drafts only
             s.copies.update(len(draft), kept)
-            s.stats.count(len(draft), kept)
-            s.stats.lookup_steps, s.stats.lookup_accepted = s.stats.lookup_steps + 1, s.stats.lookup_accepted + kept
+            s.stats.count(len(draft), kept, copied=True)
         else:
             self._counted(s, len(draft), len(draft), kept)
         s.emit(tokens)

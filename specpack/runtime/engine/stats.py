@@ -52,10 +52,12 @@ class GenerationStats:
         decode = self.total_s - self.prefill_s
         return (self.new_tokens - 1) / decode if decode > 0 else 0.0
 
-    def count(self, k: int, a: int, proposed: int | None = None) -> None:
+    def count(self, k: int, a: int, proposed: int | None = None, copied: bool = False) -> None:
         """One verification of k drafts (a tree: `proposed` nodes k deep) of which a were accepted
-        (a tree: its accepted path's depth)."""
+        (a tree: its accepted path's depth); `copied`: a prompt-lookup copy (Request.lookup)."""
         self.steps += 1
+        self.lookup_steps += copied
+        self.lookup_accepted += a if copied else 0
         self.proposed += k if proposed is None else proposed
         self.accepted += a
         self.depth_steps += [0] * (a + 1 - len(self.depth_steps))
