@@ -58,9 +58,10 @@ def read_json(path):
 
 def measured_profile(drafter: str, draft_len: int = 3, max_concurrency: int = 8, concurrency=(1, 4, 8, 16),
                      device: str = "cuda", backend: str = "tensorrt", speedup: float = 1.7, gpu: str = "NVIDIA H100",
-                     speculative: bool = True):
+                     speculative: bool = True, lookup: int | None = None):
     """A validated profile as `specpack tune` writes it (figures made up, id derived), for tests that
-    read profiles without measuring: speculation pays up to `max_concurrency` concurrent requests."""
+    read profiles without measuring: speculation pays up to `max_concurrency` concurrent requests
+    (with prompt lookup of up to `lookup` tokens beside the drafter)."""
     from specpack.schemas.profile import make_profile
 
     sweep = [{"concurrency": c, "baseline_tokens_per_s": 100.0 * c,
@@ -74,7 +75,7 @@ def measured_profile(drafter: str, draft_len: int = 3, max_concurrency: int = 8,
                 "hardware": hardware, "software": {"specpack": "0", "python": "3", "platform": "test", "packages": {}},
                 "measured_at": "2026-01-01T00:00:00+00:00", "seconds": 1.0}
     settings = {"speculative": speculative, "draft_len": draft_len if speculative else 0,
-                "max_concurrency": max_concurrency if speculative else 0}
+                "max_concurrency": max_concurrency if speculative else 0, "lookup": lookup}
     memory = {"weights_bytes": 1, "kv_cache_bytes": 1, "context_tokens": 64, "required_bytes": 2,
               "measured_peak_bytes": 2}
     return make_profile(backend=backend, device=device, dtype="float16" if device == "cuda" else "float32",

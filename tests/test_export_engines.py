@@ -267,6 +267,18 @@ def test_profile_crossover_becomes_the_engines_schedules(artifact, tmp_path):
         (tmp_path / "sglang/README.md").read_text()
 
 
+def test_a_crossover_measured_with_prompt_lookup_is_written_with_a_note(artifact, tmp_path):
+    """The engines do not run specpack's prompt lookup beside a head: the README says the crossover
+    was measured with it."""
+    from conftest import measured_profile, with_profiles
+
+    art = with_profiles(artifact, tmp_path / "art", measured_profile("eagle3", 3, 8, lookup=8))
+    v = export_engine(art, "vllm", tmp_path / "vllm")
+    assert v.config["speculative_config"]["num_speculative_tokens_per_batch_size"] == [[1, 8, 3], [9, 1 << 16, 0]]
+    readme = " ".join((tmp_path / "vllm/README.md").read_text().split())
+    assert "with prompt lookup (copies of up to 8 tokens" in readme and "--lookups none" in readme
+
+
 def test_choosing_the_profile_and_the_draft_length(artifact, tmp_path):
     from conftest import measured_profile, with_profiles
 

@@ -372,3 +372,76 @@ def test_plots_are_optional(tuned, tmp_path):
         assert paths == [] and "matplotlib is not installed" in notes[0]
     else:
         assert all(p.is_file() and p.suffix == ".png" for p in paths) and len(paths) == 2
+
+
+def test_profiles_from_before_lookup_keep_their_id(tuned):
+    """`settings.lookup` and the sweep points' `lookup` came later: a profile written without them
+    (or with them unset) hashes to the same id, and setting one is a different profile."""
+    art, result = tuned
+    p = result.profile
+    data = p.model_dump(mode="json")
+    old = json.loads(json.dumps(data))
+    del old["settings"]["lookup"]
+    for point in old["evidence"]["draft_len_sweep"]:
+        del point["lookup"]
+    assert p.settings.lookup is None and profile_id(old) == profile_id(data) == p.id
+    assert check_profile(old, read_manifest(art), _machine()).status == RUNNABLE
+    if p.settings.speculative:
+        with_lookup = make_profile(**{k: v for k, v in data.items() if k not in ("id", "name")}
+                                   | {"settings": {**data["settings"], "lookup": 8}})
+        assert with_lookup.id != p.id and with_lookup.name == p.name + "-l8"
+
+
+def test_run_and_serve_apply_the_profiles_lookup_unless_told(tmp_path):
+    """A profile that measured prompt lookup beside its drafter has run and serve draft with it; an
+    explicit --lookup (0 included) overrides it."""
+    from conftest import measured_profile, with_profiles
+    from test_engine import artifact as engine_artifact
+
+    from specpack.serving.generate import GenerateRequest, generate_text
+    from specpack.serving.serve import prepare
+
+    profile = measured_profile("eagle3", device="cpu", backend="torch", lookup=6)
+    assert profile.name.endswith("-d3-l6")
+    art = with_profiles(engine_artifact("eagle3"), tmp_path / "art", profile)
+    chosen = select_profile(read_manifest(art), machine=_machine())
+    assert chosen.profile == profile and chosen.lookup == 6 and "prompt lookup of up to 6 tokens" in chosen.message
+    prompt = "a b c d a b c d a b c d a b c"
+    ran = generate_text(art, GenerateRequest(prompt, max_new_tokens=12, draft_len=3))  # drafted as given: no timing
+    assert ran["profile"] == profile.name and ran["lookup"] == 6 and ran["lookup_steps"] > 0
+    off = generate_text(art, GenerateRequest(prompt, max_new_tokens=12, draft_len=3, lookup=0))
+    assert off["lookup"] == 0 and off["lookup_steps"] == 0 and off["token_ids"] == ran["token_ids"]
+    assert prepare(art, measure_cost=False).scheduler.lookup == 6
+    assert prepare(art, lookup=0, measure_cost=False).scheduler.lookup == 0
+
+
+def test_tune_measures_prompt_lookup_beside_a_model_drafter(workload, tmp_path):
+    """For a drafter that is a model (not n-gram lookup), tune measures its best chain and best tree
+    again with prompt lookup beside it (every output still checked equal to plain), and the profile
+    keeps lookup where it was fastest."""
+    from test_engine import artifact as engine_artifact
+
+    art = tmp_path / "art"
+    shutil.copytree(engine_artifact("eagle3"), art)
+    result = tune(art, workload, **{**TUNE, "concurrency": [1], "draft_lens": [2], "lookups": [4]})
+    p = result.profile
+    points = [(pt.draft_len, pt.tree_topk, pt.tree_nodes, pt.lookup) for pt in p.evidence.draft_len_sweep]
+    assert points == [(2, 1, 0, None), (3, 2, 5, None), (2, 1, 0, 4), (3, 2, 5, 4)]
+    from specpack.tuning.report import summary
+
+    assert "draft length 2 + lookup 4" in summary(result) and "tree 3x2x5 + lookup 4" in summary(result)
+    if p.settings.speculative:
+        best = max(p.evidence.draft_len_sweep, key=lambda pt: pt.tokens_per_s)
+        assert (p.settings.draft_len, p.settings.tree_topk, p.settings.lookup) == \
+            (best.draft_len, best.tree_topk, best.lookup)
+        assert p.name.endswith(f"-l{best.lookup}") == (best.lookup is not None)
+    with pytest.raises(InputError, match="lookup length 17 is outside 1..16"):
+        tune(art, workload, **{**TUNE, "lookups": [17]})
+
+
+def test_tune_cli_lookups_option(artifact, workload, cli):
+    code, out, err = cli("tune", artifact, "--workload", workload, "--lookups", "4,17")
+    assert code == 2 and "lookup length 17 is outside 1..16" in err and "Traceback" not in err, out + err
+    code, _, err = cli("tune", artifact, "--workload", workload, "--lookups", "eight")
+    assert code == 2 and "--lookups" in err and "comma-separated integers" in err
+    assert read_manifest(artifact).profiles == []

@@ -27,10 +27,10 @@ from specpack.cli._common import tree_shapes as parse_tree_shapes
               "start says drafts do not pay].")
 @click.option("--draft-tree", help="Draft trees of TOPKxNODES (e.g. 4x24, draft-len deep) or 'chain' "
                                    "[default: the profile's].")
-@click.option("--lookup", type=int, default=0, show_default=True, metavar="N",
+@click.option("--lookup", type=int, metavar="N",
               help="Where the text so far repeats, draft up to max(draft length, N) tokens copied from what followed "
                    "its last 3-4 tokens before, instead of asking the drafter (free; code and quoting gain most). "
-                   "0: off.")
+                   "0: off [default: the profile's; else off].")
 @click.option("--no-spec", is_flag=True, help="Decode without speculation (the baseline).")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--profile", help="Profile name or id [default: the best runnable validated profile].")
@@ -104,6 +104,8 @@ def _run_summary(r: dict) -> str:
 @click.option("--draft-lens", help="Draft lengths to measure, e.g. 2,4,6 [default: search from the heuristic start].")
 @click.option("--tree-shapes", help="Draft trees to measure, DEPTHxTOPKxNODES,... (e.g. 5x4x20) or 'none' "
                                     "[default: search from the best draft length, for drafters that branch].")
+@click.option("--lookups", help="Prompt lookup lengths to measure beside the best chain and tree, e.g. 4,8, or "
+                                "'none' [default: 8, for model drafters].")
 @click.option("--max-new-tokens", default=128, show_default=True, type=int,
               help="New tokens per prompt when a workload line sets no max_tokens.")
 @click.option("--repeats", default=2, show_default=True, type=int, help="Passes per setting; the fastest is kept.")
@@ -114,13 +116,14 @@ def _run_summary(r: dict) -> str:
 @click.option("--public-key", type=click.Path(path_type=Path), envvar="SPECPACK_PUBLIC_KEY",
               help="Public key (PEM) to check the signature with before tuning [env: SPECPACK_PUBLIC_KEY].")
 @JSON
-def tune(artifact, workload, backend, device, dtype, weights, kv_cache, concurrency, draft_lens, tree_shapes, max_new_tokens,
-         repeats, key, plot_dir, public_key, json_mode):
+def tune(artifact, workload, backend, device, dtype, weights, kv_cache, concurrency, draft_lens, tree_shapes, lookups,
+         max_new_tokens, repeats, key, plot_dir, public_key, json_mode):
     """Measure ARTIFACT on a workload and store the best settings as a validated profile.
 
     Measures tokens/s without speculation, sweeps the draft length (from D = 128/G - 1 on GPUs, the
     artifact's default on CPUs) and, for drafters that branch, draft tree shapes (depth, top-k,
-    nodes), checks greedy output is identical on every prompt, finds the
+    nodes), then the best of each with prompt lookup beside the drafter (copies of the context where
+    it repeats), checks greedy output is identical on every prompt, finds the
     concurrency above which speculation stops paying, and writes the profile with its evidence into
     specpack.json (re-signed with --key).
 
@@ -128,6 +131,7 @@ def tune(artifact, workload, backend, device, dtype, weights, kv_cache, concurre
     Examples:
       specpack tune my-artifact --workload bench/workloads/code_edit.jsonl --key signer.pem
       specpack tune my-artifact --workload chat.jsonl --draft-lens 2,4,6 --concurrency 1,4 --plot plots/
+      specpack tune my-artifact --workload code.jsonl --tree-shapes 5x4x12 --lookups 4,8,16
     """
     from specpack.tuning.tune import tune as do_tune
     from specpack.tuning.report import summary
@@ -136,7 +140,8 @@ def tune(artifact, workload, backend, device, dtype, weights, kv_cache, concurre
                      kv_cache=kv_cache, concurrency=int_list(concurrency, "--concurrency"),
                      draft_lens=int_list(draft_lens, "--draft-lens"), max_new_tokens=max_new_tokens,
                      repeats=repeats, key=key, public_key=public_key, progress=progress_enabled(json_mode),
-                     plot_dir=plot_dir, tree_shapes=parse_tree_shapes(tree_shapes, "--tree-shapes"))
+                     plot_dir=plot_dir, tree_shapes=parse_tree_shapes(tree_shapes, "--tree-shapes"),
+                     lookups=[] if (lookups or "").strip().lower() == "none" else int_list(lookups, "--lookups"))
     emit(result.to_dict(), json_mode, lambda d: summary(result))
 
 
@@ -171,9 +176,10 @@ def profiles(artifact, json_mode):
 @click.option("--draft-len", type=int, help="Draft tokens per step [default: the profile's].")
 @click.option("--draft-tree", help="Draft trees of TOPKxNODES (e.g. 4x24, draft-len deep) or 'chain' "
                                    "[default: the profile's].")
-@click.option("--lookup", type=int, default=0, show_default=True, metavar="N",
+@click.option("--lookup", type=int, metavar="N",
               help="Where a request's text repeats, draft up to max(draft length, N) tokens copied from what followed "
-                   "its last 3-4 tokens before, instead of asking the drafter. 0: off.")
+                   "its last 3-4 tokens before, instead of asking the drafter. 0: off [default: the profile's; "
+                   "else off].")
 @click.option("--api-key", envvar="SPECPACK_API_KEY",
               help="Require 'Authorization: Bearer KEY' on every route but /health [env: SPECPACK_API_KEY].")
 @click.option("--max-body-bytes", type=int, default=2**20, show_default=True,

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 PROFILE_VERSION = 1
 BACKENDS = ("torch", "onnxruntime", "tensorrt")
-NAME_PATTERN = r"^[a-z0-9]+-[a-z0-9]+-[a-z0-9]+-[a-z0-9_]+-d[0-9]+(-t[0-9]+x[0-9]+)?$"
+NAME_PATTERN = r"^[a-z0-9]+-[a-z0-9]+-[a-z0-9]+-[a-z0-9_]+-d[0-9]+(-t[0-9]+x[0-9]+)?(-l[0-9]+)?$"
+ADDED_LATER = ("lookup",)  # nested fields newer than profile_version 1: left out of `profile_id` when unset
 
 
 class _Strict(BaseModel):
@@ -38,6 +39,10 @@ class ProfileSettings(_Strict):
                              "and at most `tree_nodes` nodes, `draft_len` deep, verified in one target forward.")
     tree_topk: int = Field(1, ge=1, le=8, description="Children per draft tree node (1 for a chain).")
     tree_nodes: int = Field(0, ge=0, le=64, description="Draft tree nodes verified per step at most (0 for a chain).")
+    lookup: int | None = Field(
+        None, ge=1, le=16, description="Prompt lookup: where the context's last 3-4 tokens occurred before, a step "
+                                       "verifies a copy of up to max(draft_len, lookup) tokens of what followed "
+                                       "instead of asking the drafter (absent: off).")
     max_concurrency: int = Field(
         ge=0, description="Highest number of requests in flight at which speculation still beat decoding "
                           "without it on the workload; above it, `serve` turns speculation off. "
@@ -77,6 +82,8 @@ class DraftLenPoint(_Strict):
     draft_len: int = Field(ge=1, description="Draft length measured (a tree: its depth).")
     tree_topk: int = Field(1, ge=1, le=8, description="Children per draft tree node (1: a chain).")
     tree_nodes: int = Field(0, ge=0, le=64, description="Draft tree nodes at most (0: a chain).")
+    lookup: int | None = Field(None, ge=1, le=16, description="Prompt lookup copies of up to this many tokens "
+                                                                 "beside the drafter (absent: off).")
     tokens_per_s: float = Field(ge=0, description="Speculative tokens/s over the workload at this length.")
     acceptance_length: float = Field(ge=1, description="1 + accepted / steps over the workload.")
     speedup: float = Field(ge=0, description="tokens_per_s / the baseline's tokens/s.")
@@ -123,7 +130,8 @@ class Evidence(_Strict):
                                            "without speculation on every prompt of the workload.")
     prompts_checked: int = Field(ge=0, description="Prompts whose greedy outputs were compared.")
     draft_len_sweep: list[DraftLenPoint] = Field(description="Every draft length measured, ascending, then every "
-                                                             "tree shape.")
+                                                             "tree shape, then the best of each with prompt "
+                                                             "lookup.")
     concurrency_sweep: list[ConcurrencyPoint] = Field(description="Every concurrency measured, ascending.")
     hardware: Hardware = Field(description="The machine the figures were measured on.")
     software: Software = Field(description="The software the figures were measured with.")
@@ -156,19 +164,28 @@ class Profile(_Strict):
 
 
 def profile_name(backend: str, device: str, dtype: str, drafter: str, draft_len: int, tree_topk: int = 1,
-                 tree_nodes: int = 0) -> str:
-    """backend-device-dtype-drafter-dD, with -tKxM for trees of top-k K and M nodes."""
+                 tree_nodes: int = 0, lookup: int | None = None) -> str:
+    """backend-device-dtype-drafter-dD, with -tKxM for trees of top-k K and M nodes and -lN for prompt
+    lookup copies of up to N tokens."""
     tree = f"-t{tree_topk}x{tree_nodes}" if tree_topk > 1 else ""
-    return f"{backend}-{device}-{dtype}-{drafter}-d{draft_len}{tree}"
+    return f"{backend}-{device}-{dtype}-{drafter}-d{draft_len}{tree}" + (f"-l{lookup}" if lookup else "")
 
 
 def profile_id(data: dict) -> str:
     """The id a profile (as JSON data) should have: a hash of all its fields but `id`. A top-level
-    field left unset (None: `weights` and `kv_cache`, added later) is left out, so profiles written before it
-    existed keep their id."""
-    body = {k: v for k, v in data.items() if k != "id" and v is not None}
+    field left unset (None: `weights` and `kv_cache`, added later) is left out, and so is a nested
+    field of ADDED_LATER, so profiles written before it existed keep their id."""
+    body = _without_unset_later({k: v for k, v in data.items() if k != "id" and v is not None})
     canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+def _without_unset_later(value):
+    if isinstance(value, dict):
+        return {k: _without_unset_later(v) for k, v in value.items() if not (k in ADDED_LATER and v is None)}
+    if isinstance(value, list):
+        return [_without_unset_later(v) for v in value]
+    return value
 
 
 def make_profile(**fields) -> Profile:
@@ -177,6 +194,7 @@ def make_profile(**fields) -> Profile:
     s = s if isinstance(s, ProfileSettings) else ProfileSettings.model_validate(s)
     draft_len = s.draft_len if s.speculative else 0
     topk, nodes = (s.tree_topk, s.tree_nodes) if s.speculative else (1, 0)
-    name = profile_name(fields["backend"], fields["device"], fields["dtype"], fields["drafter"], draft_len, topk, nodes)
+    name = profile_name(fields["backend"], fields["device"], fields["dtype"], fields["drafter"], draft_len, topk, nodes,
+                        s.lookup if s.speculative else None)
     body = Profile.model_validate({**fields, "id": "0" * 16, "name": name}).model_dump(mode="json")
     return Profile.model_validate({**body, "id": profile_id(body)})

@@ -23,7 +23,8 @@ class GenerateRequest:
     stop: list[str] = field(default_factory=list)
     profile: str | None = None  # validated profile name or id; None: the best runnable one, else defaults
     draft_tree: tuple | None = None  # drafters.base.TreeShape (top-k 1: chains); None: the profile's
-    lookup: int = 0  # prompt-lookup drafts of up to this many tokens where the context repeats (Request.lookup)
+    lookup: int | None = None  # prompt-lookup drafts of up to this many tokens where the context repeats
+    # (engine Request.lookup); 0: off; None: the profile's
 
 
 def engine_settings(model, selection, slots: int = 1, measure: bool = False) -> dict:
@@ -81,19 +82,20 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     speculative = req.speculative and (chosen.speculative or req.draft_len is not None or req.draft_tree is not None)
     tree = req.draft_tree if req.draft_tree is not None else chosen.tree
     tree = tree if tree is not None and tree.topk > 1 else None
+    lookup = req.lookup if req.lookup is not None else chosen.lookup
     # no profile curve: measure one, unless the draft length is given (then it is drafted as given)
     settings = engine_settings(model, chosen, measure=speculative and req.draft_len is None)
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,
                             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                             seed=req.seed, stop=stop_sequences(tok, req.stop),
-                            speculative=speculative, on_tokens=stream, tree=tree, lookup=req.lookup, **settings)
+                            speculative=speculative, on_tokens=stream, tree=tree, lookup=lookup, **settings)
     s = result.stats
     return {"text": stream.flush(), "token_ids": result.tokens, "prompt_tokens": len(ids),
             "finish_reason": result.finish_reason, "speculative": speculative,
             "profile": chosen.profile.name if chosen.profile else None,
             "profile_id": chosen.profile.id if chosen.profile else None, "profile_message": chosen.message,
             "drafter": model.manifest.drafter.kind, "weights": weights, "kv_cache": kv_cache, "draft_len": draft_len,
-            "draft_tree": list(tree) if tree and speculative else None, "lookup": req.lookup if speculative else 0,
+            "draft_tree": list(tree) if tree and speculative else None, "lookup": lookup if speculative else 0,
             "lookup_steps": s.lookup_steps, "lookup_accepted": s.lookup_accepted,
             "cost_curve": settings["cost"].to_dict() if "cost" in settings else None, "steps": s.steps,
             "accepted": s.accepted, "acceptance_length": s.acceptance_length,

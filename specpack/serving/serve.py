@@ -64,6 +64,7 @@ class ServerPlan:
     model_name: str
     selection: object  # profiles.Selection
     needs_key: bool = False
+    scheduler: object = None  # the engine's runtime.engine.Scheduler, with the settings it serves with
 
 
 def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype: str = "float32",
@@ -71,13 +72,13 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
             kv_cache: str = "model",
             max_concurrency: Optional[int] = None,
             draft_len: Optional[int] = None, progress: bool = False, api_key: Optional[str] = None,
-            draft_tree=None, lookup: int = 0,
+            draft_tree=None, lookup: int | None = None,
             max_body_bytes: int = MAX_BODY_BYTES, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
             max_queue: Optional[int] = None, prefill_chunk: int = 64, measure_cost: bool = True) -> ServerPlan:
     """Verify and load `artifact` on `backend`, pick its best runnable profile (or `profile`), plan the
     KV cache (`max_seqs` slots of `max_model_len` positions, fewer when memory is short), build the app.
     `max_concurrency` / `draft_len` / `draft_tree` (a TreeShape; top-k 1: chains) override what the
-    profile says; `lookup` N drafts copies of the context where it repeats (engine Request.lookup);
+    profile says, and so does `lookup` N: drafts copies of the context where it repeats (engine Request.lookup);
     `api_key` is required from clients on every route but /health; with `measure_cost` the engine's
     cost curve is measured at start when the profile has none."""
     from specpack.runtime.api import load, require
@@ -95,6 +96,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
                                kv_cache=kv_cache)
     draft_len = draft_len or selection.draft_len
     tree = draft_tree if draft_tree is not None else selection.tree
+    lookup = lookup if lookup is not None else selection.lookup
     if tree is not None:
         check_tree(tree)
     if selection.speculative and hasattr(model.drafter, "check_draft_len"):  # MTP: refuse at start, not per request
@@ -110,7 +112,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     log.info("engine: %d slots of %d positions, queue %d, prefill chunk %d", slots, max_len,
              scheduler.max_queue, prefill_chunk)
     app = create_app(model, scheduler, name, api_key=api_key, max_body_bytes=max_body_bytes)
-    return ServerPlan(app, name, selection, needs_key=api_key is not None)
+    return ServerPlan(app, name, selection, needs_key=api_key is not None, scheduler=scheduler)
 
 
 def plan_kv(model, dtype: str, max_seqs: int, max_model_len: Optional[int]) -> tuple[int, int]:
@@ -135,7 +137,7 @@ def plan_kv(model, dtype: str, max_seqs: int, max_model_len: Optional[int]) -> t
 
 def _check_options(max_concurrency: Optional[int], draft_len: Optional[int], api_key: Optional[str],
                    max_body_bytes: int, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
-                   max_queue: Optional[int] = None, prefill_chunk: int = 64, lookup: int = 0) -> None:
+                   max_queue: Optional[int] = None, prefill_chunk: int = 64, lookup: int | None = None) -> None:
     from specpack.runtime.engine.stats import MAX_DRAFT_LEN
 
     problems = []
@@ -143,7 +145,7 @@ def _check_options(max_concurrency: Optional[int], draft_len: Optional[int], api
         problems.append(f"--max-concurrency {max_concurrency} is negative")
     if draft_len is not None and not 1 <= draft_len <= MAX_DRAFT_LEN:
         problems.append(f"--draft-len {draft_len} is outside 1..{MAX_DRAFT_LEN}")
-    if not 0 <= lookup <= MAX_DRAFT_LEN:
+    if lookup is not None and not 0 <= lookup <= MAX_DRAFT_LEN:
         problems.append(f"--lookup {lookup} is outside 0..{MAX_DRAFT_LEN}")
     if api_key is not None and not re.fullmatch(r"[\x21-\x7e]+", api_key):
         problems.append("--api-key must be printable ASCII with no spaces (and not empty)")

@@ -228,7 +228,7 @@ def _raw(entry) -> dict:
 @dataclass(frozen=True)
 class Selection:
     """What run/serve apply: speculation, draft length, concurrency limit (None: no limit), draft
-    tree shape (a runtime.drafters.base.TreeShape; None: chains)."""
+    tree shape (a runtime.drafters.base.TreeShape; None: chains), prompt lookup length (0: off)."""
 
     profile: Optional[Profile]
     speculative: bool
@@ -237,6 +237,7 @@ class Selection:
     message: str
     tree: Optional[tuple] = None
     curve_here: bool = True  # the profile's cost curve was measured on this hardware with these kernels
+    lookup: int = 0
 
     @property
     def cost_curve(self) -> Optional[dict]:
@@ -369,13 +370,15 @@ def _from_profile(p: Profile, verb: str, machine: Machine) -> Selection:
     limit = f"speculation up to {s.max_concurrency} concurrent requests" if s.speculative else "speculation off"
     tree = TreeShape(s.tree_topk, s.tree_nodes) if s.speculative and s.draft_shape == "tree" else None
     shape = f", draft trees of top-k {tree.topk} and {tree.nodes} nodes" if tree else ""
+    lookup = (s.lookup or 0) if s.speculative else 0
+    shape += f", prompt lookup of up to {lookup} tokens" if lookup else ""
     stale = s.cost_curve is not None and not _curve_here(p, machine)
     message = (f"{verb} profile {p.name} ({p.id}): {e.speedup:.2f}x on workload '{e.workload.name}', "
                f"acceptance length {e.acceptance_length:.2f}, {limit}{shape}")
     if stale:
         message += "; its cost curve was measured on other hardware or CPU kernels: measuring one here"
     return Selection(p, s.speculative, s.draft_len if s.speculative else 1, s.max_concurrency, message, tree,
-                     not stale)
+                     not stale, lookup)
 
 
 def _defaults(manifest, why: str) -> Selection:

@@ -10,10 +10,9 @@ def summary(result) -> str:
     p, e = result.profile, result.profile.evidence
     rows = [f"{'setting':<18}{'tokens/s':>10}{'speedup':>9}{'accept len':>12}",
             f"{'no speculation':<18}{e.baseline_tokens_per_s:>10.1f}{1.0:>9.2f}{1.0:>12.2f}"]
-    best = (p.settings.draft_len, p.settings.tree_topk, p.settings.tree_nodes) if p.settings.speculative else None
+    best = _key(p.settings) if p.settings.speculative else None
     rows += [f"{_setting(d):<18}{d.tokens_per_s:>10.1f}{d.speedup:>9.2f}{d.acceptance_length:>12.2f}"
-             + ("  <- best" if (d.draft_len, d.tree_topk, d.tree_nodes) == best else "")
-             for d in e.draft_len_sweep]
+             + ("  <- best" if _key(d) == best else "") for d in e.draft_len_sweep]
     if e.concurrency_sweep:
         rows += ["", f"{'concurrency':<18}{'off tok/s':>10}{'on tok/s':>10}"]
         rows += [f"{c.concurrency:<18}{c.baseline_tokens_per_s:>10.1f}{c.speculative_tokens_per_s:>10.1f}"
@@ -29,9 +28,16 @@ def summary(result) -> str:
     return "\n".join(rows)
 
 
+def _key(d) -> tuple:
+    """A sweep point's or profile settings' shape: (draft length, top-k, nodes, lookup)."""
+    return d.draft_len, d.tree_topk, d.tree_nodes, d.lookup
+
+
 def _setting(d) -> str:
-    """'draft length D', or 'tree DxKxM' (depth, top-k, nodes), of a sweep point or profile settings."""
-    return f"tree {d.draft_len}x{d.tree_topk}x{d.tree_nodes}" if d.tree_topk > 1 else f"draft length {d.draft_len}"
+    """'draft length D', or 'tree DxKxM' (depth, top-k, nodes), with ' + lookup N' where prompt
+    lookup ran beside the drafter, of a sweep point or profile settings."""
+    shape = f"tree {d.draft_len}x{d.tree_topk}x{d.tree_nodes}" if d.tree_topk > 1 else f"draft length {d.draft_len}"
+    return shape + (f" + lookup {d.lookup}" if d.lookup else "")
 
 
 def save_plots(result, out: Path) -> tuple[list[Path], list[str]]:
@@ -46,11 +52,14 @@ def save_plots(result, out: Path) -> tuple[list[Path], list[str]]:
     out.mkdir(parents=True, exist_ok=True)
     e, name = result.profile.evidence, result.profile.name
     fig, ax = plt.subplots(figsize=(6, 4))
-    chains = [p for p in e.draft_len_sweep if p.tree_topk == 1]
+    chains = [p for p in e.draft_len_sweep if p.tree_topk == 1 and not p.lookup]
     ax.plot([p.draft_len for p in chains], [p.tokens_per_s for p in chains], "o-", label="speculative")
-    trees = [p for p in e.draft_len_sweep if p.tree_topk > 1]
+    trees = [p for p in e.draft_len_sweep if p.tree_topk > 1 and not p.lookup]
     if trees:
         ax.plot([p.draft_len for p in trees], [p.tokens_per_s for p in trees], "^", label="draft trees (depth)")
+    copies = [p for p in e.draft_len_sweep if p.lookup]
+    if copies:
+        ax.plot([p.draft_len for p in copies], [p.tokens_per_s for p in copies], "s", label="with prompt lookup")
     ax.axhline(e.baseline_tokens_per_s, color="grey", ls="--", label="no speculation")
     ax.set(xlabel="draft length", ylabel="tokens/s", title=f"{name} on {e.workload.name}")
     ax.legend()

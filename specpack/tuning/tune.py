@@ -2,7 +2,8 @@
 
     baseline (no speculation) → sweep draft length from a heuristic start, checking greedy
     equality on every prompt → sweep draft tree shapes (depth, top-k, nodes) from the best length,
-    for drafters that branch → concurrency sweep through the serve queue → profile → manifest → sign
+    for drafters that branch → the best chain and tree again with prompt lookup beside the drafter,
+    for model drafters → concurrency sweep through the serve queue → profile → manifest → sign
 
 Figures are measured, never assumed; the draft-length heuristic only chooses where to start.
 """
@@ -37,6 +38,7 @@ from specpack.tuning.workload import Workload, encode_request, read_workload
 log = logging.getLogger(__name__)
 MIN_GAIN = 1.02  # a longer/shorter draft must beat the best so far by 2% to be taken (noise)
 TREE_SEARCH = 8  # tree shapes one search measures at most
+LOOKUPS = (8,)  # prompt lookup lengths measured beside a model drafter by default (bench/lookup.py: 8 pays on code)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class Pass:
     stats: GenerationStats
     outputs: list[list[int]]
     tree: Optional[TreeShape] = None  # draft trees of this shape, `draft_len` deep; None: chains
+    lookup: int = 0  # prompt lookup copies of up to this many tokens beside the drafter; 0: off
 
     @property
     def tokens_per_s(self) -> float:
@@ -106,22 +109,24 @@ def encode_workload(model, workload: Workload, max_new_tokens: int) -> list[Prom
 
 
 def measure_workload(model, prompts: Sequence[Prompt], draft_len: int, speculative: bool,
-                     reference: Optional[Pass] = None, tick=None, tree: Optional[TreeShape] = None) -> Pass:
-    """Greedy generation of every prompt, one at a time (draft trees of shape `tree`, or chains);
-    with `reference`, check token equality on every prompt and raise naming each line that differs."""
+                     reference: Optional[Pass] = None, tick=None, tree: Optional[TreeShape] = None,
+                     lookup: int = 0) -> Pass:
+    """Greedy generation of every prompt, one at a time (draft trees of shape `tree`, or chains; with
+    prompt lookup copies of up to `lookup` tokens); with `reference`, check token equality on every
+    prompt and raise naming each line that differs."""
     stats, outputs = [], []
     for p in prompts:
         r = model.generate(p.ids, max_new_tokens=p.max_new_tokens, draft_len=draft_len,
-                           speculative=speculative, tree=tree)
+                           speculative=speculative, tree=tree, lookup=lookup)
         stats.append(r.stats)
         outputs.append(r.tokens)
         if tick:
             tick()
-    result = Pass(speculative, draft_len, merge_stats(stats), outputs, tree)
+    result = Pass(speculative, draft_len, merge_stats(stats), outputs, tree, lookup)
     if reference is not None:
         bad = [p.line for p, a, b in zip(prompts, outputs, reference.outputs) if a != b]
         if bad:
-            shape = f", trees {tree.topk}x{tree.nodes}" if tree else ""
+            shape = (f", trees {tree.topk}x{tree.nodes}" if tree else "") + (f", lookup {lookup}" if lookup else "")
             raise SpecpackError(f"speculative output at draft length {draft_len}{shape} differs from decoding "
                                 f"without speculation on workload lines {bad}: no profile was written",
                                 hint="this is a bug in the runtime or the drafter binding; please report it")
@@ -136,10 +141,11 @@ class LoadPoint:
 
 
 def measure_concurrency(model, prompts: Sequence[Prompt], clients: int, draft_len: int, speculative: bool,
-                        tick=None, cost=None, prior=None, tree: Optional[TreeShape] = None) -> LoadPoint:
+                        tick=None, cost=None, prior=None, tree: Optional[TreeShape] = None,
+                        lookup: int = 0) -> LoadPoint:
     """Aggregate tokens/s and request latency of `clients` concurrent closed-loop clients sending the
     workload through the batched engine `serve` runs (its scheduler with `clients` slots and the
-    `cost` model; max(clients, prompts) requests in all)."""
+    `cost` model and prompt lookup of up to `lookup` tokens; max(clients, prompts) requests in all)."""
     n_requests = max(clients, len(prompts))
     latencies: list[float] = []
 
@@ -157,7 +163,7 @@ def measure_concurrency(model, prompts: Sequence[Prompt], clients: int, draft_le
 
     max_len = max(len(p.ids) + p.max_new_tokens for p in prompts)
     with Scheduler(model, clients, max_len, draft_len, speculative=speculative, cost=cost, prior=prior,
-                   tree=tree) as sch, \
+                   tree=tree, lookup=lookup) as sch, \
             ThreadPoolExecutor(clients) as pool:
         start = time.perf_counter()
         tokens = sum(pool.map(client, range(clients)))
@@ -269,16 +275,18 @@ def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype:
          draft_lens: Optional[Sequence[int]] = None,
          max_new_tokens: int = 128, repeats: int = 2, key=None, public_key=None, progress: bool = False,
          plot_dir=None, machine: Optional[Machine] = None,
-         tree_shapes: Optional[Sequence[Shape]] = None) -> TuneResult:
+         tree_shapes: Optional[Sequence[Shape]] = None, lookups: Sequence[int] | None = None) -> TuneResult:
     """Measure `artifact` on `workload` on `backend` (onnxruntime and tensorrt need the artifact's ONNX
     export) and write the best setting as a validated profile for that backend into its manifest
     (re-signed with `key`; a signed artifact without `key` is refused before any work).
     Each setting is measured `repeats` times and its fastest pass kept (less noise). Drafters that
     branch also get draft trees measured: `tree_shapes` (depth, top-k, nodes) when given (empty:
-    none), else a search from the best draft length."""
+    none), else a search from the best draft length. Model drafters (not n-gram lookup) get the best
+    chain and the best tree measured again with prompt lookup beside them, at each of `lookups`
+    (default LOOKUPS; empty: none)."""
     from specpack.runtime.api import check_kv_cache, check_weights, load
 
-    _check_options(concurrency, draft_lens, max_new_tokens, repeats, tree_shapes)
+    _check_options(concurrency, draft_lens, max_new_tokens, repeats, tree_shapes, lookups)
     check_weights(weights, backend, device, dtype)
     check_kv_cache(kv_cache, backend, dtype)
     wl = read_workload(workload)
@@ -289,7 +297,8 @@ def tune(artifact, workload, backend: str = "torch", device: str = "cpu", dtype:
                  kv_cache=kv_cache, backend=backend)
     prompts = encode_workload(model, wl, max_new_tokens)
     with _Progress(progress) as bar:
-        figures = _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, tree_shapes)
+        figures = _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, tree_shapes,
+                               LOOKUPS if lookups is None else lookups)
     machine = machine or this_machine(gpus=device.startswith("cuda"))
     profile = _profile(model, wl, max_new_tokens, backend, device.split(":")[0], dtype, figures, machine,
                        time.perf_counter() - start, weights, kv_cache)
@@ -316,7 +325,8 @@ def remeasure(model, profile: Profile, workload) -> dict:
     s = profile.settings
     tree = TreeShape(s.tree_topk, s.tree_nodes) if s.draft_shape == "tree" else None
     base = measure_workload(model, prompts, 1, False)
-    spec = measure_workload(model, prompts, s.draft_len, True, base, tree=tree) if s.speculative else base
+    spec = measure_workload(model, prompts, s.draft_len, True, base, tree=tree, lookup=s.lookup or 0) \
+        if s.speculative else base
     return {"baseline_tokens_per_s": base.tokens_per_s, "speculative_tokens_per_s": spec.tokens_per_s,
             "acceptance_length": spec.stats.acceptance_length,
             "position_acceptance": spec.stats.position_acceptance, "new_tokens": base.stats.new_tokens,
@@ -324,7 +334,7 @@ def remeasure(model, profile: Profile, workload) -> dict:
             and spec.stats.position_acceptance == profile.evidence.position_acceptance}
 
 
-def _check_options(concurrency, draft_lens, max_new_tokens, repeats, tree_shapes=None) -> None:
+def _check_options(concurrency, draft_lens, max_new_tokens, repeats, tree_shapes=None, lookups=None) -> None:
     problems = [f"concurrency {c!r} must be a positive integer" for c in concurrency
                 if not (isinstance(c, int) and c >= 1)]
     problems += [f"tree shape {s!r} is not depth 1..{MAX_DRAFT_LEN} x top-k 2..{MAX_TREE_TOPK} x nodes "
@@ -333,6 +343,8 @@ def _check_options(concurrency, draft_lens, max_new_tokens, repeats, tree_shapes
                          and _valid_shape(s))]
     problems += [f"draft length {d!r} is outside 1..{MAX_DRAFT_LEN}" for d in draft_lens or ()
                  if not (isinstance(d, int) and 1 <= d <= MAX_DRAFT_LEN)]
+    problems += [f"lookup length {n!r} is outside 1..{MAX_DRAFT_LEN}" for n in lookups or ()
+                 if not (isinstance(n, int) and 1 <= n <= MAX_DRAFT_LEN)]
     if not concurrency:
         problems.append("give at least one concurrency level")
     if not (isinstance(max_new_tokens, int) and max_new_tokens >= 1):
@@ -343,7 +355,8 @@ def _check_options(concurrency, draft_lens, max_new_tokens, repeats, tree_shapes
         raise InputError("invalid tune options", problems=problems)
 
 
-def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, tree_shapes=None) -> dict:
+def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, tree_shapes=None,
+                 lookups: Sequence[int] = ()) -> dict:
     import torch
 
     if model.drafter is None:
@@ -357,8 +370,8 @@ def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, 
         torch.cuda.reset_peak_memory_stats()
     for spec in (False, True):  # warm up: first calls pay for allocation and kernel setup
         model.generate(prompts[0].ids, max_new_tokens=4, speculative=spec)
-    def fastest(draft_len: int, speculative: bool, reference=None, tree=None) -> Pass:
-        runs = [measure_workload(model, prompts, draft_len, speculative, reference, bar.tick, tree)
+    def fastest(draft_len: int, speculative: bool, reference=None, tree=None, lookup: int = 0) -> Pass:
+        runs = [measure_workload(model, prompts, draft_len, speculative, reference, bar.tick, tree, lookup)
                 for _ in range(repeats)]
         return max(runs, key=lambda p: p.tokens_per_s)
 
@@ -373,7 +386,13 @@ def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, 
         bar.phase("draft trees")
         trees = sweep_tree(lambda s: fastest(s[0], True, baseline, TreeShape(s[1], s[2])),
                            tree_start(chain.draft_len, longest), tree_shapes, longest)
-    best = max([*sweep.values(), *trees.values()], key=lambda p: p.tokens_per_s)
+    copies = {}
+    if lookups and not getattr(model.drafter, "free_drafts", False):  # n-gram drafts are lookups already
+        bar.phase("prompt lookup")
+        shapes = [chain] + ([max(trees.values(), key=lambda p: p.tokens_per_s)] if trees else [])
+        copies = {(p.draft_len, p.tree, n): fastest(p.draft_len, True, baseline, p.tree, n)
+                  for n in sorted(set(lookups)) for p in shapes}
+    best = max([*sweep.values(), *trees.values(), *copies.values()], key=lambda p: p.tokens_per_s)
     pays = best.tokens_per_s > baseline.tokens_per_s
     bar.phase("cost curve")
     model.target.setup_cache(max(64, sum(KEY_PROBE)), 1)
@@ -383,7 +402,8 @@ def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, 
     points = _concurrency_sweep(model, prompts, sorted(set(concurrency)), best, bar, cost, prior) if pays else []
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    return {"baseline": baseline, "sweep": sweep, "trees": trees, "best": best, "pays": pays, "points": points,
+    return {"baseline": baseline, "sweep": sweep, "trees": trees, "lookups": copies, "best": best, "pays": pays,
+            "points": points,
             "peak": peak, "limit": _concurrency_limit(points) if pays else 0, "cost": cost}
 
 
@@ -391,7 +411,8 @@ def _concurrency_sweep(model, prompts, levels, best: Pass, bar, cost, prior) -> 
     points = []
     for n in levels:
         base = measure_concurrency(model, prompts, n, best.draft_len, False, bar.tick)
-        spec = measure_concurrency(model, prompts, n, best.draft_len, True, bar.tick, cost, prior, best.tree)
+        spec = measure_concurrency(model, prompts, n, best.draft_len, True, bar.tick, cost, prior, best.tree,
+                                   best.lookup)
         points.append(ConcurrencyPoint(concurrency=n, baseline_tokens_per_s=base.tokens_per_s,
                                        speculative_tokens_per_s=spec.tokens_per_s, baseline_p50_s=base.p50_s,
                                        baseline_p95_s=base.p95_s, speculative_p50_s=spec.p50_s,
@@ -423,13 +444,14 @@ def _profile(model, wl: Workload, max_new_tokens, backend, device, dtype, f: dic
         acceptance_length=chosen.stats.acceptance_length, position_acceptance=chosen.stats.position_acceptance,
         greedy_equal=True, prompts_checked=len(base.outputs),
         draft_len_sweep=[_point(p, base) for _, p in sorted(f["sweep"].items())]
-        + [_point(p, base) for _, p in sorted(f["trees"].items())],
+        + [_point(p, base) for _, p in sorted(f["trees"].items())]
+        + [_point(p, base) for p in f["lookups"].values()],
         concurrency_sweep=f["points"], hardware=machine.hardware(device), software=_software(backend),
         measured_at=dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), seconds=seconds)
     tree = best.tree if pays else None
     settings = ProfileSettings(speculative=pays, draft_len=best.draft_len if pays else 0,
                                draft_shape="tree" if tree else "chain", tree_topk=tree.topk if tree else 1,
-                               tree_nodes=tree.nodes if tree else 0,
+                               tree_nodes=tree.nodes if tree else 0, lookup=(best.lookup or None) if pays else None,
                                max_concurrency=f["limit"], cost_curve=CostCurve(**f["cost"].to_dict()))
     memory = ProfileMemory(weights_bytes=weight_bytes, kv_cache_bytes=kv, context_tokens=model.context_length,
                            required_bytes=weight_bytes + kv, measured_peak_bytes=f["peak"])
@@ -441,8 +463,8 @@ def _profile(model, wl: Workload, max_new_tokens, backend, device, dtype, f: dic
 def _point(p: Pass, base: Pass) -> DraftLenPoint:
     t = p.tree
     return DraftLenPoint(draft_len=p.draft_len, tree_topk=t.topk if t else 1, tree_nodes=t.nodes if t else 0,
-                         tokens_per_s=p.tokens_per_s, acceptance_length=p.stats.acceptance_length,
-                         speedup=p.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
+                         lookup=p.lookup or None, tokens_per_s=p.tokens_per_s,
+                         acceptance_length=p.stats.acceptance_length, speedup=p.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0)
 
 
 def _software(backend: str) -> Software:

@@ -99,7 +99,7 @@ def _draft_len_and_crossover(module, manifest, draft_len: int | None, profile: s
         if draft_len is not None and draft_len != c.draft_len:
             raise InputError(f"--draft-len {draft_len} differs from the {c.draft_len} draft tokens profile {c.profile} "
                              "measured its crossover with", hint="omit --draft-len, or pass --profile none")
-        return c.draft_len, c, []
+        return c.draft_len, c, _lookup_note(chosen, module)
     why = None
     if draft_len is not None and draft_len != c.draft_len:
         why = f"it measured {c.draft_len} draft tokens, not the {draft_len} asked for"
@@ -108,7 +108,17 @@ def _draft_len_and_crossover(module, manifest, draft_len: int | None, profile: s
     if why:
         return default, None, [f"Validated profile {c.profile} was not used ({why}): no schedule written. "
                                "Pass --profile NAME to use one."]
-    return c.draft_len, c, []
+    return c.draft_len, c, _lookup_note(chosen, module)
+
+
+def _lookup_note(profile, module) -> list[str]:
+    """README lines for a profile that measured its crossover with prompt lookup beside the drafter."""
+    n = profile.settings.lookup
+    if not n:
+        return []
+    return [(f"Validated profile {profile.name} measured its crossover with prompt lookup (copies of up to {n} "
+             f"tokens where the context repeats) beside the drafter, which this {module.NAME} export does not "
+             "configure: the engine's crossover may lie lower. `specpack tune --lookups none` measures one without.")]
 
 
 def _runs(module, manifest, draft_len: int) -> bool:
