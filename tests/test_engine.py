@@ -303,6 +303,19 @@ def test_with_a_cost_model_copies_are_cut_to_the_rows_worth_verifying(monkeypatc
     assert not copied["steep"]
 
 
+def test_lookup_copies_count_in_the_acceptance_length_not_in_the_drafters_positions():
+    """A copy's tokens are the step's (acceptance length, accepted depth, the lookup counters), but the
+    per-position acceptance stays the drafter's: a profile hands it to the engine as the drafter's prior."""
+    from specpack.runtime.engine.stats import GenerationStats
+
+    s = GenerationStats()
+    s.count(3, 2)
+    s.count(8, 5, copied=True)
+    assert s.steps == 2 and s.accepted == 7 and s.acceptance_length == 4.5 and s.depth_steps == [0, 0, 1, 0, 0, 1]
+    assert (s.lookup_steps, s.lookup_accepted) == (1, 5)
+    assert s.position_tried == [1, 1, 1] and s.position_acceptance == [1.0, 1.0, 0.0]
+
+
 def test_a_lookup_length_out_of_range_is_refused():
     m = model("eagle3", "torch")
     engine = Engine(m.target, m.drafter, slots=1, max_len=64)

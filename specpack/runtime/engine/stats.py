@@ -18,7 +18,8 @@ class GenerationStats:
     steps: int = 0  # target forwards after the prefill (one per verification)
     proposed: int = 0  # draft tokens verified
     accepted: int = 0  # draft tokens the accept rule kept (before any EOS / max-token cut)
-    position_tried: list[int] = field(default_factory=list)  # [k]: verified with all before it accepted
+    position_tried: list[int] = field(default_factory=list)  # [k]: verified with all before it accepted (the
+    # drafter's drafts: a lookup copy's positions are counted in lookup_steps / lookup_accepted only)
     position_accepted: list[int] = field(default_factory=list)
     depth_steps: list[int] = field(default_factory=list)  # [d]: verifications whose accepted path was d deep
     lookup_steps: int = 0  # verifications of drafts copied from the context (Request.lookup)
@@ -39,7 +40,8 @@ class GenerationStats:
 
     @property
     def position_acceptance(self) -> list[float]:
-        """Conditional rate that draft position k is accepted given positions < k were."""
+        """Conditional rate that the drafter's draft position k is accepted given positions < k were
+        (prompt lookup copies left out: this is what a profile hands the engine as its prior)."""
         return [a / t if t else 0.0 for a, t in zip(self.position_accepted, self.position_tried)]
 
     @property
@@ -54,7 +56,8 @@ class GenerationStats:
 
     def count(self, k: int, a: int, proposed: int | None = None, copied: bool = False) -> None:
         """One verification of k drafts (a tree: `proposed` nodes k deep) of which a were accepted
-        (a tree: its accepted path's depth); `copied`: a prompt-lookup copy (Request.lookup)."""
+        (a tree: its accepted path's depth); `copied`: a prompt-lookup copy (Request.lookup), which
+        counts in the acceptance length but not in the drafter's per-position acceptance."""
         self.steps += 1
         self.lookup_steps += copied
         self.lookup_accepted += a if copied else 0
@@ -62,6 +65,8 @@ class GenerationStats:
         self.accepted += a
         self.depth_steps += [0] * (a + 1 - len(self.depth_steps))
         self.depth_steps[a] += 1
+        if copied:
+            return
         while len(self.position_tried) < k:
             self.position_tried.append(0)
             self.position_accepted.append(0)
