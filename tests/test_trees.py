@@ -173,6 +173,53 @@ def test_tree_drafters_give_trees_within_their_shape(kind):
     assert all(d.scores[i] <= (d.scores[p] if p >= 0 else 1.0) for i, p in enumerate(parents))
 
 
+def test_nodes_whose_children_cannot_make_the_cut_are_not_expanded():
+    from specpack.runtime.drafters.tree import Tree
+
+    t = Tree()
+    for token, p in [(10, 0.5), (11, 0.3), (12, 0.2)]:
+        t.add(-1, token, p)
+    t.add(0, 20, 0.9), t.add(0, 21, 0.1), t.add(1, 22, 0.5)  # logp: 0.45, 0.05, 0.15 at depth 2
+    assert t.best(2, 3) == [3, 4, 5] and t.expandable(2, 3, 10) == [3, 4, 5]  # room for every node
+    assert t.expandable(2, 3, 4) == [3]  # 4th likeliest so far: 0.2; a child of 0.15 is never above it
+    assert t.expandable(2, 3, 2) == []  # 0.5 and 0.45 are the cut: a child of 0.45 loses the tie
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_skipped_expansions_leave_the_draft_as_it_was(kind, monkeypatch):
+    """Tree.expandable only skips the rows that cannot change the draft: the trees drafted with it
+    equal the trees of expanding every top-k node, from fewer drafter rows."""
+    from specpack.runtime.drafters.tree import Tree
+
+    m = model(kind, "torch")
+    head, rows = m.drafter, []
+    if kind == "eagle3":
+        forward = head._forward
+        monkeypatch.setattr(head, "_forward", lambda h, tokens, *a: rows.append(len(tokens)) or forward(h, tokens, *a))
+    else:
+        slot_logits = head._slot_logits
+        monkeypatch.setattr(head, "_slot_logits", lambda b, h, prev, st: rows.append(len(prev)) or slot_logits(b, h, prev, st))
+
+    def drafts():
+        out = []
+        for prompt in ef.training_prompts()[:3]:
+            prompt = torch.tensor(prompt.tolist()) % m.target.spec.vocab_size
+            m.target.setup_cache(64, 1)
+            feats = m.target.forward_rows(prompt[:-1], Rows.of([Segment(0, 0, len(prompt) - 1)]),
+                                          head.capture_layers).aux
+            depth = min(4, getattr(head.spec, "draft_slots", 4))
+            for shape in (TreeShape(3, 4), TreeShape(4, 6), TreeShape(2, 12)):
+                head.reserve(1, 64)  # each draft from the same committed positions
+                d = head.draft([DraftJob(0, prompt, feats, depth, None, shape)])[0]
+                out.append((d.tokens.tolist(), None if d.parents is None else d.parents.tolist(), d.scores.tolist()))
+        return out
+
+    pruned, pruned_rows = drafts(), sum(rows)
+    rows.clear()
+    monkeypatch.setattr(Tree, "expandable", lambda self, depth, k, budget: self.best(depth, k))
+    assert drafts() == pruned and sum(rows) > pruned_rows, (sum(rows), pruned_rows)
+
+
 NGRAM_CONTEXT = [1, 2, 5, 6, 9, 1, 2, 7, 8, 9, 1, 2, 5, 3, 9, 1, 2]  # "1 2" went on three ways
 
 

@@ -309,7 +309,9 @@ class BlockDrafter(nn.Module):
         anchor = job.context[-1:].to(h.device)
         state = {-1: None}  # node -> the Markov state its children start from
         for q in range(depth):
-            frontier = tree.best(q, k) if q else [-1]  # the nodes expanded into slot q
+            frontier = tree.expandable(q, k, job.tree.nodes) if q else [-1]  # the nodes expanded into slot q
+            if not frontier:  # none whose children could make the draft's cut
+                break
             prev = torch.tensor([tree.tokens[n] for n in frontier], device=h.device) if q else anchor
             logits, after = self._slot_logits(base[q], h[q], prev, [state[n] for n in frontier])
             added = branch([tree] * len(frontier), frontier, logits, [job] * len(frontier), q,

@@ -218,7 +218,8 @@ class Eagle3Drafter(nn.Module):
     def _grow(self, jobs: list[DraftJob], h: Tensor, logits: Tensor) -> list[Draft]:
         """Dynamic trees (EAGLE-2): from each job's root (state h [J, H], logits [J, Vd]) expand,
         level by level, the top-k likeliest nodes of the newest level by cumulative draft
-        probability, each into its top-k children, down to the job's depth; keep its best `nodes`.
+        probability, each into its top-k children, down to the job's depth; keep its best `nodes`
+        (nodes whose children could not make that cut are not expanded: Tree.expandable).
         One head forward per level for every job's expanded nodes, each row attending its
         ancestors' rows (a wide Segment.block); the rows are dropped afterwards, as a chain's are.
         Jobs without a tree grow a chain (one child per node)."""
@@ -228,8 +229,9 @@ class Eagle3Drafter(nn.Module):
         fed: list[list[int]] = [[] for _ in jobs]  # the node of each draft row, per job
         self._branch(trees, [-1] * len(jobs), logits, jobs, 0)
         for depth in range(1, max(j.k for j in jobs)):
-            plan = [(i, trees[i].best(depth, min(j.tree.topk if branching(j) else 1,
-                                                 self.cache.max_len - self.lengths[j.slot] - len(fed[i]))))
+            plan = [(i, trees[i].expandable(depth, min(j.tree.topk if branching(j) else 1,
+                                                       self.cache.max_len - self.lengths[j.slot] - len(fed[i])),
+                                            j.tree.nodes if branching(j) else j.k))
                     for i, j in enumerate(jobs) if j.k > depth]
             plan = [(i, nodes) for i, nodes in plan if nodes]
             if not plan:

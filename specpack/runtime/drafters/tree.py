@@ -105,6 +105,17 @@ class Tree:
         level = [i for i, d in enumerate(self.depth) if d == depth]
         return sorted(sorted(level, key=lambda i: (-self.logp[i], i))[: max(k, 0)])
 
+    def expandable(self, depth: int, k: int, budget: int) -> list[int]:
+        """`best(depth, k)` less the nodes none of whose descendants could be among the `budget` nodes
+        `draft` keeps: a child is never likelier than its parent and loses ties to every earlier node,
+        so below a node no likelier than the budget-th likeliest so far nothing can enter. Skipping
+        them leaves the draft as it is and saves the drafter their rows (all of a level's: a call)."""
+        nodes = self.best(depth, k)
+        if len(self) < budget or not nodes:
+            return nodes
+        cutoff = sorted(self.logp, reverse=True)[budget - 1]
+        return [n for n in nodes if self.logp[n] > cutoff]
+
     def draft(self, budget: int) -> Draft:
         """The `budget` most probable nodes (a child is never likelier than its parent, and ties go
         to the earlier node, so they include every ancestor), renumbered in topological order;
