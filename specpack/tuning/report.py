@@ -8,14 +8,15 @@ from pathlib import Path
 def summary(result) -> str:
     """The table `specpack tune` prints for a TuneResult."""
     p, e = result.profile, result.profile.evidence
-    rows = [f"{'setting':<18}{'tokens/s':>10}{'speedup':>9}{'accept len':>12}",
-            f"{'no speculation':<18}{e.baseline_tokens_per_s:>10.1f}{1.0:>9.2f}{1.0:>12.2f}"]
+    w = max([18] + [len(_setting(d)) + 2 for d in e.draft_len_sweep])  # the setting column
+    rows = [f"{'setting':<{w}}{'tokens/s':>10}{'speedup':>9}{'accept len':>12}",
+            f"{'no speculation':<{w}}{e.baseline_tokens_per_s:>10.1f}{1.0:>9.2f}{1.0:>12.2f}"]
     best = _key(p.settings) if p.settings.speculative else None
-    rows += [f"{_setting(d):<18}{d.tokens_per_s:>10.1f}{d.speedup:>9.2f}{d.acceptance_length:>12.2f}"
+    rows += [f"{_setting(d):<{w}}{d.tokens_per_s:>10.1f}{d.speedup:>9.2f}{d.acceptance_length:>12.2f}"
              + ("  <- best" if _key(d) == best else "") for d in e.draft_len_sweep]
     if e.concurrency_sweep:
-        rows += ["", f"{'concurrency':<18}{'off tok/s':>10}{'on tok/s':>10}"]
-        rows += [f"{c.concurrency:<18}{c.baseline_tokens_per_s:>10.1f}{c.speculative_tokens_per_s:>10.1f}"
+        rows += ["", f"{'concurrency':<{w}}{'off tok/s':>10}{'on tok/s':>10}"]
+        rows += [f"{c.concurrency:<{w}}{c.baseline_tokens_per_s:>10.1f}{c.speculative_tokens_per_s:>10.1f}"
                  for c in e.concurrency_sweep]
     pos = ", ".join(f"{r:.2f}" for r in e.position_acceptance) or "-"
     mode = (f"speculation on, {_setting(p.settings)}, up to {p.settings.max_concurrency} "
