@@ -70,11 +70,13 @@ def train(head: str, out: Path, cache: Path) -> None:
     from specpack.distill import distill
 
     options, steps, extra = HEADS[head]
+    if "SEEDS" in os.environ:  # extra seed files of bench/seeds/, comma-separated ("" for none)
+        extra = tuple(name for name in os.environ["SEEDS"].split(",") if name)
     target, (seeds, n) = target_dir(cache), write_seeds(cache, extra)
     start = time.time()
     options = {**COMMON, **options}
     options["samples"] = int(os.environ.get("SAMPLES", options["samples"]))
-    overrides = [f"{k}={os.environ[k]}" for k in ("SAMPLES", "STEPS") if k in os.environ]
+    overrides = [f"{k}={os.environ[k]}" for k in ("SAMPLES", "STEPS", "SEEDS") if k in os.environ]
     command = " ".join([*overrides, "bash", SCRIPTS[head]])
     result = distill(target, out, data=seeds, self_generate=n, steps=int(os.environ.get("STEPS", steps)),
                      command=command, **options)

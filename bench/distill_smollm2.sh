@@ -19,7 +19,8 @@
 # OUT_DIR, so a re-run after Ctrl-C resumes. SKIP_EVAL=1 skips the measurement; PER_WORKLOAD=N sets
 # how many held-out prompts of each workload it decodes (default 5), MAX_NEW=N the new tokens per prompt
 # (default 128), STEPS=N the training steps (default 1800), SAMPLES=N the continuations per seed prompt
-# (default 4; a new number generates a new data set). The Python half is bench/distill_smollm2.py.
+# (default 4; a new number generates a new data set), SEEDS=a,b the extra seed files of bench/seeds/
+# (default none; the DSpark head's: stdlib_code,open_chat). The Python half is bench/distill_smollm2.py.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-heads/smollm2-135m-eagle3}

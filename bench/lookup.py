@@ -56,6 +56,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--weights", default="bf16")
     p.add_argument("--lookup", type=int, default=8, help="the lookup draft length")
+    p.add_argument("--eagle3", type=Path, help="an EAGLE-3 artifact to measure instead of the shipped head's")
     args = p.parse_args()
 
     import specpack
@@ -65,6 +66,8 @@ def main() -> None:
     cache = cache_dir()
     ngram, pub = prepare(cache, lambda s: print(s, file=sys.stderr))
     artifacts = {"n-gram": ngram, **{h: prepare_head(cache, h, lambda s: print(s, file=sys.stderr)) for h in TREES}}
+    if args.eagle3 is not None:
+        artifacts["EAGLE-3"], pub = args.eagle3, None  # unsigned, as `specpack build` without --key makes it
     missing = [h for h, a in artifacts.items() if a is None]
     if missing:
         sys.exit(f"no shipped {', '.join(missing)} head in heads/")
