@@ -147,8 +147,9 @@ class Profile(_Strict):
     name: str = Field(pattern=NAME_PATTERN,
                       description="Readable name backend-device-dtype-drafter-dD, e.g. torch-cpu-float32-ngram-d5 "
                                   "(drafter `none`, d0 when speculation is off), with -tKxM for draft trees of "
-                                  "top-k K and M nodes (torch-cpu-float32-eagle3-d6-t4x24). Not unique across "
-                                  "machines.")
+                                  "top-k K and M nodes (torch-cpu-float32-eagle3-d6-t4x24) and -lN for prompt "
+                                  "lookup of up to N tokens beside the drafter (torch-cpu-float32-eagle3-d3-l8). Not "
+                                  "unique across machines.")
     backend: Literal["torch", "onnxruntime", "tensorrt"] = Field(description="Runtime backend.")
     device: Literal["cpu", "cuda"] = Field(description="Device type.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(description="Compute dtype of the weights.")
