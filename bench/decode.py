@@ -274,7 +274,8 @@ SPECULATIVE = ("specpack n-gram", "specpack EAGLE-3", "specpack EAGLE-3 tree", "
 
 def report(engines, prompts, max_new) -> None:
     names = list(engines)
-    print(f"\n{'workload':18s}" + "".join(f"{n:>22s}" for n in names))
+    w = max(22, *(len(n) + 2 for n in names))  # every column as wide as the longest engine name
+    print(f"\n{'workload':18s}" + "".join(f"{n:>{w}s}" for n in names))
     totals = {n: [] for n in names}
     for wl, id_lists in prompts.items():
         rows = {n: [] for n in names}
@@ -294,7 +295,7 @@ def report(engines, prompts, max_new) -> None:
         med = {n: statistics.mean(v) for n, v in rows.items()}
         for n in names:
             totals[n].append(med[n])
-        print(f"{wl:18s}" + "".join(f"{med[n]:>16.1f} tok/s" for n in names))
+        print(f"{wl:18s}" + "".join(f"{med[n]:>{w - 6}.1f} tok/s" for n in names))
         base = med["specpack plain"]
         ratios = "  ".join(f"{n}: {med[n] / base:.2f}x" for n in names[1:])
         print(f"{'':18s}vs specpack plain: {ratios}")
