@@ -87,13 +87,21 @@ def check_tree(tree: TreeShape | None) -> None:
 
 
 QUIET_STEPS = 4  # after a step where nobody drafts, draft lengths are chosen again every 4th step
+# How fast a sequence's record of its drafts' acceptance follows each verification and drifts back to its
+# prior while undrafted (costs.Acceptance: weight, relax). A drafter that rates its own drafts (DSpark's
+# confidence head) consults the record only to decide whether to draft its block at all, its confidences
+# then cut the block: its record runs three times slower, as its acceptance does (the shipped SmolLM2
+# DSpark head on HumanEval kept 0.41 tokens a step after three misses in a row, 0.80 on average; at 0.3
+# four misses stopped its drafting; BENCHMARKS.md). A hopeless drafter is still dropped, after more misses
+# (about ten from an optimistic prior, where four did), then probed as rarely as before.
+RECORD_PACE, CONFIDENT_RECORD_PACE = (0.3, 0.05), (0.1, 0.05 / 3)
 
 
 class Generation:
     """A request being decoded: its slot, tokens, stop rules, counters."""
 
     def __init__(self, req: Request, slot: int, capacity: int, vocab: int, device, prior=DEFAULT_PRIOR,
-                 start=None, calibration=None):
+                 start=None, calibration=None, record_pace: tuple[float, float] = RECORD_PACE):
         self.req, self.slot = req, slot
         self.sampler = Sampler(req.params, req.seed, vocab)
         self.buf = torch.empty(capacity + 1, dtype=torch.long, device=device)
@@ -109,7 +117,7 @@ class Generation:
         self.drafted = False  # has had a draft (its drafter has seen the prompt)
         self.asked = 0  # draft tokens (a tree: levels) asked of the drafter this step, before any trimming
         self.length = DraftLength(req.draft_len, req.adaptive)
-        self.acceptance = costs.Acceptance(prior, start=start)  # starts from the engine's record
+        self.acceptance = costs.Acceptance(prior, *record_pace, start=start)  # starts from the engine's record
         self.calibration = costs.Calibration(start=calibration)  # its tree drafts' probabilities vs acceptance
         self.lookup = SuffixIndex(*LOOKUP_N) if req.lookup and req.speculative else None
         self.copies = costs.Acceptance(LOOKUP_PRIOR) if self.lookup else None  # its copies' record
@@ -196,6 +204,8 @@ class Engine:
         self.draft_prior = cost.draft_ratio if cost is not None else 0.0  # where the learned ratio drifts back to
         self._quiet: tuple = (None, 0)  # (the sequences and prompt rows of a step nobody drafted in, steps left)
         self.acceptance = costs.Acceptance(prior, weight=0.05)  # every sequence's record: where new ones start
+        self.record_pace = (CONFIDENT_RECORD_PACE if getattr(drafter, "estimates_acceptance", False)
+                            else RECORD_PACE)  # each sequence's own record's
         self.calibration = costs.Calibration(weight=0.05)  # likewise for tree drafts' probabilities
         self.speculate = True  # the scheduler turns drafting off for a step (load above a measured limit)
         self.last_rows = 0  # rows in the latest target forward
@@ -248,7 +258,7 @@ class Engine:
         slot = self.free.pop()
         seq = Generation(req, slot, min(self.max_len, len(req.prompt) + req.max_new_tokens),
                          self.target.spec.vocab_size, self.device, self.prior, self.acceptance.rates(),
-                         self.calibration.state())
+                         self.calibration.state(), self.record_pace)
         if self.drafter is not None:
             self.drafter.start(slot)
         self.running.append(seq)
