@@ -372,6 +372,16 @@ def test_a_block_drafter_pays_one_head_step_for_its_whole_draft():
     assert [choose([5], likely, 1, steep, drafted=True, drafted_ms=ms) for ms in (0, 10, 40)] == [[2], [3], [5]]
 
 
+def test_riding_rows_are_the_rows_a_step_takes_at_about_one_rows_cost():
+    """The rows a verify takes within 10% of one row's step (tune's tree search starts there): the
+    weight stream's share of the curve, up to its last point."""
+    stream = CostModel((1, 2, 4, 8, 16), (12.0, 12.3, 12.6, 13.0, 20.0))
+    assert stream.riding_rows() == 8  # 13.2 ms at most: 8 rows take 13.0, 9 take 13.9
+    assert CostModel((1, 8, 16), (10.0, 10.5, 11.0)).riding_rows() == 16  # flat to the last point measured
+    assert CostModel((1, 2), (10.0, 20.0)).riding_rows() == 1 and CostModel((1,), (5.0,)).riding_rows() == 1
+    assert stream.riding_rows(slack=0.0) == 1
+
+
 def test_the_measured_cost_curve_keeps_each_forwards_fastest_pass_and_never_falls(monkeypatch):
     """A busy moment lands on one pass of one point (here the one-row forward's first timed pass,
     35% slow, and a burst on the 8-row one): each point keeps its fastest pass, and a curve that

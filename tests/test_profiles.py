@@ -343,6 +343,9 @@ def test_tree_shape_search():
             self.tokens_per_s = 100 - (d - 6) ** 2 - 4 * abs(k - 4) - abs(m - 32) / 4
 
     assert tree_start(4, 16) == (5, 4, 20) and tree_start(16, 5) == (5, 4, 20)
+    # where a verify turns compute-bound after 8 rows, the search starts at 7 nodes (never below the depth)
+    assert tree_start(4, 16, rows=8) == (5, 4, 7) and tree_start(4, 16, rows=2) == (5, 4, 5)
+    assert tree_start(4, 16, rows=64) == (5, 4, 20)
     measured = []
     found = sweep_tree(lambda s: measured.append(s) or Fake(s), (5, 4, 16), limit=20)
     assert max(found, key=lambda s: found[s].tokens_per_s) == (6, 4, 32)
@@ -360,6 +363,7 @@ def test_drafter_draft_length_limit():
                 raise InputError(f"{d} draft tokens asked for, but the MTP drafter has 2 layer(s)")
 
     assert max_draft_len(TwoLayers()) == 2 and max_draft_len(object()) == 16
+    assert max_draft_len(type("Block", (), {"max_draft_len": 5})()) == 5  # a block drafter's draft slots
 
 
 def test_plots_are_optional(tuned, tmp_path):

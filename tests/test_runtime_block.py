@@ -411,6 +411,20 @@ def test_a_confidence_heads_record_outlasts_a_few_misses_not_many(tmp_path):
     assert paces == {"dspark": eng.CONFIDENT_RECORD_PACE, "dflash": eng.RECORD_PACE}
 
 
+def test_a_block_drafter_drafts_at_most_its_draft_slots(tmp_path):
+    """A longer draft asked of a block drafter is the same draft: `max_draft_len` says where it stops
+    (tune sweeps draft lengths and tree depths up to it)."""
+    from specpack.tuning.tune import max_draft_len
+
+    target, cfg = small_target()
+    drafter = load_block(None, small_head(tmp_path / "h", cfg, algorithm="dspark", layout="anchor_first",
+                                          block_size=5), target)
+    assert drafter.max_draft_len == drafter.spec.draft_slots == max_draft_len(drafter) == 5
+    model, prompt = SpecModel(target, drafter), [1, 2, 3, 4, 5]
+    five, eight = (model.generate(prompt, 16, draft_len=d, adaptive=False, eos_ids=()) for d in (5, 8))
+    assert five.tokens == eight.tokens and five.stats.proposed == eight.stats.proposed > 0
+
+
 def test_half_precision_runs(tmp_path):
     """bf16 weights, caches and features run end to end for every algorithm (not compared: exactness
     is per precision); the confidence head stays fp32."""

@@ -1,9 +1,10 @@
 """`specpack tune`: measure settings on a workload and store them as a validated profile.
 
     baseline (no speculation) → sweep draft length from a heuristic start, checking greedy
-    equality on every prompt → sweep draft tree shapes (depth, top-k, nodes) from the best length,
-    for drafters that branch → the best chain and tree again with prompt lookup beside the drafter,
-    for model drafters → concurrency sweep through the serve queue → profile → manifest → sign
+    equality on every prompt → the target's cost curve (step time vs rows) → sweep draft tree shapes
+    (depth, top-k, nodes) from the best length and the rows a verify takes at no cost, for drafters
+    that branch → the best chain and tree again with prompt lookup beside the drafter, for model
+    drafters → concurrency sweep through the serve queue → profile → manifest → sign
 
 Figures are measured, never assumed; the draft-length heuristic only chooses where to start.
 """
@@ -185,9 +186,10 @@ def heuristic_draft_len(manifest, device: str) -> int:
 
 
 def max_draft_len(drafter) -> int:
-    """The longest draft `drafter` accepts (MTP without layer reuse: its number of layers)."""
+    """The longest draft `drafter` accepts (MTP without layer reuse: its number of layers) or makes
+    (a block drafter: its draft slots; it drafts no more however many are asked for)."""
     check = getattr(drafter, "check_draft_len", None)
-    longest = MAX_DRAFT_LEN
+    longest = min(MAX_DRAFT_LEN, getattr(drafter, "max_draft_len", MAX_DRAFT_LEN))
     while check is not None and longest > 1:
         try:
             check(longest)
@@ -235,11 +237,15 @@ def sweep_draft_len(measure, start: int, lengths: Optional[Sequence[int]] = None
 Shape = tuple[int, int, int]  # a draft tree: (depth, top-k, nodes)
 
 
-def tree_start(depth: int, longest: int) -> Shape:
+def tree_start(depth: int, longest: int, rows: int | None = None) -> Shape:
     """Where the tree search starts: the best chain's depth plus one, four children per node, four
-    nodes per level (EAGLE-2's dynamic trees keep about as many)."""
+    nodes per level (EAGLE-2's dynamic trees keep about as many), or fewer where a verify of `rows`
+    rows is all the target takes before it turns compute-bound (`CostModel.riding_rows`: on a 2-core
+    CPU at fp32 six or seven rows, where 21 would cost ~1.5x one; BENCHMARKS.md): the root and at
+    most `rows - 1` nodes, never fewer than the depth."""
     d = max(1, min(depth + 1, longest))
-    return d, 4, min(MAX_TREE_NODES, 4 * d)
+    nodes = 4 * d if rows is None else max(d, min(4 * d, rows - 1))
+    return d, 4, min(MAX_TREE_NODES, nodes)
 
 
 def sweep_tree(measure, start: Shape, shapes: Optional[Sequence[Shape]] = None, longest: int = MAX_DRAFT_LEN,
@@ -381,11 +387,14 @@ def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, 
     sweep = sweep_draft_len(lambda d: fastest(d, True, baseline),
                             heuristic_draft_len(model.manifest, device.split(":")[0]), draft_lens, longest)
     chain = max(sweep.values(), key=lambda p: p.tokens_per_s)
+    bar.phase("cost curve")  # before the trees: their search starts from the rows a verify takes at no cost
+    model.target.setup_cache(max(64, sum(KEY_PROBE)), 1)
+    cost = measure_cost(model.target, [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * max(concurrency)])
     trees = {}
     if getattr(model.drafter, "tree_drafts", False) and (tree_shapes is None or tree_shapes):
         bar.phase("draft trees")
         trees = sweep_tree(lambda s: fastest(s[0], True, baseline, TreeShape(s[1], s[2])),
-                           tree_start(chain.draft_len, longest), tree_shapes, longest)
+                           tree_start(chain.draft_len, longest, cost.riding_rows()), tree_shapes, longest)
     copies = {}
     if lookups and not getattr(model.drafter, "free_drafts", False):  # n-gram drafts are lookups already
         bar.phase("prompt lookup")
@@ -394,9 +403,6 @@ def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, 
                   for n in sorted(set(lookups)) for p in shapes}
     best = max([*sweep.values(), *trees.values(), *copies.values()], key=lambda p: p.tokens_per_s)
     pays = best.tokens_per_s > baseline.tokens_per_s
-    bar.phase("cost curve")
-    model.target.setup_cache(max(64, sum(KEY_PROBE)), 1)
-    cost = measure_cost(model.target, [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * max(concurrency)])
     bar.phase("concurrency")
     prior = best.stats.position_acceptance or None
     points = _concurrency_sweep(model, prompts, sorted(set(concurrency)), best, bar, cost, prior) if pays else []

@@ -161,6 +161,12 @@ class BlockDrafter(nn.Module):
         return self.confidence_head is not None
 
     @property
+    def max_draft_len(self) -> int:
+        """The longest draft (a tree: its depth): the block's draft slots; a longer one asked for is
+        the same draft (what `tune` sweeps up to)."""
+        return self.spec.draft_slots
+
+    @property
     def tree_drafts(self) -> bool:
         """DFlash and DSpark grow trees over their slots' distributions (DraftJob.tree, `_tree`);
         LiLiCorr's walk through its scored lattice drafts chains only."""

@@ -86,6 +86,12 @@ class CostModel:
             return self.ms[0]
         return max(0.0, (self.ms[-1] - self.ms[-2]) / (self.rows[-1] - self.rows[-2]))
 
+    def riding_rows(self, slack: float = 0.1) -> int:
+        """The most rows a step takes at most `slack` dearer than one row: the rows that ride the
+        weight stream before the products turn compute-bound (up to the curve's last point)."""
+        base = self.step_ms(1) * (1 + slack)
+        return max([r for r in range(1, self.rows[-1] + 1) if self.step_ms(r) <= base], default=1)
+
     def absorb_ms(self) -> float:
         """The head's cost per committed position it catches up on."""
         return self.draft_ratio * self.row_ms()
