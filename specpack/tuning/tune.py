@@ -241,7 +241,7 @@ def tree_start(depth: int, longest: int, rows: int | None = None) -> Shape:
     """Where the tree search starts: the best chain's depth plus one, four children per node, four
     nodes per level (EAGLE-2's dynamic trees keep about as many), or fewer where a verify of `rows`
     rows is all the target takes before it turns compute-bound (`CostModel.riding_rows`: on a 2-core
-    CPU at fp32 six or seven rows, where 21 would cost ~1.5x one; BENCHMARKS.md): the root and at
+    CPU at fp32 five to eight rows, where 21 would cost ~1.5x one; BENCHMARKS.md): the root and at
     most `rows - 1` nodes, never fewer than the depth."""
     d = max(1, min(depth + 1, longest))
     nodes = 4 * d if rows is None else max(d, min(4 * d, rows - 1))
