@@ -37,3 +37,24 @@ def test_run_needs_no_options(artifact, cli):
     _, art = artifact
     code, out, err = cli("run", art, "--prompt", "def add(a, b):", "--max-new-tokens", "8")
     assert code == 0 and "Traceback" not in err, err
+
+
+def test_tune_refuses_draft_lengths_past_the_block(artifact, tmp_path):
+    """A block drafter drafts at most its draft slots: a longer draft length asked of `tune` would
+    measure the same draft again under another name, so it is refused before any measurement, with
+    the limit and the flag to change, and the manifest is left as it was."""
+    import json
+
+    import specpack
+    from specpack.errors import InputError
+    from specpack.tuning.tune import tune
+
+    _, art = artifact
+    slots = specpack.load(art).manifest.drafter.draft_slots
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n")
+    before = (art / "specpack.json").read_bytes()
+    with pytest.raises(InputError, match=f"takes at most {slots} draft tokens, not \\[{slots + 1}\\]") as e:
+        tune(art, workload, concurrency=[1], draft_lens=[slots + 1], max_new_tokens=4, repeats=1)
+    assert "--draft-lens" in e.value.hint
+    assert (art / "specpack.json").read_bytes() == before
