@@ -58,3 +58,23 @@ def test_tune_refuses_draft_lengths_past_the_block(artifact, tmp_path):
         tune(art, workload, concurrency=[1], draft_lens=[slots + 1], max_new_tokens=4, repeats=1)
     assert "--draft-lens" in e.value.hint
     assert (art / "specpack.json").read_bytes() == before
+
+
+def test_run_and_serve_refuse_draft_lengths_past_the_block(artifact, cli):
+    """`--draft-len` above a block drafter's trained slots would be drafted as the slots in silence
+    (the block has no more): `run` and `serve` refuse it with the limit and the flag, and take the
+    slots themselves."""
+    import specpack
+    from specpack.errors import InputError
+    from specpack.serving.serve import prepare
+
+    _, art = artifact
+    slots = specpack.load(art).manifest.drafter.draft_slots
+    code, _, err = cli("run", art, "--prompt", "def add(a, b):", "--max-new-tokens", "4",
+                       "--draft-len", str(slots + 1))
+    assert code != 0 and f"has {slots} trained draft slots" in err and f"--draft-len {slots}" in err, err
+    assert "Traceback" not in err
+    code, _, err = cli("run", art, "--prompt", "def add(a, b):", "--max-new-tokens", "4", "--draft-len", str(slots))
+    assert code == 0, err
+    with pytest.raises(InputError, match=f"has {slots} trained draft slots"):
+        prepare(art, draft_len=slots + 1)

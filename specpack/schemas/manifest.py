@@ -316,3 +316,22 @@ def default_draft_len(manifest: Manifest) -> int:
     if drafter.kind == "mtp" and not drafter.allow_layer_reuse:
         length = min(length, drafter.num_layers)
     return length
+
+
+def check_draft_len(manifest: Manifest, draft_len: int) -> None:
+    """Refuse a draft length the artifact's drafter cannot draft as bound (an InputError naming the
+    limit): a block drafter proposes at most its trained slots, an MTP drafter one token per layer
+    unless layer reuse is allowed. `run`, `serve` and `export` check one a user gives; a longer
+    draft asked of the runtime itself would be the shorter one in silence."""
+    from specpack.errors import InputError
+
+    d = manifest.drafter
+    if d.kind == "block" and draft_len > d.draft_slots:
+        raise InputError(f"{draft_len} draft tokens asked for, but this {d.algorithm} drafter's block of "
+                         f"{d.block_size} ({d.query_layout}) has {d.draft_slots} trained draft slots",
+                         hint=f"use --draft-len {d.draft_slots} (or fewer)")
+    if d.kind == "mtp" and draft_len > d.num_layers and not d.allow_layer_reuse:
+        raise InputError(f"{draft_len} draft tokens asked for, but the MTP drafter has {d.num_layers} "
+                         "layer(s) and layer reuse is not allowed",
+                         hint=f"use --draft-len {d.num_layers} (or fewer), or rebuild the artifact with "
+                              "--mtp-allow-reuse (step k then runs layer k mod n)")

@@ -67,6 +67,7 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     from specpack.errors import InputError
     from specpack.runtime.api import load
     from specpack.runtime.text import TextStream, encode_prompt, stop_sequences
+    from specpack.schemas.manifest import check_draft_len
     from specpack.tuning.profiles import select_profile
 
     if req.temperature < 0:
@@ -78,6 +79,8 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     stream = TextStream(tok, write or (lambda s: None), stops=list(req.stop))
     chosen = select_profile(model.manifest, device, dtype, wanted=req.profile, backend=backend, weights=weights,
                             kv_cache=kv_cache)
+    if req.draft_len is not None:  # a block's slots, MTP's layers: refused, not clipped
+        check_draft_len(model.manifest, req.draft_len)
     draft_len = req.draft_len if req.draft_len is not None else chosen.draft_len
     speculative = req.speculative and (chosen.speculative or req.draft_len is not None or req.draft_tree is not None)
     tree = req.draft_tree if req.draft_tree is not None else chosen.tree

@@ -83,6 +83,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     cost curve is measured at start when the profile has none."""
     from specpack.runtime.api import load, require
     from specpack.runtime.engine.engine import check_tree
+    from specpack.schemas.manifest import check_draft_len
     from specpack.serving.generate import engine_settings
     from specpack.tuning.profiles import select_profile
 
@@ -94,6 +95,8 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
                  kv_cache=kv_cache, backend=backend, **engines)
     selection = select_profile(model.manifest, device, dtype, wanted=profile, backend=backend, weights=weights,
                                kv_cache=kv_cache)
+    if draft_len is not None:  # a block's slots, MTP's layers: refused at start, not clipped
+        check_draft_len(model.manifest, draft_len)
     draft_len = draft_len or selection.draft_len
     tree = draft_tree if draft_tree is not None else selection.tree
     lookup = lookup if lookup is not None else selection.lookup

@@ -24,9 +24,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specpack._atomic import staging_dir
-from specpack.converters.export import _block, _mtp, _schedule, sglang, trtllm, vllm
+from specpack.converters.export import _schedule, sglang, trtllm, vllm
 from specpack.converters.export._common import ExportContext, load_head, write_readme
 from specpack.errors import InputError, UnsupportedError
+from specpack.schemas.manifest import check_draft_len
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,7 @@ def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None 
     _check_positive(draft_len=draft_len, tensor_parallel=tensor_parallel)
     manifest = verify(artifact, public_key=public_key, progress=progress).manifest
     draft_len, crossover, notes = _draft_len_and_crossover(module, manifest, draft_len, profile)
-    _mtp.check_draft_len(manifest, draft_len)
-    _block.check_draft_len(manifest, draft_len)
+    check_draft_len(manifest, draft_len)
     _check_representable(module, manifest, draft_len)
     artifact = Path(artifact).absolute()
     head, tensors = load_head(artifact) if manifest.drafter.kind in ("eagle3", "block") else (None, None)
@@ -123,8 +123,7 @@ def _lookup_note(profile, module) -> list[str]:
 
 def _runs(module, manifest, draft_len: int) -> bool:
     try:
-        _mtp.check_draft_len(manifest, draft_len)
-        _block.check_draft_len(manifest, draft_len)
+        check_draft_len(manifest, draft_len)
     except InputError:
         return False
     return not module.limits(manifest, draft_len)

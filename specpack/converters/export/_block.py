@@ -17,18 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from specpack.converters.export._common import ExportContext, output_of_layer, save_tensors, write_json
-from specpack.errors import InputError
 
 _SLIDING = "sliding_attention"
-
-
-def check_draft_len(manifest, draft_len: int) -> None:
-    """A block drafter proposes at most the slots it was trained with."""
-    d = manifest.drafter
-    if d.kind == "block" and draft_len > d.draft_slots:
-        raise InputError(f"{draft_len} draft tokens asked for, but this {d.algorithm} drafter's block of "
-                         f"{d.block_size} ({d.query_layout}) has {d.draft_slots} trained draft slots",
-                         hint=f"use --draft-len {d.draft_slots} (or fewer)")
 
 
 def algorithm_problems(d, engine: str, allowed: dict) -> list[str]:

@@ -20,7 +20,7 @@ from pathlib import Path
 # the converter's canonical fusion names and safetensors data offset: this module inverts its mapping
 from specpack.converters.mtp import _FUSION, LAYOUTS, _data_start
 from specpack.converters.safetensors_header import TensorMeta, read_header
-from specpack.errors import ConversionError, InputError
+from specpack.errors import ConversionError
 
 FAMILIES = {"mtp-deepseek": "DeepSeek-V3/GLM-4.5", "mtp-mimo": "MiMo", "mtp-qwen3-next": "Qwen3-Next"}
 _WORDS = {
@@ -43,16 +43,6 @@ class EngineMtp:
     layer_per_step: str  # "first": every step runs MTP layer 0; "mod": step k runs layer k mod n
     max_layers: int | None = None  # MTP layers its loader takes (None: any number)
     separate_weights: bool = False  # the export writes the MTP layer as its own draft checkpoint
-
-
-def check_draft_len(manifest, draft_len: int) -> None:
-    """The artifact's own binding: more draft tokens than MTP layers only with layer reuse."""
-    d = manifest.drafter
-    if d.kind == "mtp" and draft_len > d.num_layers and not d.allow_layer_reuse:
-        raise InputError(f"{draft_len} draft tokens asked for, but the MTP drafter has {d.num_layers} "
-                         "layer(s) and layer reuse is not allowed",
-                         hint=f"use --draft-len {d.num_layers} (or fewer), or rebuild the artifact with "
-                              "--mtp-allow-reuse (step k then runs layer k mod n)")
 
 
 def problems(engine: str, table: dict, manifest, draft_len: int) -> list[str]:
