@@ -223,37 +223,51 @@ def test_greedy_equals_plain_on_the_packed_cpu_kernels(prompts, tmp_path):
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no CPU kernel")
-@pytest.mark.parametrize("variant", ["dflash-everything", "dspark"])
-def test_packed_drafter_layers_run_fused_as_the_module_path_does(llama, tmp_path, variant):
-    """On the packed kernel the drafter's layers run as C calls, one per run of layers of the same
-    causality (dflash-everything: a causal layer, then a non-causal one), and its context's keys
-    and values for every layer in one: the cache, the query block's hidden states and logits are the
-    module path's within fp32 rounding."""
+@pytest.mark.parametrize("variant", ["dflash-everything", "dspark", "lilicorr"])
+def test_packed_drafter_runs_fused_as_the_module_path_does(llama, tmp_path, variant):
+    """On the packed kernel a drafter's draft forward is two C calls (FusedBlock: the context's fc,
+    hidden_norm and every layer's keys and values; the query blocks' embedding, layers, final norm
+    and lm_head), or, with fused layers alone, one C call per run of layers of the same causality
+    (dflash-everything: a causal layer, then a non-causal one; its own embedding, mask embedding
+    and head): the cache, the query block's hidden states and logits are the module path's within
+    fp32 rounding, for two sequences drafted together at different lengths."""
     from specpack.runtime.kernels.accelerate import use_cpu_kernels
-    from specpack.runtime.kernels.layers import FusedLayers
+    from specpack.runtime.kernels.layers import FusedBlock, FusedLayers
 
-    target, hf = llama
-    drafter, threads = load_block(None, head(tmp_path / "h", variant), target), torch.get_num_threads()
+    _, hf = llama
+    threads = torch.get_num_threads()
     try:
+        target = load_target(target_dir("llama"))
+        use_cpu_kernels(target)  # the target's lm_head packed too: every variant's head runs fused
+        drafter = load_block(None, head(tmp_path / "h", variant), target)
         assert use_cpu_kernels(drafter) > 0 and isinstance(drafter.fused, FusedLayers)
-        seq = sequence(hf, 5)
-        drafter.reset(64)
-        job = DraftJob(0, seq[:9], features(hf, seq)[:8], 4, None)
+        assert isinstance(drafter.fused_block, FusedBlock)
+        seqs = [sequence(hf, 5), sequence(hf, 6)]
+        jobs = [DraftJob(0, seqs[0][:9], features(hf, seqs[0])[:8], 4, None),
+                DraftJob(1, seqs[1][:6], features(hf, seqs[1])[:5], 2, None)]
+        runs = {}
         with torch.inference_mode():
-            drafter._absorb([job])
-            kv = drafter.cache.k[:, 0, :, :8].clone(), drafter.cache.v[:, 0, :, :8].clone()
-            fused, kernel = drafter._block([job]), drafter.fused
-            drafter.fused = None
-            drafter.reset(64)
-            drafter._absorb([job])
-            torch.testing.assert_close(kv, (drafter.cache.k[:, 0, :, :8], drafter.cache.v[:, 0, :, :8]),
-                                       atol=1e-5, rtol=0)
-            module = drafter._block([job])
-            assert kernel is not None and kv[0].abs().sum() > 0
-        torch.testing.assert_close(fused.hidden, module.hidden, atol=1e-5, rtol=0)
-        torch.testing.assert_close(fused.logits, module.logits, atol=1e-4, rtol=0)
+            for path in ("block", "layers", "modules"):
+                drafter.fused_block = None if path != "block" else drafter.fused_block
+                drafter.fused = None if path == "modules" else drafter.fused
+                drafter.reserve(2, 64)
+                drafter._absorb(jobs)
+                kv = [c[:, slot, :, :n].clone() for c in (drafter.cache.k, drafter.cache.v)
+                      for slot, n in ((0, 8), (1, 5))]  # each slot's context (the block's rows are scratch)
+                runs[path] = kv, drafter._block(jobs)
     finally:
         torch.set_num_threads(threads)
+    (kv, want) = runs["modules"]
+    assert kv[0].abs().sum() > 0
+    for path in ("block", "layers"):
+        got_kv, got = runs[path]
+        torch.testing.assert_close(got_kv, kv, atol=1e-5, rtol=0)
+        torch.testing.assert_close(got.hidden, want.hidden, atol=1e-5, rtol=0)
+        for name in ("logits", "log_probs", "embeds"):
+            if getattr(want, name) is not None:
+                torch.testing.assert_close(getattr(got, name), getattr(want, name), atol=1e-4, rtol=0)
+        if want.candidates is not None:
+            assert torch.equal(got.candidates, want.candidates)
 
 
 def small_target(vocab: int = 8):

@@ -112,6 +112,7 @@ class BlockDrafter(nn.Module):
         self.lilicorr = LiLiCorrHead(spec) if spec.lilicorr is not None else None
         self.cache: KVCache | None = None
         self.fused = None  # kernels.layers.FusedLayers when the layers run as C calls (see fuse_layers)
+        self.fused_block = None  # kernels.layers.FusedBlock: then the whole draft forward runs as two C calls
         self.lengths: list[int] = []  # committed context positions per slot
         for name in ("cos", "sin", "draft_to_target", "anchor_ctx"):  # with the cache (reserve)
             self.register_buffer(name, None, persistent=False)
@@ -130,14 +131,20 @@ class BlockDrafter(nn.Module):
                                              w.dtype, w.device)
             self.draft_to_target = torch.arange(s.draft_vocab_size, device=w.device) + self.d2t
             self.anchor_ctx = w.new_zeros(slots, s.hidden_size)
+            if self.fused_block is not None:
+                self.fused_block.set_tables(self.cos, self.sin)
         self.lengths = [0] * self.cache.slots
 
     def fuse_layers(self) -> bool:
         """Run the layers as C calls (kernels/layers.py) when their linear layers run on the packed
-        CPU kernel; True when they now do."""
-        from specpack.runtime.kernels.layers import FusedLayers
+        CPU kernel, and with fc and lm_head there too the whole draft forward (FusedBlock); True
+        when the layers now run fused."""
+        from specpack.runtime.kernels.layers import FusedBlock, FusedLayers
 
         self.fused = FusedLayers.of(self.spec, self.layers)
+        self.fused_block = FusedBlock.of(self)
+        if self.fused_block is not None and self.cos is not None:
+            self.fused_block.set_tables(self.cos, self.sin)
         return self.fused is not None
 
     def start(self, slot: int) -> None:
@@ -202,30 +209,56 @@ class BlockDrafter(nn.Module):
         return N if self.spec.lilicorr is not None else max(min(j.k, N) for j in jobs)
 
     def _absorb(self, jobs: list[DraftJob]) -> None:
-        """Each job's new context rows: K/V into its slot for good, its last row kept (LiLiCorr's anchor)."""
+        """Each job's new context rows: K/V into its slot for good; LiLiCorr keeps the last row (its anchor)."""
         fresh = self._fresh(jobs)
         if not fresh:
             return
         w = self.norm.weight
-        ctx = self.hidden_norm(self.fc(torch.cat([j.feats for j, _ in fresh]).to(w.device, w.dtype)))  # [R, H]
-        rows = Rows.of([Segment(j.slot, self.lengths[j.slot], r) for j, r in fresh], w.device)
+        feats = fresh[0][0].feats if len(fresh) == 1 else torch.cat([j.feats for j, _ in fresh])
+        segments = [(j.slot, self.lengths[j.slot], r) for j, r in fresh]
+        if self.fused_block is not None:  # fc, hidden_norm and every layer's keys and values: one C call
+            ctx = self.fused_block.context(feats, segments, self.cache)
+        else:
+            ctx = self._context(feats.to(w.device, w.dtype), segments)
+        if self.lilicorr is not None:  # its anchor's row, for the lattice
+            last = torch.tensor([r for _, r in fresh]).cumsum(0) - 1
+            self.anchor_ctx[[j.slot for j, _ in fresh]] = ctx[last.to(w.device)]
+        for j, r in fresh:
+            self.lengths[j.slot] += r
+
+    def _context(self, feats: Tensor, segments: list[tuple[int, int, int]]) -> Tensor:
+        """ctx = hidden_norm(fc(feats)) [R, H] of the (slot, start, count) segments' new positions,
+        their keys and values into every layer's cache."""
+        ctx = self.hidden_norm(self.fc(feats))
+        rows = Rows.of([Segment(*seg) for seg in segments], ctx.device)
         if self.fused is not None:  # every layer's keys and values in one C call
             self.fused.context_kv(ctx.contiguous(), self.fused.step(rows, self.cos, self.sin, self.cache), 0,
                                   len(self.layers))
-        else:
-            cos, sin = self.cos[rows.pos, None], self.sin[rows.pos, None]
-            for i, layer in enumerate(self.layers):
-                k, v = _context_kv(layer.self_attn, ctx, cos, sin)
-                self.cache.k[i][rows.slot, :, rows.write] = k  # [R, kv_heads, hd] into each row's slot and position
-                self.cache.v[i][rows.slot, :, rows.write] = v
-        last = torch.tensor([r for _, r in fresh]).cumsum(0) - 1
-        self.anchor_ctx[[j.slot for j, _ in fresh]] = ctx[last.to(w.device)]
-        for j, r in fresh:
-            self.lengths[j.slot] += r
+            return ctx
+        cos, sin = self.cos[rows.pos, None], self.sin[rows.pos, None]
+        for i, layer in enumerate(self.layers):
+            k, v = _context_kv(layer.self_attn, ctx, cos, sin)
+            self.cache.k[i][rows.slot, :, rows.write] = k  # [R, kv_heads, hd] into each row's slot and position
+            self.cache.v[i][rows.slot, :, rows.write] = v
+        return ctx
 
     def _block(self, jobs: list[DraftJob]) -> BlockOut:
         """The query blocks [anchor, mask, ...] at positions p.. -> the final-norm hidden states of
         the rows that predict draft positions 0..N-1 and what the algorithm reads of their logits."""
+        s = self.spec
+        if self.fused_block is not None:  # embedding, layers, norm and lm_head: one C call
+            hidden, logits = self.fused_block.draft([(j.slot, self.lengths[j.slot], int(j.context[-1])) for j in jobs],
+                                                    s.first_prediction, s.draft_slots, self._logit_rows(jobs),
+                                                    self.cache)
+        else:
+            hidden, logits = self._block_modules(jobs)
+        if s.lilicorr is None:
+            return BlockOut(hidden, logits)
+        log_probs, candidates = logits.float().log_softmax(-1).topk(s.lilicorr.candidate_topk, -1)
+        return BlockOut(hidden, None, candidates, log_probs, self.target_embed(candidates))
+
+    def _block_modules(self, jobs: list[DraftJob]) -> tuple[Tensor, Tensor]:
+        """`_block`'s hidden states and logits through the modules (or the fused layers alone)."""
         s, dev = self.spec, self.norm.weight.device
         T = s.block_len
         tokens = torch.full((len(jobs), T), s.mask_token_id, dtype=torch.long)
@@ -240,11 +273,7 @@ class BlockDrafter(nn.Module):
         x = self._layers(x, rows)
         a = s.first_prediction
         hidden = self.norm(x).view(len(jobs), T, -1)[:, a : a + s.draft_slots]  # [J, N, H]
-        logits = self.lm_head(hidden[:, : self._logit_rows(jobs)])  # [J, n, Vd]
-        if s.lilicorr is None:
-            return BlockOut(hidden, logits)
-        log_probs, candidates = logits.float().log_softmax(-1).topk(s.lilicorr.candidate_topk, -1)
-        return BlockOut(hidden, None, candidates, log_probs, self.target_embed(candidates))
+        return hidden, self.lm_head(hidden[:, : self._logit_rows(jobs)])  # [J, n, Vd]
 
     def _layers(self, x: Tensor, rows: dict[bool, Rows]) -> Tensor:
         """Every layer over the query rows x [R, H], each with the rows of its causality; fused: a C

@@ -105,6 +105,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sp_context_kv.restype = None
     lib.sp_eagle3_step.argtypes = [p, p, p, p, p, p, i64, p, p]
     lib.sp_eagle3_step.restype = None
+    lib.sp_block_context.argtypes = [p, i64, p, p, p, p, p, p]
+    lib.sp_block_context.restype = None
+    lib.sp_block_draft.argtypes = [p, i64, p, p, p, p, p, p, p, i64, p, p, i64, p, p]
+    lib.sp_block_draft.restype = None
     lib.sp_argmax.argtypes = [p, i64, i64, i64, p]
     lib.sp_argmax.restype = None
     lib.sp_screen.argtypes = [p, i64, i64, i64, p, i64, i64, p, p, c_int, i64, p, c_int]

@@ -157,3 +157,72 @@ void sp_eagle3_step(const sp_eagle3_t *e, const sp_forward_t *f, const float *em
         sp_rmsnorm(out + logit_rows[i] * H, 1, H, H, e->final_norm, f->eps, normed + i * H, H);
     if (nlogits > 0) linear(&e->head, normed, nlogits, NULL, logits);
 }
+
+typedef struct { /* a block drafter (drafters/block.py) around its layers */
+    sp_lin_t fc;              /* the target's features -> hidden */
+    const float *hidden_norm; /* after fc: the context rows */
+    const float *final_norm;  /* before `head` */
+    sp_lin_t head;            /* lm_head over the draft vocabulary */
+    const float *embed;       /* the token embedding table [vocab, hidden] */
+    const float *mask_embed;  /* the mask token's own embedding, or NULL (the table's row) */
+    int64_t mask_token;
+    const uint8_t *causal;    /* per layer: 1 when the block's rows see each other causally */
+    const float *cos, *sin;   /* RoPE tables [positions, hd] */
+} sp_block_t;
+
+/* f with its cos/sin rows taken from the tables at pos[r], into cs (2 rows hd floats). */
+static sp_forward_t at_positions(const sp_block_t *b, const sp_forward_t *f, const int64_t *pos, float *cs)
+{
+    sp_forward_t g = *f;
+    const int64_t R = f->rows, hd = f->hd;
+    for (int64_t r = 0; r < R; r++) {
+        memcpy(cs + r * hd, b->cos + pos[r] * hd, (size_t)hd * sizeof(float));
+        memcpy(cs + (R + r) * hd, b->sin + pos[r] * hd, (size_t)hd * sizeof(float));
+    }
+    g.cos = cs;
+    g.sin = cs + R * hd;
+    return g;
+}
+
+/* A block drafter's new context rows: ctx [rows, hidden] = hidden_norm(fc(feats [rows, fc.k])), then
+ * every layer's keys and values of them into the cache at f's rows (sp_context_kv), RoPE at pos[r].
+ * The operations drafters/block.py runs one by one, in one call. scratch: rows (2 hd + hidden +
+ * (heads + 2 kv_heads) hd) floats. */
+void sp_block_context(const sp_layer_t *layers, int64_t n, const sp_block_t *b, const sp_forward_t *f,
+                      const int64_t *pos, const float *feats, float *ctx, float *scratch)
+{
+    const int64_t R = f->rows, H = f->hidden;
+    float *cs = scratch, *y = cs + 2 * R * f->hd, *kv = y + R * H;
+    const sp_forward_t g = at_positions(b, f, pos, cs);
+    linear(&b->fc, feats, R, NULL, y);
+    sp_rmsnorm(y, R, H, H, b->hidden_norm, f->eps, ctx, H);
+    sp_context_kv(layers, 0, n, &g, ctx, kv);
+}
+
+/* A block drafter's query blocks: rows of tokens[r] embedded (the mask token as mask_embed when
+ * given), at positions pos[r], through the n layers (a causal layer's rows see up to causal_end[r],
+ * a non-causal one's up to f->end[r]: the whole block), then hidden [nh, hidden] =
+ * final_norm(x[hidden_rows]) and logits [nl, head.n] = head(hidden[logit_rows]). x [rows, hidden]
+ * is the layers' output. scratch: rows (2 hd + the layers' width) + nl hidden floats. */
+void sp_block_draft(const sp_layer_t *layers, int64_t n, const sp_block_t *b, const sp_forward_t *f,
+                    const int64_t *causal_end, const int64_t *pos, const int64_t *tokens, float *x,
+                    const int64_t *hidden_rows, int64_t nh, float *hidden, const int64_t *logit_rows, int64_t nl,
+                    float *logits, float *scratch)
+{
+    const int64_t R = f->rows, H = f->hidden;
+    float *cs = scratch, *picked = cs + 2 * R * f->hd, *work = picked + nl * H;
+    const sp_forward_t full = at_positions(b, f, pos, cs);
+    sp_forward_t causal = full;
+    causal.end = causal_end;
+    for (int64_t r = 0; r < R; r++) {
+        const int masked = b->mask_embed && tokens[r] == b->mask_token;
+        const float *e = masked ? b->mask_embed : b->embed + tokens[r] * H;
+        memcpy(x + r * H, e, (size_t)H * sizeof(float));
+    }
+    for (int64_t i = 0; i < n; i++)
+        sp_decoder_layers(layers, i, 1, b->causal[i] ? &causal : &full, x, work, NULL, 0, NULL);
+    for (int64_t i = 0; i < nh; i++)
+        sp_rmsnorm(x + hidden_rows[i] * H, 1, H, H, b->final_norm, f->eps, hidden + i * H, H);
+    for (int64_t i = 0; i < nl; i++) memcpy(picked + i * H, hidden + logit_rows[i] * H, (size_t)H * sizeof(float));
+    if (nl > 0) linear(&b->head, picked, nl, NULL, logits);
+}

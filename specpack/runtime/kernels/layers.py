@@ -262,3 +262,120 @@ class FusedEagle3Layer:
             self._heads[key] = (_Eagle3(self.layer, _ptr(self.norms[1]), _ptr(final), head,
                                         int(self.norm_before_residual)), final, lm_head)
         return self._heads[key][0]
+
+
+class _Block(ctypes.Structure):  # decoder.c's sp_block_t
+    _fields_ = [("fc", _Lin), ("hidden_norm", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", _Lin),
+                ("embed", ctypes.c_void_p), ("mask_embed", ctypes.c_void_p), ("mask_token", ctypes.c_int64),
+                ("causal", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
+
+
+class FusedBlock:
+    """A block drafter's draft forward (drafters/block.py: its context rows, then its query blocks
+    through its layers, final norm and lm_head) as two C calls, decoder.c's sp_block_context and
+    sp_block_draft, in place of the fused layers with ~20 torch ops around them. Right after a
+    weight stream (the target's forward, the drafter's own layers evict the caches) a small torch op
+    costs 50-300 us instead of its 3-25 us (bench: a norm on 5 rows 18 -> 312 us after a 64 MB
+    copy); the first ones pay most, so fewer ops save less than their count says: a DSpark step's
+    drafting 3.6 -> 3.2 ms (chain of 5) and 3.7 -> 3.5 ms (tree) on the demo head, Zen 4. The rows
+    are built from Python ints (a block's are regular: no mask, each row sees the whole block or
+    the chain up to itself by its end), not as tensors."""
+
+    def __init__(self, drafter, layers: FusedLayers):
+        s, self.layers, self.lib = drafter.spec, layers, layers.lib
+        self.spec = s
+        self._keep = [t.detach().float().contiguous() for t in (drafter.hidden_norm.weight, drafter.norm.weight)]
+        mask = drafter.mask_embedding
+        self._mask = None if mask is None else mask.detach().float().contiguous()
+        self._causal = (ctypes.c_uint8 * len(s.layer_causal))(*map(int, s.layer_causal))
+        self.embed = drafter.embed_tokens.weight
+        self.head_rows = drafter.lm_head.out_features
+        self.table = _Block(_lin(drafter.fc.packed), _ptr(self._keep[0]), _ptr(self._keep[1]),
+                            _lin(drafter.lm_head.packed), _ptr(self.embed), _ptr(self._mask), s.mask_token_id,
+                            ctypes.cast(self._causal, ctypes.c_void_p), None, None)
+        self.tables = None  # the cos/sin tables the table points at (set_tables)
+        self.scratch = torch.empty(0)
+
+    @classmethod
+    def of(cls, drafter) -> FusedBlock | None:
+        """None unless the drafter's layers run fused, its fc and lm_head on the packed kernel and
+        its embedding table fp32 on the CPU."""
+        layers = getattr(drafter, "fused", None)
+        if not isinstance(layers, FusedLayers):
+            return None
+        linears = (drafter.fc, drafter.lm_head)
+        e = drafter.embed_tokens.weight
+        if not (all(getattr(m, "packed", None) is not None and m.packed.backend == "avx2" for m in linears)
+                and e.dtype == torch.float32 and e.device.type == "cpu" and e.is_contiguous()):
+            return None
+        return cls(drafter, layers)
+
+    def set_tables(self, cos: Tensor, sin: Tensor) -> None:
+        """The drafter's RoPE tables [positions, hd] (fp32, contiguous; made again by its reserve)."""
+        self.tables = (cos.float().contiguous(), sin.float().contiguous())
+        self.table.cos, self.table.sin = (t.data_ptr() for t in self.tables)
+
+    def context(self, feats: Tensor, segments: Sequence[tuple[int, int, int]], cache) -> Tensor:
+        """New context rows: feats [R, F] the target's features of (slot, start, count) `segments`'
+        positions -> ctx [R, hidden] (hidden_norm(fc(feats))), their keys and values written into
+        `cache` for every layer."""
+        slot, write = _rows(segments)
+        R, L = len(slot), self.layers
+        feats = feats.float().contiguous()
+        ctx = torch.empty(R, L.hidden)
+        f, arrays = self._forward(cache, slot, write, write, write)
+        scratch = self._scratch(R * (2 * L.hd + L.hidden + (L.heads + 2 * L.kv_heads) * L.hd))
+        self.lib.sp_block_context(L.table, len(self.spec.layer_causal), ctypes.byref(self.table), ctypes.byref(f),
+                                  arrays[1], feats.data_ptr(), ctx.data_ptr(), scratch)
+        return ctx
+
+    def draft(self, blocks: Sequence[tuple[int, int, int]], first: int, slots: int, logit_rows: int, cache):
+        """Query blocks of (slot, start, anchor token): [anchor, mask, ...] at start.. of each slot ->
+        (hidden [J, slots, hidden] = the final norm of rows first..first+slots-1 of each block,
+        logits [J, logit_rows, head] of the first logit_rows of them)."""
+        T, L = self.spec.block_len, self.layers
+        J = len(blocks)
+        slot, write = _rows([(s, p, T) for s, p, _ in blocks])
+        full = [p + T for _, p, _ in blocks for _ in range(T)]
+        tokens = [t for *_, anchor in blocks for t in (anchor, *[self.spec.mask_token_id] * (T - 1))]
+        starts = [p for _, p, _ in blocks for _ in range(T)]
+        f, arrays = self._forward(cache, slot, write, starts, full)
+        R = J * T
+        hidden_rows = [j * T + first + q for j in range(J) for q in range(slots)]
+        picked = [j * slots + q for j in range(J) for q in range(logit_rows)]
+        x, hidden = torch.empty(R, L.hidden), torch.empty(J, slots, L.hidden)
+        logits = torch.empty(J, logit_rows, self.head_rows)
+        scratch = self._scratch(R * (2 * L.hd + L.width) + len(picked) * L.hidden)
+        self.lib.sp_block_draft(L.table, len(self.spec.layer_causal), ctypes.byref(self.table), ctypes.byref(f),
+                                _i64([w + 1 for w in write]), arrays[1], _i64(tokens), x.data_ptr(), _i64(hidden_rows),
+                                len(hidden_rows), hidden.data_ptr(), _i64(picked), len(picked), logits.data_ptr(),
+                                scratch)
+        return hidden, logits
+
+    def _forward(self, cache, slot, write, ctx, end) -> tuple:
+        """(sp_forward_t over the rows, without a mask; the slot, write, ctx, end arrays it points at:
+        keep them alive while it is used). cos/sin are filled by the C call (from write)."""
+        L, k, v = self.layers, cache.k, cache.v
+        arrays = [_i64(a) for a in (slot, write, ctx, end)]
+        f = _Forward(L.hidden, L.heads, L.kv_heads, L.hd, L.inter, L.eps, L.scale, L.threads, k.data_ptr(),
+                     v.data_ptr(), *k.stride()[:4], len(slot), None, None, *(ctypes.addressof(a) for a in arrays),
+                     None, 0, int(k.dtype == torch.float16))
+        return f, arrays
+
+    def _scratch(self, floats: int) -> int:
+        if self.scratch.numel() < floats:
+            self.scratch = torch.empty(floats)
+        return self.scratch.data_ptr()
+
+
+def _rows(segments) -> tuple[list[int], list[int]]:
+    """(slot, cache position) of every row of (slot, start, count) segments."""
+    slot, write = [], []
+    for s, start, n in segments:
+        slot += [s] * n
+        write += range(start, start + n)
+    return slot, write
+
+
+def _i64(values) -> ctypes.Array:
+    return (ctypes.c_int64 * max(1, len(values)))(*values)
