@@ -2,7 +2,8 @@
 
 In ONE run, on the same prompts (chat-formatted workloads shipped here plus HumanEval prompts):
   specpack plain greedy | specpack n-gram | specpack EAGLE-3 (the head in heads/, when present: chains, and
-  dynamic draft trees with --eagle3-tree) | transformers greedy `generate` |
+  dynamic draft trees with --eagle3-tree) | specpack DSpark (the block drafter in heads/, when present: a
+  fixed block, what its confidences verify, and trees with --dspark-tree) | transformers greedy `generate` |
   transformers prompt lookup (`prompt_lookup_num_tokens`) | ONNX Runtime plain and n-gram on the
   exported graph | llama.cpp F32 plain and prompt lookup
   (through llama-cpp-python, when installed: `pip install llama-cpp-python`, the bench extra).
@@ -10,7 +11,12 @@ Prints tokens/s, the ratios, acceptance length, whether outputs are identical, a
 verify forward over 8 new tokens vs 1.
 
     python bench/decode.py [--max-new-tokens 128] [--per-workload 3] [--no-hf] [--no-llama]
-                           [--eagle3-tree DEPTHxTOPKxNODES | none] [--weights fp32|fp16|bf16|int8|w8a8]
+                           [--eagle3-tree DEPTHxTOPKxNODES | none] [--dspark-tree DEPTHxTOPKxNODES | none]
+                           [--weights fp32|fp16|bf16|int8|w8a8] [--workloads humaneval,open-chat]
+
+Issue 17's comparison (the DSpark head against the EAGLE-3 head, n-gram and plain), HumanEval and chat only:
+
+    python bench/decode.py --workloads humaneval,open-chat --per-workload 16 --no-hf --no-llama --no-ort --lookup 0
 """
 
 from __future__ import annotations
@@ -75,9 +81,9 @@ class Specpack:
         self.model = specpack.load(artifact, public_key=pub, weights=weights)
         self.tok = self.model.tokenizer
 
-    def run(self, ids, max_new, spec, draft_len=8, adaptive=True, tree=None, lookup=0):
+    def run(self, ids, max_new, spec, draft_len=8, adaptive=True, tree=None, lookup=0, cost=None):
         r = self.model.generate(ids, max_new_tokens=max_new, speculative=spec, draft_len=draft_len, adaptive=adaptive,
-                                tree=tree, lookup=lookup)
+                                tree=tree, lookup=lookup, cost=cost)
         return r.tokens, r.stats.tokens_per_s, r.stats.acceptance_length
 
     def verify_ratio(self) -> tuple[float, float, float]:
@@ -207,6 +213,12 @@ def main() -> None:
     ap.add_argument("--eagle3-draft-len", type=int, default=3, help="EAGLE-3 column: draft length (fixed)")
     ap.add_argument("--eagle3-tree", default="5x4x12",
                     help="EAGLE-3 tree column: DEPTHxTOPKxNODES of its dynamic draft trees, or 'none'")
+    ap.add_argument("--dspark-draft-len", type=int, default=5, help="DSpark column: blocks of this many drafts")
+    ap.add_argument("--dspark-tree", default="3x8x5",
+                    help="DSpark tree column: DEPTHxTOPKxNODES of its trees over the block's slots (the shape "
+                    "`specpack tune` chose for the demo's DSpark artifact on a 2-core CPU), or 'none'")
+    ap.add_argument("--workloads", default=None,
+                    help=f"comma-separated workloads to run (default: all of {', '.join([*WORKLOADS, 'humaneval'])})")
     ap.add_argument("--lookup", type=int, default=8, help="EAGLE-3 + lookup columns: the head's chain and tree with "
                     "prompt lookup (`--lookup N`: copies of up to N tokens where the context repeats); 0: none")
     ap.add_argument("--weights", default="fp32", help="the specpack columns' weight precision (bench/precision.py "
@@ -241,6 +253,7 @@ def main() -> None:
                 engines["specpack EAGLE-3 tree + lookup"] = lambda ids: sp_e.run(
                     ids, args.max_new_tokens, True, depth, adaptive=False, tree=TreeShape(topk, nodes),
                     lookup=args.lookup)
+    engines.update(dspark_engines(pub, args))
     if not args.no_ort:  # exports the artifact's ONNX graphs first (re-signed with the demo key)
         from ort_column import ort_engines
 
@@ -262,14 +275,45 @@ def main() -> None:
     he = humaneval_prompts(args.per_workload)
     if he:
         prompts["humaneval"] = [tok(p).input_ids for p in he]
-    for ids in prompts["open-chat"][:1]:  # warm-up every engine
+    if args.workloads:
+        wanted = args.workloads.split(",")
+        if unknown := [w for w in wanted if w not in prompts]:
+            sys.exit(f"unknown workloads {unknown}: choose from {', '.join(prompts)}")
+        prompts = {w: prompts[w] for w in wanted}
+    for ids in next(iter(prompts.values()))[:1]:  # warm-up every engine
         for fn in engines.values():
             fn(ids[:32])
     report(engines, prompts, args.max_new_tokens)
 
 
+def dspark_engines(pub, args) -> dict:
+    """The columns of the DSpark head shipped in heads/ (bash bench/distill_smollm2_dspark.sh), none
+    without one: a fixed block of --dspark-draft-len; the cost model measured at start with the
+    confidence head's estimates cutting each block (what `specpack run` does without a profile); and
+    trees over its slots."""
+    from specpack.demo import cache_dir, prepare_head
+    from specpack.serving.generate import with_draft_prior
+
+    artifact = prepare_head(cache_dir(), "DSpark", lambda s: print(s, file=sys.stderr))
+    if artifact is None:
+        return {}
+    sp, n = Specpack(artifact, pub, args.weights), args.dspark_draft_len
+    cost = with_draft_prior(sp.model, sp.model.measure_cost((1, 2, 4, 8)))  # as `specpack run` measures
+    engines = {"specpack DSpark": lambda ids: sp.run(ids, args.max_new_tokens, True, n, adaptive=False),
+               "specpack DSpark confidence": lambda ids: sp.run(ids, args.max_new_tokens, True, n, adaptive=None,
+                                                                cost=cost)}
+    if args.dspark_tree != "none":
+        from specpack.runtime.drafters.base import TreeShape
+
+        depth, topk, nodes = (int(x) for x in args.dspark_tree.split("x"))
+        engines["specpack DSpark tree"] = lambda ids: sp.run(ids, args.max_new_tokens, True, depth, adaptive=False,
+                                                             tree=TreeShape(topk, nodes))
+    return engines
+
+
 SPECULATIVE = ("specpack n-gram", "specpack EAGLE-3", "specpack EAGLE-3 tree", "specpack EAGLE-3 + lookup",
-               "specpack EAGLE-3 tree + lookup")
+               "specpack EAGLE-3 tree + lookup", "specpack DSpark", "specpack DSpark confidence",
+               "specpack DSpark tree")
 
 
 def report(engines, prompts, max_new) -> None:
