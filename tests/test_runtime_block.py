@@ -270,6 +270,37 @@ def test_packed_drafter_runs_fused_as_the_module_path_does(llama, tmp_path, vari
             assert torch.equal(got.candidates, want.candidates)
 
 
+@pytest.mark.skipif(not kernels.available(), reason="no CPU kernel")
+def test_fused_block_refuses_rows_past_its_cache_tables_and_embedding(llama, tmp_path):
+    """The C calls index the cache, the RoPE tables and the embedding unchecked: a position past the
+    reserve, a slot past the cache or a token id past the embedding is an IndexError, as on the module
+    path, with the cache untouched (never a write past it)."""
+    from specpack.runtime.kernels.accelerate import use_cpu_kernels
+
+    _, hf = llama
+    target = load_target(target_dir("llama"))
+    use_cpu_kernels(target)
+    drafter = load_block(None, head(tmp_path / "h", "dspark"), target)
+    use_cpu_kernels(drafter)
+    fb = drafter.fused_block
+    assert fb is not None
+    drafter.reserve(2, 8)
+    size, T, vocab = drafter.cache.max_len, drafter.spec.block_len, len(drafter.embed_tokens.weight)
+    feats = features(hf, sequence(hf, 5))[:3]
+    before = drafter.cache.k.clone(), drafter.cache.v.clone()
+    bad = {"position": (lambda: fb.context(feats, [(0, size - 2, 3)], drafter.cache), "positions"),
+           "block position": (lambda: fb.draft([(0, size - T + 1, 5)], 0, T, 1, drafter.cache), "positions"),
+           "slot": (lambda: fb.draft([(2, 0, 5)], 0, T, 1, drafter.cache), "slots"),
+           "token": (lambda: fb.draft([(0, 0, vocab)], 0, T, 1, drafter.cache), "token ids"),
+           "negative token": (lambda: fb.draft([(1, 0, -1)], 0, T, 1, drafter.cache), "token ids")}
+    with torch.inference_mode():
+        for name, (call, says) in bad.items():
+            with pytest.raises(IndexError, match=says):
+                call()
+            assert torch.equal(drafter.cache.k, before[0]) and torch.equal(drafter.cache.v, before[1]), name
+        fb.draft([(0, size - T, 5)], 0, T, 1, drafter.cache)  # the last block that fits runs
+
+
 def small_target(vocab: int = 8):
     """A 2-layer target over a tiny vocabulary: random drafts are often right, so blocks get accepted."""
     cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,

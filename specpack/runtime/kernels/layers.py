@@ -320,6 +320,7 @@ class FusedBlock:
         positions -> ctx [R, hidden] (hidden_norm(fc(feats))), their keys and values written into
         `cache` for every layer."""
         slot, write = _rows(segments)
+        self._check(cache, slot, write)
         R, L = len(slot), self.layers
         feats = feats.float().contiguous()
         ctx = torch.empty(R, L.hidden)
@@ -339,6 +340,7 @@ class FusedBlock:
         full = [p + T for _, p, _ in blocks for _ in range(T)]
         tokens = [t for *_, anchor in blocks for t in (anchor, *[self.spec.mask_token_id] * (T - 1))]
         starts = [p for _, p, _ in blocks for _ in range(T)]
+        self._check(cache, slot, write, tokens)
         f, arrays = self._forward(cache, slot, write, starts, full)
         R = J * T
         hidden_rows = [j * T + first + q for j in range(J) for q in range(slots)]
@@ -351,6 +353,19 @@ class FusedBlock:
                                 len(hidden_rows), hidden.data_ptr(), _i64(picked), len(picked), logits.data_ptr(),
                                 scratch)
         return hidden, logits
+
+    def _check(self, cache, slot, write, tokens=()) -> None:
+        """The C calls index the cache, the RoPE tables and the embedding with these unchecked: an
+        IndexError here, as the module path's torch indexing raises, and never a read or write past them."""
+        k = cache.k
+        positions = min(k.shape[3], len(self.tables[0]) if self.tables else 0)
+        if slot and not (0 <= min(slot) and max(slot) < k.shape[1]):
+            raise IndexError(f"slots {min(slot)}..{max(slot)} outside the drafter's cache of {k.shape[1]}")
+        if write and not (0 <= min(write) and max(write) < positions):
+            raise IndexError(f"positions {min(write)}..{max(write)} outside the drafter's {positions} (reserve more)")
+        if tokens and not (0 <= min(tokens) and max(tokens) < len(self.embed)):
+            raise IndexError(f"token ids {min(tokens)}..{max(tokens)} outside the drafter's embedding of "
+                             f"{len(self.embed)} rows")
 
     def _forward(self, cache, slot, write, ctx, end) -> tuple:
         """(sp_forward_t over the rows, without a mask; the slot, write, ctx, end arrays it points at:
