@@ -23,6 +23,7 @@ each phase: figures from a shared machine are only comparable within one run.
 
     python bench/precision.py [--weights fp32,fp16,bf16,bf16-vector,int8,w8a8] [--max-new-tokens 64] [--per-workload 2]
                               [--no-decode] [--no-llama] [--rows 1,9,16,32]
+    python bench/precision.py --pairs 3 --per-workload 2 --max-new-tokens 128     # plain decode vs llama.cpp, in pairs
 """
 
 from __future__ import annotations
@@ -177,6 +178,9 @@ def main() -> None:
     ap.add_argument("--no-decode", action="store_true", help="distance and forward cost only")
     ap.add_argument("--no-distance", action="store_true", help="skip the distance from fp32")
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--pairs", type=int, default=0, metavar="ROUNDS",
+                    help="plain decode only, ours and llama.cpp's in pairs (one prompt, one precision, back to "
+                    "back, the order alternating), ROUNDS rounds; prints each precision's median ratio")
     args = ap.parse_args()
     from specpack.demo import cache_dir, prepare, prepare_eagle3
 
@@ -192,6 +196,8 @@ def main() -> None:
     by_workload = prompts(tok, args.per_workload)
     every = [ids for ps in by_workload.values() for ids in ps]
 
+    if args.pairs:
+        return run_pairs(args, models, every)
     if not args.no_distance:
         print_distance(models, every, args.max_new_tokens)
 
@@ -238,6 +244,33 @@ def run_decode(args, models, eagle3, pub, by_workload) -> None:
                 line += (f"  | llama.cpp {name} {lp:6.1f} (decode {lpd:6.1f}; ours {p / lp:.2f}x, decode "
                          f"{pd / lpd:.2f}x), lookup {ll:6.1f} (n-gram {s / ll:.2f}x)")
             print(line, flush=True)
+
+
+def run_pairs(args, models, every) -> None:
+    """Issue 15's plain-decode goal (ours >= 1.05x llama.cpp at each precision) through this machine's
+    noise: per precision, every prompt decoded by ours and by llama.cpp at the matching GGUF back to back,
+    the order alternating, for args.pairs rounds; the ratio of decode rates (after the first token) per
+    pair, then the median and the quartiles over pairs."""
+    llama = llama_engines(models)
+    eos = set(models["fp32"].target.spec.eos_token_ids)
+    ratios = {w: [] for w in llama}
+    print(f"\n## plain decode in pairs: {len(every)} prompts x {args.pairs} rounds, {args.max_new_tokens} new "
+          f"tokens; {busy()}")
+    for r in range(args.pairs):
+        for w, (name, lc) in llama.items():
+            for i, ids in enumerate(every):
+                ours_first = (r + i) % 2 == 0
+                for side in ("ours", "llama") if ours_first else ("llama", "ours"):
+                    if side == "ours":
+                        ours = models[w].generate(ids, args.max_new_tokens, speculative=False).stats.decode_tokens_per_s
+                    else:
+                        theirs = llama_decode(lc, [ids], args.max_new_tokens, eos)[1]
+                ratios[w].append(ours / theirs)
+        print(f"round {r + 1}: " + "  ".join(f"{w} {statistics.median(v):.2f}" for w, v in ratios.items()), flush=True)
+    for w, v in ratios.items():
+        q1, med, q3 = statistics.quantiles(v, n=4) if len(v) > 1 else (v[0],) * 3
+        print(f"{w:11s} vs llama.cpp {llama[w][0]:4s}: decode ratio median {med:.2f} (quartiles {q1:.2f} - {q3:.2f}, "
+              f"{len(v)} pairs; >= 1.05 in {sum(x >= 1.05 for x in v)})")
 
 
 def llama_engines(models) -> dict:
