@@ -420,6 +420,14 @@ static AMX void amx_slab(const qjob_t *j, const char *w, int np, int64_t m0, int
 static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, float *scratch)
 {
     const qjob_t *j = job;
+    if (np == 4 && ms > MR_OF(4) && !j->amx && j->vnni_many) {
+        /* more rows than one 4-panel tile holds: panels in pairs, tiles of up to 6 rows, so each weight
+         * is read from cache by ceil(ms / 6) tiles instead of ceil(ms / 3) (the products' 120 layers of
+         * SmolLM2 at 6 / 9 / 16 rows, Zen 4: 3-12% faster); the same sums in the same order */
+        slab(job, p, 2, m0, ms, scratch);
+        slab(job, p + 2, 2, m0, ms, scratch);
+        return;
+    }
     const int64_t n0 = p * NR, cols = j->N - n0 < NR * np ? j->N - n0 : NR * np;
     const int full = cols == NR * np;
     float *out = full ? j->y + m0 * j->ldy + n0 : scratch;
