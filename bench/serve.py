@@ -6,9 +6,10 @@ Q8_0 for int8/w8a8), closed-loop clients on
 loopback at each concurrency level, greedy, on a code workload (HumanEval prompts, /v1/completions)
 and a chat workload (bench/workloads/chat.jsonl plus open-chat prompts, /v1/chat/completions):
 
-  specpack serve, speculation on (n-gram; EAGLE-3 too when heads/ has the head, and EAGLE-3 with
-    prompt lookup, `serve --lookup N`, with --lookup N)
-  specpack serve, speculation off (--max-concurrency 0; for EAGLE-3 also its own artifact, head loaded)
+  specpack serve, speculation on (n-gram; EAGLE-3 and DSpark too when heads/ has their heads, and
+    EAGLE-3 with prompt lookup, `serve --lookup N`, with --lookup N)
+  specpack serve, speculation off (--max-concurrency 0; for EAGLE-3 and DSpark also their own
+    artifacts, head loaded)
   llama-server -np 16 (continuous batching), when --llama-cpp names a built llama.cpp tree
   specpack serve --backend onnxruntime (n-gram and off, on an exported copy), with --onnx
   specpack serve, speculation off, the greedy screen off (SPECPACK_GREEDY_SCREEN=0), with --screen-control
@@ -308,11 +309,13 @@ def summary(runs: list[Run], levels: list[int]) -> None:
 # deployment) and against the plain one; the control against the plain one; the plain one against
 # itself without the greedy screen
 PAIRS = [("specpack-ngram", "specpack-plain"), ("specpack-eagle3", "specpack-eagle3-off"),
+         ("specpack-dspark", "specpack-dspark-off"), ("specpack-dspark", "specpack-eagle3"),
          ("specpack-eagle3-lookup", "specpack-eagle3-off"), ("specpack-eagle3-lookup", "specpack-eagle3"),
          ("specpack-eagle3", "specpack-plain"), ("specpack-eagle3-off", "specpack-plain"),
          ("specpack-plain-2", "specpack-plain"), ("specpack-plain", "specpack-plain-noscreen")]
 ROLES = {"specpack-plain-2": "a second off server (control)",
          "specpack-eagle3-off": "the EAGLE-3 artifact, speculation off",
+         "specpack-dspark-off": "the DSpark artifact, speculation off",
          "specpack-eagle3-lookup": "EAGLE-3 with --lookup",
          "specpack-plain": "speculation off, the greedy screen on"}  # what a PAIRS entry's first server is
 T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26, 10: 2.23,
@@ -348,7 +351,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16, help="requests per level (at least one per client)")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--only", help="comma-separated servers to run: specpack-ngram,specpack-plain,"
-                                   "specpack-eagle3,specpack-eagle3-off,llama-server (and specpack-onnx-* with --onnx)")
+                                   "specpack-eagle3,specpack-eagle3-off,specpack-dspark,specpack-dspark-off,"
+                                   "llama-server (and specpack-onnx-* with --onnx)")
     ap.add_argument("--onnx", action="store_true",
                     help="also serve on ONNX Runtime (`serve --backend onnxruntime`, n-gram and off)")
     ap.add_argument("--weights", default="fp32", choices=sorted(GGUF_TYPES),
@@ -371,7 +375,7 @@ def main() -> int:
                     help="fresh server processes every round (two processes of one server have read 3-4%% "
                          "apart here: with a restart per round that difference averages out over the rounds)")
     args = ap.parse_args()
-    from specpack.demo import cache_dir, prepare, prepare_eagle3
+    from specpack.demo import cache_dir, prepare, prepare_eagle3, prepare_head
 
     levels = [int(c) for c in args.clients.split(",")]
     slots = max(levels)
@@ -388,6 +392,10 @@ def main() -> int:
         if args.lookup:
             servers["specpack-eagle3-lookup"] = (lambda p: specpack_server(eagle3, p, True, slots, lookup=args.lookup,
                                                                            **o), eagle3.name)
+    dspark = prepare_head(cache_dir(), "DSpark", say)
+    if dspark is not None:  # no profile: the cost curve measured at start, the confidences cut each block
+        servers["specpack-dspark"] = (lambda p: specpack_server(dspark, p, True, slots, **o), dspark.name)
+        servers["specpack-dspark-off"] = (lambda p: specpack_server(dspark, p, False, slots, **o), dspark.name)
     if args.control:  # a second process of the same server: how far apart two identical ones read
         servers["specpack-plain-2"] = (lambda p: specpack_server(artifact, p, False, slots, **o), artifact.name)
     if args.screen_control:  # plain decoding with every logit computed (kernels/screen.py off)
