@@ -4,6 +4,8 @@
  * work of a 9-12 row tile). Prints the stream alone, the compute alone (one slab reused), and both with:
  * no software prefetch (the hardware prefetchers only), the next slab prefetched at its start in one burst
  * (T0 / T1 / T2, 1-4 slabs ahead), and the next slab's lines prefetched spread over the first pass (T0 / T1).
+ * Then the same without software prefetch in "calls" of 0.5 / 4 / 32 MB per thread with a barrier between
+ * them, as a forward's 120 products are.
  *
  *   gcc -O2 -fopenmp bench/overlap.c -o /tmp/overlap && /tmp/overlap
  */
@@ -64,6 +66,38 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) static double run(int pas
     return (omp_get_wtime() - t) * 1e3;
 }
 
+/* ms for stream + compute (two passes, hardware prefetch only) in calls of `call` bytes per thread. */
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) static double calls(size_t call)
+{
+    const double t = omp_get_wtime();
+    long long sink = 0;
+#pragma omp parallel num_threads(2) reduction(+ : sink)
+    {
+        const int id = omp_get_thread_num();
+        __m512i acc[12];
+        for (int a = 0; a < 12; a++) acc[a] = _mm512_setzero_si512();
+        const __m512i x = _mm512_set1_epi32(0x01020304);
+        for (size_t c0 = 0; c0 < TOT / 2; c0 += call) {
+            const char *base = buf + 2 * c0 + id * call; /* this thread's half of the call */
+            for (size_t s = 0; s < call / SLAB; s++)
+                for (int r = 0; r < 2; r++)
+                    for (size_t l = 0; l < SLAB; l += 128) {
+                        const __m512i w0 = _mm512_load_si512(base + s * SLAB + l);
+                        const __m512i w1 = _mm512_load_si512(base + s * SLAB + l + 64);
+#pragma GCC unroll 6
+                        for (int a = 0; a < 6; a++) {
+                            acc[a] = _mm512_dpbusd_epi32(acc[a], w0, x);
+                            acc[6 + a] = _mm512_dpbusd_epi32(acc[6 + a], w1, x);
+                        }
+                    }
+#pragma omp barrier
+        }
+        for (int a = 0; a < 12; a++) sink += _mm512_reduce_add_epi32(acc[a]);
+    }
+    if (sink == 42) puts("");
+    return (omp_get_wtime() - t) * 1e3;
+}
+
 int main(void)
 {
     if (!__builtin_cpu_supports("avx512vnni")) {
@@ -77,6 +111,8 @@ int main(void)
         for (int how = NONE; how <= SPREAD_T1; how++)
             for (int dist = 1; dist <= (how == NONE ? 1 : 4); dist *= 2)
                 printf("  both, prefetch %-20s %d slab(s) ahead: %.2f ms\n", NAMES[how], dist, run(2, how, dist, 0));
+        for (size_t call = (size_t)512 << 10; call <= TOT / 2; call *= 8)
+            printf("  both, in calls of %5zu KB a thread with a barrier between: %.2f ms\n", call >> 10, calls(call));
     }
     return 0;
 }
