@@ -252,6 +252,9 @@ def run_pairs(args, models, every) -> None:
     the order alternating, for args.pairs rounds; the ratio of decode rates (after the first token) per
     pair, then the median and the quartiles over pairs."""
     llama = llama_engines(models)
+    if not llama:
+        sys.exit("--pairs compares with llama.cpp: install llama-cpp-python (the bench extra) or point PYTHONPATH "
+                 "and LLAMA_CPP_LIB_PATH at a build of its sdist")
     eos = set(models["fp32"].target.spec.eos_token_ids)
     ratios = {w: [] for w in llama}
     print(f"\n## plain decode in pairs: {len(every)} prompts x {args.pairs} rounds, {args.max_new_tokens} new "
