@@ -240,19 +240,17 @@ def main() -> None:
         sp_e = Specpack(eagle3, pub, args.weights)
         engines["specpack EAGLE-3"] = lambda ids: sp_e.run(ids, args.max_new_tokens, True, args.eagle3_draft_len,
                                                            adaptive=False)
-        if args.eagle3_tree != "none":
-            from specpack.runtime.drafters.base import TreeShape
-
-            depth, topk, nodes = (int(x) for x in args.eagle3_tree.split("x"))
+        tree = tree_column(args.eagle3_tree, "--eagle3-tree")
+        if tree:
+            depth, shape = tree
             engines["specpack EAGLE-3 tree"] = lambda ids: sp_e.run(ids, args.max_new_tokens, True, depth,
-                                                                    adaptive=False, tree=TreeShape(topk, nodes))
+                                                                    adaptive=False, tree=shape)
         if args.lookup:
             engines["specpack EAGLE-3 + lookup"] = lambda ids: sp_e.run(
                 ids, args.max_new_tokens, True, args.eagle3_draft_len, adaptive=False, lookup=args.lookup)
-            if args.eagle3_tree != "none":
+            if tree:
                 engines["specpack EAGLE-3 tree + lookup"] = lambda ids: sp_e.run(
-                    ids, args.max_new_tokens, True, depth, adaptive=False, tree=TreeShape(topk, nodes),
-                    lookup=args.lookup)
+                    ids, args.max_new_tokens, True, depth, adaptive=False, tree=shape, lookup=args.lookup)
     engines.update(dspark_engines(pub, args))
     if not args.no_ort:  # exports the artifact's ONNX graphs first (re-signed with the demo key)
         from ort_column import ort_engines
@@ -302,13 +300,25 @@ def dspark_engines(pub, args) -> dict:
     engines = {"specpack DSpark": lambda ids: sp.run(ids, args.max_new_tokens, True, n, adaptive=False),
                "specpack DSpark confidence": lambda ids: sp.run(ids, args.max_new_tokens, True, n, adaptive=None,
                                                                 cost=cost)}
-    if args.dspark_tree != "none":
-        from specpack.runtime.drafters.base import TreeShape
-
-        depth, topk, nodes = (int(x) for x in args.dspark_tree.split("x"))
+    tree = tree_column(args.dspark_tree, "--dspark-tree")
+    if tree:
+        depth, shape = tree
         engines["specpack DSpark tree"] = lambda ids: sp.run(ids, args.max_new_tokens, True, depth, adaptive=False,
-                                                             tree=TreeShape(topk, nodes))
+                                                             tree=shape)
     return engines
+
+
+def tree_column(value: str, option: str):
+    """A tree column's DEPTHxTOPKxNODES as (depth, TreeShape), parsed as `specpack tune --tree-shapes` parses
+    it; None for 'none'."""
+    from specpack.cli._common import tree_shapes
+    from specpack.runtime.drafters.base import TreeShape
+
+    shapes = tree_shapes(value, option)
+    if not shapes:
+        return None
+    depth, topk, nodes = shapes[0]
+    return depth, TreeShape(topk, nodes)
 
 
 SPECULATIVE = ("specpack n-gram", "specpack EAGLE-3", "specpack EAGLE-3 tree", "specpack EAGLE-3 + lookup",
