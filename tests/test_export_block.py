@@ -86,7 +86,9 @@ def test_sglang_counts_the_anchor_for_dflash_and_gamma_for_dspark(arts, tmp_path
     r = export_engine(arts["deepspec-dspark"], "sglang", tmp_path / "d")
     assert r.config["flags"]["--speculative-algorithm"] == "DSPARK"
     assert r.config["flags"]["--speculative-dspark-block-size"] == "4"
-    assert "--speculative-num-draft-tokens" not in r.config["flags"]
+    # the verify window stated too (issue 43): SGLang refuses any other than gamma + 1
+    assert r.config["flags"]["--speculative-num-draft-tokens"] == "5"
+    assert "--speculative-dspark-block-size 4" in r.command and "--speculative-num-draft-tokens 5" in r.command
 
 
 def test_trtllm_decoding_configs(arts, tmp_path):

@@ -56,6 +56,9 @@ Sources followed:
   `--speculative-algorithm DFLASH|DSPARK`, `--speculative-num-draft-tokens` (for DFLASH the verify
   window: the anchor plus the draft tokens; `--speculative-dflash-block-size` is its alias),
   `--speculative-dspark-block-size` (gamma, the draft tokens; "the verify window is gamma + 1").
+  arg_groups/speculative_hook.py `_handle_dspark`: with gamma set, a `--speculative-num-draft-tokens`
+  other than gamma + 1 is a ValueError, and without it the window is set to gamma + 1; both are
+  written, so the export states the window instead of leaving it to the hook.
   speculative/dflash_utils.py @ 00731f0b: `dflash_config.target_layer_ids` count output of layer i
   ("SGLang captures before layer i, so the model hook will typically add +1"), negative ids refused,
   sinks (dflash_config.attention_sink_bias) and windows (layer_types + sliding_window) read, no
@@ -161,12 +164,11 @@ def write_block(ctx: ExportContext, head: dict, tensors: dict) -> EngineExport:
     _block.write_draft(ctx, ctx.out, head, tensors, arch)
     flags = {"--speculative-algorithm": "DSPARK" if d.algorithm == "dspark" else "DFLASH",
              "--speculative-draft-model-path": ctx.final_out}
-    if d.algorithm == "dspark":
+    flags["--speculative-num-draft-tokens"] = D + 1  # the verify window: the anchor and the D draft tokens
+    count = f"--speculative-num-draft-tokens {D + 1} (SGLang counts the anchor with the {D} draft tokens)"
+    if d.algorithm == "dspark":  # gamma; speculative_hook.py refuses a window other than gamma + 1
         flags["--speculative-dspark-block-size"] = D
-        count = f"--speculative-dspark-block-size {D} (gamma, the draft tokens; SGLang verifies gamma + 1)"
-    else:
-        flags["--speculative-num-draft-tokens"] = D + 1
-        count = f"--speculative-num-draft-tokens {D + 1} (SGLang counts the anchor with the {D} draft tokens)"
+        count = f"--speculative-dspark-block-size {D} (gamma, the draft tokens) and {count}"
     write_json(ctx.out / "launch_flags.json", _flat(flags))
     ids = output_of_layer(list(d.target_features.layer_ids))
     notes = ["Flags checked against sgl-project/sglang arg_groups/fields/spec.py at 015c872628e3."]
