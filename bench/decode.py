@@ -290,13 +290,12 @@ def dspark_engines(pub, args) -> dict:
     confidence head's estimates cutting each block (what `specpack run` does without a profile); and
     trees over its slots."""
     from specpack.demo import cache_dir, prepare_head
-    from specpack.serving.generate import with_draft_prior
 
     artifact = prepare_head(cache_dir(), "DSpark", lambda s: print(s, file=sys.stderr))
     if artifact is None:
         return {}
     sp, n = Specpack(artifact, pub, args.weights), args.dspark_draft_len
-    cost = with_draft_prior(sp.model, sp.model.measure_cost((1, 2, 4, 8)))  # as `specpack run` measures
+    cost = sp.model.price(sp.model.measure_cost((1, 2, 4, 8)), n)  # as `specpack run` measures
     engines = {"specpack DSpark": lambda ids: sp.run(ids, args.max_new_tokens, True, n, adaptive=False),
                "specpack DSpark confidence": lambda ids: sp.run(ids, args.max_new_tokens, True, n, adaptive=None,
                                                                 cost=cost)}

@@ -92,10 +92,9 @@ def modes(head: str, model) -> list[tuple[str, dict]]:
     if head == "eagle3":
         return [(f"fixed D={d}", dict(draft_len=d, adaptive=False)) for d in (3, 4, 5)] + \
             [("adaptive D=5", dict(draft_len=5, adaptive=True))]
-    from specpack.serving.generate import with_draft_prior
 
     slots = model.manifest.drafter.draft_slots
-    curve = with_draft_prior(model, model.measure_cost((1, 2, 4, 8)))  # as `specpack run` prices drafts
+    curve = model.price(model.measure_cost((1, 2, 4, 8)), slots)  # as `specpack run` prices drafts
     print(f"cost curve {curve.to_dict()}, draft ratio {curve.draft_ratio:.3f}")
     from specpack.runtime.drafters.base import TreeShape
 

@@ -44,43 +44,46 @@ def rope(x, positions, theta, style):
 
 
 def layer(w, cfg, i, x, ctx):
-    """One draft layer: block x [T, H] attends the context ctx [P, H] (positions 0..P-1) and itself."""
+    """One draft layer: block x [..., T, H] attends the context ctx [..., P, H] (positions 0..P-1) and
+    itself (leading dims: independent sequences, as a trainer batches them)."""
     p, eps = f"layers.{i}.", cfg["rms_norm_eps"]
     nh, nkv, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    P, T = ctx.shape[0], x.shape[0]
+    P, T = ctx.shape[-2], x.shape[-2]
     h = rms(x, w[p + "input_layernorm.weight"], eps)
-    q = rms(lin(h, w, p + "self_attn.q_proj").view(T, nh, hd), w[p + "self_attn.q_norm.weight"], eps)
-    k = torch.cat([lin(ctx, w, p + "self_attn.k_proj"), lin(h, w, p + "self_attn.k_proj")]).view(P + T, nkv, hd)
-    k = rms(k, w[p + "self_attn.k_norm.weight"], eps)
-    v = torch.cat([lin(ctx, w, p + "self_attn.v_proj"), lin(h, w, p + "self_attn.v_proj")]).view(P + T, nkv, hd)
-    q = rope(q.transpose(0, 1), torch.arange(P, P + T), cfg["rope_theta"], cfg["rope_style"])  # [nh, T, hd]
-    k = rope(k.transpose(0, 1), torch.arange(P + T), cfg["rope_theta"], cfg["rope_style"])
-    k, v = k.repeat_interleave(nh // nkv, 0), v.transpose(0, 1).repeat_interleave(nh // nkv, 0)
+    q = rms(lin(h, w, p + "self_attn.q_proj").unflatten(-1, (nh, hd)), w[p + "self_attn.q_norm.weight"], eps)
+    seen_rows = torch.cat([ctx, h], -2)  # keys and values: the context's, then the block's
+    k = rms(lin(seen_rows, w, p + "self_attn.k_proj").unflatten(-1, (nkv, hd)), w[p + "self_attn.k_norm.weight"], eps)
+    v = lin(seen_rows, w, p + "self_attn.v_proj").unflatten(-1, (nkv, hd))
+    q = rope(q.transpose(-3, -2), torch.arange(P, P + T), cfg["rope_theta"], cfg["rope_style"])  # [..., nh, T, hd]
+    k = rope(k.transpose(-3, -2), torch.arange(P + T), cfg["rope_theta"], cfg["rope_style"])
+    k, v = k.repeat_interleave(nh // nkv, -3), v.transpose(-3, -2).repeat_interleave(nh // nkv, -3)
     block = torch.ones(T, T, dtype=torch.bool)
     if cfg["layer_causal"][i]:
         block = block.tril()
     seen = torch.cat([torch.ones(T, P, dtype=torch.bool), block], 1)
     scores = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~seen, float("-inf"))
-    attn = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, nh * hd)
+    attn = (scores.softmax(-1) @ v).transpose(-3, -2).flatten(-2)
     x = x + lin(attn, w, p + "self_attn.o_proj")
     m = rms(x, w[p + "post_attention_layernorm.weight"], eps)
     return x + lin(F.silu(lin(m, w, p + "mlp.gate_proj")) * lin(m, w, p + "mlp.up_proj"), w, p + "mlp.down_proj")
 
 
 def backbone(w, cfg, embed, feats, anchor):
-    """The final-norm hidden states [N, H] of the block rows that predict draft tokens 1..N, and
-    the projected context [P, H]."""
+    """The final-norm hidden states [..., N, H] of the block rows that predict draft tokens 1..N, and
+    the projected context [..., P, H]. feats [..., P, F]; anchor: a token id, or a tensor of them [...]."""
     eps, N = cfg["rms_norm_eps"], cfg["draft_slots"]
     fill_in = cfg["query_layout"] == "fill_in"
     ctx = rms(feats.float() @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
-    ids = torch.tensor([anchor] + [cfg["mask_token_id"]] * (N if fill_in else N - 1))
+    anchor = torch.as_tensor(anchor)
+    masks = torch.full((*anchor.shape, N if fill_in else N - 1), cfg["mask_token_id"])
+    ids = torch.cat([anchor[..., None], masks], -1)
     x = embed[ids]
     if cfg["mask_embedding"]:
         x[ids == cfg["mask_token_id"]] = w["mask_embedding"]
     for i in range(cfg["num_layers"]):
         x = layer(w, cfg, i, x, ctx)
     out = rms(x, w["norm.weight"], eps)
-    return (out[1:] if fill_in else out), ctx
+    return (out[..., 1:, :] if fill_in else out), ctx
 
 
 def pick(logits, ids, sampler, position):
@@ -133,8 +136,9 @@ def dspark(w, cfg, base, hidden, anchor, ids, scale, n, sampler):
     return tokens, (confidences if conf else None)
 
 
-def lilicorr(w, cfg, target_embed, head, hidden, anchor_hidden, n, sampler):
-    """vLLM LiLiCorrHead.forward over the block's slots, then the walk through all of them."""
+def lilicorr_factors(w, cfg, target_embed, head, hidden, anchor_hidden):
+    """vLLM LiLiCorrHead.score over the block's slots: each slot's top-k candidates [S, k] and the
+    factors the walk scores transitions with (into [S, k, F], out [S, k, F], the anchor's [F])."""
     c, eps, B = cfg["lilicorr"], cfg["rms_norm_eps"], cfg["block_size"]
     L = {k[len("lilicorr."):]: v for k, v in w.items() if k.startswith("lilicorr.")}
     topk, heads, ve = c["candidate_topk"], c["num_heads"], c["vector_eps"]
@@ -167,9 +171,15 @@ def lilicorr(w, cfg, target_embed, head, hidden, anchor_hidden, n, sampler):
     out = F.normalize(lin(phi, L, "out_head"), dim=-1, eps=ve)
     into = F.normalize(lin(phi, L, "in_head"), dim=-1, eps=ve)
     a_out = F.normalize(lin(anchor, L, "anchor_out_head"), dim=-1, eps=ve)
+    return cand, into, out, a_out
+
+
+def lilicorr(w, cfg, target_embed, head, hidden, anchor_hidden, n, sampler):
+    """vLLM LiLiCorrHead.forward over the block's slots, then the walk through all of them."""
+    cand, into, out, a_out = lilicorr_factors(w, cfg, target_embed, head, hidden, anchor_hidden)
     prev, tokens = None, []
-    for s in range(S):
-        row = (into[0] @ a_out if s == 0 else into[s] @ out[s - 1, prev]) * c["logit_scale"]
+    for s in range(len(cand)):
+        row = (into[0] @ a_out if s == 0 else into[s] @ out[s - 1, prev]) * cfg["lilicorr"]["logit_scale"]
         tokens.append(pick(row, cand[s], sampler, n + s))
         prev = int((cand[s] == tokens[-1]).nonzero()[0])
     return tokens

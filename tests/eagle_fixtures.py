@@ -184,16 +184,22 @@ def trained_head(family: str = "llama", steps: int = 150, draft_vocab: int = 256
     tokens each): step 1 from target features, step 2 from its own hidden state. Acceptance is high
     on those continuations (use their prefixes as prompts). Cached per session in a temp dir."""
     model = tiny.build_model(family)
-    seqs = greedy_sequences(model, training_prompts(), 40)
+    return train_head(model, greedy_sequences(model, training_prompts(), 40), steps, draft_vocab, seed)
+
+
+def train_head(model, seqs: torch.Tensor, steps: int = 150, draft_vocab: int = 256, seed: int = 0) -> Path:
+    """An EAGLE-3 head (canonical dir) trained on `seqs` [B, S], the target `model`'s own greedy
+    sequences, with EAGLE-3's two unrolled steps, through the reference forward."""
+    vocab = model.config.vocab_size
     with torch.no_grad():
         out = model(seqs, output_hidden_states=True)
     aux = torch.cat([out.hidden_states[i] for i in AUX], -1)  # [B, S, 3H]
     pred = out.logits.argmax(-1)  # pred[:, p]: the target's token at p + 1
     embed = model.get_input_embeddings().weight.detach()
     # draft vocab: the tokens the target predicts most often (as EAGLE-3 builds it)
-    counts = torch.bincount(pred.flatten(), minlength=tiny.VOCAB).float() + torch.arange(tiny.VOCAB) * 1e-6
+    counts = torch.bincount(pred.flatten(), minlength=vocab).float() + torch.arange(vocab) * 1e-6
     ids = counts.topk(draft_vocab).indices.sort().values
-    to_draft = torch.full((tiny.VOCAB,), -100, dtype=torch.long)
+    to_draft = torch.full((vocab,), -100, dtype=torch.long)
     to_draft[ids] = torch.arange(draft_vocab)
     cfg = head_config(model.config.to_dict(), draft_vocab)
     w = {k: v.requires_grad_(v.is_floating_point()) for k, v in random_weights(cfg, ids, seed, 0.5).items()}

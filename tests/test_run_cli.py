@@ -30,7 +30,11 @@ def test_run_json_greedy_equals_no_spec(ngram_artifact, cli):
                 "draft_len", "steps"):
         assert key in spec
     assert spec["draft_len"] == 4 and spec["speculative"] is True
-    assert spec["acceptance_length"] == 1 + spec["accepted"] / spec["steps"]
+    drafted = spec["accepted"] - spec["lookup_accepted"]
+    assert spec["acceptance_length"] == (1 + drafted / spec["drafted_steps"] if spec["drafted_steps"] else 1.0)
+    assert spec["tokens_per_step"] == 1 + spec["accepted"] / spec["steps"]
+    assert spec["drafted_steps"] + spec["undrafted_steps"] + spec["lookup_steps"] == spec["steps"]
+    assert spec["speculation"]["mode"] == "cost model" and str(spec["drafted_steps"]) in spec["speculation"]["decision"]
     assert plain["acceptance_length"] == 1.0
 
 

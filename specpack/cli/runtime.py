@@ -22,9 +22,9 @@ from specpack.cli._common import tree_shapes as parse_tree_shapes
 @click.option("--top-k", default=0, show_default=True, type=int, help="0 = off.")
 @click.option("--top-p", default=1.0, show_default=True, type=float)
 @click.option("--seed", type=int, help="Seed for sampling (reproducible runs).")
-@click.option("--draft-len", type=int, help="Longest draft per step; without a profile, drafted as given "
-              "[default: the profile's; else the artifact's, shortened where a cost curve measured at "
-              "start says drafts do not pay].")
+@click.option("--draft-len", type=int, help="Draft this many tokens every step, as given (no cost model, not a "
+              "profile's either) [default: up to the profile's, else the artifact's, each step's length from "
+              "a cost model measured on this machine, which may draft less or nothing and says so].")
 @click.option("--draft-tree", help="Draft trees of TOPKxNODES (e.g. 4x24, draft-len deep) or 'chain' "
                                    "[default: the profile's].")
 @click.option("--lookup", type=int, metavar="N",
@@ -83,9 +83,12 @@ def _run_summary(r: dict) -> str:
     tree = f", trees {r['draft_tree'][0]}x{r['draft_tree'][1]}" if r.get("draft_tree") else ""
     lookup = f", lookup {r['lookup']} ({r['lookup_steps']} steps copied)" if r.get("lookup") else ""
     mode = f"speculative, draft length {r['draft_len']}{tree}{lookup}" if r["speculative"] else "no speculation"
+    acceptance = (f"    acceptance length {r['acceptance_length']:.2f} over the {r['drafted_steps']} steps that drafted "
+                  f"({r['tokens_per_step']:.2f} tokens a step over all {r['steps']}); per position: {pos}\n"
+                  if r["speculative"] else "")
     return (f"--- {len(r['token_ids'])} tokens in {r['seconds']:.2f}s: {r['tokens_per_s']:.1f} tokens/s "
-            f"({mode}); finish: {r['finish_reason']}\n"
-            f"    acceptance length {r['acceptance_length']:.2f} over {r['steps']} steps; per position: {pos}\n"
+            f"({mode}); finish: {r['finish_reason']}\n{acceptance}"
+            f"    {r['speculation']['decision']}\n"
             f"    draft {r['draft_s']:.2f}s, verify {r['verify_s']:.2f}s, prefill {r['prefill_s']:.2f}s\n"
             f"    {r['profile_message']}")
 

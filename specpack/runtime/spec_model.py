@@ -24,7 +24,7 @@ class SpecModel(nn.Module):
         self.target = target
         self.drafter = drafter
         self.context_length = min(context_length or target.spec.context_length, target.spec.context_length)
-        self._costs: dict = {}  # cost curves measured on this machine, by rows (measure_cost)
+        self._costs: dict = {}  # what was measured on this machine: curves by rows, drafter and step costs
 
     def measure_cost(self, rows: Sequence[int] = (1, 2, 4, 8)):
         """The target's cost curve on this machine (engine.cost.measure: step time for each row count
@@ -37,6 +37,50 @@ class SpecModel(nn.Module):
             self.target.setup_cache(max(64, max(rows), sum(KEY_PROBE)), 1)
             self._costs[rows] = measure(self.target, rows)
         return self._costs[rows]
+
+    def price(self, cost, draft_len: int):
+        """`cost` (engine.cost.CostModel) as run, serve and tune price drafts with it: the drafter's
+        call time measured on this machine (`measure_drafter`, from a starting ratio of its share of the
+        weights; n-gram drafts are free; a block drafter's one pass drafts its whole block) and the
+        engine's own time per step (`measure_overhead`). The engine keeps learning both as it runs."""
+        from dataclasses import replace
+
+        if self.drafter is not None and not getattr(self.drafter, "free_drafts", False):
+            mem = self.manifest.memory
+            cost = cost.with_draft_ratio(max(0.02, mem.drafter_weight_bytes / max(mem.target_weight_bytes, 1)))
+            cost = replace(cost, parallel_drafts=bool(getattr(self.drafter, "parallel_drafts", False)))
+            cost = self.measure_drafter(cost, draft_len)
+        return cost.with_step(self.measure_overhead(cost), cost.key_ms)
+
+    def measure_drafter(self, cost, depth: int):
+        """`cost` (engine.cost.CostModel) with the drafter's call time measured on this machine
+        (engine.cost.measure_drafter), once per loaded model and depth: where the engine's online fit
+        starts. Free drafters (n-gram) cost nothing. Uses the target's and the drafter's caches."""
+        from specpack.runtime.engine.cost import measure_drafter
+
+        if self.drafter is None or getattr(self.drafter, "free_drafts", False):
+            return cost
+        key = ("drafter", depth, cost.draft_ratio, cost.rows, cost.ms)
+        if key not in self._costs:
+            self._costs[key] = measure_drafter(self.target, self.drafter, cost, depth)
+        measured = self._costs[key]
+        return cost.with_draft_ratio(measured.draft_ratio, measured.draft_call_ms)
+
+    def measure_overhead(self, cost, steps: int = 16) -> float:
+        """Milliseconds an engine step takes beyond what `cost` (engine.cost.CostModel) prices its
+        forward at: the engine's own work (planning, sampling, accepting, emitting) and what the
+        curve, measured over bare forwards, leaves out. Learned over a short plain generation, once
+        per loaded model and curve: a step that drafts spreads it over more tokens, so the cost
+        model starts from it (and keeps learning it). Uses the target's cache."""
+        key = ("overhead", cost.rows, cost.ms, cost.key_ms)
+        if key not in self._costs:
+            engine = Engine(self.target, None, 1, steps + 2, None, cost.with_step(0.0, cost.key_ms))
+            engine.add(Request([0], steps, eos=(), speculative=False))
+            with torch.inference_mode():
+                while engine.running:
+                    engine.step()
+            self._costs[key] = engine.cost.overhead_ms
+        return self._costs[key]
 
     def generate(self, prompt_ids: Sequence[int] | torch.Tensor, max_new_tokens: int = 128, draft_len: int = 4,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,

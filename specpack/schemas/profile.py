@@ -85,7 +85,8 @@ class DraftLenPoint(_Strict):
     lookup: int | None = Field(None, ge=1, le=16, description="Prompt lookup copies of up to this many tokens "
                                                                  "beside the drafter (absent: off).")
     tokens_per_s: float = Field(ge=0, description="Speculative tokens/s over the workload at this length.")
-    acceptance_length: float = Field(ge=1, description="1 + accepted / steps over the workload.")
+    acceptance_length: float = Field(ge=1, description="The drafter's: 1 + its accepted draft tokens / the steps "
+                                                      "that verified its drafts, over the workload.")
     speedup: float = Field(ge=0, description="tokens_per_s / the baseline's tokens/s.")
 
 
@@ -123,7 +124,8 @@ class Evidence(_Strict):
     baseline_tokens_per_s: float = Field(ge=0, description="Tokens/s without speculation, one request at a time.")
     speculative_tokens_per_s: float = Field(ge=0, description="Tokens/s with the profile's settings.")
     speedup: float = Field(ge=0, description="speculative_tokens_per_s / baseline_tokens_per_s.")
-    acceptance_length: float = Field(ge=1, description="1 + accepted / steps at the chosen draft length.")
+    acceptance_length: float = Field(ge=1, description="The drafter's (1 + accepted / drafted steps) at the chosen "
+                                                      "draft length.")
     position_acceptance: list[float] = Field(
         description="Conditional acceptance rate of draft position k given positions < k were accepted.")
     greedy_equal: bool = Field(description="Greedy speculative output was token-identical to decoding "

@@ -27,10 +27,11 @@ class GenerateRequest:
     # (engine Request.lookup); 0: off; None: the profile's
 
 
-def engine_settings(model, selection, slots: int = 1, measure: bool = False) -> dict:
+def engine_settings(model, selection, slots: int = 1, measure: bool = False, draft_len: int | None = None) -> dict:
     """The engine's cost curve (the profile's, else with `measure` one measured on this machine,
-    once per loaded model) and acceptance prior, for a model that drafts: draft lengths then follow
-    the cost model, so speculation stops where it does not pay."""
+    once per loaded model) priced for the model's drafter (SpecModel.price), and the acceptance prior, for
+    a model that drafts: draft lengths then follow the cost model, so speculation stops where it
+    does not pay."""
     from specpack.runtime.engine.cost import CostModel
 
     out = {}
@@ -44,18 +45,8 @@ def engine_settings(model, selection, slots: int = 1, measure: bool = False) -> 
         out["cost"] = model.measure_cost(tuple(r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * slots))
         log.info("cost curve measured: %s", out["cost"].to_dict())
     if "cost" in out:
-        out["cost"] = with_draft_prior(model, out["cost"])
+        out["cost"] = model.price(out["cost"], draft_len or selection.draft_len)
     return out
-
-
-def with_draft_prior(model, cost):
-    """`cost` (engine.cost.CostModel) with the drafter's starting draft ratio: a head's forward costs
-    about its share of the weights (the engine learns the real ratio as it drafts, and drifts back
-    to this one while nobody drafts); n-gram drafts are free."""
-    if getattr(model.drafter, "free_drafts", False):
-        return cost
-    mem = model.manifest.memory
-    return cost.with_draft_ratio(max(0.02, mem.drafter_weight_bytes / max(mem.target_weight_bytes, 1)))
 
 
 def generate_text(artifact, req: GenerateRequest, public_key=None, device: str = "cpu",
@@ -86,12 +77,12 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     tree = req.draft_tree if req.draft_tree is not None else chosen.tree
     tree = tree if tree is not None and tree.topk > 1 else None
     lookup = req.lookup if req.lookup is not None else chosen.lookup
-    # no profile curve: measure one, unless the draft length is given (then it is drafted as given)
-    settings = engine_settings(model, chosen, measure=speculative and req.draft_len is None)
+    fixed = req.draft_len is not None  # drafted as given: no cost model (not a profile's either), no adaptation
+    settings = {} if fixed else engine_settings(model, chosen, measure=speculative)
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,
                             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-                            seed=req.seed, stop=stop_sequences(tok, req.stop),
-                            speculative=speculative, on_tokens=stream, tree=tree, lookup=lookup, **settings)
+                            seed=req.seed, stop=stop_sequences(tok, req.stop), speculative=speculative,
+                            on_tokens=stream, tree=tree, lookup=lookup, adaptive=False if fixed else None, **settings)
     s = result.stats
     return {"text": stream.flush(), "token_ids": result.tokens, "prompt_tokens": len(ids),
             "finish_reason": result.finish_reason, "speculative": speculative,
@@ -99,10 +90,42 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
             "profile_id": chosen.profile.id if chosen.profile else None, "profile_message": chosen.message,
             "drafter": model.manifest.drafter.kind, "weights": weights, "kv_cache": kv_cache, "draft_len": draft_len,
             "draft_tree": list(tree) if tree and speculative else None, "lookup": lookup if speculative else 0,
+            "speculation": speculation_report(s, speculative, fixed, settings.get("cost"), draft_len, req.speculative),
             "lookup_steps": s.lookup_steps, "lookup_accepted": s.lookup_accepted,
             "cost_curve": settings["cost"].to_dict() if "cost" in settings else None, "steps": s.steps,
-            "accepted": s.accepted, "acceptance_length": s.acceptance_length,
+            "drafted_steps": s.drafted_steps, "undrafted_steps": s.undrafted_steps, "probe_steps": s.probe_steps,
+            "accepted": s.accepted, "acceptance_length": s.acceptance_length, "tokens_per_step": s.tokens_per_step,
+            "mean_draft_len": s.mean_draft_len, "draft_len_steps": s.draft_len_steps,
             "accepted_depth_steps": s.depth_steps,
             "per_position_acceptance": s.position_acceptance, "tokens_per_s": s.tokens_per_s,
             "decode_tokens_per_s": s.decode_tokens_per_s, "seconds": s.total_s,
             "draft_s": s.draft_s, "verify_s": s.verify_s, "prefill_s": s.prefill_s}
+
+
+def speculation_report(s, speculative: bool, fixed: bool, cost, draft_len: int, asked: bool = True) -> dict:
+    """What decided each step's draft, in words and figures (`run --json`'s "speculation"): `mode`
+    is off, fixed (--draft-len: drafted as given) or cost model (each step's length from the cost
+    model measured on this machine, or the profile's); `decision` says how many steps drafted and, when
+    the cost model drafted on few or none, why, with the costs it priced drafts at. The acceptance
+    length beside it is the drafter's, over the steps that verified its drafts."""
+    if not speculative:
+        why = "--no-spec" if not asked else "the chosen profile turns speculation off"
+        return {"mode": "off", "decision": f"no speculation ({why})"}
+    depth = f"{s.mean_draft_len:.1f} tokens deep on average"
+    if fixed or cost is None:
+        return {"mode": "fixed", "decision": f"drafted on {s.drafted_steps} of {s.steps} steps, {depth} "
+                                             f"(up to {draft_len} a step: --draft-len; the last token has none)"}
+    step = cost.step_ms(1) + cost.overhead_ms
+    out = {"mode": "cost model", "target_step_ms": round(step, 4),
+           "draft_ms": round(cost.time(1, draft_len, 1) - cost.step_ms(1), 4),
+           "verify_ms": round(cost.step_ms(1 + draft_len) - cost.step_ms(1), 4)}
+    probes = f" ({s.probe_steps} of them probes the cost model had not asked for)" if s.probe_steps else ""
+    if s.drafted_steps - s.probe_steps < s.steps / 2:
+        why = (f"the cost model measured on this machine priced drafting {draft_len} tokens at "
+               f"{out['draft_ms']:.2f} ms and verifying them at {out['verify_ms']:.2f} ms on top of a "
+               f"{step:.2f} ms step, more than the drafter's acceptance gains here; --draft-len {draft_len} "
+               "drafts every step")
+        out["decision"] = f"drafted on {s.drafted_steps} of {s.steps} steps{probes}: {why}"
+    else:
+        out["decision"] = f"drafted on {s.drafted_steps} of {s.steps} steps{probes}, {depth} (cost model)"
+    return out

@@ -8,7 +8,6 @@ import bisect
 import logging
 import threading
 
-from specpack.runtime.engine.scheduler import add_stats
 from specpack.runtime.engine.stats import GenerationStats
 
 log = logging.getLogger("specpack.serving.requests")
@@ -67,9 +66,9 @@ class Metrics:
         per_token = (s.total_s - (job.first_token_s or 0.0)) / max(1, s.new_tokens - 1)
         with self.lock:
             self.generations[job.used_speculation] += 1
-            add_stats(self.all, s)
+            self.all.add(s)
             if job.used_speculation:
-                add_stats(self.spec, s)
+                self.spec.add(s)
                 self.acceptance.observe(s.acceptance_length)
             if job.first_token_s is not None:
                 self.ttft.observe(job.first_token_s)
@@ -102,11 +101,17 @@ class Metrics:
                 ("specpack_completion_tokens_total", self.all.new_tokens, "Tokens generated."),
                 ("specpack_engine_steps_total", self.steps, "Engine steps (one target forward each)."),
                 ("specpack_spec_steps_total", self.spec.steps, "Target verification steps while speculating."),
+                ("specpack_drafted_steps_total", self.spec.drafted_steps,
+                 "Of those, verifications of the drafter's own drafts (the rest drafted nothing or copied)."),
+                ("specpack_probe_steps_total", self.spec.probe_steps,
+                 "Drafted verifications the cost model had not asked for (probes of the drafter's acceptance)."),
                 ("specpack_draft_tokens_proposed_total", self.spec.proposed, "Draft tokens verified."),
                 ("specpack_draft_tokens_accepted_total", self.spec.accepted, "Draft tokens accepted.")]:
                 out += _family(name, "counter", help_, [("", value)])
-            out += _family("specpack_acceptance_length", "gauge", "1 + accepted / steps since start.",
-                           [("", self.spec.acceptance_length)])
+            out += _family("specpack_acceptance_length", "gauge", "The drafter's: 1 + its accepted draft tokens / the "
+                           "steps that verified its drafts, since start.", [("", self.spec.acceptance_length)])
+            out += _family("specpack_tokens_per_step", "gauge", "1 + accepted / verification steps while speculating, "
+                           "every step counted.", [("", self.spec.tokens_per_step)])
             out += _family("specpack_position_acceptance", "gauge",
                            "Conditional acceptance rate of each draft position since start.",
                            [(f'position="{k}"', r) for k, r in enumerate(self.spec.position_acceptance)])

@@ -28,7 +28,7 @@ from specpack.errors import InputError, SpecpackError
 from specpack.packager.update import recover
 from specpack.runtime.drafters.base import TreeShape
 from specpack.runtime.engine.cost import KEY_PROBE, measure as measure_cost
-from specpack.runtime.engine.scheduler import Job, Scheduler, add_stats
+from specpack.runtime.engine.scheduler import Job, Scheduler
 from specpack.runtime.engine.stats import MAX_DRAFT_LEN, MAX_TREE_NODES, MAX_TREE_TOPK, GenerationStats
 from specpack.schemas.profile import (ConcurrencyPoint, CostCurve, DraftLenPoint, Evidence, Profile, ProfileMemory,
                                       ProfileSettings, Software, WorkloadInfo, make_profile)
@@ -85,7 +85,7 @@ def merge_stats(all_stats: Sequence[GenerationStats]) -> GenerationStats:
     """Counters summed over generations (rates follow from the sums, not from averaging rates)."""
     total = GenerationStats()
     for s in all_stats:
-        add_stats(total, s)
+        total.add(s)
     return total
 
 
@@ -405,7 +405,8 @@ def _measure_all(model, prompts, device, concurrency, draft_lens, repeats, bar, 
     pays = best.tokens_per_s > baseline.tokens_per_s
     bar.phase("concurrency")
     prior = best.stats.position_acceptance or None
-    points = _concurrency_sweep(model, prompts, sorted(set(concurrency)), best, bar, cost, prior) if pays else []
+    priced = model.price(cost, best.draft_len) if pays else cost  # as serve prices drafts with the stored curve
+    points = _concurrency_sweep(model, prompts, sorted(set(concurrency)), best, bar, priced, prior) if pays else []
     peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else \
         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     return {"baseline": baseline, "sweep": sweep, "trees": trees, "lookups": copies, "best": best, "pays": pays,

@@ -15,6 +15,10 @@ step takes the draft positions in order of survival while tokens per millisecond
 (the rule of vLLM's adaptive verification: argmax_k (n + Σ top-k S) / cost(n + k)): full drafts
 while a step is bandwidth-bound, shorter ones near the knee, none above it. Lossless whatever it
 chooses: only the number of proposed tokens changes.
+
+The drafter's call is `draft_call_ms` (fixed: its catch-up, its setup) plus `draft_ratio` times the
+target's time for its passes, and every step carries `overhead_ms`; all are measured at start
+(`measure_drafter`, SpecModel.measure_overhead) and refitted online by `LinearFit`.
 """
 
 from __future__ import annotations
@@ -39,11 +43,21 @@ class CostModel:
     rows: tuple[int, ...]
     ms: tuple[float, ...]
     draft_ratio: float = 0.0
+    # a model drafter's call costs this much beyond its per-pass share (its catch-up on committed
+    # positions, its setup): learned with draft_ratio by DraftFit
+    draft_call_ms: float = 0.0
     # one head forward drafts every position (block drafters: DFlash, DSpark, LiLiCorr), so a draft of
     # any length costs one head step; else each position costs one (EAGLE-3, MTP, draft models)
     parallel_drafts: bool = False
     key_ms: float = 0.0  # per row per attended key (measured at start when possible, then learned online)
     key_ms_measured: float = 0.0  # the start-up measurement: online learning stays within a factor 4 of it
+    # what a step takes beyond the curve's forward and the drafting: the engine's own work (planning,
+    # sampling, accepting, emitting) and what a curve of bare forwards leaves out, spent whatever is
+    # drafted, so a step that gains more tokens spreads it over them. Measured at start
+    # (SpecModel.measure_overhead), then learned online with key_ms (LinearFit). On a target whose forward
+    # takes 0.15 ms it is 0.1-0.2 ms, and a model without it found drafts never paid there (issue 43); on
+    # SmolLM2 it starts at 0 (its curve, logits for every row, is dearer than a greedy step's forward)
+    overhead_ms: float = 0.0
 
     def step_ms(self, rows: int) -> float:
         """Piecewise-linear in the rows; past the last point, the last slope."""
@@ -77,7 +91,7 @@ class CostModel:
     def time(self, rows: int, depth: int = 0, jobs: int = 0, keys: int = 0, absorbed: int = 0) -> float:
         """A step of `rows` target rows attending `keys` keys in all, after a draft `depth` positions
         deep over `jobs` sequences that first fed the head `absorbed` committed positions."""
-        draft = self.passes(depth) * self.draft_ratio * self.step_ms(jobs) if depth and jobs else 0.0
+        draft = self.passes(depth) * self.draft_ratio * self.step_ms(jobs) + self.draft_call_ms if depth and jobs else 0.0
         return self.step_ms(rows) + self.key_ms * keys + draft + self.absorb_ms() * absorbed
 
     def row_ms(self) -> float:
@@ -96,20 +110,11 @@ class CostModel:
         """The head's cost per committed position it catches up on."""
         return self.draft_ratio * self.row_ms()
 
-    def with_draft_ratio(self, ratio: float) -> "CostModel":
-        return replace(self, draft_ratio=ratio)
+    def with_draft_ratio(self, ratio: float, call_ms: float | None = None) -> "CostModel":
+        return replace(self, draft_ratio=ratio, draft_call_ms=self.draft_call_ms if call_ms is None else call_ms)
 
-    def learn(self, ms: float, rows: int, keys: int, weight: float = 0.1) -> "CostModel":
-        """Fold one observed forward (`ms` for `rows` rows attending `keys` keys) into `key_ms`."""
-        if keys <= 0:
-            return self
-        seen = max(0.0, (ms - self.step_ms(rows)) / keys)
-        if self.key_ms:  # one slow step (a page fault, a busy neighbour) moves the estimate a little only
-            seen = min(seen, 4 * self.key_ms)
-        learned = seen if self.key_ms == 0 else (1 - weight) * self.key_ms + weight * seen
-        if self.key_ms_measured:  # other processes' load is not attention: stay near what was measured
-            learned = min(max(learned, self.key_ms_measured / 4), 4 * self.key_ms_measured)
-        return replace(self, key_ms=learned)
+    def with_step(self, overhead_ms: float, key_ms: float) -> "CostModel":
+        return replace(self, overhead_ms=overhead_ms, key_ms=key_ms)
 
     def to_dict(self) -> dict:
         out = {"rows": list(self.rows), "ms": [round(m, 3) for m in self.ms]}
@@ -153,6 +158,46 @@ def measure(target, rows: Sequence[int] = DEFAULT_ROWS, passes: int = 5, slot: i
     return CostModel(tuple(rows), tuple(ms), key_ms=key_ms, key_ms_measured=key_ms)
 
 
+@torch.inference_mode()
+def measure_drafter(target, drafter, cost: CostModel, depth: int, rounds: int = 3) -> CostModel:
+    """`cost` with a model drafter's call time measured on this machine, in DraftFit's terms
+    (`draft_call_ms + draft_ratio * passes(k) * step_ms(1)`): after a prompt's catch-up, calls as a
+    decoding sequence makes them (two newly committed positions each), `rounds` of one level and of
+    `depth` levels taking turns, each depth's fastest kept (as `measure` keeps each forward's).
+    Two depths give both terms; where there is one (an MTP drafter of one layer) or they cost the
+    same passes (a block drafter), the ratio stays
+    `cost`'s and the call takes the rest. Uses slot 0 of the target's and the drafter's caches."""
+    from specpack.runtime.drafters.base import DraftJob
+    from specpack.runtime.models.rows import Rows, Segment
+
+    n, new = 24, 2
+    total = n + 2 * rounds * new
+    tokens = torch.randint(0, target.spec.vocab_size, (total,), generator=torch.Generator().manual_seed(0))
+    tokens = tokens.to(target.device)
+    target.setup_cache(total + 1, 1)
+    aux = target.forward_rows(tokens, Rows.of([Segment(0, 0, total)], target.device), tuple(drafter.capture_layers),
+                              logits_rows=[]).aux
+    drafter.reserve(1, total + depth + 1)
+    drafter.start(0)
+    drafter.draft([DraftJob(0, tokens[:n], None if aux is None else aux[: n - 1], 1, None)])  # catch-up, warm-up
+    best: dict[int, float] = {}
+    for i in range(2 * rounds):
+        k, feats = (depth, 1)[i % 2] if depth > 1 else 1, None if aux is None else aux[n - 1: n - 1 + new]
+        n += new
+        t0 = time.perf_counter()
+        drafter.draft([DraftJob(0, tokens[:n], feats, k, None)])
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+        ms = (time.perf_counter() - t0) * 1e3 - cost.absorb_ms() * new
+        best[k] = min(best.get(k, float("inf")), max(ms, 0.0))
+    x = {k: cost.passes(k) * cost.step_ms(1) for k in best}
+    ratio = cost.draft_ratio
+    if len(best) == 2 and x[depth] > x[1]:
+        ratio = max((best[depth] - best[1]) / (x[depth] - x[1]), 0.0)
+    ratio = min(ratio, best[1] / x[1]) if x[1] > 0 else ratio
+    return cost.with_draft_ratio(ratio, max(best[1] - ratio * x[1], 0.0))
+
+
 def _time_forward(target, slot: int, start: int, rows: int) -> float:
     """Milliseconds of one forward over `rows` rows after `start` positions (logits for every row)."""
     from specpack.runtime.models.rows import Rows, Segment
@@ -165,6 +210,54 @@ def _time_forward(target, slot: int, start: int, rows: int) -> float:
     if target.device.type == "cuda":
         torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3
+
+
+class LinearFit:
+    """y = a + b * x, refitted online by exponentially weighted least squares as observations come.
+
+    The engine keeps two: a model drafter's call (x: the target's time for the call's passes,
+    `passes(depth) * step_ms(rows)`; a: `draft_call_ms`, its catch-up and setup; b: `draft_ratio`)
+    and its own step (x: the keys the rows attend; y: the step's time beyond the drafting and the
+    curve's forward; a: `overhead_ms`, b: `key_ms`). The estimates live in the CostModel and are
+    handed in each time; the fit keeps only the weighted moments, starting from the estimate as a
+    first point. Observations whose x vary by SPREAD of their mean give the slope (within
+    `b_range`); while they do not (a drafter asked for one depth, a block drafter's one pass), the
+    slope stays and the intercept takes the rest, so what is observed is priced right either way.
+    One observation counts at most CAP times its prediction (the first call, cold; a page fault; a
+    busy neighbour): a fit that stopped every draft could never be measured again."""
+
+    SPREAD, CAP = 0.05, 4.0
+
+    def __init__(self, weight: float = 0.2, b_range: tuple[float, float] = (0.0, float("inf"))):
+        self.weight, self.b_range = weight, b_range
+        self.mx: float | None = None  # weighted means of x and y, their (co)variance
+        self.my = self.cxx = self.cxy = 0.0
+
+    def observe(self, a: float, b: float, x: float, y: float) -> tuple[float, float]:
+        """The estimates (a, b) refitted after observing y at x."""
+        predicted = a + b * x
+        if predicted > 0:
+            y = min(y, self.CAP * predicted)
+        if self.mx is None and predicted <= 0 < x:  # nothing known: all of it per unit of x, at face value
+            self.mx, self.my = x, y
+            return 0.0, max(y, 0.0) / x
+        if self.mx is None:  # nothing observed yet: the estimate is the first point
+            self.mx, self.my = x, predicted
+        w, dx, dy = self.weight, x - self.mx, y - self.my
+        self.mx, self.my = self.mx + w * dx, self.my + w * dy
+        self.cxx, self.cxy = (1 - w) * (self.cxx + w * dx * dx), (1 - w) * (self.cxy + w * dx * dy)
+        if self.cxx > (self.SPREAD * self.mx) ** 2:
+            b = self.cxy / self.cxx
+        if self.mx > 0:
+            b = min(b, max(self.my, 0.0) / self.mx)  # no negative intercept
+        b = min(max(b, self.b_range[0]), self.b_range[1])
+        return max(self.my - b * self.mx, 0.0), b
+
+    def moved(self, a: float, b: float) -> None:
+        """The estimates were moved from outside (drifting back while nobody drafts): the mean
+        follows, so the next observation is weighed against them."""
+        if self.mx is not None:
+            self.my = a + b * self.mx
 
 
 class Acceptance:
@@ -323,7 +416,7 @@ def _best_prefix(s: np.ndarray, j: np.ndarray, i: np.ndarray, sequences: int, ba
     the engine asks each step)."""
     rows, keys = base_rows + sunk_rows, base_keys + sunk_keys
     floor = cost.time(rows, keys=keys)  # this step without drafts
-    own = cost.time(base_rows, keys=base_keys) + drafted_ms  # what the decoding rows alone would cost
+    own = cost.time(base_rows, keys=base_keys) + cost.overhead_ms + drafted_ms  # the decoding rows' step alone
     base = sequences / own
     tokens = np.cumsum(np.concatenate([[float(sequences)], s]))[1:]  # summed in order, as one by one
     n_rows = rows + np.arange(1, len(s) + 1)
@@ -333,7 +426,8 @@ def _best_prefix(s: np.ndarray, j: np.ndarray, i: np.ndarray, sequences: int, ba
         first = j == 1
         depth = np.maximum.accumulate(j)
         jobs = np.cumsum(first * (np.asarray(widths)[i] if widths else 1))
-        time = time + np.where(jobs > 0, cost.passes(depth) * cost.draft_ratio * cost.step_ms_many(jobs), 0.0)
+        time = time + np.where(jobs > 0, cost.passes(depth) * cost.draft_ratio * cost.step_ms_many(jobs)
+                               + cost.draft_call_ms, 0.0)
         if pending:
             time = time + cost.absorb_ms() * np.cumsum(first * np.asarray(pending)[i])
     rate = tokens / (own + time - floor)

@@ -46,7 +46,11 @@ from specpack.runtime.models.rows import Rows
 
 # Per-position acceptance a sequence starts from when nothing better is known (a profile's measured
 # figures replace it): optimistic enough that a fresh sequence drafts, then its own record decides.
-DEFAULT_PRIOR = (0.6, 0.55, 0.5, 0.45, 0.4)
+# One rate for every position: a position never tried is estimated as the deepest one tried so far
+# (costs.Acceptance), so a head whose first positions keep being accepted is asked for more. A prior
+# falling with depth (0.6 ... 0.4) held positions 3+ at its guess while drafts stopped at 2, so they
+# were never tried and never learned (issue 43: a head with 0.9 per position drafted 1.75 a step).
+DEFAULT_PRIOR = (0.6,)
 # Suffix lengths a prompt-lookup draft (Request.lookup) must match, longest first. From 2, a chat turn's
 # common word pairs hit twice as often (8% of steps against 3-4%) for no gain (BENCHMARKS.md).
 LOOKUP_N = (3, 4)
@@ -87,6 +91,7 @@ def check_tree(tree: TreeShape | None) -> None:
 
 
 QUIET_STEPS = 4  # after a step where nobody drafts, draft lengths are chosen again every 4th step
+PROBE_EVERY = 16  # steps nobody drafts in before one sequence drafts anyway (Engine._probe)
 # How fast a sequence's record of its drafts' acceptance follows each verification and drifts back to its
 # prior while undrafted (costs.Acceptance: weight, relax). A drafter that rates its own drafts (DSpark's
 # confidence head) consults the record only to decide whether to draft its block at all, its confidences
@@ -115,6 +120,8 @@ class Generation:
         self.pending_rows = 0  # their positions, kept as a count (the cost model asks every step)
         self.recorded: list[tuple[Tensor, Tensor]] = []  # with req.record: (states, argmax) per commit
         self.drafted = False  # has had a draft (its drafter has seen the prompt)
+        self.idle = 0  # decoding steps since its drafter's drafts were last verified
+        self.probing = False  # this step's draft is a probe (Engine._probe): a tree is verified unpruned
         self.asked = 0  # draft tokens (a tree: levels) asked of the drafter this step, before any trimming
         self.length = DraftLength(req.draft_len, req.adaptive)
         self.acceptance = costs.Acceptance(prior, *record_pace, start=start)  # starts from the engine's record
@@ -201,14 +208,21 @@ class Engine:
         if cost is not None and getattr(drafter, "parallel_drafts", False):
             cost = replace(cost, parallel_drafts=True)  # a draft of any length is one head forward
         self.cost, self.prior = cost, tuple(prior)
-        self.draft_prior = cost.draft_ratio if cost is not None else 0.0  # where the learned ratio drifts back to
+        # where the learned drafter cost drifts back to while nobody drafts
+        self.draft_prior = cost.draft_ratio if cost is not None else 0.0
+        self.draft_call_prior = cost.draft_call_ms if cost is not None else 0.0
+        self.draft_fit = costs.LinearFit()  # the drafter's call time, learned as it drafts
+        measured = cost.key_ms_measured if cost is not None else 0.0  # attention is not other processes' load:
+        self.step_fit = costs.LinearFit(b_range=(measured / 4, 4 * measured) if measured else (0.0, float("inf")))
         self._quiet: tuple = (None, 0)  # (the sequences and prompt rows of a step nobody drafted in, steps left)
+        self._drafted, self._idle = False, 0  # anybody drafted yet; steps since anybody's draft was chosen (_probe)
         self.acceptance = costs.Acceptance(prior, weight=0.05)  # every sequence's record: where new ones start
         self.record_pace = (CONFIDENT_RECORD_PACE if getattr(drafter, "estimates_acceptance", False)
                             else RECORD_PACE)  # each sequence's own record's
         self.calibration = costs.Calibration(weight=0.05)  # likewise for tree drafts' probabilities
         self.speculate = True  # the scheduler turns drafting off for a step (load above a measured limit)
         self.last_rows = 0  # rows in the latest target forward
+        self.last_forward_ms = self.last_draft_ms = 0.0  # the latest step's target forward and drafter call
         self.device = target.device
         self.clock = _Timer(self.device)
         target.setup_cache(max_len, slots)
@@ -303,10 +317,13 @@ class Engine:
         res = self.target.forward_rows(torch.tensor(plan.tokens, dtype=torch.long, device=self.device),
                                        Rows.of(plan.segments, self.device), self.capture, plan.logit_rows,
                                        greedy_rows=plan.greedy_rows())
-        if self.cost is not None:
-            self.cost = self.cost.learn((self.clock() - f0) * 1e3, self.last_rows, plan.keys())
+        self.last_forward_ms = (self.clock() - f0) * 1e3
         done = self._commit(plan, res)
         t2 = self.clock()
+        if self.cost is not None:  # what the curve and the drafting do not explain: keys and the step's own work
+            c = self.cost
+            beyond = (t2 - t0) * 1e3 - self.last_draft_ms - c.step_ms(self.last_rows)
+            self.cost = c.with_step(*self.step_fit.observe(c.overhead_ms, c.key_ms, plan.keys(), beyond))
         for s in decoding:
             s.stats.draft_s += t1 - t0
             s.stats.verify_s += t2 - t1
@@ -326,10 +343,33 @@ class Engine:
         key = (tuple(s.slot for s in decoding), prefill_rows)
         if self._quiet[0] == key and self._quiet[1] > 0:
             self._quiet = (key, self._quiet[1] - 1)
-            return [0] * len(decoding)
+            return self._probe(decoding, [0] * len(decoding), prefill_rows)
         lengths = self._chosen(decoding, prefill_rows, prefill_keys)
         self._quiet = (key, QUIET_STEPS - 1) if not any(lengths) else (None, 0)
-        return lengths
+        return self._probe(decoding, lengths, prefill_rows)
+
+    def _probe(self, decoding: list[Generation], lengths: list[int], prefill_rows: int) -> list[int]:
+        """Where the cost model drafts for nobody, one sequence drafts its full length anyway: at
+        the engine's first chance if nobody has drafted yet, then once every PROBE_EVERY such steps (the one idle longest): a
+        chain is verified whole, a tree unpruned (a confidence head still cuts its own block, whose
+        record is of what survives the cut). Its record, and the engine's, then hold what the drafter achieves rather
+        than the prior they started from, so a decision not to draft rests on evidence (a head that
+        never drafted was judged by its prior alone: issue 43), and acceptance that comes back (chat
+        turning to code) is found again. At most one draft every PROBE_EVERY steps, whatever the load,
+        and only once every running sequence decodes (a prompt still coming in makes the step dearer
+        than the steady ones the probe is about)."""
+        if any(lengths):
+            self._drafted, self._idle = True, 0
+            return lengths
+        ready = [i for i, s in enumerate(decoding) if s.req.speculative and s.budget > 1]
+        steady = not prefill_rows and len(decoding) == len(self.running)
+        if not ready or not steady or (self._drafted and self._idle < PROBE_EVERY):
+            self._idle += 1
+            return lengths
+        i = max(ready, key=lambda i: decoding[i].idle)
+        s = decoding[i]
+        s.probing, self._drafted, self._idle = True, True, 0
+        return [min(s.req.draft_len, s.budget - 1) if j == i else 0 for j in range(len(decoding))]
 
     def _chosen(self, decoding: list[Generation], prefill_rows: int, prefill_keys: int) -> list[int]:
         """The cost model's draft lengths this step (see `_lengths`)."""
@@ -371,6 +411,7 @@ class Engine:
         """Each decoding sequence's draft (empty when it does not speculate this step)."""
         drafts = [Proposal([]) for _ in decoding]
         jobs, owners = [], []
+        self.last_draft_ms = 0.0
         for i, (s, k) in enumerate(zip(decoding, self._lengths(decoding, prefill_rows, prefill_keys))):
             copied = self._copied(s, k)
             if copied is not None:  # its features stay pending: the drafter catches up when next asked
@@ -383,12 +424,13 @@ class Engine:
                 owners.append(i)
         if not jobs:  # the drafter drafts for nobody: the records drift back to their priors (probe later)
             self.acceptance.update(0, 0)
-            if self.cost is not None and self.draft_prior and self.cost.draft_ratio > self.draft_prior:
-                self.cost = self.cost.with_draft_ratio(0.95 * self.cost.draft_ratio + 0.05 * self.draft_prior)
+            if self.cost is not None and not getattr(self.drafter, "free_drafts", False):
+                self._relax_draft_cost()
             return self._trim_copies(decoding, drafts, prefill_rows, prefill_keys, 0.0)
         t0 = time.perf_counter()
         made = self.drafter.draft(jobs)
         seconds = time.perf_counter() - t0
+        self.last_draft_ms = seconds * 1e3
         self._learn_draft_cost(seconds, max(j.k for j in jobs),
                                sum(j.tree.topk if j.tree else 1 for j in jobs),
                                sum(len(j.feats) for j in jobs if j.feats is not None))
@@ -454,7 +496,7 @@ class Engine:
         verifying, taken in order of estimated survival (each sequence's calibration of its
         drafter's probabilities) while tokens per millisecond, the drafting's `drafted_ms` included,
         keep rising."""
-        ranked = [i for i, d in enumerate(drafts) if d.scores is not None]
+        ranked = [i for i, d in enumerate(drafts) if d.scores is not None and not decoding[i].probing]
         if self.cost is None or not ranked:
             return drafts
         survival, node_depths = [[] for _ in decoding], [[] for _ in decoding]
@@ -468,18 +510,28 @@ class Engine:
         return [d.keep(keep[i]) if i in ranked else d for i, d in enumerate(drafts)]
 
     def _learn_draft_cost(self, seconds: float, depth: int, rows: int, absorbed: int) -> None:
-        """A model drafter's time per head forward (one per drafted level; one per call for a block
-        drafter: `CostModel.passes`) relative to a target step over as many rows (one per chain, a
-        tree's top-k per expanded level), as a moving average, after its catch-up on `absorbed`
-        positions (n-gram drafts are free: nothing to learn)."""
+        """Refit a model drafter's call time (costs.LinearFit) on this call: `depth` levels (a block
+        drafter: one pass whatever its depth, `CostModel.passes`) over `rows` rows each (one per
+        chain, a tree's top-k per expanded level), after its catch-up on `absorbed` positions
+        (n-gram drafts are free: nothing to learn)."""
         if self.cost is None or getattr(self.drafter, "free_drafts", False):
             return
-        ms = max(seconds * 1e3 - self.cost.absorb_ms() * absorbed, 0.0)
-        ratio = ms / (self.cost.passes(depth) * self.cost.step_ms(rows))
-        old = self.cost.draft_ratio
-        if old:  # one slow call (the first, cold; a busy neighbour) moves the estimate a little only: a
-            ratio = min(ratio, 4 * old)  # ratio that stopped every draft could never be measured again
-        self.cost = self.cost.with_draft_ratio(ratio if old == 0 else 0.8 * old + 0.2 * ratio)
+        c = self.cost
+        ms = max(seconds * 1e3 - c.absorb_ms() * absorbed, 0.0)
+        call, ratio = self.draft_fit.observe(c.draft_call_ms, c.draft_ratio, c.passes(depth) * c.step_ms(rows), ms)
+        self.cost = c.with_draft_ratio(ratio, call)
+
+    def _relax_draft_cost(self, rate: float = 0.05) -> None:
+        """While nobody drafts, the drafter's estimated cost drifts back to where it started (the
+        ratio from above, the fixed part toward none), so a slow spell cannot switch speculation
+        off for good: the engine probes again."""
+        c = self.cost
+        if not (self.draft_prior or self.draft_call_prior):  # nothing to drift back to
+            return
+        ratio = (1 - rate) * c.draft_ratio + rate * self.draft_prior if c.draft_ratio > self.draft_prior else c.draft_ratio
+        call = (1 - rate) * c.draft_call_ms + rate * self.draft_call_prior
+        self.cost = c.with_draft_ratio(ratio, call)
+        self.draft_fit.moved(call, ratio)
 
     def _commit(self, plan: Plan, res) -> list[Generation]:
         """Accept, roll back and emit for every sequence of the step; the ones that finished."""
@@ -541,10 +593,8 @@ class Engine:
         s.acceptance.update(tried, accepted)
         if proposed or tried:
             self.acceptance.update(tried, accepted)
-        if proposed or s.req.speculative:
-            s.stats.count(depth, accepted, proposed)
-        else:
-            s.stats.steps += 1
+        s.stats.count(depth, accepted, proposed, probe=s.probing)
+        s.idle, s.probing = 0 if depth else s.idle + 1, False
 
     def _prefilled(self, s: Generation, a: int, b: int, res, lrow: int | None) -> None:
         s.cached += b - a

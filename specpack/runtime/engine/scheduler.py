@@ -19,7 +19,6 @@ from typing import Callable, Optional
 from specpack.errors import SpecpackError
 from specpack.runtime.engine.engine import Engine, Generation, Request
 from specpack.runtime.engine.sampling import SamplingParams
-from specpack.runtime.engine.stats import GenerationStats
 
 log = logging.getLogger(__name__)
 
@@ -245,18 +244,3 @@ class Scheduler:
         elif not job.future.done():
             job.future.set_running_or_notify_cancel() and job.future.set_exception(exc)
 
-
-def add_stats(total: GenerationStats, s: GenerationStats) -> None:
-    """Add the counters of `s` into `total` (per-position lists padded to the longer one)."""
-    for name in ("prompt_tokens", "new_tokens", "steps", "proposed", "accepted", "prefill_s", "draft_s", "verify_s",
-                 "total_s"):
-        setattr(total, name, getattr(total, name) + getattr(s, name))
-    for k, (t, a) in enumerate(zip(s.position_tried, s.position_accepted)):
-        if k == len(total.position_tried):
-            total.position_tried.append(0)
-            total.position_accepted.append(0)
-        total.position_tried[k] += t
-        total.position_accepted[k] += a
-    total.depth_steps += [0] * (len(s.depth_steps) - len(total.depth_steps))
-    for d, n in enumerate(s.depth_steps):
-        total.depth_steps[d] += n
