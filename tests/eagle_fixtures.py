@@ -48,8 +48,12 @@ def target_dir(family: str = "llama", shards: int = 1) -> Path:
 
 
 def head_config(target_cfg: dict, draft_vocab: int, aux=AUX, embedding="target", **over) -> dict:
-    cfg = {"kind": "eagle3", "hidden_size": H, "intermediate_size": INTER, "num_attention_heads": HEADS,
-           "num_key_value_heads": KV, "head_dim": HD, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    """A head of the target's own geometry (the tiny targets': H, HEADS, KV, HD, INTER)."""
+    hd = target_cfg.get("head_dim") or target_cfg["hidden_size"] // target_cfg["num_attention_heads"]
+    cfg = {"kind": "eagle3", "hidden_size": target_cfg["hidden_size"], "intermediate_size": target_cfg["intermediate_size"],
+           "num_attention_heads": target_cfg["num_attention_heads"],
+           "num_key_value_heads": target_cfg["num_key_value_heads"], "head_dim": hd, "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0,
            "rope_scaling": None, "max_position_embeddings": 512, "hidden_act": "silu",
            "target_hidden_size": target_cfg["hidden_size"], "aux_layer_ids": list(aux),
            "draft_vocab_size": draft_vocab, "target_vocab_size": target_cfg["vocab_size"],
@@ -65,11 +69,12 @@ def random_weights(cfg: dict, draft_ids: torch.Tensor, seed: int = 0, scale: flo
     def lin(out, inp):
         return torch.randn(out, inp, generator=g) * scale / math.sqrt(inp)
 
-    p = "layers.0."
-    w = {"fc.weight": lin(H, n_aux * Ht), p + "self_attn.q_proj.weight": lin(HEADS * HD, 2 * H),
-         p + "self_attn.k_proj.weight": lin(KV * HD, 2 * H), p + "self_attn.v_proj.weight": lin(KV * HD, 2 * H),
-         p + "self_attn.o_proj.weight": lin(H, HEADS * HD), p + "mlp.gate_proj.weight": lin(INTER, H),
-         p + "mlp.up_proj.weight": lin(INTER, H), p + "mlp.down_proj.weight": lin(H, INTER),
+    p, H, I = "layers.0.", cfg["hidden_size"], cfg["intermediate_size"]
+    q, kv = cfg["num_attention_heads"] * cfg["head_dim"], cfg["num_key_value_heads"] * cfg["head_dim"]
+    w = {"fc.weight": lin(H, n_aux * Ht), p + "self_attn.q_proj.weight": lin(q, 2 * H),
+         p + "self_attn.k_proj.weight": lin(kv, 2 * H), p + "self_attn.v_proj.weight": lin(kv, 2 * H),
+         p + "self_attn.o_proj.weight": lin(H, q), p + "mlp.gate_proj.weight": lin(I, H),
+         p + "mlp.up_proj.weight": lin(I, H), p + "mlp.down_proj.weight": lin(H, I),
          "lm_head.weight": lin(len(draft_ids), H) * 4}
     for name in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         w[p + name + ".weight"] = 1 + 0.1 * torch.randn(H, generator=g)

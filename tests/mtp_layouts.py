@@ -44,6 +44,7 @@ def deepseek_config(layers: int, **over):
         num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
         n_group=4, topk_group=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
         qk_rope_head_dim=8, v_head_dim=12, max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.2,
+        topk_method="noaux_tc", scoring_func="sigmoid",  # as DeepSeek-V3's config states them (engines default otherwise)
         bos_token_id=1, eos_token_id=2, rope_parameters={
             "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
             "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}), **over})
@@ -62,10 +63,15 @@ def build_deepseek(layers: int, seed: int = 0, **over):
     return model
 
 
-def _big_model(family: str, n: int, seed: int):
-    if family == "deepseek":
-        return build_deepseek(L + n, seed)
-    return tiny.build_model("qwen2", seed, num_hidden_layers=L + n, layer_types=["full_attention"] * (L + n))
+# vLLM's CPU MLA decode kernel takes one latent width, DeepSeek-V3's: kv_lora_rank 512 + rope 64 = 576
+DEEPSEEK_WIDE = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=2,
+                     num_key_value_heads=2)
+
+
+def _big_model(family: str, n: int, seed: int, **over):
+    if family in ("deepseek", "deepseek-wide"):
+        return build_deepseek(L + n, seed, **{**(DEEPSEEK_WIDE if family == "deepseek-wide" else {}), **over})
+    return tiny.build_model(family, seed, num_hidden_layers=L + n, layer_types=["full_attention"] * (L + n), **over)
 
 
 @dataclass
@@ -77,11 +83,14 @@ class MtpTarget:
     fusion: dict  # published name -> tensor (fusion tensors and DeepSeek's duplicates)
 
 
-def make_target(out: Path, layout: str, n: int = 1, seed: int = 0, train_steps: int = 0) -> MtpTarget:
+def make_target(out: Path, layout: str, n: int = 1, seed: int = 0, train_steps: int = 0,
+                wide: bool = False, **over) -> MtpTarget:
     """A target dir (config, tokenizer, model.safetensors) of `layout`'s family with n MTP layers,
-    random, or trained for `train_steps` on the target's own greedy continuations."""
-    family = "deepseek" if layout == "mtp-deepseek" else "qwen2"
-    big = _big_model(family, n, seed)
+    random, or trained for `train_steps` on the target's own greedy continuations; `wide`: of
+    geometry an engine's CPU kernels take (tiny.WIDE; DeepSeek: DEEPSEEK_WIDE); `over`: config keys
+    (DeepSeek with first_k_dense_replace=L + n: no MoE layer)."""
+    family = ("deepseek" if layout == "mtp-deepseek" else "qwen2") + ("-wide" if wide else "")
+    big = _big_model(family, n, seed, **over)
     fusion = random_fusion(layout, n, big.config.hidden_size, seed)
     if train_steps:
         train(big, layout, n, fusion, train_steps)

@@ -75,10 +75,26 @@ def test_ngram_artifact(tmp_path, tiny_target, cli):
                        "-o", out)
     assert code == 0, err
     d = read_json(out / "specpack.json")["drafter"]
-    assert d == {"kind": "ngram", "min_n": 1, "max_n": 3, "draft_len": 6}
+    assert d == {"kind": "ngram", "min_n": 1, "max_n": 3, "draft_len": 6, "match": "latest"}
     assert not (out / "drafter").exists()
     code, stdout, _ = cli("verify", out)
     assert code == 0 and "UNSIGNED" in stdout
+
+
+def test_ngram_artifact_that_copies_the_earliest_occurrence(tmp_path, tiny_target, cli):
+    """`--ngram-match earliest` (vLLM's rule) is stated in the manifest and the card, and its drafts
+    stay lossless."""
+    import specpack
+
+    out = tmp_path / "art"
+    assert cli("build", tiny_target, "--drafter", "ngram", "--ngram-match", "earliest", "-o", out)[0] == 0
+    assert read_json(out / "specpack.json")["drafter"]["match"] == "earliest"
+    assert "followed its earliest earlier occurrence" in (out / "README.md").read_text()
+    model = specpack.load(out)
+    assert model.drafter.match == "earliest"
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    spec = model.generate(prompt, 24, draft_len=4, adaptive=False, eos_ids=())
+    assert spec.tokens == model.generate(prompt, 24, speculative=False, eos_ids=()).tokens
 
 
 def test_target_files_carried_byte_for_byte_and_hard_linked(tmp_path, tiny_target, cli):

@@ -245,6 +245,11 @@ def test_disk_full_or_ctrl_c_mid_build_leaves_nothing(tmp_path, tiny_target, cli
 def test_bad_ngram_params(tmp_path, tiny_target, cli):
     _fails(cli, tmp_path, tiny_target, "--drafter", "ngram", "--ngram-min", "3", "--ngram-max", "2",
            "--draft-len", "0", text=["need 1 <= min n (3) <= max n (2)", "draft length 0"])
+    from specpack.errors import InputError
+    from specpack.packager import BuildOptions, NgramParams, build
+
+    with pytest.raises(InputError, match="match rule 'first' is neither"):
+        build(BuildOptions(target=tiny_target, drafter="ngram", out=tmp_path / "m", ngram=NgramParams(match="first")))
 
 
 def test_json_error_output(tmp_path, tiny_target, cli):

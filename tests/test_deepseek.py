@@ -183,3 +183,18 @@ def test_checkpoint_with_missing_expert(pair, tmp_path):
         load_target(broken)
     assert {p.split(" (")[0] for p in e.value.problems} == {
         "missing tensor model.layers.2.mlp.experts.3.down_proj.weight", "missing tensor model.norm.weight"}
+
+
+def test_a_target_whose_layers_are_all_dense_holds_no_experts(tmp_path):
+    """n_routed_experts with first_k_dense_replace >= the layer count: no layer routes, so no expert
+    is asked of the checkpoint (it was refused for 'the config claims 8 experts')."""
+    from transformers import DeepseekV3ForCausalLM
+
+    from specpack.converters import target_hf
+
+    hf = DeepseekV3ForCausalLM(ml.deepseek_config(2, first_k_dense_replace=2)).eval()
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    assert target_hf.load(tmp_path).info.num_hidden_layers == 2
+    model = load_target(tmp_path)
+    model.setup_cache(16)
+    assert (model(ids(6)).logits - hf_run(hf, ids(6))[0]).abs().max() <= TOL

@@ -25,7 +25,7 @@ def make_draft(out, target, layers: int = 6):
     tensors = load_file(target / "model.safetensors")
     keep = {k: v for k, v in tensors.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
     cfg = read_json(target / "config.json")
-    cfg.update(num_hidden_layers=layers, layer_types=cfg.get("layer_types", ["full_attention"] * 8)[:layers])
+    cfg.update(num_hidden_layers=layers, layer_types=(cfg.get("layer_types") or ["full_attention"] * layers)[:layers])
     (out / "config.json").write_text(json.dumps(cfg))
     save_file(keep, out / "model.safetensors")
     for name in TOKENIZER_FILES:

@@ -139,6 +139,11 @@ def test_ngram_exports(tmp_path, tiny_target):
     assert read_json(tmp_path / "v/speculative_config.json") == {
         "method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     assert '"method":"ngram"' in v.command
+    assert "copies what followed the suffix's *earliest* occurrence" in (tmp_path / "v/README.md").read_text()
+    early = build(BuildOptions(target=tiny_target, drafter="ngram", out=tmp_path / "early",
+                               ngram=NgramParams(2, 5, 6, "earliest"))).out
+    export_engine(early, "vllm", tmp_path / "v-early")
+    assert "earliest" not in (tmp_path / "v-early/README.md").read_text()
     s = export_engine(art, "sglang", tmp_path / "s", tensor_parallel=2)
     # SGLang 0.5.10+ (server_args.py): the trie depth bounds match + proposal; the window flags are gone
     assert read_json(tmp_path / "s/launch_flags.json") == {

@@ -112,8 +112,34 @@ def test_ngram_lookup():
     assert lookup(t([1, 2, 3, 1, 2, 3, 1, 2]), 3, 3, 4).tolist() == [3, 1, 2, 3]
 
 
+def earliest_reference(seq: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """vLLM's ngram proposer's rule, by brute force: the longest suffix of length max_n..min_n that
+    occurred earlier, its first occurrence, the k tokens after it cut at the context's end."""
+    size = len(seq)
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        for start in range(size - n):
+            if seq[start: start + n] == seq[size - n:]:
+                return seq[start + n: start + n + k]
+    return []
+
+
+def test_ngram_lookup_of_the_earliest_occurrence():
+    t = torch.tensor
+    assert lookup(t([1, 2, 3, 9, 1, 2, 3, 4, 5, 1, 2, 3]), 1, 3, 2, "earliest").tolist() == [9, 1]
+    assert lookup(t([7, 8, 5, 1, 2, 9, 2]), 1, 3, 3, "earliest").tolist() == [9, 2]  # stops at the end
+    assert lookup(t([4, 4, 4, 4]), 2, 3, 5, "earliest").tolist() == [4]
+    assert lookup(t([1, 2, 3, 4]), 1, 3, 3, "earliest").tolist() == []
+    g = torch.Generator().manual_seed(3)
+    for trial in range(200):
+        seq = torch.randint(0, 4, (int(torch.randint(1, 40, (1,), generator=g)),), generator=g)
+        for min_n, max_n, k in ((1, 3, 4), (2, 4, 8), (3, 3, 2)):
+            want = earliest_reference(seq.tolist(), min_n, max_n, k)
+            assert lookup(seq, min_n, max_n, k, "earliest").tolist() == want, (trial, seq.tolist())
+
+
+@pytest.mark.parametrize("match", ["latest", "earliest"])
 @pytest.mark.parametrize("min_n, max_n, vocab", [(1, 3, 3), (2, 4, 5), (1, 1, 2), (3, 3, 4), (1, 3, 50)])
-def test_the_suffix_index_drafts_what_the_scan_drafts(min_n, max_n, vocab):
+def test_the_suffix_index_drafts_what_the_scan_drafts(min_n, max_n, vocab, match):
     """The drafter's per-slot index (dictionaries updated with each step's tokens) against the
     stateless scan, on contexts that grow a few tokens a step, and on a context it did not index
     (a slot reused without start, a shorter or different context): indexed afresh."""
@@ -122,15 +148,16 @@ def test_the_suffix_index_drafts_what_the_scan_drafts(min_n, max_n, vocab):
     g = torch.Generator().manual_seed(min_n * 100 + vocab)
     for trial in range(20):
         seq = torch.randint(0, vocab, (120,), generator=g)
-        index, size = SuffixIndex(min_n, max_n), 1
+        index, size = SuffixIndex(min_n, max_n, match), 1
         while size < len(seq):
             for k in (1, 4):
-                assert torch.equal(index.lookup(seq[:size], k), lookup(seq[:size], min_n, max_n, k)), (trial, size)
+                want = lookup(seq[:size], min_n, max_n, k, match)
+                assert torch.equal(index.lookup(seq[:size], k), want), (trial, size)
             size += int(torch.randint(1, 4, (1,), generator=g))
         other = torch.randint(0, vocab, (40,), generator=g)
-        assert torch.equal(index.lookup(other, 3), lookup(other, min_n, max_n, 3))
+        assert torch.equal(index.lookup(other, 3), lookup(other, min_n, max_n, 3, match))
         longer = torch.cat([other[:-1], (other[-2:-1] + 1) % vocab, other[:7]])  # last indexed token differs
-        assert torch.equal(index.lookup(longer, 3), lookup(longer, min_n, max_n, 3))
+        assert torch.equal(index.lookup(longer, 3), lookup(longer, min_n, max_n, 3, match))
 
 
 def test_half_precision_runs(prompts):

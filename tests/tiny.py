@@ -25,8 +25,16 @@ CHAT_TEMPLATE = (
 FAMILIES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "smollm")
 
 
+# The geometry of the engine suite's tiny targets (tests/engines): vLLM's CPU attention takes head_dim
+# 32 or more ("Unsupported CPU attention configuration: head_dim=16"). Family "llama-wide" is "llama" so.
+WIDE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1, head_dim=64)
+
+
 def tiny_config(family: str = "llama", vocab_size: int = VOCAB, **overrides):
-    """A transformers config for a tiny model of `family` (random weights are made from it)."""
+    """A transformers config for a tiny model of `family` (random weights are made from it); a
+    family ending in "-wide" takes the WIDE geometry."""
+    if family.endswith("-wide"):
+        return tiny_config(family[: -len("-wide")], vocab_size, **{**WIDE, **overrides})
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=6,

@@ -118,6 +118,9 @@ def block_reference_config(algorithm: str, family: str = "llama") -> dict:
             "confidence": {"with_markov": True}} if head.markov else {}
     if head.lilicorr:
         over["lilicorr"] = dict(head.lilicorr)
+    geometry = bl.target_geometry(ef.target_dir(family))  # the layouts' heads take the target's geometry
+    over.update(hidden_size=geometry["hidden"], intermediate_size=geometry["inter"], num_attention_heads=geometry["heads"],
+                num_key_value_heads=geometry["kv"], head_dim=geometry["head_dim"])
     return block_config(target, algorithm, layout, head.block_size, head.layers, tuple(i + 1 for i in head.ids_out),
                         mask_token_id=head.mask_token_id, rms_norm_eps=target["rms_norm_eps"], **over)
 

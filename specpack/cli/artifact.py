@@ -38,6 +38,9 @@ from specpack.cli._common import JSON, PUBKEY, cli
 @click.option("--ngram-min", default=1, show_default=True, help="n-gram drafter: shortest suffix.")
 @click.option("--ngram-max", default=4, show_default=True, help="n-gram drafter: longest suffix.")
 @click.option("--draft-len", default=5, show_default=True, help="n-gram drafter: default tokens proposed.")
+@click.option("--ngram-match", type=click.Choice(["latest", "earliest"]), default="latest", show_default=True,
+              help="n-gram drafter: copy what followed the suffix's latest earlier occurrence (going on past the "
+                   "context's end), or its earliest (stopping there: vLLM's ngram proposer).")
 @click.option("--mtp-allow-reuse", is_flag=True,
               help="MTP: allow more draft tokens than MTP layers (step k reuses layer k mod n).")
 @click.option("--copy", "copy_files", is_flag=True, help="Copy target files even where hard links work.")
@@ -46,7 +49,8 @@ from specpack.cli._common import JSON, PUBKEY, cli
                    "in the manifest; specpack itself never runs it.")
 @JSON
 def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block_layout, block_algorithm,
-          mask_token_id, ngram_min, ngram_max, draft_len, mtp_allow_reuse, copy_files, allow_remote_code, json_mode):
+          mask_token_id, ngram_min, ngram_max, draft_len, ngram_match, mtp_allow_reuse, copy_files, allow_remote_code,
+          json_mode):
     """Convert TARGET and its drafter into one (signed) artifact at OUT.
 
     \b
@@ -62,7 +66,7 @@ def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block
     opts = BuildOptions(target=target, drafter=drafter, out=out, key=key, force=force,
                         aux=AuxOverride.parse(aux_layer_ids, aux_convention),
                         block=BlockOverrides(block_layout, block_algorithm, mask_token_id),
-                        ngram=NgramParams(ngram_min, ngram_max, draft_len), link=not copy_files,
+                        ngram=NgramParams(ngram_min, ngram_max, draft_len, ngram_match), link=not copy_files,
                         mtp_allow_reuse=mtp_allow_reuse, allow_remote_code=allow_remote_code,
                         progress=progress_enabled(json_mode))
     result = do_build(opts)

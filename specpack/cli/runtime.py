@@ -118,9 +118,13 @@ def _run_summary(r: dict) -> str:
               help="Save PNG charts (tokens/s vs draft length, acceptance per position) here; needs matplotlib.")
 @click.option("--public-key", type=click.Path(path_type=Path), envvar="SPECPACK_PUBLIC_KEY",
               help="Public key (PEM) to check the signature with before tuning [env: SPECPACK_PUBLIC_KEY].")
+@click.option("--engine", type=click.Choice(["specpack", "vllm"]), default="specpack", show_default=True,
+              help="Measure through specpack's own engine, or through vLLM's server started on the verified artifact "
+                   "(SPECPACK_VLLM or PATH); the profile is then for `serve --engine vllm`. Flags after `--` go to vLLM.")
+@click.argument("engine_args", nargs=-1, type=click.UNPROCESSED)
 @JSON
 def tune(artifact, workload, backend, device, dtype, weights, kv_cache, concurrency, draft_lens, tree_shapes, lookups,
-         max_new_tokens, repeats, key, plot_dir, public_key, json_mode):
+         max_new_tokens, repeats, key, plot_dir, public_key, engine, engine_args, json_mode):
     """Measure ARTIFACT on a workload and store the best settings as a validated profile.
 
     Measures tokens/s without speculation, sweeps the draft length (from D = 128/G - 1 on GPUs, the
@@ -135,7 +139,13 @@ def tune(artifact, workload, backend, device, dtype, weights, kv_cache, concurre
       specpack tune my-artifact --workload bench/workloads/code_edit.jsonl --key signer.pem
       specpack tune my-artifact --workload chat.jsonl --draft-lens 2,4,6 --concurrency 1,4 --plot plots/
       specpack tune my-artifact --workload code.jsonl --tree-shapes 5x4x12 --lookups 4,8,16
+      specpack tune my-artifact --workload code.jsonl --engine vllm --concurrency 1,4,8 -- --enforce-eager
     """
+    if engine != "specpack":
+        return _tune_engine(artifact, workload, engine, dtype, device, concurrency, draft_lens, max_new_tokens, key,
+                            public_key, engine_args, json_mode)
+    if engine_args:
+        raise click.UsageError("flags after `--` are for --engine vllm")
     from specpack.tuning.tune import tune as do_tune
     from specpack.tuning.report import summary
 
@@ -146,6 +156,21 @@ def tune(artifact, workload, backend, device, dtype, weights, kv_cache, concurre
                      plot_dir=plot_dir, tree_shapes=parse_tree_shapes(tree_shapes, "--tree-shapes"),
                      lookups=[] if (lookups or "").strip().lower() == "none" else int_list(lookups, "--lookups"))
     emit(result.to_dict(), json_mode, lambda d: summary(result))
+
+
+def _tune_engine(artifact, workload, engine, dtype, device, concurrency, draft_lens, max_new_tokens, key, public_key,
+                 engine_args, json_mode):
+    """`tune --engine vllm`: the profile measured through the engine's own server."""
+    from specpack.tuning.engine_tune import tune_engine
+
+    profile, path, passes = tune_engine(artifact, workload, engine, int_list(draft_lens, "--draft-lens"),
+                                        int_list(concurrency, "--concurrency"), max_new_tokens, key, public_key,
+                                        tuple(engine_args), dtype, device.split(":")[0])
+    e = profile.evidence
+    emit({"profile": profile.model_dump(mode="json"), "manifest": str(path)}, json_mode, lambda d: (
+        f"profile {profile.name} ({profile.id}) measured through {engine} {e.software.packages.get(engine)}: "
+        f"{e.speedup:.2f}x at one client, acceptance length {e.acceptance_length:.2f}, speculation up to "
+        f"{profile.settings.max_concurrency} concurrent requests; stored in {path}"))
 
 
 @cli.command()
@@ -193,6 +218,13 @@ def profiles(artifact, json_mode):
 @click.option("--max-queue", type=int, help="Requests waiting beyond which new ones get 429 [default: 4 x max-seqs].")
 @click.option("--prefill-chunk", type=int, default=64, show_default=True,
               help="Prompt tokens one engine step takes, so long prompts do not stall the others.")
+@click.option("--engine", type=click.Choice(["specpack", "vllm", "sglang", "trtllm"]), default="specpack",
+              show_default=True, help="Serve with specpack's own engine, or start vLLM / SGLang / TensorRT-LLM on the "
+                                      "verified artifact (found through SPECPACK_VLLM / SPECPACK_SGLANG / SPECPACK_TRTLLM "
+                                      "or PATH); flags after `--` go to that engine.")
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel size for --engine vllm|sglang|trtllm.")
+@click.option("--no-spec", is_flag=True, help="--engine vllm|sglang|trtllm: start the engine on the target alone.")
+@click.argument("engine_args", nargs=-1, type=click.UNPROCESSED)
 @BACKEND
 @DEVICE
 @DTYPE
@@ -200,8 +232,8 @@ def profiles(artifact, json_mode):
 @KV_CACHE
 @PUBKEY
 def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len, draft_tree, lookup, api_key,
-          max_body_bytes, max_seqs, max_model_len, max_queue, prefill_chunk, backend, device, dtype, weights, kv_cache,
-          public_key):
+          max_body_bytes, max_seqs, max_model_len, max_queue, prefill_chunk, engine, tp, no_spec, engine_args, backend,
+          device, dtype, weights, kv_cache, public_key):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API.
 
     /v1/models, /v1/completions and /v1/chat/completions (streaming or not), /health, and /metrics
@@ -219,7 +251,14 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
       specpack serve my-artifact --backend onnxruntime   # the exported graphs, every request in one call a step
       curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
            -d '{"model": "my-artifact", "prompt": "def fib(n):", "max_tokens": 64, "temperature": 0}'
+      specpack serve my-artifact --engine vllm --tp 4      # vLLM on the verified files, drafter exported
+      SPECPACK_VLLM=/opt/vllm/bin/vllm specpack serve my-artifact --engine vllm -- --enforce-eager
     """
+    if engine != "specpack":
+        return _serve_engine(artifact, engine, host, port, profile, model_name, draft_len, tp, no_spec, engine_args,
+                             public_key)
+    if engine_args or no_spec or tp != 1:
+        raise click.UsageError("--tp, --no-spec and engine flags after `--` are for --engine vllm|sglang|trtllm")
     from specpack.serving.serve import prepare, run as run_server
 
     plan = prepare(artifact, profile=profile, backend=backend, device=device, dtype=dtype, weights=weights,
@@ -231,3 +270,18 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
     click.echo(f"serving '{plan.model_name}' at http://{host}:{port}/v1 (OpenAI-compatible; also /health, "
                "/metrics)", err=True)
     run_server(plan, host, port)
+
+
+def _serve_engine(artifact, engine, host, port, profile, model_name, draft_len, tp, no_spec, engine_args, public_key):
+    """`serve --engine vllm|sglang|trtllm`: verify, export, then run the engine in the foreground."""
+    from specpack import engines
+    from specpack.packager.artifact import read_manifest
+    from specpack.tuning.profiles import engine_profile
+
+    chosen = None if no_spec else engine_profile(read_manifest(artifact), engine, profile)
+    launch = engines.prepare(artifact, engine, host=host, port=port, model_name=model_name, tensor_parallel=tp,
+                             draft_len=draft_len, chosen=chosen, public_key=public_key, extra=tuple(engine_args),
+                             speculative=not no_spec)
+    click.echo(launch.message, err=True)
+    click.echo(f"starting: {launch.command}", err=True)
+    raise SystemExit(engines.run(launch))

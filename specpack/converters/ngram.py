@@ -13,7 +13,7 @@ def detect(spec: str) -> str | None:
     return "ngram" if str(spec) == "ngram" else None
 
 
-def convert(min_n: int = 1, max_n: int = 4, draft_len: int = 5) -> ConvertedDrafter:
+def convert(min_n: int = 1, max_n: int = 4, draft_len: int = 5, match: str = "latest") -> ConvertedDrafter:
     """Check the lookup parameters and describe the drafter."""
     problems = []
     if not 1 <= min_n <= max_n:
@@ -22,7 +22,10 @@ def convert(min_n: int = 1, max_n: int = 4, draft_len: int = 5) -> ConvertedDraf
         problems.append(f"max n {max_n} is above {MAX_N}")
     if draft_len < 1:
         problems.append(f"draft length {draft_len} must be at least 1")
+    if match not in ("latest", "earliest"):
+        problems.append(f"match rule {match!r} is neither 'latest' nor 'earliest'")
     if problems:
         raise InputError("invalid n-gram drafter parameters", problems=problems,
                          hint="e.g. --ngram-min 1 --ngram-max 4 --draft-len 5")
-    return ConvertedDrafter(entry=NgramDrafter(min_n=min_n, max_n=max_n, draft_len=draft_len))
+    return ConvertedDrafter(entry=NgramDrafter(min_n=min_n, max_n=max_n, draft_len=draft_len,
+                                                   match=match))

@@ -28,6 +28,7 @@ class NgramParams:
     min_n: int = 1
     max_n: int = 4
     draft_len: int = 5
+    match: str = "latest"  # which earlier occurrence is copied: "latest" or "earliest" (vLLM's rule)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDr
     log.info("drafter %s: %s (%s)", opts.drafter, family, layout)
     _check_block_flags(opts, family)
     if family == "ngram":
-        return ngram.convert(opts.ngram.min_n, opts.ngram.max_n, opts.ngram.draft_len)
+        return ngram.convert(opts.ngram.min_n, opts.ngram.max_n, opts.ngram.draft_len, opts.ngram.match)
     if layout == mtp.IN_TARGET:
         return mtp.convert_in_target(target, allow_reuse=opts.mtp_allow_reuse)
     module, path = DRAFTER_FAMILIES[family], Path(opts.drafter)

@@ -51,7 +51,8 @@ def _drafter(m: Manifest) -> str:
         return _block(d)
     if not isinstance(d, Eagle3Drafter):
         return (f"## Drafter: n-gram prompt lookup\n\nNo weights. Looks up the longest context suffix "
-                f"of {d.max_n} down to {d.min_n} tokens and proposes up to {d.draft_len} tokens.")
+                f"of {d.max_n} down to {d.min_n} tokens and proposes up to {d.draft_len} tokens that followed its "
+                f"{d.match} earlier occurrence.")
     aux = d.aux_hidden_states
     return "\n".join([
         "## Drafter: EAGLE-3 head", "",

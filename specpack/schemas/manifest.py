@@ -127,6 +127,11 @@ class NgramDrafter(_Strict):
     min_n: int = Field(ge=1, description="Shortest context suffix to look up.")
     max_n: int = Field(ge=1, description="Longest context suffix to look up (tried first).")
     draft_len: int = Field(ge=1, description="Default number of proposed tokens.")
+    match: Literal["latest", "earliest"] = Field(
+        "latest", description="Which earlier occurrence of the suffix is copied: `latest` (the most recent; the "
+                              "copy goes on past the context's end, as LZ77 does) or `earliest` (the first; the "
+                              "copy stops at the context's end: vLLM's ngram proposer). Lossless either way; "
+                              "acceptance differs.")
 
 
 class MtpDrafter(_Strict):

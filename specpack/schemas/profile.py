@@ -152,7 +152,8 @@ class Profile(_Strict):
                                   "top-k K and M nodes (torch-cpu-float32-eagle3-d6-t4x24) and -lN for prompt "
                                   "lookup of up to N tokens beside the drafter (torch-cpu-float32-eagle3-d3-l8). Not "
                                   "unique across machines.")
-    backend: Literal["torch", "onnxruntime", "tensorrt"] = Field(description="Runtime backend.")
+    backend: Literal["torch", "onnxruntime", "tensorrt", "vllm", "sglang", "trtllm"] = Field(
+        description="Runtime backend, or the external engine the profile was measured through (`tune --engine`).")
     device: Literal["cpu", "cuda"] = Field(description="Device type.")
     dtype: Literal["float32", "float16", "bfloat16"] = Field(description="Compute dtype of the weights.")
     weights: Optional[Literal["fp16", "bf16", "int8", "w8a8"]] = Field(

@@ -180,8 +180,15 @@ def _validity(p: Profile, raw: dict, manifest) -> list[str]:
 
 
 def _capability(p: Profile, machine: Machine) -> list[str]:
+    from specpack.engines import ENGINES, MissingEngineError, find
+
     reasons = []
-    if p.backend not in machine.backends:
+    if p.backend in ENGINES:
+        try:
+            find(p.backend)
+        except MissingEngineError as exc:
+            reasons.append(f"{exc.message} ({exc.hint})")
+    elif p.backend not in machine.backends:
         module, extra = BACKEND_MODULES[p.backend]
         how = f"pip install 'specpack[{extra}]'" if extra else f"pip install {module}"
         reasons.append(f"backend {p.backend} is not installed ({how})")
@@ -292,6 +299,24 @@ def profile_for_export(manifest, wanted: Optional[str] = None, device: str = "cu
     if wanted is not None:
         return _named_for_export(entries, wanted)
     fits = [p for p, reasons in entries if not reasons and p.device == device and p.settings.speculative]
+    return max(fits, key=lambda p: (p.evidence.speedup, p.evidence.measured_at), default=None)
+
+
+def engine_profile(manifest, engine: str, wanted: Optional[str] = None, device: str = "cpu") -> Optional[Profile]:
+    """The validated profile `serve --engine` follows: the one named `wanted` (name, id or id prefix;
+    "none": none), else the speculative one measured through `engine` on `device` with the highest
+    speedup (then the newest), else None (the artifact's defaults). Profiles measured on specpack's own
+    runtime are not used: their draft lengths and crossovers were measured where they do not run."""
+    if wanted is not None:
+        return profile_for_export(manifest, wanted)
+    fits = []
+    for raw in map(_raw, manifest.profiles):
+        try:
+            p = Profile.model_validate(raw)
+        except ValidationError:
+            continue
+        if p.backend == engine and p.device == device and p.settings.speculative and not _validity(p, raw, manifest):
+            fits.append(p)
     return max(fits, key=lambda p: (p.evidence.speedup, p.evidence.measured_at), default=None)
 
 

@@ -44,6 +44,7 @@ class ExportResult:
     aux_layer_ids: list[int] | None
     aux_convention: str | None
     files: list[str]
+    draft_len: int = 0  # draft tokens a step the engine is told (before any batch-size schedule)
 
 
 def capable_engines(manifest, draft_len: int = 1) -> list[str]:
@@ -67,6 +68,7 @@ def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None 
     check_draft_len(manifest, draft_len)
     _check_representable(module, manifest, draft_len)
     artifact = Path(artifact).absolute()
+    _check_target(module, artifact)
     head, tensors = load_head(artifact) if manifest.drafter.kind in ("eagle3", "block") else (None, None)
     with staging_dir(Path(out), force) as tmp:
         ctx = ExportContext(artifact, manifest, tmp, Path(out).absolute(), draft_len, tensor_parallel, crossover,
@@ -79,7 +81,7 @@ def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None 
         files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if p.is_file())
     log.info("exported %s for %s into %s", artifact, engine, out)
     return ExportResult(Path(out), engine, manifest.drafter.kind, export.command,
-                        export.config_summary, export.aux_layer_ids, export.aux_convention, files)
+                        export.config_summary, export.aux_layer_ids, export.aux_convention, files, draft_len)
 
 
 def _draft_len_and_crossover(module, manifest, draft_len: int | None, profile: str | None):
@@ -139,6 +141,16 @@ def _check_positive(**values) -> None:
     bad = [f"{k} must be at least 1, got {v}" for k, v in values.items() if v is not None and v < 1]
     if bad:
         raise InputError("invalid export options", problems=bad)
+
+
+def _check_target(module, artifact: Path) -> None:
+    """Refuse a target whose config.json the engine would read otherwise than specpack does."""
+    import json
+
+    problems = getattr(module, "target_problems", lambda config: [])(json.loads((artifact / "config.json").read_text()))
+    if problems:
+        raise UnsupportedError(f"{module.NAME} would not run this target as it is bound", problems=problems,
+                               hint="state the keys in the target's config.json and rebuild the artifact")
 
 
 def _check_representable(module, manifest, draft_len: int) -> None:

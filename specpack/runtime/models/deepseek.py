@@ -80,6 +80,11 @@ class DeepseekSpec:
         """Layer `layer` (MTP layers continue the numbering) has routed experts."""
         return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
 
+    @property
+    def experts_held(self) -> int:
+        """Routed experts the target's layers must hold (none when every layer is dense)."""
+        return self.n_routed_experts if self.num_layers > self.first_k_dense_replace else 0
+
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         """Latent cache bytes one token takes in every layer."""
         return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
