@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from specpack.errors import InputError
 from specpack.runtime.kernels.argmax import argmax_rows
-from specpack.runtime.models.config import RopeScaling, rope_from_config
+from specpack.families.dense import RopeScaling, rope_from_config
 from specpack.runtime.models.dense import MLP, Attention, KVCache, RMSNorm, rope_inv_freq, rope_tables
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
@@ -303,15 +303,20 @@ def load_eagle3(params: dict | None, drafter_dir, target) -> Eagle3Drafter:
     if spec.embedding == "target" and spec.hidden_size != t.hidden_size:
         problems.append(f"the head (hidden {spec.hidden_size}) cannot use the target's embedding ({t.hidden_size})")
     files = checkpoint_files(drafter_dir)
+    expected = eagle3_tensor_shapes(spec)
+    identity = "d2t" not in files and spec.draft_vocab_size == spec.target_vocab_size
+    if identity:  # a full-vocabulary head ships no map (manifest vocab_map: identity)
+        expected.pop("d2t")
     try:
-        check_shapes(tensor_shapes(files), eagle3_tensor_shapes(spec), f"EAGLE-3 drafter {drafter_dir}")
+        check_shapes(tensor_shapes(files), expected, f"EAGLE-3 drafter {drafter_dir}")
     except InputError as e:
         problems += e.problems
     if problems:
         raise InputError(f"drafter {drafter_dir} does not fit this target", problems=problems,
                          hint="the drafter must be converted for exactly this target model")
-    names = list(eagle3_tensor_shapes(spec)) + (["t2d"] if "t2d" in files else [])
-    w = read_tensors(files, names)
+    w = read_tensors(files, list(expected) + (["t2d"] if "t2d" in files else []))
+    if identity:
+        w["d2t"] = torch.zeros(spec.draft_vocab_size, dtype=torch.long)
     vocab_problems = _vocab_map_problems(w["d2t"], w.get("t2d"), spec)
     if vocab_problems:
         raise InputError(f"drafter {drafter_dir} has a broken vocabulary map", problems=vocab_problems)
