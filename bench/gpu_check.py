@@ -207,7 +207,7 @@ def check_one(name: str, artifact: Path, prompts, args, env) -> list[dict]:
     if manifest.target.architecture.lower().startswith("deepseek"):
         runs = [r for r in runs if not r[2]]  # MLA targets keep their latent cache (--kv-cache refuses them)
     if env["tensorrt"]:
-        from specpack.converters.onnx_export import export_onnx
+        from specpack.exports.onnx import export_onnx
 
         export_onnx(artifact, progress=False)
         manifest = verify(artifact).manifest
@@ -278,7 +278,7 @@ def batched(name: str, artifact: Path, prompts, args) -> dict:
 def onnx_graph(name: str, artifact: Path, prompts, args) -> dict:
     """The exported ONNX graph on ONNX Runtime (CPU) against the torch backend: greedy equality."""
     import specpack
-    from specpack.converters.onnx_export import export_onnx
+    from specpack.exports.onnx import export_onnx
 
     export_onnx(artifact, progress=False)
     ort, ref = (specpack.load(artifact, backend=b) for b in ("onnxruntime", "torch"))
@@ -299,7 +299,7 @@ def llama_8b(args) -> dict:
     the device's measured copy bandwidth."""
     import torch
 
-    from specpack.runtime.models.config import target_spec_from_config
+    from specpack.families.dense import target_spec_from_config
     from specpack.runtime.models.dense import Transformer
 
     dev = torch.device(args.device)

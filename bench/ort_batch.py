@@ -27,7 +27,7 @@ DEMO = Path.home() / ".cache/specpack/demo/smollm2-135m-eagle3"
 
 def exported(artifact: Path) -> Path:
     """`artifact`, or an exported copy of it in a temporary directory."""
-    from specpack.converters.onnx_export import export_onnx, read_index
+    from specpack.exports.onnx import export_onnx, read_index
 
     if read_index(artifact) is not None:
         return artifact

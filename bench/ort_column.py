@@ -23,7 +23,7 @@ Engine = Callable[[list[int]], tuple[list[int], float, float | None]]
 
 def load_ort(artifact, public_key=None, key=None, threads: int = 2, export: bool = True):
     """A SpecModel on the onnxruntime backend (the artifact verified first; exported if needed)."""
-    from specpack.converters.onnx_export import export_onnx, read_index
+    from specpack.exports.onnx import export_onnx, read_index
     from specpack.packager import verify
     from specpack.runtime import backends
     from specpack.runtime.spec_model import SpecModel

@@ -44,6 +44,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -212,9 +213,8 @@ def vllm_server(artifact: Path, port: int, slots: int, spec: bool, draft_len: in
 
     launch = engines.prepare(artifact, "vllm", port=port, speculative=spec, draft_len=draft_len, chosen=chosen,
                              extra=(*VLLM_FLAGS, "--max-num-seqs", str(slots), *(("--enforce-eager",) if eager else ())))
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2")}
-    return subprocess.Popen(launch.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
-                            start_new_session=True)
+    return subprocess.Popen(launch.argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, **launch.env}, start_new_session=True)
 
 
 def vllm_servers(args, ngram_target: Path, eagle3: Path | None, slots: int, levels: list[int], say) -> dict:
@@ -231,23 +231,29 @@ def vllm_servers(args, ngram_target: Path, eagle3: Path | None, slots: int, leve
     out = {"vllm-plain": (lambda p: vllm_server(ngram, p, slots, False, eager=eager), ngram.name),
            "vllm-ngram": (lambda p: vllm_server(ngram, p, slots, True, d, eager=eager), ngram.name)}
     if eagle3 is not None:
-        chosen = vllm_profile(eagle3, levels, d, say) if args.vllm_tune else None
+        chosen = None
+        if args.vllm_tune:  # a copy, re-signed with the demo's key: the demo's own artifact stays as built
+            tuned = cache_dir() / f"{eagle3.name}-vllm"
+            if not (tuned / "specpack.json").is_file():
+                shutil.copytree(eagle3, tuned)
+            chosen = vllm_profile(tuned, levels, d, say, cache_dir() / "demo-signer.pem")
+            eagle3 = tuned
         out["vllm-eagle3"] = (lambda p: vllm_server(eagle3, p, slots, True, None if chosen else d, chosen, eager),
                               eagle3.name)
     return out
 
 
-def vllm_profile(artifact: Path, levels: list[int], draft_len: int, say):
+def vllm_profile(artifact: Path, levels: list[int], draft_len: int, say, key: Path):
     """The profile `specpack tune --engine vllm` measures on the code workload (stored in the artifact)."""
     from specpack.packager.artifact import read_manifest
-    from specpack.tuning.engine_tune import tune_engine
+    from specpack.engines.tune import tune_engine
     from specpack.tuning.profiles import engine_profile
 
     chosen = engine_profile(read_manifest(artifact), "vllm")
     if chosen is None:
         say("tuning the EAGLE-3 artifact through vLLM (specpack tune --engine vllm) ...")
         tune_engine(artifact, ROOT / "bench/workloads/code_edit.jsonl", "vllm", draft_lens=[draft_len],
-                    concurrency=tuple(levels))
+                    concurrency=tuple(levels), key=key)
         chosen = engine_profile(read_manifest(artifact), "vllm")
     say(f"vllm-eagle3 follows {chosen.name}: draft {chosen.settings.draft_len}, speculation up to "
         f"{chosen.settings.max_concurrency} clients")
@@ -258,7 +264,7 @@ def onnx_copy(artifact: Path, out: Path) -> Path:
     """An exported copy of `artifact` at `out` (made once; the demo artifact itself stays as built)."""
     import shutil
 
-    from specpack.converters.onnx_export import export_onnx, read_index
+    from specpack.exports.onnx import export_onnx, read_index
 
     if not (out.is_dir() and read_index(out) is not None):
         shutil.rmtree(out, ignore_errors=True)

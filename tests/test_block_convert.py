@@ -79,7 +79,7 @@ def test_dspark_bindings_in_manifest_config_and_weights(tmp_path, tiny_target):
     d = read_json(art / "specpack.json")["drafter"]
     assert (d["algorithm"], d["query_layout"], d["block_size"], d["draft_slots"]) == ("dspark", "anchor_first", 4, 4)
     assert d["target_features"] == {"layer_ids": [2, 5, 7], "convention": "input_of_layer", "source_ids": [1, 4, 6],
-                                    "source_convention": "output_of_layer"}
+                                    "source_convention": "output_of_layer", "produced_by": ["full+dense"] * 3}
     assert d["markov"] == {"rank": 8, "type": "vanilla"} and d["confidence"] == {"with_markov": True}
     # DeepSpec ships frozen copies of the target's tables: equal bit for bit, so shared and digested
     assert (d["embedding_source"], d["lm_head_source"]) == ("target", "target")

@@ -45,7 +45,7 @@ def test_each_layout_builds_verifies_and_keeps_tensors_bit_identical(layout, tmp
     d = manifest["drafter"]
     assert d["source_layout"] == layout and d["embedding_source"] == "target"
     assert d["aux_hidden_states"] == {"layer_ids": [2, 4, 5], "convention": "input_of_layer",
-                                      "source_convention": "default"}
+                                      "source_convention": "default", "produced_by": ["full+dense"] * 3}
     assert d["t2d_source"] == ("derived" if layout == "eagle3-modelopt" else "checkpoint")
     assert read_json(out / "drafter/config.json")["aux_layer_ids"] == [2, 4, 5]
 
@@ -57,7 +57,7 @@ def test_explicit_aux_ids_in_output_convention_are_converted(layout, tmp_path, t
     assert cli("build", tiny_target, "--drafter", head, "-o", out)[0] == 0
     aux = read_json(out / "specpack.json")["drafter"]["aux_hidden_states"]
     assert aux == {"layer_ids": [2, 4, 5], "convention": "input_of_layer", "source_ids": [1, 3, 4],
-                   "source_convention": "output_of_layer"}
+                   "source_convention": "output_of_layer", "produced_by": ["full+dense"] * 3}
 
 
 def test_cli_aux_override(tmp_path, tiny_target, tiny_cfg, cli):

@@ -347,11 +347,14 @@ def test_drafter_config_values_that_are_not_sizes(tmp_path, tiny_target, tiny_cf
            text=["config sizes that are not positive integers", text])
 
 
-def test_quantized_targets_get_the_plain_bounds_only(tmp_path, tiny_target, cli):
-    """A packed layout (GPTQ, AWQ) names its tensors otherwise: it builds (for engines), absurd sizes do not."""
-    out = tmp_path / "out" / "art"
-    t = _with_config(tiny_target, tmp_path, intermediate_size=100, quantization_config={"quant_method": "gptq"})
-    assert cli("build", t, "--drafter", "ngram", "-o", out)[0] == 0
+def test_a_quantization_scheme_specpack_cannot_check_is_refused(tmp_path, tiny_target, cli):
+    """A packed layout specpack has no rules for (GPTQ, AWQ) is refused, naming what it can check: a
+    quantized target's tensors are never left unchecked (issue 44). Absurd sizes are refused first."""
+    t = _with_config(tiny_target, tmp_path, quantization_config={"quant_method": "gptq"})
+    _fails(cli, tmp_path, t, "--drafter", "ngram",
+           text=["quant_method 'gptq' is not a scheme specpack can check", "fp8 (block or per-tensor)"])
     shutil.rmtree(tmp_path / "t")
-    t = _with_config(tiny_target, tmp_path, num_hidden_layers=10**6, quantization_config={"quant_method": "gptq"})
+    t = _with_config(tiny_target, tmp_path, num_hidden_layers=10**6, quantization_config={"quant_method": "fp8"})
     _fails(cli, tmp_path, t, "--drafter", "ngram", text=["num_hidden_layers 1,000,000 > the 75 tensors"])
+
+

@@ -8,7 +8,8 @@ import torch
 import mtp_layouts as ml
 from eagle_fixtures import one_thread  # noqa: F401
 from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.models.deepseek import DeepseekTransformer, deepseek_spec_from_config
+from specpack.families.deepseek import deepseek_spec_from_config
+from specpack.runtime.models.deepseek import DeepseekTransformer
 from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
 
 TOL = 1e-4

@@ -28,7 +28,7 @@ def artifact(kind: str):
     """A built artifact of `kind` on a tiny target, exported to ONNX (cached per session)."""
     from test_draft_model import make_draft
 
-    from specpack.converters.onnx_export import export_onnx
+    from specpack.exports.onnx import export_onnx
 
     tmp = ef.session_dir(f"engine-{kind}")
     target = ef.target_dir("llama")
@@ -212,7 +212,7 @@ def test_a_sequence_gets_the_same_logits_bits_in_any_batch(backend, family):
 def _family_model(family: str, backend: str) -> SpecModel:
     """An n-gram artifact on a tiny `family` target, exported to ONNX."""
     import specpack
-    from specpack.converters.onnx_export import export_onnx
+    from specpack.exports.onnx import export_onnx
 
     tmp = ef.session_dir(f"engine-{family}")
     out = build(BuildOptions(target=ef.target_dir(family), drafter="ngram", out=tmp / "art", ngram=NgramParams(1, 3, 4))).out

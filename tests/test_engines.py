@@ -109,7 +109,7 @@ def test_vllm_would_load_a_draft_model_under_a_method_words_path_as_that_method(
     """vLLM picks the method from a draft path's name before it honours `draft_model`: refused."""
     from test_draft_model import make_draft
 
-    from specpack.converters.export import export_engine
+    from specpack.exports import export_engine
     from specpack.packager import BuildOptions, build
 
     art = build(BuildOptions(target=tiny_target, drafter=str(make_draft(tmp_path / "d", tiny_target, layers=2)),
@@ -126,7 +126,7 @@ def test_a_deepseek_target_without_its_routing_keys_is_refused_for_vllm(tmp_path
     otherwise: a target that leaves the keys out would run another model there."""
     import mtp_layouts as ml
 
-    from specpack.converters.export import export_engine
+    from specpack.exports import export_engine
     from specpack.packager import BuildOptions, build
 
     t = ml.make_target(tmp_path / "ds", "mtp-deepseek", 1)
@@ -156,3 +156,13 @@ vllm.v1.engine.exceptions.EngineDeadError: EngineCore encountered an issue."""
 def test_acceptance_from_the_engines_counters():
     counts = SpecCounts(drafts=20, draft_tokens=80, accepted=30) - SpecCounts(drafts=4, draft_tokens=16, accepted=6)
     assert counts.acceptance_length == 1 + 24 / 16 and SpecCounts().acceptance_length == 1.0
+
+
+def test_vllm_on_a_cpu_gets_a_kv_cache_size_unless_one_is_stated(artifact, vllm_env, monkeypatch):
+    """vLLM's CPU backend otherwise reserves 92% of the memory node and refuses to start beside
+    anything else: specpack sets VLLM_CPU_KVCACHE_SPACE unless the environment states it."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    assert engines.prepare(artifact, "vllm", port=8123).env == {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    assert engines.prepare(artifact, "vllm", port=8123, speculative=False).env == {"VLLM_CPU_KVCACHE_SPACE": "4"}
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert engines.prepare(artifact, "vllm", port=8123).env == {}

@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 import block_layouts as bl
 from conftest import read_json
 from test_block_convert import _build, _same_head
-from specpack.converters.export import ENGINES, export_engine
+from specpack.exports import ENGINES, export_engine
 from specpack.errors import InputError, UnsupportedError
 
 DRAFT_DIR = {"vllm": ".", "sglang": ".", "trtllm": "draft"}

@@ -15,7 +15,7 @@ import eagle_layouts
 from conftest import read_json
 from specpack.converters import eagle3
 from specpack.converters.base import AuxOverride
-from specpack.converters.export import ENGINES, export_engine
+from specpack.exports import ENGINES, export_engine
 from specpack.errors import InputError, OutputError, UnsupportedError, VerificationError
 from specpack.packager import BuildOptions, NgramParams, build
 
@@ -110,7 +110,7 @@ def test_sglang_and_trtllm_layouts_round_trip_through_the_importer(engine, head_
     _assert_same_tensors(_canonical(back), _canonical(artifact))
     aux = read_json(back / "specpack.json")["drafter"]["aux_hidden_states"]
     assert aux == {"layer_ids": AUX_IN, "convention": "input_of_layer", "source_ids": AUX_OUT,
-                   "source_convention": "output_of_layer"}
+                   "source_convention": "output_of_layer", "produced_by": ["full+dense"] * len(AUX_IN)}
 
 
 def test_sglang_command(artifact, tmp_path):

@@ -12,7 +12,7 @@ import yaml
 
 import mtp_layouts as ml
 from conftest import read_json
-from specpack.converters.export import ENGINES, export_engine
+from specpack.exports import ENGINES, export_engine
 from specpack.converters.safetensors_header import read_header
 from specpack.errors import InputError, UnsupportedError
 from specpack.packager import BuildOptions, build

@@ -13,7 +13,7 @@ import eagle_layouts as el
 import tiny
 from specpack.packager.artifact import read_manifest
 from eagle_fixtures import one_thread  # noqa: F401
-from specpack.converters.onnx_export import ONNX_DIR, export_onnx, read_index
+from specpack.exports.onnx import ONNX_DIR, export_onnx, read_index
 from specpack.errors import InputError, OutputError, UnsupportedError
 from specpack.packager import BuildOptions, NgramParams, build, verify
 from specpack.runtime import backends
@@ -321,7 +321,7 @@ def test_export_reads_packed_linear_weights():
     """The export reads weights from nn.Linear or from the CPU kernel's K-major panels alike."""
     from types import SimpleNamespace
 
-    from specpack.converters.onnx_export import linear_params
+    from specpack.exports.onnx import linear_params
 
     pack_panels = pytest.importorskip("specpack.runtime.kernels.linear").pack_panels  # lands with the CPU kernels
 

@@ -14,7 +14,7 @@ import block_layouts as bl
 import eagle_fixtures as ef
 import tiny
 from eagle_fixtures import one_thread  # noqa: F401
-from specpack.converters.onnx_export import ONNX_DIR, OPSET, export_onnx, read_index
+from specpack.exports.onnx import ONNX_DIR, OPSET, export_onnx, read_index
 from specpack.packager import BuildOptions, build, verify
 from specpack.runtime import backends
 from specpack.runtime.drafters.base import DraftJob, TreeShape
@@ -34,8 +34,8 @@ def llama():
 @functools.cache
 def drafters(variant: str):
     """(torch BlockDrafter, OrtBlock over its exported graphs) of a random head of `variant`."""
-    from specpack.converters.onnx_export import block
-    from specpack.converters.onnx_export.pipeline import DATA_NAME, write_graphs
+    from specpack.exports.onnx import block
+    from specpack.exports.onnx.pipeline import DATA_NAME, write_graphs
     from specpack.runtime.backends.graph_block import block_files
     from specpack.runtime.backends.onnxruntime_backend import OrtBlock
     from specpack.runtime.drafters.block import load_block

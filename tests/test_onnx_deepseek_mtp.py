@@ -12,7 +12,7 @@ import eagle_fixtures as ef
 import mtp_layouts as ml
 import tiny
 from eagle_fixtures import one_thread  # noqa: F401
-from specpack.converters.onnx_export import ONNX_DIR, export_onnx, read_index
+from specpack.exports.onnx import ONNX_DIR, export_onnx, read_index
 from specpack.packager import BuildOptions, NgramParams, build
 from specpack.packager.artifact import read_manifest
 from specpack.runtime.models.rows import Rows, Segment

@@ -206,7 +206,7 @@ def test_select_profile_for_run_and_serve(tuned):
 def test_tune_on_onnxruntime_writes_a_profile_that_onnxruntime_runs_pick(artifact, workload, tmp_path):
     """`tune --backend onnxruntime` measures the exported graphs through the same batched engine and
     stores a profile for that backend: ONNX Runtime runs pick it, torch runs do not."""
-    from specpack.converters.onnx_export import export_onnx
+    from specpack.exports.onnx import export_onnx
 
     art = tmp_path / "art"
     shutil.copytree(artifact, art)

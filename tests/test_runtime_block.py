@@ -19,7 +19,7 @@ from specpack.runtime.drafters.block import load_block
 from specpack.runtime.drafters.tree import depths
 from specpack.runtime import kernels
 from specpack.runtime.engine.sampling import Sampler, SamplingParams
-from specpack.runtime.models.config import target_spec_from_config
+from specpack.families.dense import target_spec_from_config
 from specpack.runtime.models.dense import Transformer
 from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
 

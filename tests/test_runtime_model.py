@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 import tiny
 from eagle_fixtures import one_thread, target_dir  # noqa: F401
 from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.models.config import target_spec_from_config
+from specpack.families.dense import target_spec_from_config
 from specpack.runtime.models.weights import load_target
 
 TOL = 1e-4

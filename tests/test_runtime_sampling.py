@@ -10,7 +10,7 @@ import block_fixtures as bf
 from eagle_fixtures import one_thread  # noqa: F401
 from specpack.runtime.drafters.block import load_block
 from specpack.runtime.engine import engine
-from specpack.runtime.models.config import target_spec_from_config
+from specpack.families.dense import target_spec_from_config
 from specpack.runtime.drafters.eagle3 import Eagle3Drafter, eagle3_spec_from_config
 from specpack.runtime.models.dense import Transformer
 from specpack.runtime.drafters.base import TreeShape

@@ -237,7 +237,7 @@ def test_serve_on_onnxruntime_answers_as_run(artifact, reference, tmp_path_facto
     to `run`'s on torch, several sequences in one target graph call."""
     import shutil
 
-    from specpack.converters.onnx_export import export_onnx
+    from specpack.exports.onnx import export_onnx
     from specpack.runtime.backends.onnxruntime_backend import OrtTarget
 
     art = tmp_path_factory.mktemp("serve-ort") / artifact.name

@@ -54,7 +54,7 @@ def test_builds_the_same_canonical_head_as_the_official_layout(tmp_path, tiny_ta
     d = read_json(tmp_path / "a/specpack.json")["drafter"]
     assert d["source_layout"] == "eagle3-speculators"
     assert d["aux_hidden_states"] == {"layer_ids": [2, 4, 5], "convention": "input_of_layer",
-                                      "source_convention": "default"}
+                                      "source_convention": "default", "produced_by": ["full+dense"] * 3}
 
 
 def test_explicit_aux_ids_count_input_of_layer(tmp_path, tiny_target, tiny_cfg, head, cli):
@@ -62,7 +62,7 @@ def test_explicit_aux_ids_count_input_of_layer(tmp_path, tiny_target, tiny_cfg, 
     assert cli("build", tiny_target, "--drafter", src, "-o", tmp_path / "art")[0] == 0
     assert read_json(tmp_path / "art/specpack.json")["drafter"]["aux_hidden_states"] == {
         "layer_ids": [1, 3, 6], "convention": "input_of_layer", "source_ids": [1, 3, 6],
-        "source_convention": "input_of_layer"}
+        "source_convention": "input_of_layer", "produced_by": ["full+dense"] * 3}
 
 
 def test_trained_head_runs_losslessly_with_high_acceptance(tmp_path):

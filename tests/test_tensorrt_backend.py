@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from specpack.converters.onnx_export import export_onnx, read_index
+from specpack.exports.onnx import export_onnx, read_index
 from specpack.errors import InputError, MissingDependencyError
 from specpack.packager import BuildOptions, NgramParams, build, verify
 from specpack.runtime.backends import SharedCaches
@@ -201,7 +201,7 @@ def test_trt_adapters_decode_as_torch():
 
     from specpack.runtime import backends
     from specpack.runtime.backends import eagle3_files
-    from specpack.runtime.models.config import load_target_spec
+    from specpack.families.dense import load_target_spec
     from specpack.runtime.spec_model import SpecModel
 
     art = exported("llama", "eagle3")
@@ -267,7 +267,7 @@ def test_trt_target_runs_many_sequences_per_call_within_its_profiles():
 
     from specpack.runtime import backends
     from specpack.runtime.engine import Engine, Request
-    from specpack.runtime.models.config import load_target_spec
+    from specpack.families.dense import load_target_spec
     from specpack.runtime.spec_model import SpecModel
 
     art = exported("llama", "ngram")

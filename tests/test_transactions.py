@@ -77,7 +77,7 @@ def test_interrupted_sign_leaves_the_artifact_as_it_was(signed, keypair, monkeyp
 KILLED_EXPORT = """
 import os, sys
 import specpack._atomic as atomic
-from specpack.converters.onnx_export import export_onnx
+from specpack.exports.onnx import export_onnx
 
 real = atomic._swap_in
 

@@ -71,9 +71,10 @@ def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block
                         progress=progress_enabled(json_mode))
     result = do_build(opts)
     data = {"artifact": str(result.out), "signed": result.signed, "seconds": round(result.seconds, 3),
-            "files": len(result.manifest.files), "drafter": result.manifest.drafter.kind}
-    emit(data, json_mode, lambda d: f"built {d['artifact']} ({d['drafter']} drafter, {d['files']} files, "
-                                    f"{'signed' if d['signed'] else 'UNSIGNED'}) in {d['seconds']:.2f}s")
+            "files": len(result.manifest.files), "drafter": result.manifest.drafter.kind, "notes": result.notes}
+    emit(data, json_mode, lambda d: "\n".join([f"built {d['artifact']} ({d['drafter']} drafter, {d['files']} files, "
+                                               f"{'signed' if d['signed'] else 'UNSIGNED'}) in {d['seconds']:.2f}s",
+                                               *(f"note: {n}" for n in d["notes"])]))
 
 
 @cli.command()
@@ -161,6 +162,9 @@ def _inspect_text(d: dict) -> str:
                        f"{t['num_attention_heads']}/{t['num_key_value_heads']}, vocab {t['vocab_size']}, "
                        f"{t['dtype']}, {t['parameters']:,} params"),
             ("drafter", dr["kind"] + (f" from {dr['source_layout']}" if "source_layout" in dr else ""))]
+    from specpack.packager.card import arch_rows
+
+    rows[2:2] = [(f"  {k}", v) for k, v in arch_rows(t.get("arch"))]
     if "remote_code" in t:
         rows.insert(2, ("  remote code", _remote_code_text(t["remote_code"])))
     if dr["kind"] == "eagle3":

@@ -137,7 +137,7 @@ def export(artifact, engine, out, tensor_parallel, draft_len, profile, force, si
         return
     if out is None:
         raise click.UsageError(f"--to {engine} needs -o/--out")
-    from specpack.converters.export import export_engine
+    from specpack.exports import export_engine
 
     r = export_engine(artifact, engine, out, draft_len=draft_len, tensor_parallel=tensor_parallel,
                       force=force, public_key=public_key, progress=progress_enabled(json_mode), profile=profile)
@@ -150,7 +150,7 @@ def export(artifact, engine, out, tensor_parallel, draft_len, profile, force, si
 
 def _export_inside(artifact, engine, force, signing_key, drop_signature, engine_dtype, public_key, json_mode):
     if engine == "onnx":
-        from specpack.converters.onnx_export import export_onnx
+        from specpack.exports.onnx import export_onnx
 
         files = export_onnx(artifact, key=signing_key, public_key=public_key, force=force,
                             drop_signature=drop_signature, progress=progress_enabled(json_mode))

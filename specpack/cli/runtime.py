@@ -161,7 +161,7 @@ def tune(artifact, workload, backend, device, dtype, weights, kv_cache, concurre
 def _tune_engine(artifact, workload, engine, dtype, device, concurrency, draft_lens, max_new_tokens, key, public_key,
                  engine_args, json_mode):
     """`tune --engine vllm`: the profile measured through the engine's own server."""
-    from specpack.tuning.engine_tune import tune_engine
+    from specpack.engines.tune import tune_engine
 
     profile, path, passes = tune_engine(artifact, workload, engine, int_list(draft_lens, "--draft-lens"),
                                         int_list(concurrency, "--concurrency"), max_new_tokens, key, public_key,

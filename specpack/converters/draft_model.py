@@ -55,7 +55,7 @@ def convert(path: Path, target: Target, source: Source | None = None) -> Convert
 
 
 def _check_family(path: Path) -> None:
-    from specpack.runtime.models.config import SUPPORTED_ARCHITECTURES, target_spec_from_config
+    from specpack.families.dense import SUPPORTED_ARCHITECTURES, target_spec_from_config
 
     config = read_json(path / "config.json", "draft model config")
     try:

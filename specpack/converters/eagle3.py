@@ -16,7 +16,7 @@ from pathlib import Path
 from specpack.converters.base import AuxOverride, ConvertedDrafter
 from specpack.converters.target_hf import Target, read_json
 from specpack.errors import ConversionError, InputError
-from specpack.runtime.models.config import size_problems
+from specpack.families.base import size_problems
 from specpack.schemas import AuxLayers, Eagle3Drafter, Source
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,7 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
     geo, geo_problems = _geometry(config, target, tensors)
     problems = list(problems or []) + name_problems + geo_problems
     aux_layers, aux_problems = _aux_layers(layout, config, geo, tensors, aux)
+    aux_layers = aux_layers.model_copy(update={"produced_by": target.feature_kinds(aux_layers.layer_ids)})
     problems += aux_problems + _check_shapes(tensors, geo, aux_layers) + _embedding_problems(tensors, geo, target)
     t2d_source, map_problems = _check_vocab_map(tensors, geo)
     problems += map_problems
@@ -198,7 +199,10 @@ def _geometry(config: dict, target: Target, tensors: dict) -> tuple[_Geometry, l
         problems.append(f"drafter hidden_size {hidden} != target hidden size {t.hidden_size} "
                         "(and the config states no target_hidden_size)")
     theirs = (t.num_attention_heads, t.num_key_value_heads, t.head_dim)
-    if (geo.heads, geo.kv_heads, geo.head_dim) != theirs:
+    # the head's attention is its own layer; specpack's runtime decodes heads shaped as its dense targets'
+    # attention (other families' heads, e.g. a Llama-shaped head on an MLA target, are bound as stated)
+    dense = t.arch is None or t.arch.family == "dense"
+    if dense and (geo.heads, geo.kv_heads, geo.head_dim) != theirs:
         problems.append("drafter attention geometry (heads {}, KV heads {}, head dim {}) != target's "
                         "(heads {}, KV heads {}, head dim {})".format(geo.heads, geo.kv_heads,
                                                                       geo.head_dim, *theirs))
@@ -339,10 +343,10 @@ def _embedding_source(tensors: dict, target: Target) -> str:
         return "target"
     from safetensors import safe_open
 
-    file, _ = target.tensors.get("model.embed_tokens.weight", (None, None))
+    file, _ = target.tensors.get(target.embed_name, (None, None))
     if file is not None:
         with safe_open(target.root / file, "pt") as f:
-            if emb.equal(f.get_tensor("model.embed_tokens.weight").to(emb.dtype)):
+            if emb.equal(f.get_tensor(target.embed_name).to(emb.dtype)):
                 del tensors["embed_tokens.weight"]  # a copy of the target's: not stored twice
                 return "target"
     log.warning("the head's embed_tokens differs from the target's embedding: keeping the head's")

@@ -72,10 +72,12 @@ LAYOUTS = {
     "mtp-mimo": Layout("mtp-mimo", "model.mtp_layers.{i}.", False,
                        ("{p}token_layernorm.weight", "{p}hidden_layernorm.weight", "{p}input_proj.weight",
                         "{p}final_layernorm.weight"), (), "hidden_first", "last_layer_output", "post_norm"),
+    # Nemotron 3: a step's layers follow mtp_hybrid_override_pattern (families/nemotron_h.py names them);
+    # vLLM nemotron_h_mtp.py feeds it norm_f's output and hands on the final_layernorm's
+    "mtp-nemotron-h": Layout("mtp-nemotron-h", "mtp.layers.{i}.", False,
+                             ("{p}enorm.weight", "{p}hnorm.weight", "{p}eh_proj.weight", "{p}final_layernorm.weight"),
+                             (), "embedding_first", "final_norm_output", "post_norm"),
 }
-# target architecture -> the layout its checkpoints hold MTP layers in
-ARCH_LAYOUTS = {"DeepseekV3ForCausalLM": "mtp-deepseek", "Glm4MoeForCausalLM": "mtp-deepseek",
-                "Qwen3NextForCausalLM": "mtp-qwen3-next", "MiMoForCausalLM": "mtp-mimo"}
 _SIGNATURES = (("mtp-qwen3-next", re.compile(r"^mtp\.(fc\.weight|layers\.\d+\.)")),
                ("mtp-mimo", re.compile(r"^model\.mtp_layers\.\d+\.")),
                ("mtp-deepseek", re.compile(r"^model\.layers\.\d+\.(eh_proj|enorm|hnorm|shared_head)\.")))
@@ -101,16 +103,62 @@ def detect(path: Path) -> str | None:
 
 
 def convert_in_target(target: Target, allow_reuse: bool = False) -> ConvertedDrafter:
-    """The MTP layers inside `target`'s own checkpoint, checked, as a drafter pointing into its files."""
+    """The MTP modules inside `target`'s own checkpoint, every tensor checked as its family names and
+    shapes it (quantized ones per the checkpoint's scheme), as a drafter pointing into its files."""
+    checked = target.checked
+    if checked is None:
+        raise UnsupportedError(f"target architecture {target.info.architecture} is not a family specpack reads, so "
+                               "its MTP layers cannot be found", hint="use an EAGLE-3 head, a draft model or 'ngram'")
+    arch = checked.arch
+    if arch.mtp is None:
+        advertised = arch.details.get("advertised_mtp")
+        raise ConversionError(
+            f"target '{target.root}' ({arch.family}) has no MTP modules: its config states none"
+            + (f" (it advertises {advertised}, whose weights were never published)" if advertised else ""),
+            hint="use an EAGLE-3 head, a draft model or 'ngram' for this target")
     config = _text_config(read_json(target.root / "config.json", "target config"))
-    arch = target.info.architecture
-    if arch not in ARCH_LAYOUTS:
-        raise UnsupportedError(f"target architecture {arch} has no MTP mapping",
-                               hint="MTP layers are known for " + ", ".join(ARCH_LAYOUTS) +
-                                    "; use an EAGLE-3 head, a draft model or 'ngram' for this target")
-    src = _Source({n: m for n, (_, m) in target.tensors.items()},
-                  {n: target.root / f for n, (f, _) in target.tensors.items()}, config, target.info.source, "target")
-    return _convert(LAYOUTS[ARCH_LAYOUTS[arch]], src, target, allow_reuse, f"target '{target.root}'")
+    if checked.mtp_held == 0:
+        raise _absent(f"target '{target.root}'", arch.mtp.layers, read_json(target.root / "config.json", "target"))
+    n = arch.mtp.layers or checked.mtp_held
+    meta = {name: m for name, (_, m) in target.tensors.items()}
+    mapping, problems = {}, []
+    if arch.mtp.layers and checked.mtp_held < n:
+        problems.append(f"the config states {n} MTP module(s) ({arch.mtp.count_key}), the checkpoint holds "
+                        f"{checked.mtp_held}")
+    for k in range(n):
+        m, p = _family_module(arch, k, meta, checked)
+        mapping, problems = {**mapping, **m}, problems + p
+    layout = LAYOUTS[arch.mtp.layout]
+    duplicates = {name: role for k in range(n) for suffix, role in layout.duplicates
+                  if (name := layout.prefix(k, target.info.num_hidden_layers) + suffix) in meta}
+    src = _Source(meta, {name: target.root / f for name, (f, _) in target.tensors.items()}, config,
+                  target.info.source, "target")
+    problems += _duplicate_problems(duplicates, src, target)
+    if problems:
+        raise ConversionError(f"the MTP layers of target '{target.root}' ({layout.name}) are incomplete or do not fit "
+                              "it", problems=problems, hint="use the original checkpoint, or a head made for exactly "
+                                                            "this target")
+    return _canonical(layout, src, target, config, mapping, sorted(duplicates), n, allow_reuse)
+
+
+def _family_module(arch, k: int, meta: dict, checked) -> tuple[dict, list[str]]:
+    """(canonical -> target tensor, problems) for MTP module k, as its family names it."""
+    from specpack import families
+    from specpack.families import quant
+
+    module = families.FAMILIES[arch.family]
+    expected = families.mtp_tensors(arch, k, checked.fused_experts)
+    if not any(name in meta for name in expected):
+        return {}, [f"MTP layer {k} ({families.FAMILIES[arch.family].mtp_block(arch, k)[0]}*): none of its "
+                    f"{len(expected)} tensors is present"]
+    problems = [p for name, t in expected.items() for p in quant.check(name, t, meta, checked.quant)[0]]
+    mapping = {f"layers.{k}.{_ROLES[role]}": name for role, name in module.mtp_fusion(arch, k).items()}
+    prefix, block = module.mtp_block(arch, k, checked.fused_experts)
+    mapping.update({f"layers.{k}.block.{name[len(prefix):]}": name for name in block})
+    return mapping, problems
+
+
+_ROLES = dict(zip(("embed_norm", "hidden_norm", "proj", "final_norm"), _FUSION))
 
 
 def convert(path: Path, target: Target, allow_reuse: bool = False, source: Source | None = None) -> ConvertedDrafter:
@@ -231,9 +279,7 @@ def _config_problems(config: dict, target: Target) -> list[str]:
 
 
 def _target_tensor(target: Target, role: str) -> str:
-    if role == "lm_head" and "lm_head.weight" in target.tensors:
-        return "lm_head.weight"
-    return "model.embed_tokens.weight"
+    return target.lm_head_name if role == "lm_head" else target.embed_name
 
 
 def _duplicate_problems(duplicates: dict, src: _Source, target: Target) -> list[str]:
@@ -289,8 +335,8 @@ def _canonical(layout, src, target, target_config, mapping, duplicates, n, allow
               "norm_offset": layout.norm_offset, "concat_order": layout.concat_order,
               "target_hidden_state": layout.target_hidden_state, "chain_hidden_state": layout.chain_hidden_state,
               "allow_layer_reuse": bool(allow_reuse), "weights": src.location}
-    shared = ["model.embed_tokens.weight", _target_tensor(target, "lm_head")]
-    shared += ["model.norm.weight"] if layout.target_hidden_state == "final_norm_output" else []
+    shared = [target.embed_name, target.lm_head_name]
+    shared += [target.norm_name] if layout.target_hidden_state == "final_norm_output" else []
     entry = MtpDrafter(
         source_layout=layout.name, source=src.source, location=src.location,
         weights="drafter/model.safetensors" if src.location == "drafter" else None,

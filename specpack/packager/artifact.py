@@ -12,7 +12,7 @@ from specpack._paths import check_relpath
 from specpack.converters.target_hf import INDEX_NAME as SAFETENSORS_INDEX
 from specpack.errors import InputError, VerificationError
 from specpack.schemas import MANIFEST_NAME, SIGNATURE_NAME, Manifest
-from specpack.schemas.exports import ONNX_DIR, ONNX_INDEX_NAME
+from specpack.schemas.exports import ONNX_DIR, ONNX_INDEX_NAME, OnnxExport
 
 
 def read_manifest(artifact: Path) -> Manifest:
@@ -142,3 +142,11 @@ def _tensors(graph):
             yield from attr.tensors
             for sub in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
                 yield from _tensors(sub)
+
+
+def read_onnx_index(artifact: Path):
+    """The artifact's ONNX export index (schemas.exports.OnnxExport), None when it has no ONNX export."""
+    path = Path(artifact) / ONNX_DIR / ONNX_INDEX_NAME
+    if not path.is_file():
+        return None
+    return OnnxExport.model_validate_json(path.read_text())

@@ -53,6 +53,7 @@ class BuildResult:
     manifest: Manifest
     signed: bool
     seconds: float
+    notes: list[str] = field(default_factory=list)  # what the build found that the user may want to act on
 
 
 def build(opts: BuildOptions) -> BuildResult:
@@ -73,7 +74,20 @@ def build(opts: BuildOptions) -> BuildResult:
         if opts.key:
             sign(tmp, {**digests, MANIFEST_NAME: sha256_file(tmp / MANIFEST_NAME)}, opts.key,
                  manifest.name)
-    return BuildResult(Path(opts.out), manifest, opts.key is not None, time.perf_counter() - start)
+    return BuildResult(Path(opts.out), manifest, opts.key is not None, time.perf_counter() - start,
+                       _notes(manifest))
+
+
+def _notes(manifest: Manifest) -> list[str]:
+    """MTP modules the target holds that the drafter does not use, or that its config states and its
+    weights lack (a quantized re-upload that dropped them)."""
+    arch = manifest.target.arch
+    mtp = arch.mtp if arch else None
+    if mtp is None or manifest.drafter.kind == "mtp":
+        return []
+    if mtp.held == 0:
+        return [f"the target's config states {mtp.stated} MTP module(s) ({mtp.count_key}), but its weights hold none"]
+    return [f"the target holds {mtp.held} MTP module(s) ({mtp.layout}): `--drafter mtp` binds them as the drafter"]
 
 
 def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDrafter:

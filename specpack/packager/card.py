@@ -38,7 +38,40 @@ def _target(m: Manifest) -> str:
         f"| layers × hidden | {t.num_hidden_layers} × {t.hidden_size} |",
         f"| heads / KV heads / head dim | {t.num_attention_heads} / {t.num_key_value_heads} / {t.head_dim} |",
         f"| vocab | {t.vocab_size} |", f"| dtype | {t.dtype} |",
-        f"| parameters | {t.parameters:,} |"])
+        f"| parameters | {t.parameters:,} |"]
+        + [f"| {k} | {v} |" for k, v in arch_rows(t.arch.model_dump() if t.arch else None)])
+
+
+def arch_rows(a: dict | None) -> list[tuple[str, str]]:
+    """The decoder as its family reads it, as (field, value) rows (the card and `inspect` show them)."""
+    if not a:
+        return []
+    from collections import Counter
+
+    kinds = ", ".join(f"{n}× {k}" for k, n in Counter(a["layer_kinds"]).items())
+    rows = [("family", f"{a['family']}" + (" (decoder in text_config; other towers carried)" if a["text_config"] else "")),
+            ("layers", kinds)]
+    e = a.get("experts")
+    if e:
+        rows.append(("experts", f"{e['active']} of {e['routed']} routed (width {e['size']})"
+                                + (f" + {e['shared']} shared (width {e['shared_size']})" if e["shared"] else "")
+                                + f", {e['layout'].replace('_', ' ')}"))
+    rows.append(("parameters active / total", f"{a['active_parameters']:,} / {a['total_parameters']:,}"))
+    state = a.get("state_bytes_per_sequence") or 0
+    rows.append(("KV per token / state per sequence", f"{a['kv_bytes_per_token']:,} B (attention layers only)"
+                                                      + (f" / {state:,} B" if state else "")))
+    m = a.get("mtp")
+    if m:
+        rows.append(("MTP modules", f"{m['held']} held of {m['stated'] or 'unstated'} ({m['layout']}, {m['count_key']})"))
+    q = a.get("quantization")
+    if q:
+        rows.append(("quantization", f"{q['scheme']} ({q['quant_method']}): {q['quantized_linear']} linear weights "
+                                     f"quantized, {q['unquantized_linear']} kept" + (f"; KV cache {q['kv_cache']}"
+                                                                                     if q.get("kv_cache") else "")))
+    rows.append(("draft length to start from (GPU)", f"{a['draft_len_start']} (128 / G - 1)"))
+    rows.append(("runs on", "specpack's runtime and the engines" if a["runs"] else
+                 "the engines only (`specpack serve --engine vllm`, `specpack export`)"))
+    return rows
 
 
 def _drafter(m: Manifest) -> str:

@@ -50,6 +50,7 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
     manifest = report.manifest if report else read_manifest(path)
     if not verify:
         check_paths(path, manifest)  # no links, and no file read from outside the artifact
+    check_runnable(manifest)
     _device(device), _dtype(dtype)  # check both before any work
     check_weights(weights, backend, device, dtype)
     check_kv_cache(kv_cache, backend, dtype)
@@ -63,6 +64,24 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
     log.info("loaded %s (%s drafter) on %s %s/%s, %s weights, %s KV cache", path, manifest.drafter.kind, backend,
              device, dtype, weights, kv_cache)
     return model
+
+
+def check_runnable(manifest) -> None:
+    """Refuse a target specpack's own runtime does not decode, naming the engines that serve it (a
+    family its decoders do not implement, or a quantized checkpoint), before anything is loaded."""
+    from specpack.errors import UnsupportedError
+
+    arch = manifest.target.arch
+    if arch is None or arch.runs:
+        return
+    q = arch.quantization
+    why = (f"its weights are quantized ({q.scheme}) and specpack decodes unquantized checkpoints" if q else
+           f"specpack's runtime decodes dense Llama / Mistral / Qwen2 / Qwen3 / MiMo and DeepSeek-V3 / Kimi-K2 "
+           f"decoders, not {arch.family} ({manifest.target.architecture}: "
+           f"{', '.join(sorted(set(arch.layer_kinds)))})")
+    raise UnsupportedError(f"this artifact's target cannot run on specpack's own runtime: {why}",
+                           hint="serve it with `specpack serve ART --engine vllm` (or sglang, trtllm), or export it: "
+                                "`specpack export ART --to vllm|sglang|trtllm -o DIR`")
 
 
 def load_tokenizer(path: Path):

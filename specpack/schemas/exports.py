@@ -22,7 +22,7 @@ class TensorInfo(_Strict):
 
 class OnnxGraph(_Strict):
     role: Literal["target_step", "eagle3_step", "draft_model_step", "mtp_step", "block_context", "block_step"] = Field(
-        description="What the graph computes (converters/onnx_export); a draft model's graph is a target_step "
+        description="What the graph computes (exports/onnx); a draft model's graph is a target_step "
                     "graph; mtp_step: one graph per MTP layer; block_context / block_step: a block drafter's "
                     "context K/V of new committed positions, and its query block over them.")
     path: str = Field(description="The .onnx file, relative to the artifact.")

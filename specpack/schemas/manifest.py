@@ -53,6 +53,58 @@ class RemoteCode(_Strict):
                                            "tokenizer classes transformers does not have.")
 
 
+class TargetExperts(_Strict):
+    routed: int = Field(ge=0, description="Routed experts per MoE layer.")
+    active: int = Field(ge=0, description="Routed experts each token passes through (num_experts_per_tok).")
+    size: int = Field(ge=0, description="Width of one routed expert's MLP.")
+    shared: int = Field(0, ge=0, description="Always-on shared experts per MoE layer.")
+    shared_size: int = Field(0, ge=0, description="Width of the shared experts together.")
+    layout: Literal["per_expert", "fused"] = Field(
+        description="`per_expert`: one MLP each (`experts.{e}.gate_proj`); `fused`: 3-D tensors (`experts.gate_up_proj`).")
+
+
+class TargetMtp(_Strict):
+    layout: Literal["mtp-deepseek", "mtp-qwen3-next", "mtp-mimo", "mtp-nemotron-h"] = Field(
+        description="Where and how the MTP modules are named (family.Mtp).")
+    count_key: str = Field(description="The config key that states how many there are.")
+    stated: int = Field(ge=0, description="Modules the config states (0: it states none; the checkpoint's count holds).")
+    held: int = Field(ge=0, description="Modules whose tensors the checkpoint holds (0: a re-upload dropped them).")
+
+
+class TargetQuantization(_Strict):
+    scheme: Literal["fp8-block", "fp8", "ct-fp8", "ct-nvfp4", "ct-int4", "modelopt-nvfp4", "modelopt-fp8",
+                    "modelopt-mixed", "mxfp4"] = Field(description="How quantized linear weights are stored (families/quant.py).")
+    quant_method: str = Field(description="config.json `quantization_config.quant_method` (modelopt: or hf_quant_config.json).")
+    block: Optional[list[int]] = Field(None, description="FP8 weight block [rows, cols], for block-scaled schemes.")
+    group: int = Field(0, ge=0, description="Group size of FP4 / INT4 scales (0: none).")
+    kv_cache: Optional[str] = Field(None, description="The KV cache quantization the config states, if any.")
+    quantized_linear: int = Field(ge=0, description="Linear weights stored quantized (every one checked against the scheme).")
+    unquantized_linear: int = Field(ge=0, description="Linear weights the release kept unquantized (routers, lm_head, ...).")
+
+
+class TargetArch(_Strict):
+    family: str = Field(description="The families/ module that reads this target (dense, deepseek, qwen3_next, ...).")
+    text_config: bool = Field(description="The decoder's config is config.json's `text_config` (a multimodal "
+                                          "wrapper; its other towers are carried untouched).")
+    tensor_prefix: str = Field(description="Where the decoder's layers live in the checkpoint (`{prefix}layers.{i}.`).")
+    layer_kinds: list[str] = Field(description="Each decoder layer as `attention+mlp`: attention full, sliding, chunked, "
+                                               "mla, mla_sparse, linear (linear attention), mamba or none; mlp dense, "
+                                               "moe or none.")
+    experts: Optional[TargetExperts] = Field(None, description="The mixture of experts, for MoE targets.")
+    total_parameters: int = Field(ge=0, description="Decoder weights in logical (unpacked) count.")
+    active_parameters: int = Field(ge=0, description="Of those, what one token uses (routed experts: `active` of `routed`).")
+    kv_bytes_per_token: int = Field(ge=0, description="Cache bytes a token adds, attention layers only (bf16 cache; "
+                                                      "MLA: its latent).")
+    state_bytes_per_sequence: int = Field(0, ge=0, description="Recurrent state a sequence holds in linear-attention "
+                                                               "and Mamba layers whatever its length (bf16 conv, fp32 SSM).")
+    draft_len_start: int = Field(ge=1, description="D = 128 / G - 1 for G query heads per cached KV head (MLA: every "
+                                                   "head reads the one latent): a GPU starting point to measure, not a rule.")
+    mtp: Optional[TargetMtp] = Field(None, description="MTP modules inside the target's checkpoint.")
+    quantization: Optional[TargetQuantization] = Field(None, description="How the checkpoint is quantized; absent: not.")
+    runs: bool = Field(description="specpack's own runtime decodes it (`run`, `serve`, `tune`); otherwise "
+                                   "`serve --engine` / `export` serve it.")
+
+
 class TargetInfo(_Strict):
     architecture: str = Field(description="config.json `architectures[0]`, e.g. LlamaForCausalLM.")
     model_type: str = Field(description="config.json `model_type`.")
@@ -80,6 +132,9 @@ class TargetInfo(_Strict):
     remote_code: Optional[RemoteCode] = Field(
         None, description="Set when the target needs code of its own (transformers' trust_remote_code) "
                           "and the build allowed it; absent for targets that need none.")
+    arch: Optional[TargetArch] = Field(
+        None, description="The decoder as its family reads it: layer kinds, experts, MTP, quantization (absent in "
+                          "artifacts built before families/).")
 
 
 class AuxLayers(_Strict):
@@ -94,6 +149,10 @@ class AuxLayers(_Strict):
         None, description="The ids as the source layout stated them (None: the source used defaults).")
     source_convention: Literal["input_of_layer", "output_of_layer", "default"] = Field(
         description="How the source layout counts, or `default` when it gave no ids.")
+    produced_by: Optional[list[str]] = Field(
+        None, description="For each id i, the kind (`attention+mlp`, as target.arch.layer_kinds) of layer i - 1, whose "
+                          "output it is (`embedding` for id 0): a feature a linear-attention or Mamba layer produces "
+                          "is stated (absent for targets of a family specpack does not read).")
 
 
 class Eagle3Drafter(_Strict):
@@ -136,9 +195,10 @@ class NgramDrafter(_Strict):
 
 class MtpDrafter(_Strict):
     kind: Literal["mtp"] = "mtp"
-    source_layout: Literal["mtp-deepseek", "mtp-qwen3-next", "mtp-mimo"] = Field(
+    source_layout: Literal["mtp-deepseek", "mtp-qwen3-next", "mtp-mimo", "mtp-nemotron-h"] = Field(
         description="Published MTP layout: DeepSeek-V3/GLM (`model.layers.{L+k}.{enorm,hnorm,eh_proj,"
-                    "shared_head}`), Qwen3-Next (`mtp.*`) or MiMo (`model.mtp_layers.{k}.*`).")
+                    "shared_head}`), Qwen3-Next / Qwen3.5 (`mtp.*`), MiMo (`model.mtp_layers.{k}.*`) or Nemotron 3 "
+                    "(`mtp.layers.{j}.*`, one layer per character of mtp_hybrid_override_pattern).")
     source: Source = Field(description="Where the MTP tensors were read from (the target, or a head directory).")
     location: Literal["target", "drafter"] = Field(
         description="`target`: the tensors stay in the target's weight files and drafter/config.json maps "

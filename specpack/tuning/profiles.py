@@ -180,7 +180,7 @@ def _validity(p: Profile, raw: dict, manifest) -> list[str]:
 
 
 def _capability(p: Profile, machine: Machine) -> list[str]:
-    from specpack.engines import ENGINES, MissingEngineError, find
+    from specpack._machine import ENGINES, MissingEngineError, find
 
     reasons = []
     if p.backend in ENGINES:

@@ -332,7 +332,7 @@ def test_tune_through_vllm_then_serve_follows_it(wide, root, tmp_path):
     acceptance counters); `specpack serve --engine vllm` verifies the artifact, follows that profile
     and answers OpenAI requests with specpack's own greedy tokens."""
     from specpack.packager.artifact import read_manifest
-    from specpack.tuning.engine_tune import tune_engine
+    from specpack.engines.tune import tune_engine
 
     arts, prompts = wide
     art = shutil.copytree(arts["eagle3"], root / "tuned")

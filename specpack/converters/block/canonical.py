@@ -6,6 +6,8 @@ bit for bit and, when equal, not stored twice (its SHA-256 is recorded instead).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import logging
 from dataclasses import dataclass
 
@@ -16,7 +18,8 @@ from specpack.converters.block.common import (CONFIDENCE, LAYER_BIASES, LAYER_WE
                                               resolve, resolve_target_ids)
 from specpack.converters.target_hf import Target
 from specpack.errors import ConversionError, InputError
-from specpack.runtime.models.config import SIZE_FIELDS, rope_from_config, size_problems
+from specpack.families.dense import SIZE_FIELDS, rope_from_config
+from specpack.families.base import size_problems
 
 log = logging.getLogger(__name__)
 _SLIDING = "sliding_attention"
@@ -54,7 +57,11 @@ def build(r: Reading, target: Target, aux: AuxOverride | None, block: BlockOverr
                               hint="flags named above settle what the checkpoint leaves open (see `specpack build "
                                    "--help`); anything else means the drafter was made for another target or its "
                                    "config lost a field: fix or re-export it")
-    return _canonical(r, geo, bind, source)
+    converted = _canonical(r, geo, bind, source)
+    features = converted.entry.target_features
+    kinds = target.feature_kinds(features.layer_ids)
+    return replace(converted, entry=converted.entry.model_copy(
+        update={"target_features": features.model_copy(update={"produced_by": kinds})}))
 
 
 # ---- geometry ----

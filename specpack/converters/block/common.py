@@ -283,13 +283,14 @@ def source_of(path: Path, source):
 
 
 def check_target(target: Target) -> None:
+    """Block drafters bind to target layers by id: the target must be of a family whose layers
+    specpack reads (families/), so each feature layer's kind can be stated."""
     from specpack.errors import UnsupportedError
-    from specpack.runtime.models.config import SUPPORTED_ARCHITECTURES
+    from specpack.families import FAMILIES
 
-    arch = target.info.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedError(f"block drafters need a target specpack decodes; {arch} is not one",
-                               hint="supported targets: " + ", ".join(SUPPORTED_ARCHITECTURES))
+    if target.checked is None:
+        raise UnsupportedError(f"block drafters bind to a target's layers, and {target.info.architecture} is not a "
+                               "family specpack reads", hint="known families: " + ", ".join(FAMILIES))
 
 
 def state_sinks(r: Reading, layers: int) -> None:

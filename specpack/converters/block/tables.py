@@ -20,8 +20,8 @@ def sharing(r: Reading, geo, target: Target, algorithm: str) -> dict:
     from specpack.converters.eagle3 import check_vocab_map
 
     out = {}
-    for role, name, target_name in (("embedding", "embed_tokens.weight", "model.embed_tokens.weight"),
-                                    ("lm_head", "lm_head.weight", _lm_head_name(target))):
+    for role, name, target_name in (("embedding", "embed_tokens.weight", target.embed_name),
+                                    ("lm_head", "lm_head.weight", target.lm_head_name)):
         source, digest = _shared(r, name, target, target_name, geo, role)
         out[role], out[f"target_{role}_sha256"] = source, digest
     if geo.draft_vocab < geo.target_vocab:
@@ -39,10 +39,6 @@ def sharing(r: Reading, geo, target: Target, algorithm: str) -> dict:
     if algorithm == "lilicorr" and geo.draft_vocab != geo.target_vocab:
         r.problems.append("LiLiCorr candidates require the full target vocabulary (vLLM lilicorr.py @ 08f95fe5)")
     return out
-
-
-def _lm_head_name(target: Target) -> str:
-    return "lm_head.weight" if "lm_head.weight" in target.tensors else "model.embed_tokens.weight"
 
 
 def _shared(r: Reading, name: str, target: Target, target_name: str, geo, role: str):

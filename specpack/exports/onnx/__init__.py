@@ -45,8 +45,8 @@ graph returning the whole updated cache would copy every cached slot on every st
 """
 
 from specpack.exports.onnx.layers import linear_params
-from specpack.exports.onnx.pipeline import (DATA_NAME, INDEX_NAME, ONNX_DIR, OPSET, export_onnx,
-                                                      read_index)
+from specpack.exports.onnx.pipeline import DATA_NAME, INDEX_NAME, ONNX_DIR, OPSET, export_onnx
+from specpack.packager.artifact import read_onnx_index as read_index
 
 __all__ = ["DATA_NAME", "INDEX_NAME", "ONNX_DIR", "OPSET", "export_onnx", "linear_params",
            "read_index"]

@@ -146,7 +146,7 @@ def plan_calls(rows, size: int | None) -> list[list[Piece]]:
 
 
 def batch_layout(pieces: Sequence[Piece], max_len: int, min_q: int = 1) -> tuple[dict[str, Tensor], Tensor]:
-    """The many-sequence graph inputs (converters/onnx_export/layers.Batch, and `positions`) of one
+    """The many-sequence graph inputs (exports/onnx/layers.Batch, and `positions`) of one
     call over `pieces`, and the cache buffer row (`SharedCaches`) each new row's slots go to. Padded
     places attend one key (no row all -inf); padded cache indices point at row 0 (masked).
 
@@ -274,7 +274,7 @@ class ManySequenceGraph:
 
 
 class GraphTarget(ManySequenceGraph):
-    """The target as an exported many-sequence step graph (converters/onnx_export: `target_step`),
+    """The target as an exported many-sequence step graph (exports/onnx: `target_step`),
     behaving like `Decoder` for the engine. Capturing the number of target layers returns the graph's
     `hidden` output (the state an MTP drafter reads)."""
 

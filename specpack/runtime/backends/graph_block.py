@@ -1,4 +1,4 @@
-"""A block drafter (DFlash, DSpark, LiLiCorr) over its exported graphs (converters/onnx_export/block.py),
+"""A block drafter (DFlash, DSpark, LiLiCorr) over its exported graphs (exports/onnx/block.py),
 for the graph backends, as `GraphEagle3` is the EAGLE-3 head over its graph.
 
 `GraphBlock` drafts exactly as `BlockDrafter`: `draft` and each algorithm's `_draft_*` are the torch

@@ -67,7 +67,7 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", thread
 
 def require_export(artifact: Path, manifest):
     """The artifact's ONNX export index, or an error saying how to make one."""
-    from specpack.converters.onnx_export import read_index
+    from specpack.packager.artifact import read_onnx_index as read_index
 
     index = read_index(artifact)
     if index is None:

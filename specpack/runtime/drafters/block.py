@@ -401,7 +401,7 @@ def _pick(logits: Tensor, job: DraftJob, step: int, ids: Tensor) -> int:
 def load_block(params: dict | None, drafter_dir, target) -> BlockDrafter:
     """Load a canonical block drafter dir for `target`, on its device and dtype. `params` entries
     override config.json fields. Every mismatch is reported at once."""
-    from specpack.runtime.models.config import shape_problems
+    from specpack.families.checks import shape_problems
     from specpack.runtime.models.weights import assign_weights, checkpoint_files, read_tensors, tensor_shapes
 
     drafter_dir = Path(drafter_dir)

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.models.config import RopeScaling, rope_from_config, size_problems
+from specpack.families.dense import RopeScaling, rope_from_config
+from specpack.families.base import size_problems
 
 ALGORITHMS = ("dflash", "dspark", "lilicorr")
 LAYOUTS = ("fill_in", "anchor_first")

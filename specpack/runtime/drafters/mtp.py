@@ -106,7 +106,7 @@ class _DeepseekKit(_DenseKit):
         return DeepseekBlock(self.spec, self.spec.is_moe(self.spec.num_layers + k))
 
     def shapes(self, prefix: str, k: int) -> dict:
-        from specpack.runtime.models.deepseek import layer_tensor_shapes
+        from specpack.families.deepseek import layer_tensor_shapes
 
         return layer_tensor_shapes(self.spec, prefix, self.spec.is_moe(self.spec.num_layers + k))
 

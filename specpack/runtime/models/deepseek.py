@@ -12,151 +12,15 @@ directly by absorbing kv_b_proj's key half into the queries and its value half i
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpack.errors import InputError, UnsupportedError
-from specpack.runtime.models.config import read_config, size_problems
+from specpack.families.deepseek import DeepseekSpec, load_deepseek_spec, target_tensor_shapes
 from specpack.runtime.models.dense import MLP, Decoder, KVCache, RMSNorm, apply_rope
 from specpack.runtime.models.rows import Rows, attend
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: fixed eps in DeepSeek's code and transformers'
-
-
-@dataclass(frozen=True)
-class Yarn:
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
-
-
-@dataclass(frozen=True)
-class DeepseekSpec:
-    """Shape and numerics of a DeepSeek-V3-style target (the fields SpecModel reads come first)."""
-
-    architecture: str
-    model_type: str
-    vocab_size: int
-    context_length: int
-    eos_token_ids: tuple[int, ...]
-    hidden_size: int
-    num_layers: int
-    num_heads: int
-    q_lora_rank: int | None
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    intermediate_size: int
-    moe_intermediate_size: int
-    n_routed_experts: int
-    n_shared_experts: int
-    num_experts_per_tok: int
-    n_group: int
-    topk_group: int
-    routed_scaling_factor: float
-    norm_topk_prob: bool
-    first_k_dense_replace: int
-    rms_norm_eps: float
-    rope_theta: float
-    rope_interleave: bool
-    yarn: Yarn | None
-    attention_bias: bool
-    tie_word_embeddings: bool
-    max_position_embeddings: int
-    num_nextn_predict_layers: int = 0
-    bos_token_id: int | None = None
-    dtype: str | None = None
-
-    def is_moe(self, layer: int) -> bool:
-        """Layer `layer` (MTP layers continue the numbering) has routed experts."""
-        return self.n_routed_experts > 0 and layer >= self.first_k_dense_replace
-
-    @property
-    def experts_held(self) -> int:
-        """Routed experts the target's layers must hold (none when every layer is dense)."""
-        return self.n_routed_experts if self.num_layers > self.first_k_dense_replace else 0
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        """Latent cache bytes one token takes in every layer."""
-        return self.num_layers * (self.kv_lora_rank + self.qk_rope_head_dim) * dtype_bytes
-
-
-def _ids(value) -> list[int]:
-    return [] if value is None else [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-
-
-def _rope(cfg: dict) -> tuple[float, Yarn | None, list[str]]:
-    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind == "default":
-        return theta, None, []
-    if kind != "yarn" or "factor" not in params or "original_max_position_embeddings" not in params:
-        return theta, None, [f"rope scaling {kind!r} (supported: default, or yarn with factor and "
-                             "original_max_position_embeddings)"]
-    fields = {k: params[k] for k in ("mscale", "mscale_all_dim", "attention_factor") if params.get(k) is not None}
-    return theta, Yarn(factor=float(params["factor"]),
-                       original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-                       beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                       truncate=bool(params.get("truncate", True)), **fields), []
-
-
-def deepseek_spec_from_config(cfg: dict, generation_config: dict | None = None) -> DeepseekSpec:
-    """Read a DeepSeek-V3 `config.json` dict; UnsupportedError lists every feature we cannot run."""
-    arch = (cfg.get("architectures") or [None])[0]
-    required = ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size", "kv_lora_rank",
-                "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "intermediate_size")
-    bad = size_problems(cfg, required, ("max_position_embeddings", "q_lora_rank"))
-    if bad:
-        raise InputError("DeepSeek-V3 config.json lacks required fields or has sizes that are not positive "
-                         "integers", problems=bad)
-    theta, yarn, problems = _rope(cfg)
-    checks = [(cfg.get("hidden_act", "silu") != "silu", f"hidden_act {cfg.get('hidden_act')!r} (only silu)"),
-              (cfg.get("topk_method", "noaux_tc") != "noaux_tc", f"topk_method {cfg.get('topk_method')!r} "
-               "(only V3's noaux_tc)"),
-              (cfg.get("scoring_func", "sigmoid") != "sigmoid", f"scoring_func {cfg.get('scoring_func')!r} "
-               "(only sigmoid)"),
-              (int(cfg.get("moe_layer_freq", 1)) != 1, "moe_layer_freq != 1"),
-              (cfg.get("quantization_config") is not None, "quantised weights (quantization_config): "
-               "dequantise to bf16 first")]
-    problems += [text for bad, text in checks if bad]
-    experts, groups = int(cfg.get("n_routed_experts") or 0), int(cfg.get("n_group") or 1)
-    if experts and experts % groups:
-        problems.append(f"n_routed_experts {experts} is not a multiple of n_group {groups}")
-    if problems:
-        raise UnsupportedError(f"target {arch} uses features specpack cannot run yet", problems=problems,
-                               hint="open an issue with the model id")
-    max_pos = int(cfg.get("max_position_embeddings") or 4096)
-    eos = _ids(cfg.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
-    return DeepseekSpec(
-        architecture=arch, model_type=cfg.get("model_type", "deepseek_v3"), vocab_size=int(cfg["vocab_size"]),
-        context_length=max_pos, eos_token_ids=tuple(dict.fromkeys(eos)), hidden_size=int(cfg["hidden_size"]),
-        num_layers=int(cfg["num_hidden_layers"]), num_heads=int(cfg["num_attention_heads"]),
-        q_lora_rank=int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
-        kv_lora_rank=int(cfg["kv_lora_rank"]), qk_nope_head_dim=int(cfg["qk_nope_head_dim"]),
-        qk_rope_head_dim=int(cfg["qk_rope_head_dim"]), v_head_dim=int(cfg["v_head_dim"]),
-        intermediate_size=int(cfg["intermediate_size"]),
-        moe_intermediate_size=int(cfg.get("moe_intermediate_size") or 0), n_routed_experts=experts,
-        n_shared_experts=int(cfg.get("n_shared_experts") or 0),
-        num_experts_per_tok=int(cfg.get("num_experts_per_tok") or 0), n_group=groups,
-        topk_group=int(cfg.get("topk_group") or 1), routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        first_k_dense_replace=int(cfg.get("first_k_dense_replace") or 0),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        rope_theta=theta, rope_interleave=bool(cfg.get("rope_interleave", True)), yarn=yarn,
-        attention_bias=bool(cfg.get("attention_bias", False)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), max_position_embeddings=max_pos,
-        num_nextn_predict_layers=int(cfg.get("num_nextn_predict_layers") or 0), bos_token_id=cfg.get("bos_token_id"),
-        dtype=cfg.get("dtype", cfg.get("torch_dtype")))
 
 
 # ---- RoPE: YaRN as transformers' `_compute_yarn_parameters`, softmax scale as DeepSeek's ----
@@ -379,50 +243,6 @@ class DeepseekTransformer(Decoder):
 
 # ---- loading ----
 
-def layer_tensor_shapes(s: DeepseekSpec, prefix: str, moe: bool) -> dict[str, tuple[int, ...]]:
-    """Every tensor of one decoder layer in the published (transformers) names."""
-    H, n, r, rope = s.hidden_size, s.num_heads, s.kv_lora_rank, s.qk_rope_head_dim
-    qk = s.qk_nope_head_dim + rope
-    a = prefix + "self_attn."
-    shapes = {a + "kv_a_proj_with_mqa.weight": (r + rope, H), a + "kv_a_layernorm.weight": (r,),
-              a + "kv_b_proj.weight": (n * (s.qk_nope_head_dim + s.v_head_dim), r),
-              a + "o_proj.weight": (H, n * s.v_head_dim),
-              prefix + "input_layernorm.weight": (H,), prefix + "post_attention_layernorm.weight": (H,)}
-    if s.q_lora_rank:
-        shapes.update({a + "q_a_proj.weight": (s.q_lora_rank, H), a + "q_a_layernorm.weight": (s.q_lora_rank,),
-                       a + "q_b_proj.weight": (n * qk, s.q_lora_rank)})
-    else:
-        shapes[a + "q_proj.weight"] = (n * qk, H)
-    if s.attention_bias:
-        shapes.update({a + "kv_a_proj_with_mqa.bias": (r + rope,), a + "o_proj.bias": (H,)})
-        if s.q_lora_rank:
-            shapes[a + "q_a_proj.bias"] = (s.q_lora_rank,)
-
-    def mlp(p, width):
-        return {p + "gate_proj.weight": (width, H), p + "up_proj.weight": (width, H),
-                p + "down_proj.weight": (H, width)}
-
-    m = prefix + "mlp."
-    if not moe:
-        return {**shapes, **mlp(m, s.intermediate_size)}
-    shapes.update({m + "gate.weight": (s.n_routed_experts, H),
-                   m + "gate.e_score_correction_bias": (s.n_routed_experts,)})
-    for e in range(s.n_routed_experts):
-        shapes.update(mlp(f"{m}experts.{e}.", s.moe_intermediate_size))
-    if s.n_shared_experts:
-        shapes.update(mlp(m + "shared_experts.", s.moe_intermediate_size * s.n_shared_experts))
-    return shapes
-
-
-def target_tensor_shapes(s: DeepseekSpec) -> dict[str, tuple[int, ...]]:
-    shapes = {"model.embed_tokens.weight": (s.vocab_size, s.hidden_size), "model.norm.weight": (s.hidden_size,)}
-    if not s.tie_word_embeddings:
-        shapes["lm_head.weight"] = (s.vocab_size, s.hidden_size)
-    for i in range(s.num_layers):
-        shapes.update(layer_tensor_shapes(s, f"model.layers.{i}.", s.is_moe(i)))
-    return shapes
-
-
 def layer_state(t: dict[str, Tensor], src: str, dst: str) -> dict[str, Tensor]:
     """One layer's tensors `src*` (published names) as our parameters `dst*`: every gate/up pair
     (dense MLP, each expert, shared experts) fused into one `gate_up_proj`; the rest renamed only."""
@@ -445,11 +265,6 @@ def keep_router_fp32(model: nn.Module) -> nn.Module:
         if isinstance(module, Router):
             module.float()
     return model
-
-
-def load_deepseek_spec(model_dir) -> DeepseekSpec:
-    """`deepseek_spec_from_config` for a model directory (config.json + optional generation_config.json)."""
-    return deepseek_spec_from_config(*read_config(model_dir))
 
 
 def load_deepseek(model_dir, device="cpu", dtype=torch.float32) -> DeepseekTransformer:

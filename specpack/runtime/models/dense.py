@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpack.errors import InputError
-from specpack.runtime.models.config import RopeScaling, TargetSpec
+from specpack.families.dense import RopeScaling, TargetSpec
 from specpack.runtime.models.rows import Rows, Segment, attend
 
 

@@ -14,8 +14,8 @@ import torch
 from torch import Tensor
 
 from specpack.errors import InputError
-from specpack.runtime.models.config import (DEEPSEEK_ARCHITECTURES, checked_tensor_shapes, load_target_spec,
-                                     shape_problems, target_tensor_shapes)
+from specpack.families.dense import DEEPSEEK_ARCHITECTURES, load_target_spec, target_tensor_shapes
+from specpack.families.checks import checked_tensor_shapes, shape_problems
 
 log = logging.getLogger(__name__)
 INDEX = "model.safetensors.index.json"

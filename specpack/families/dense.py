@@ -1,15 +1,16 @@
-"""What the runtime needs to know about a target, read from its Hugging Face `config.json`.
-
-Pure Python (no torch) so the packager can call `target_spec_from_config` to fill the manifest.
-"""
+"""The dense decoders specpack runs itself: Llama (SmolLM, SmolLM2), Mistral, Qwen2, Qwen3 and MiMo
+(a Qwen2 decoder with MTP layers at `model.mtp_layers.{k}`), and Mistral 3's decoder inside its
+multimodal wrapper. `TargetSpec` is what the runtime builds its model from; `describe` / `tensors`
+are the family verbs every family module shares (base.py). Pure Python (no torch)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
 
 from specpack.errors import InputError, UnsupportedError
+from specpack.families.base import (Arch, Layer, Mtp, Tensor, architecture_of, attention_tensors, embedding_tensors,
+                                    geometry, layer_types, mlp_tensors, size_problems, vector)
+from specpack.families.checks import read_config
 
 # architecture -> the model_type transformers writes for it
 SUPPORTED_ARCHITECTURES = {
@@ -25,8 +26,6 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 # config.json sizes that must be positive integers wherever a config sets them
 SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
                "intermediate_size", "vocab_size", "max_position_embeddings")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
-_EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -78,17 +77,6 @@ def _ids(value) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in (value if isinstance(value, (list, tuple)) else [value])]
-
-
-def size_problems(cfg: dict, required: Iterable[str] = (), optional: Iterable[str] = ()) -> list[str]:
-    """Every `required` size that is missing and every size set to anything but a positive integer."""
-    problems = [f"{k}: missing" for k in required if cfg.get(k) is None]
-    return problems + [f"{k} = {cfg[k]!r}: not a positive integer" for k in dict.fromkeys((*required, *optional))
-                       if cfg.get(k) is not None and not _positive_int(cfg[k])]
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def rope_from_config(cfg: dict) -> tuple[float, RopeScaling | None, list[str]]:
@@ -203,60 +191,78 @@ def target_tensor_shapes(s: TargetSpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def shape_problems(found: dict[str, tuple], expected: dict[str, tuple]) -> list[str]:
-    """Every expected tensor that is missing from `found` or has another shape there."""
-    problems = [f"missing tensor {name} (expected shape {list(shape)})"
-                for name, shape in expected.items() if name not in found]
-    return problems + [f"tensor {name} has shape {list(found[name])}, expected {list(shape)}"
-                       for name, shape in expected.items()
-                       if name in found and tuple(found[name]) != tuple(shape)]
-
-
-def count_problems(names: Iterable[str], num_layers: int, num_experts: int = 0) -> list[str]:
-    """Decoder layers and experts a config claims but the checkpoint does not hold (fewer distinct
-    `layers.{i}.` / `experts.{e}.` indices in its tensor names)."""
-    names = list(names)
-    problems = []
-    for what, pattern, claimed in (("decoder layers", _LAYER, num_layers), ("experts", _EXPERT, num_experts)):
-        held = len({m[1] for n in names if (m := pattern.search(n))})
-        if claimed > held:
-            problems.append(f"the config claims {claimed} {what}, but the weights hold {held}")
-    return problems
-
-
-def checked_tensor_shapes(spec, found: dict[str, tuple], shapes_of: Callable, what: str) -> dict[str, tuple]:
-    """`shapes_of(spec)` (every tensor `spec` needs), once `found` (a checkpoint's header shapes) is
-    seen to hold them all. The layer and expert counts are compared first, so a config that claims
-    10^6 layers costs no more than the checkpoint's own tensor list. Raises one InputError."""
-    problems = count_problems(found, spec.num_layers, getattr(spec, "experts_held", 0))
-    expected = {} if problems else shapes_of(spec)
-    problems = problems or shape_problems(found, expected)
-    if problems:
-        raise InputError(f"{what} does not match its config ({len(problems)} problems)", problems=problems,
-                         hint="the checkpoint and config.json must come from the same model")
-    return expected
-
-
-def read_config(model_dir) -> tuple[dict, dict | None]:
-    """(config.json, generation_config.json or None) of a model directory, as dicts."""
-    import json
-    from pathlib import Path
-
-    model_dir = Path(model_dir)
-    path = model_dir / "config.json"
-    if not path.is_file():
-        raise InputError(f"no config.json in {model_dir}", hint="point at a Hugging Face model directory")
-    gen_path = model_dir / "generation_config.json"
-    try:
-        cfg = json.loads(path.read_text())
-        gen = json.loads(gen_path.read_text()) if gen_path.is_file() else None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
-        raise InputError(f"cannot parse JSON in {model_dir}: {str(e)[:200]}") from None
-    if not isinstance(cfg, dict) or not isinstance(gen, (dict, type(None))):
-        raise InputError(f"config.json or generation_config.json in {model_dir} is not a JSON object")
-    return cfg, gen
-
-
 def load_target_spec(model_dir) -> TargetSpec:
     """`target_spec_from_config` for a model directory (config.json + optional generation_config.json)."""
     return target_spec_from_config(*read_config(model_dir))
+
+
+# ---- the family verbs (base.py) ----
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mimo", "mistral3")
+ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, "Mistral3ForConditionalGeneration")
+PREFIXES = ("language_model.model.", "model.language_model.")  # Mistral 3: published, then v5 re-saves
+
+
+def describe(config: dict, text: dict) -> Arch:
+    g = geometry(text, ("intermediate_size",))
+    nested = "text_config" in config
+    kind = text.get("model_type") or SUPPORTED_ARCHITECTURES.get(architecture_of(config), "llama")
+    window = _sliding_window(text)
+    kinds = layer_types(text, g["num_layers"], lambda i: "sliding_attention" if window else "full_attention")
+    layers = tuple(Layer("sliding", "dense", window) if k == "sliding_attention" else Layer("full", "dense")
+                   for k in kinds)
+    n = text.get("num_nextn_predict_layers") or 0
+    mtp = Mtp(n, "mtp-mimo", "model.mtp_layers.{k}.", "num_nextn_predict_layers", "hidden_first") if n else None
+    p = PREFIXES[0] if nested else "model."
+    head = "language_model.lm_head.weight" if nested else "lm_head.weight"
+    llama_bias = bool(text.get("attention_bias")) and kind in ("llama", "mistral", "qwen3")
+    return Arch("dense", architecture_of(config), config.get("model_type", kind), layers=layers, mtp=mtp,
+                text_config=nested, prefix=p, embed=p + "embed_tokens.weight", norm=p + "norm.weight",
+                lm_head=None if _tied(config, text) else head,
+                kv_width=2 * g["num_kv_heads"] * g["head_dim"], runs=not nested and _runs(config),
+                details={"bias": kind in ("qwen2", "mimo") or llama_bias, "o_bias": llama_bias,
+                         "qk_norm": kind == "qwen3", "prefixes": PREFIXES if nested else ("model.",)}, **g)
+
+
+def _tied(config: dict, text: dict) -> bool:
+    """A wrapper's top-level `tie_word_embeddings` decides where it is stated (transformers v5 ties by it)."""
+    if "text_config" in config and "tie_word_embeddings" in config:
+        return bool(config["tie_word_embeddings"])
+    return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
+
+
+def _runs(config: dict) -> bool:
+    try:
+        target_spec_from_config(config)
+    except (UnsupportedError, InputError):
+        return False
+    return True
+
+
+def layer_tensors(arch: Arch, p: str) -> dict[str, Tensor]:
+    H, d = arch.hidden_size, arch.details
+    out = {p + "input_layernorm.weight": vector(H), p + "post_attention_layernorm.weight": vector(H)}
+    out.update(attention_tensors(p + "self_attn.", H, arch.num_heads, arch.num_kv_heads, arch.head_dim, bias=d["bias"],
+                                 o_bias=d["o_bias"], qk_norm="head" if d["qk_norm"] else None))
+    return {**out, **mlp_tensors(p + "mlp.", H, arch.intermediate_size)}
+
+
+def tensors(arch: Arch, fused: bool = False) -> dict[str, Tensor]:
+    out = embedding_tensors(arch)
+    for i in range(arch.num_layers):
+        out.update(layer_tensors(arch, f"{arch.prefix}layers.{i}."))
+    return out
+
+
+def mtp_fusion(arch: Arch, k: int) -> dict[str, str]:
+    """MiMo's MTP layer k: input_proj [H, 2H] over cat(hidden_layernorm(h), token_layernorm(embedding))
+    (hidden first), a final norm (vLLM mimo_mtp.py)."""
+    p = f"model.mtp_layers.{k}."
+    return {"embed_norm": p + "token_layernorm.weight", "hidden_norm": p + "hidden_layernorm.weight",
+            "proj": p + "input_proj.weight", "final_norm": p + "final_layernorm.weight"}
+
+
+def mtp_block(arch: Arch, k: int, fused: bool = False) -> tuple[str, dict[str, Tensor]]:
+    """MiMo's MTP layer k: a Qwen2 decoder layer under the same prefix."""
+    p = f"model.mtp_layers.{k}."
+    return p, layer_tensors(arch, p)

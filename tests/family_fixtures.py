@@ -1,0 +1,268 @@
+"""Tiny checkpoints of every family specpack reads (families/), built in code: transformers' own model
+classes at tiny sizes, saved with `save_pretrained` (the tensor names transformers and vLLM load),
+plus what transformers does not write, spelled out here from the published checkpoints: MTP modules
+(DeepSeek / GLM `model.layers.{L+k}.{enorm,hnorm,eh_proj,shared_head}`, Qwen3-Next / 3.5 `mtp.*`,
+Nemotron-H `mtp.layers.*`), multimodal wrappers' published prefixes (`language_model.model.`), and
+quantized forms (FP8 128x128 blocks with `weight_scale_inv`, compressed-tensors FP8 per channel and
+NVFP4, ModelOpt NVFP4, gpt-oss MXFP4 `_blocks`/`_scales`): every one written from the published
+format's description, not from specpack's own rules."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import tiny
+
+V = tiny.VOCAB
+
+
+def _save(model, out: Path, config_updates: dict | None = None) -> Path:
+    model.save_pretrained(out, safe_serialization=True)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(config_updates or {})
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    tiny.make_tokenizer(out)
+    return out
+
+
+def _configs():
+    from transformers import (DeepseekV3Config, DeepseekV32Config, Gemma3Config, Glm4MoeConfig, GlmMoeDsaConfig,
+                              GptOssConfig, Llama4Config, MiniMaxM2Config, Mistral3Config, NemotronHConfig,
+                              Qwen3_5Config, Qwen3_5MoeConfig, Qwen3MoeConfig, Qwen3NextConfig)
+
+    mla = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
+    moe = dict(n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=24)
+    gdn = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8,
+               linear_conv_kernel_dim=4)
+    common = dict(vocab_size=V, hidden_size=64, num_attention_heads=4, num_key_value_heads=2)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    return {
+        "deepseek_v3": lambda: DeepseekV3Config(**common, intermediate_size=96, num_hidden_layers=3, first_k_dense_replace=1,
+                                                n_group=2, topk_group=1, **mla, **moe),
+        "deepseek_v32": lambda: DeepseekV32Config(**common, intermediate_size=96, num_hidden_layers=3,
+                                                  first_k_dense_replace=1, n_group=2, topk_group=1, index_n_heads=2,
+                                                  index_head_dim=16, index_topk=8, **mla, **moe),
+        "glm_moe_dsa": lambda: GlmMoeDsaConfig(**common, intermediate_size=96, num_hidden_layers=3,
+                                               first_k_dense_replace=1, index_n_heads=2, index_head_dim=16,
+                                               index_topk=8, **mla, **moe),
+        "glm4_moe": lambda: Glm4MoeConfig(**common, head_dim=16, intermediate_size=96, num_hidden_layers=3,
+                                          first_k_dense_replace=1, attention_bias=True, use_qk_norm=True, **moe),
+        "qwen3_moe": lambda: Qwen3MoeConfig(**common, head_dim=16, intermediate_size=96, num_hidden_layers=3,
+                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                            mlp_only_layers=[0]),
+        "qwen3_next": lambda: Qwen3NextConfig(**common, head_dim=16, intermediate_size=96, num_hidden_layers=4,
+                                              num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                              shared_expert_intermediate_size=32, **gdn),
+        "qwen3_5": lambda: Qwen3_5Config(text_config=dict(**common, head_dim=16, intermediate_size=96,
+                                                          num_hidden_layers=4, mtp_num_hidden_layers=1, **gdn),
+                                         vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64,
+                                                            intermediate_size=64, num_heads=2)),
+        "qwen3_5_moe": lambda: Qwen3_5MoeConfig(text_config=dict(**common, head_dim=16, num_hidden_layers=4,
+                                                                 num_experts=4, num_experts_per_tok=2,
+                                                                 moe_intermediate_size=24,
+                                                                 shared_expert_intermediate_size=32,
+                                                                 mtp_num_hidden_layers=1, **gdn),
+                                                vision_config=dict(depth=1, hidden_size=32, out_hidden_size=64,
+                                                                   intermediate_size=64, num_heads=2)),
+        "minimax_m2": lambda: MiniMaxM2Config(**common, head_dim=16, intermediate_size=24, num_hidden_layers=3,
+                                              num_local_experts=4, num_experts_per_tok=2),
+        "gpt_oss": lambda: GptOssConfig(**common, head_dim=16, intermediate_size=64, num_hidden_layers=3,
+                                        num_local_experts=4, num_experts_per_tok=2),
+        "nemotron_h": lambda: NemotronHConfig(**common, head_dim=16, hybrid_override_pattern="M*-E",
+                                              intermediate_size=80, mamba_num_heads=4, mamba_head_dim=8,
+                                              ssm_state_size=6, n_groups=2, conv_kernel=4, n_routed_experts=4,
+                                              num_experts_per_tok=2, moe_intermediate_size=24,
+                                              moe_shared_expert_intermediate_size=40),
+        "llama4": lambda: Llama4Config(text_config=dict(**common, head_dim=16, intermediate_size=48,
+                                                        intermediate_size_mlp=80, num_hidden_layers=4,
+                                                        num_local_experts=4, interleave_moe_layer_step=2,
+                                                        attention_chunk_size=32),
+                                       vision_config=dict(**vision, image_size=28, patch_size=14, vision_output_dim=48,
+                                                          projector_input_dim=48, projector_output_dim=48)),
+        "gemma3": lambda: Gemma3Config(text_config=dict(hidden_size=64, intermediate_size=96, num_hidden_layers=7,
+                                                        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                                        vocab_size=V, sliding_window=16),
+                                       vision_config=dict(**vision, image_size=56, patch_size=14), mm_tokens_per_image=4),
+        "mistral3": lambda: Mistral3Config(text_config=dict(model_type="mistral", **common, head_dim=16,
+                                                            intermediate_size=96, num_hidden_layers=3,
+                                                            sliding_window=None),
+                                           vision_config=dict(model_type="pixtral", **vision, head_dim=16,
+                                                              image_size=56, patch_size=14)),
+    }
+
+
+FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "qwen3_moe", "qwen3_next", "qwen3_5",
+            "qwen3_5_moe", "minimax_m2", "gpt_oss", "nemotron_h", "llama4", "gemma3", "mistral3")
+
+
+def make(family: str, out: Path, seed: int = 0) -> Path:
+    """A target directory of `family` (see FAMILIES) saved by transformers, with a tokenizer."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
+
+    torch.manual_seed(seed)
+    config = _configs()[family]()
+    wrapped = hasattr(config, "text_config") and family not in ("deepseek_v3",)
+    factory = AutoModelForImageTextToText if wrapped else AutoModelForCausalLM
+    try:
+        model = factory.from_config(config, dtype=torch.float32)
+    except ValueError:
+        model = AutoModel.from_config(config, dtype=torch.float32)
+    # the DeepSeek family's published configs state their routing (transformers' classes do not write it)
+    routing = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"} if family in ("deepseek_v3", "deepseek_v32",
+                                                                                     "glm_moe_dsa") else {}
+    return _save(model.eval(), out, routing)
+
+
+# ---- what transformers does not write ------------------------------------------------------------
+
+def edit(path: Path, add: dict | None = None, drop=(), rename: dict | None = None, config: dict | None = None) -> Path:
+    """Rewrite a target's single safetensors file and config in place."""
+    t = load_file(str(path / "model.safetensors"))
+    for prefix_from, prefix_to in (rename or {}).items():
+        t = {(prefix_to + k[len(prefix_from):] if k.startswith(prefix_from) else k): v for k, v in t.items()}
+    t = {k: v for k, v in t.items() if k not in drop}
+    t.update(add or {})
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    if config:
+        cfg = json.loads((path / "config.json").read_text())
+        cfg.update(config)
+        (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def deepseek_mtp(path: Path, n: int = 1) -> Path:
+    """DeepSeek-V3's published MTP layers: `model.layers.{L+k}.` = a MoE decoder layer (a copy of the
+    last target layer's tensors) + enorm, hnorm, eh_proj [H, 2H], shared_head.{norm, head}, embed_tokens."""
+    cfg = json.loads((path / "config.json").read_text())
+    t, L, H = load_file(str(path / "model.safetensors")), cfg["num_hidden_layers"], cfg["hidden_size"]
+    last, add = f"model.layers.{L - 1}.", {}
+    for k in range(n):
+        p = f"model.layers.{L + k}."
+        add.update({p + name[len(last):]: v.clone() for name, v in t.items() if name.startswith(last)})
+        add.update({p + "enorm.weight": torch.ones(H), p + "hnorm.weight": torch.ones(H),
+                    p + "eh_proj.weight": torch.randn(H, 2 * H) / H, p + "shared_head.norm.weight": torch.ones(H),
+                    p + "shared_head.head.weight": t["lm_head.weight"].clone(),
+                    p + "embed_tokens.weight": t["model.embed_tokens.weight"].clone()})
+    return edit(path, add=add, config={"num_nextn_predict_layers": n})
+
+
+def qwen_mtp(path: Path, layer_prefix: str) -> Path:
+    """Qwen3-Next / Qwen3.5's published `mtp.*`: fc [H, 2H], pre_fc_norm_embedding, pre_fc_norm_hidden,
+    norm, and `mtp.layers.0.*` = a full-attention layer (a copy of target layer `layer_prefix`)."""
+    t = load_file(str(path / "model.safetensors"))
+    H = t[next(k for k in t if k.endswith("embed_tokens.weight"))].shape[1]
+    add = {"mtp." + "layers.0." + k[len(layer_prefix):]: v.clone() for k, v in t.items() if k.startswith(layer_prefix)}
+    add.update({"mtp.fc.weight": torch.randn(H, 2 * H) / H, "mtp.pre_fc_norm_embedding.weight": torch.zeros(H),
+                "mtp.pre_fc_norm_hidden.weight": torch.zeros(H), "mtp.norm.weight": torch.zeros(H)})
+    return edit(path, add=add)
+
+
+def nemotron_mtp(path: Path) -> Path:
+    """Nemotron 3's `mtp.layers.{0,1}` for pattern "*E": an attention layer with enorm, hnorm, eh_proj
+    [H, 2H], then a MoE layer with final_layernorm (copies of backbone layers 1 and 3)."""
+    t, H = load_file(str(path / "model.safetensors")), 64
+    add = {}
+    for src, dst in (("backbone.layers.1.", "mtp.layers.0."), ("backbone.layers.3.", "mtp.layers.1.")):
+        add.update({dst + k[len(src):]: v.clone() for k, v in t.items() if k.startswith(src)})
+    add.update({"mtp.layers.0.enorm.weight": torch.ones(H), "mtp.layers.0.hnorm.weight": torch.ones(H),
+                "mtp.layers.0.eh_proj.weight": torch.randn(H, 2 * H) / H,
+                "mtp.layers.1.final_layernorm.weight": torch.ones(H)})
+    return edit(path, add=add, config={"num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "*E"})
+
+
+# ---- quantized forms, as published ---------------------------------------------------------------
+
+def _linear_names(t: dict, skip) -> list[str]:
+    return [k for k, v in t.items() if k.endswith(".weight") and v.dim() == 2 and not any(s in k for s in skip)]
+
+
+# what releases keep unquantized (DeepSeek-V3 README_WEIGHTS.md; Qwen3 FP8 modules_to_not_convert)
+UNQUANTIZED = ("embed_tokens", "lm_head", "shared_head", "norm", "mlp.gate.", "mixer.gate.", "router", "eh_proj", "shared_expert_gate",
+               "mtp.fc", "indexer.weights_proj", "in_proj_a", "in_proj_b", "in_proj_ba", "embeddings", "visual",
+               "vision", "multi_modal_projector")
+
+
+def fp8_block(path: Path, block: int = 16) -> Path:
+    """DeepSeek-V3's FP8: every linear weight F8_E4M3 [o, i] + weight_scale_inv F32 [ceil(o/b), ceil(i/b)]."""
+    t = load_file(str(path / "model.safetensors"))
+    add = {}
+    for k in _linear_names(t, UNQUANTIZED):
+        o, i = t[k].shape
+        add[k] = t[k].to(torch.float8_e4m3fn)
+        add[k[: -len("weight")] + "weight_scale_inv"] = torch.ones(math.ceil(o / block), math.ceil(i / block))
+    return edit(path, add=add, config={"quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                                               "activation_scheme": "dynamic",
+                                                               "weight_block_size": [block, block]}})
+
+
+def ct_fp8_channel(path: Path) -> Path:
+    """GLM-4.5-FP8's compressed-tensors FP8: weight F8_E4M3 [o, i] + weight_scale BF16 [o, 1]."""
+    t = load_file(str(path / "model.safetensors"))
+    add = {}
+    for k in _linear_names(t, UNQUANTIZED):
+        add[k] = t[k].to(torch.float8_e4m3fn)
+        add[k[: -len("weight")] + "weight_scale"] = torch.ones(t[k].shape[0], 1, dtype=torch.bfloat16)
+    return edit(path, add=add, config={"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+                                                                         "strategy": "channel"}}},
+        "ignore": ["lm_head", "re:.*mlp.gate$"]}})
+
+
+def ct_nvfp4(path: Path) -> Path:
+    """compressed-tensors NVFP4: weight_packed U8 [o, i/2], weight_scale F8_E4M3 [o, i/16],
+    weight_global_scale F32 [1], input_global_scale F32 [1]; no `weight`."""
+    t = load_file(str(path / "model.safetensors"))
+    add, drop = {}, []
+    for k in _linear_names(t, UNQUANTIZED):
+        o, i = t[k].shape
+        stem = k[: -len("weight")]
+        drop.append(k)
+        add.update({stem + "weight_packed": torch.zeros(o, i // 2, dtype=torch.uint8),
+                    stem + "weight_scale": torch.ones(o, i // 16).to(torch.float8_e4m3fn),
+                    stem + "weight_global_scale": torch.ones(1), stem + "input_global_scale": torch.ones(1)})
+    return edit(path, add=add, drop=drop, config={"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "float",
+                                                                         "strategy": "tensor_group", "group_size": 16},
+                                      "input_activations": {"num_bits": 4, "type": "float"}}},
+        "ignore": ["lm_head"]}})
+
+
+def modelopt_nvfp4(path: Path, hf_quant_file: bool = False) -> Path:
+    """ModelOpt NVFP4: weight U8 [o, i/2], weight_scale F8_E4M3 [o, i/16], weight_scale_2 F32 [],
+    input_scale F32 []; stated in config.json, or (older exports) in hf_quant_config.json alone."""
+    t = load_file(str(path / "model.safetensors"))
+    add = {}
+    for k in _linear_names(t, UNQUANTIZED + ("conv1d", "mixer.in_proj", "mixer.out_proj")):
+        o, i = t[k].shape
+        stem = k[: -len("weight")]
+        add.update({k: torch.zeros(o, i // 2, dtype=torch.uint8),
+                    stem + "weight_scale": torch.ones(o, i // 16).to(torch.float8_e4m3fn),
+                    stem + "weight_scale_2": torch.tensor(1.0), stem + "input_scale": torch.tensor(1.0)})
+    q = {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": ["lm_head"]}
+    if hf_quant_file:
+        (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": q}))
+        return edit(path, add=add)
+    return edit(path, add=add, config={"quantization_config": {"quant_method": "modelopt", **q}})
+
+
+def mxfp4(path: Path) -> Path:
+    """gpt-oss's MXFP4 experts: gate_up_proj_blocks U8 [E, 2I, H/32, 16] and _scales U8 [E, 2I, H/32]
+    for gate_up_proj [E, H, 2I] (and down_proj likewise), the rest bf16."""
+    t = load_file(str(path / "model.safetensors"))
+    add, drop = {}, []
+    for k, v in t.items():
+        if k.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            E, i, o = v.shape  # stored [E, in, out]
+            drop.append(k)
+            add[k + "_blocks"] = torch.zeros(E, o, i // 32, 16, dtype=torch.uint8)
+            add[k + "_scales"] = torch.full((E, o, i // 32), 127, dtype=torch.uint8)
+    return edit(path, add=add, drop=drop, config={"quantization_config": {
+        "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                            "model.embed_tokens", "lm_head"]}})
