@@ -234,6 +234,36 @@ def ct_nvfp4(path: Path) -> Path:
         "ignore": ["lm_head"]}})
 
 
+def fp8_per_tensor(path: Path) -> Path:
+    """FP8 without blocks: weight F8_E4M3 [o, i], weight_scale F32 [] and (static activations) input_scale []."""
+    t = load_file(str(path / "model.safetensors"))
+    add = {}
+    for k in _linear_names(t, UNQUANTIZED):
+        stem = k[: -len("weight")]
+        add.update({k: t[k].to(torch.float8_e4m3fn), stem + "weight_scale": torch.tensor(1.0),
+                    stem + "input_scale": torch.tensor(1.0)})
+    return edit(path, add=add, config={"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}})
+
+
+def ct_int4(path: Path, group: int = 32) -> Path:
+    """Kimi-K2-Thinking's compressed-tensors W4A16 on the routed experts only: weight_packed I32 [o, i/8],
+    weight_scale BF16 [o, i/g], weight_shape I64 [2]; everything else unquantized."""
+    t = load_file(str(path / "model.safetensors"))
+    add, drop = {}, []
+    for k in [k for k in _linear_names(t, UNQUANTIZED) if ".experts." in k]:
+        o, i = t[k].shape
+        stem = k[: -len("weight")]
+        drop.append(k)
+        add.update({stem + "weight_packed": torch.zeros(o, i // 8, dtype=torch.int32),
+                    stem + "weight_scale": torch.ones(o, i // group, dtype=torch.bfloat16),
+                    stem + "weight_shape": torch.tensor([o, i])})
+    return edit(path, add=add, drop=drop, config={"quantization_config": {
+        "quant_method": "compressed-tensors", "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
+                                                                         "strategy": "group", "group_size": group}}},
+        "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"]}})
+
+
 def modelopt_nvfp4(path: Path, hf_quant_file: bool = False) -> Path:
     """ModelOpt NVFP4: weight U8 [o, i/2], weight_scale F8_E4M3 [o, i/16], weight_scale_2 F32 [],
     input_scale F32 []; stated in config.json, or (older exports) in hf_quant_config.json alone."""

@@ -110,6 +110,8 @@ def test_published_multimodal_prefixes_and_v5_resaves_both_build(made, tmp_path)
 
 SCHEMES = {  # fixture -> (family, manifest scheme)
     "fp8_block": ("deepseek_v3", "fp8-block"),
+    "fp8_per_tensor": ("qwen3_next", "fp8"),
+    "ct_int4": ("deepseek_v3", "ct-int4"),
     "ct_fp8_channel": ("glm4_moe", "ct-fp8"),
     "ct_nvfp4": ("qwen3_moe", "ct-nvfp4"),
     "modelopt_nvfp4": ("nemotron_h", "modelopt-nvfp4"),
@@ -215,6 +217,16 @@ def test_dense_and_deepseek_targets_still_run(made, tmp_path):
     assert _build(_copy(made, "deepseek_v3", tmp_path), tmp_path / "art").target.arch.runs
 
 
+def test_kimi_k2_reads_as_deepseek_v3_and_runs(made, tmp_path, cli):
+    """Kimi-K2 ships DeepSeek-V3's architecture under model_type kimi_k2 (no MTP modules)."""
+    t = ff.edit(_copy(made, "deepseek_v3", tmp_path), config={"model_type": "kimi_k2", "num_nextn_predict_layers": 0})
+    out = tmp_path / "art"
+    arch = _build(t, out).target.arch
+    assert (arch.family, arch.runs, arch.mtp) == ("deepseek", True, None)
+    code, _, err = cli("run", out, "--prompt", "hi", "--max-new-tokens", "4")
+    assert code == 0, err
+
+
 # ---- drafters bound to every family -------------------------------------------------------------
 
 @pytest.mark.parametrize("family, add, layout", [
@@ -222,6 +234,8 @@ def test_dense_and_deepseek_targets_still_run(made, tmp_path):
     ("glm4_moe", lambda t: ff.ct_fp8_channel(ff.deepseek_mtp(t)), "mtp-deepseek"),
     ("qwen3_next", lambda t: ff.qwen_mtp(t, "model.layers.3."), "mtp-qwen3-next"),
     ("qwen3_5_moe", lambda t: ff.qwen_mtp(t, "model.language_model.layers.3."), "mtp-qwen3-next"),
+    ("qwen3_5", lambda t: ff.qwen_mtp(t, "model.language_model.layers.3."), "mtp-qwen3-next"),
+    ("deepseek_v32", lambda t: ff.deepseek_mtp(t), "mtp-deepseek"),
     ("nemotron_h", lambda t: ff.nemotron_mtp(t), "mtp-nemotron-h"),
 ])
 def test_mtp_in_the_target_binds_as_its_family_names_it_and_exports_to_vllm(made, family, add, layout, tmp_path):
@@ -335,7 +349,7 @@ def test_an_eagle3_head_binds_to_every_family_and_exports_where_vllm_captures_fe
         assert spec["speculators_model_type"] == "eagle3" and spec["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss", "minimax_m2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "qwen3_next", "gpt_oss", "minimax_m2", "glm4_moe"])
 def test_a_dflash_head_binds_to_moe_and_hybrid_targets(made, family, tmp_path):
     """z-lab's DFlash layout over a MoE or hybrid target: its feature layers' kinds stated."""
     import block_layouts as bl
