@@ -364,6 +364,11 @@ def test_a_dflash_head_binds_to_moe_and_hybrid_targets(made, family, tmp_path):
     m = _build(target, tmp_path / "art", drafter=str(d))
     kinds = EXPECTED[family][1]
     assert m.drafter.target_features.produced_by == kinds[:2]
+    if family in VLLM_NO_AUX:
+        from specpack.exports import export_engine
+
+        with pytest.raises(UnsupportedError, match="SupportsEagle3"):
+            export_engine(tmp_path / "art", "vllm", tmp_path / "v")
 
 
 @pytest.mark.parametrize("engine, name", [("vllm", "gpt_oss_mxfp4"), ("sglang", "mxfp4")])
