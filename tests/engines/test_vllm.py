@@ -268,7 +268,8 @@ def test_tiny_deepseek_v3_mtp(root):
 
     t = ml.make_target(root / "ds", "mtp-deepseek", 1, train_steps=150, wide=True)
     art = build(BuildOptions(target=t.path, drafter="mtp", out=root / "deepseek-mtp")).out
-    seqs = ef.greedy_sequences(ml.hf_target(t), ef.training_prompts(), 8)
+    # the 24 training prompts and 24 more: the prompts whose bf16 texts agree are what is compared
+    seqs = ef.greedy_sequences(ml.hf_target(t), ef.training_prompts(48), 8)
     prompts = [seqs[i].tolist() for i in range(len(seqs))]
     plain_vllm = vllm_run(art, prompts, th.NEW, speculative=False, max_len=256, dtype="bfloat16")[0]
     spec, counts = vllm_run(art, prompts, th.NEW, max_len=256, dtype="bfloat16")
@@ -287,7 +288,7 @@ def test_tiny_deepseek_v3_mtp(root):
                note="acceptance over the prompts whose texts all agree, specpack with vLLM's zeroed embedding at "
                     "position 0; without it: " + f"{acceptance([(own[i].stats.accepted, own[i].stats.drafted_steps) for i in same]):.2f}")
     record(**row)
-    assert len(same) >= 4, row["equal"]
+    assert len(same) >= 8, row["equal"]
     _check({**row, "equal": "yes"})
 
 
