@@ -49,11 +49,17 @@ LILI = Head(lilicorr=LILICORR)
 
 
 def target_geometry(target_dir: Path) -> dict:
+    """The sizes a block drafter of the target takes, as its family reads them (text_config, a hybrid
+    pattern's layer count, MLA's head width); the drafter's FFN is the target's dense width, else an
+    expert's."""
+    from specpack.families import describe
+
     cfg = json.loads((Path(target_dir) / "config.json").read_text())
-    return {"hidden": cfg["hidden_size"], "heads": cfg["num_attention_heads"], "kv": cfg["num_key_value_heads"],
-            "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-            "inter": cfg["intermediate_size"], "vocab": cfg["vocab_size"], "layers": cfg["num_hidden_layers"],
-            "theta": cfg.get("rope_theta", 10000.0), "eps": cfg.get("rms_norm_eps", 1e-6), "config": cfg}
+    text, a = cfg.get("text_config") or cfg, describe(cfg)
+    theta = text.get("rope_theta") or (text.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    return {"hidden": a.hidden_size, "heads": a.num_heads, "kv": a.num_kv_heads, "head_dim": a.head_dim,
+            "inter": a.intermediate_size or a.experts.size, "vocab": a.vocab_size, "layers": a.num_layers,
+            "theta": theta, "eps": text.get("rms_norm_eps", 1e-6), "config": cfg}
 
 
 def target_tensor(target_dir: Path, name: str) -> torch.Tensor:
@@ -115,7 +121,7 @@ def _save(out: Path, config: dict, tensors: dict) -> Path:
 def _copies(target_dir: Path) -> dict:
     """The target's embedding and lm_head, as DeepSpec and speculators ship them."""
     return {"embed_tokens.weight": target_tensor(target_dir, "model.embed_tokens.weight").clone(),
-            "lm_head.weight": target_tensor(target_dir, "lm_head.weight").clone()}
+            "lm_head.weight": target_tensor(target_dir, "lm_head.weight").clone()}  # the dense targets' names
 
 
 def write_zlab(out, head, tensors, target_dir):
