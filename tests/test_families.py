@@ -397,3 +397,22 @@ def test_an_eagle3_head_of_its_own_geometry_runs_on_an_mla_target_losslessly(mad
     spec = model.generate(prompt, 16, draft_len=3, adaptive=False, eos_ids=())
     assert spec.tokens == model.generate(prompt, 16, speculative=False, eos_ids=()).tokens
     assert spec.stats.drafted_steps > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "nemotron_h"])
+def test_a_small_dense_draft_model_binds_to_a_moe_or_hybrid_target(made, family, tmp_path):
+    """A one-layer Qwen3 draft sharing the target's tokenizer (the fixtures' common one), exported as
+    vLLM's `draft_model`."""
+    import tiny
+
+    from specpack.exports import export_engine
+
+    draft = tmp_path / "draft"
+    tiny.build_model("qwen3", num_hidden_layers=1, layer_types=["full_attention"], hidden_size=32, intermediate_size=32,
+                     num_attention_heads=2, num_key_value_heads=1, head_dim=16).save_pretrained(draft)
+    tiny.make_tokenizer(draft)
+    m = _build(_copy(made, family, tmp_path), tmp_path / "art", drafter=str(draft))
+    assert m.drafter.kind == "draft_model" and m.drafter.tokenizer.files_identical
+    export_engine(tmp_path / "art", "vllm", tmp_path / "v")
+    assert json.loads((tmp_path / "v/README.md").read_text().split("--speculative-config '")[1].split("'")[0])[
+        "method"] == "draft_model"

@@ -67,9 +67,11 @@ def _check_family(path: Path) -> None:
 
 
 def _size_problems(draft: Target, target: Target) -> list[str]:
-    if draft.info.parameters < target.info.parameters:
+    """A draft smaller than the target; a quantized target counted in logical weights, not packed ones."""
+    theirs = target.info.arch.total_parameters if target.info.arch else target.info.parameters
+    if draft.info.parameters < theirs:
         return []
-    return [f"the draft model has {draft.info.parameters:,} parameters, the target {target.info.parameters:,}: "
+    return [f"the draft model has {draft.info.parameters:,} parameters, the target {theirs:,}: "
             "a draft must be smaller than the target (is this the target itself?)"]
 
 
