@@ -264,6 +264,18 @@ def ct_int4(path: Path, group: int = 32) -> Path:
         "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"]}})
 
 
+def modelopt_fp8(path: Path) -> Path:
+    """ModelOpt FP8: weight F8_E4M3 [o, i], weight_scale F32 [], input_scale F32 []."""
+    t = load_file(str(path / "model.safetensors"))
+    add = {}
+    for k in _linear_names(t, UNQUANTIZED):
+        stem = k[: -len("weight")]
+        add.update({k: t[k].to(torch.float8_e4m3fn), stem + "weight_scale": torch.tensor(1.0),
+                    stem + "input_scale": torch.tensor(1.0)})
+    return edit(path, add=add, config={"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
+                                                               "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}})
+
+
 def modelopt_nvfp4(path: Path, hf_quant_file: bool = False) -> Path:
     """ModelOpt NVFP4: weight U8 [o, i/2], weight_scale F8_E4M3 [o, i/16], weight_scale_2 F32 [],
     input_scale F32 []; stated in config.json, or (older exports) in hf_quant_config.json alone."""

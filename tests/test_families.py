@@ -112,6 +112,7 @@ SCHEMES = {  # fixture -> (family, manifest scheme)
     "fp8_block": ("deepseek_v3", "fp8-block"),
     "fp8_per_tensor": ("qwen3_next", "fp8"),
     "ct_int4": ("deepseek_v3", "ct-int4"),
+    "modelopt_fp8": ("llama4", "modelopt-fp8"),
     "ct_fp8_channel": ("glm4_moe", "ct-fp8"),
     "ct_nvfp4": ("qwen3_moe", "ct-nvfp4"),
     "modelopt_nvfp4": ("nemotron_h", "modelopt-nvfp4"),
