@@ -314,8 +314,9 @@ def test_vllm_refuses_aux_features_where_its_model_captures_none(made, tmp_path)
     target = _copy(made, "glm4_moe", tmp_path)
     m = _build(target, tmp_path / "art", drafter=str(_eagle3_head(target, tmp_path / "head", ids=(-1, 0, 1))))
     assert m.drafter.aux_hidden_states.produced_by == ["embedding", "full+dense", "full+moe"]
-    with pytest.raises(UnsupportedError, match="does not implement SupportsEagle3"):
+    with pytest.raises(UnsupportedError, match="implements no SupportsEagle3") as e:
         export_engine(tmp_path / "art", "vllm", tmp_path / "v")
+    assert "bind another drafter" in e.value.hint
 
 
 def test_build_says_when_the_target_holds_mtp_modules_the_drafter_does_not_use(made, tmp_path, cli):
@@ -417,3 +418,52 @@ def test_a_small_dense_draft_model_binds_to_a_moe_or_hybrid_target(made, family,
     export_engine(tmp_path / "art", "vllm", tmp_path / "v")
     assert json.loads((tmp_path / "v/README.md").read_text().split("--speculative-config '")[1].split("'")[0])[
         "method"] == "draft_model"
+
+
+# ---- the exports each engine takes, per family (exports/_common.NO_EAGLE3_CAPTURE, MTP tables) --------------
+
+EAGLE3_EXPORTS = {  # 4+-layer fixtures, aux ids 0, 1, 2 (output of layer i): engine -> exported or refused
+    "qwen3_next": {"vllm": True, "sglang": True, "trtllm": True},
+    "qwen3_5": {"vllm": True, "sglang": False, "trtllm": True},
+    "nemotron_h": {"vllm": True, "sglang": False, "trtllm": True},
+    "llama4": {"vllm": True, "sglang": True, "trtllm": True},
+    "gemma3": {"vllm": False, "sglang": False, "trtllm": False},
+}
+
+
+@pytest.mark.parametrize("family", EAGLE3_EXPORTS)
+def test_eagle3_exports_follow_what_each_engine_captures(made, family, tmp_path):
+    from specpack.exports import export_engine
+
+    target = _copy(made, family, tmp_path)
+    _build(target, tmp_path / "art", drafter=str(_eagle3_head(target, tmp_path / "head", ids=(0, 1, 2))))
+    for engine, exported in EAGLE3_EXPORTS[family].items():
+        if exported:
+            export_engine(tmp_path / "art", engine, tmp_path / engine)
+        else:
+            with pytest.raises(UnsupportedError, match="cannot feed a eagle3 drafter"):
+                export_engine(tmp_path / "art", engine, tmp_path / engine)
+
+
+MTP_EXPORTS = {  # family -> engine -> exported (True) or the words of its refusal
+    "deepseek_v3": (lambda t: ff.deepseek_mtp(t), {"sglang": True, "trtllm": True}),
+    "glm4_moe": (lambda t: ff.deepseek_mtp(t), {"sglang": True, "trtllm": True}),
+    "qwen3_next": (lambda t: ff.qwen_mtp(t, "model.layers.3."), {"sglang": True, "trtllm": True}),
+    "qwen3_5_moe": (lambda t: ff.qwen_mtp(t, "model.language_model.layers.3."),
+                    {"sglang": "Qwen3_5ForCausalLMMTP", "trtllm": True}),
+    "nemotron_h": (lambda t: ff.nemotron_mtp(t), {"sglang": "NemotronHForCausalLMMTP", "trtllm": "NemotronHMTP"}),
+}
+
+
+@pytest.mark.parametrize("family", MTP_EXPORTS)
+def test_mtp_exports_follow_what_each_engine_runs(made, family, tmp_path):
+    from specpack.exports import export_engine
+
+    add, expected = MTP_EXPORTS[family]
+    _build(add(_copy(made, family, tmp_path)), tmp_path / "art", drafter="mtp")
+    for engine, outcome in expected.items():
+        if outcome is True:
+            export_engine(tmp_path / "art", engine, tmp_path / engine)
+        else:
+            with pytest.raises(UnsupportedError, match=outcome):
+                export_engine(tmp_path / "art", engine, tmp_path / engine)

@@ -163,7 +163,9 @@ def _check_representable(module, manifest, draft_len: int) -> None:
         can = ", ".join(others)
     elif at_one:
         can = f"{', '.join(at_one)} with --draft-len 1"
-    else:
+    elif manifest.target.arch is None or manifest.target.arch.runs:
         can = "none of the export engines; serve it with specpack"
+    else:  # nor does specpack's own runtime decode this target
+        can = "none checked here; bind another drafter (n-gram, MTP in the target, a draft model)"
     raise UnsupportedError(f"{module.NAME} cannot represent this {manifest.drafter.kind} drafter",
                            problems=problems, hint=f"engines that can: {can}")

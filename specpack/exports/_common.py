@@ -53,6 +53,33 @@ def output_of_layer(ids_in: list[int]) -> list[int]:
     return [i - 1 for i in ids_in]
 
 
+# target architectures whose model in the engine captures no EAGLE-3 aux hidden states (read in each
+# engine's model files; /tmp research notes of session 19: SGLang python/sglang/srt/models, TensorRT-LLM
+# tensorrt_llm/_torch/models; vLLM 0.32 model_executor/models SupportsEagle3), or where that was not verified
+NO_EAGLE3_CAPTURE = {
+    "vllm": {"Glm4MoeForCausalLM": "glm4_moe.py implements no SupportsEagle3",
+             "Gemma3ForConditionalGeneration": "gemma3_mm.py implements no SupportsEagle3",
+             "Gemma3ForCausalLM": "gemma3.py implements no SupportsEagle3"},
+    "sglang": {"NemotronHForCausalLM": "nemotron_h.py has set_dflash_layers_to_capture only",
+               "Gemma3ForConditionalGeneration": "gemma3_mm.py neither defines nor delegates set_eagle3_layers_to_capture",
+               "Qwen3_5ForConditionalGeneration": "the inherited capture was not seen to reach the Qwen3.5 decoder",
+               "Qwen3_5MoeForConditionalGeneration": "the inherited capture was not seen to reach the Qwen3.5 decoder",
+               "Mistral3ForConditionalGeneration": "its Llava wrapper was not seen to capture aux states"},
+    "trtllm": {"MiniMaxM2ForCausalLM": "modeling_minimaxm2.py captures no hidden states",
+               "Gemma3ForCausalLM": "modeling_gemma3.py captures no hidden states",
+               "Gemma3ForConditionalGeneration": "modeling_gemma3.py captures no hidden states",
+               "Mistral3ForConditionalGeneration": "its inner MistralForCausalLM is no SpecDecOneEngineForCausalLM",
+               "GlmMoeDsaForCausalLM": "its Eagle3 registration was not verified"},
+}
+
+
+def capture_problems(manifest: Manifest, engine: str, label: str) -> list[str]:
+    """An EAGLE-3 head (or another aux-fed drafter) on a target whose model in `engine` captures no aux
+    hidden states: refused, with what was read."""
+    why = NO_EAGLE3_CAPTURE.get(engine, {}).get(manifest.target.architecture)
+    return [f"{label}'s {manifest.target.architecture} cannot feed a {manifest.drafter.kind} drafter: {why}"] if why else []
+
+
 def aux_problems(manifest: Manifest, n_aux_fixed: bool = True) -> list[str]:
     """Reasons an engine that captures aux states in layer order (all three do) cannot feed this
     head; `n_aux_fixed`: the engine sizes `fc` for exactly three states."""

@@ -78,7 +78,7 @@ import json
 import shutil
 
 from specpack.exports import _block, _mtp
-from specpack.exports._common import (EngineExport, ExportContext, aux_problems,
+from specpack.exports._common import (EngineExport, ExportContext, aux_problems, capture_problems,
                                                 embedding_problems, hf_draft_config, midlayer_names,
                                                 output_of_layer, quote, save_tensors, write_json)
 
@@ -90,8 +90,8 @@ MTP = {"mtp-deepseek": _mtp.EngineMtp("embedding_first", "final_norm_output", "p
        "mtp-mimo": _mtp.EngineMtp("hidden_first", "final_norm_output", "post_norm", "first", max_layers=1),
        "mtp-qwen3-next": _mtp.EngineMtp("embedding_first", "final_norm_output", "post_norm", "first",
                                         max_layers=1),
-       "mtp-nemotron-h": "not checked against SGLang's source here (its Nemotron-H MTP model was not read): "
-                         "export to vLLM, whose nemotron_h_mtp.py was"}
+       "mtp-nemotron-h": "SGLang serves it as NemotronHForCausalLMMTP (configs/model_config.py), whose forward was "
+                         "not checked against SGLang's source here: export to vLLM, whose nemotron_h_mtp.py was"}
 NEXTN = {"DeepseekV3ForCausalLM": "DeepseekV3ForCausalLMNextN",
          "Glm4MoeForCausalLM": "Glm4MoeForCausalLMNextN"}
 NEXTN_PREFIX = "model.layers.0."
@@ -106,14 +106,15 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         if d.source_layout == "mtp-deepseek" and manifest.target.architecture not in NEXTN:
             problems.append(f"SGLang has no NextN draft model for {manifest.target.architecture}")
         if d.source_layout == "mtp-qwen3-next" and manifest.target.architecture != "Qwen3NextForCausalLM":
-            problems.append(f"SGLang's Qwen3-Next MTP draft (Qwen3NextForCausalLMMTP) was read for Qwen3NextForCausalLM "
-                            f"only; {manifest.target.architecture} was not checked against SGLang's source")
+            problems.append(f"SGLang serves {manifest.target.architecture}'s MTP as Qwen3_5ForCausalLMMTP, whose forward "
+                            "was not checked against SGLang's source here (Qwen3NextForCausalLMMTP was)")
         return problems
     if d.kind == "block":
         return _block_limits(d)
     if d.kind != "eagle3":
         return [f"SGLang export of {d.kind} drafters is not implemented"]
-    problems = aux_problems(manifest) + embedding_problems(manifest)
+    problems = capture_problems(manifest, "sglang", "SGLang") + aux_problems(manifest)
+    problems += embedding_problems(manifest)
     if 0 in d.aux_hidden_states.layer_ids:
         problems.append("aux layer 0 (the token embeddings) would be id -1 in SGLang's output-of-layer "
                         "ids; SGLang captures it as `hidden_states + residual` before layer 0, where the "

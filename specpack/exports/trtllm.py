@@ -54,7 +54,7 @@ Sources followed (NVIDIA/TensorRT-LLM main; the commit each file was read at is 
 from __future__ import annotations
 
 from specpack.exports import _block, _mtp, _schedule
-from specpack.exports._common import (EngineExport, ExportContext, aux_problems,
+from specpack.exports._common import (EngineExport, ExportContext, aux_problems, capture_problems,
                                                 embedding_problems, hf_draft_config, midlayer_names,
                                                 output_of_layer, quote, save_tensors, write_json)
 
@@ -65,9 +65,12 @@ MTP = {"mtp-deepseek": _mtp.EngineMtp("embedding_first", "final_norm_output", "p
        "mtp-qwen3-next": _mtp.EngineMtp("embedding_first", "final_norm_output", "post_norm", "first",
                                         max_layers=1),
        "mtp-mimo": "TensorRT-LLM has no MiMo model (modeling_speculative.py MTPForCausalLM)",
-       "mtp-nemotron-h": "not checked against TensorRT-LLM's source here: export to vLLM (nemotron_h_mtp.py read)"}
-MTP_ARCHS = {"mtp-deepseek": ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"),  # MTPForCausalLM's model types
-             "mtp-qwen3-next": ("Qwen3NextForCausalLM",)}
+       "mtp-nemotron-h": "TensorRT-LLM runs it one-model (NemotronHMTP), whose forward was not checked against its source "
+                         "here: export to vLLM (nemotron_h_mtp.py read)"}
+MTP_ARCHS = {"mtp-deepseek": ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM", "DeepseekV32ForCausalLM",
+                              "GlmMoeDsaForCausalLM"),  # MTPForCausalLM's model types (deepseek_v32, glm_moe_dsa too)
+             "mtp-qwen3-next": ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration",
+                                "Qwen3_5MoeForConditionalGeneration")}  # qwen3_5_text, qwen3_5_moe_text -> Qwen3NextMTP
 
 
 def limits(manifest, draft_len: int = 1) -> list[str]:
@@ -84,7 +87,8 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         return _block_limits(d)
     if d.kind != "eagle3":
         return [f"TensorRT-LLM export of {d.kind} drafters is not implemented"]
-    problems = aux_problems(manifest, n_aux_fixed=False) + embedding_problems(manifest)
+    problems = capture_problems(manifest, "trtllm", "TensorRT-LLM") + aux_problems(manifest, n_aux_fixed=False)
+    problems += embedding_problems(manifest)
     if 0 in d.aux_hidden_states.layer_ids:
         problems.append("aux layer 0 (the embeddings) would be id -1, which TensorRT-LLM reads "
                         "as the final hidden state")

