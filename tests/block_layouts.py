@@ -120,8 +120,11 @@ def _save(out: Path, config: dict, tensors: dict) -> Path:
 
 def _copies(target_dir: Path) -> dict:
     """The target's embedding and lm_head, as DeepSpec and speculators ship them."""
-    return {"embed_tokens.weight": target_tensor(target_dir, "model.embed_tokens.weight").clone(),
-            "lm_head.weight": target_tensor(target_dir, "lm_head.weight").clone()}  # the dense targets' names
+    from specpack.families import describe
+
+    a = describe(json.loads((Path(target_dir) / "config.json").read_text()))  # the names its family gives them
+    return {"embed_tokens.weight": target_tensor(target_dir, a.embed).clone(),
+            "lm_head.weight": target_tensor(target_dir, a.lm_head or a.embed).clone()}
 
 
 def write_zlab(out, head, tensors, target_dir):

@@ -467,3 +467,17 @@ def test_mtp_exports_follow_what_each_engine_runs(made, family, tmp_path):
         else:
             with pytest.raises(UnsupportedError, match=outcome):
                 export_engine(tmp_path / "art", engine, tmp_path / engine)
+
+
+@pytest.mark.parametrize("layout", ["lilicorr", "vllm-dspark", "speculators-dspark"])
+@pytest.mark.parametrize("family", ["qwen3_next", "nemotron_h", "gpt_oss"])
+def test_dspark_and_lilicorr_heads_bind_to_hybrid_and_moe_targets(made, family, layout, tmp_path):
+    import block_layouts as bl
+
+    target = _copy(made, family, tmp_path)
+    _, head = bl.WRITERS[layout]
+    head = bl.Head(**{**head.__dict__, "ids_out": (0, 1)})
+    d = bl.WRITERS[layout][0](tmp_path / "head", head, bl.canonical_tensors(head, target), target)
+    m = _build(target, tmp_path / "art", drafter=str(d))
+    assert m.drafter.algorithm in ("dspark", "lilicorr")
+    assert m.drafter.target_features.produced_by == EXPECTED[family][1][:2]
