@@ -84,6 +84,30 @@ def test_serve_follows_the_profile_measured_through_the_engine(artifact, vllm_en
     assert engine_profile(read_manifest(art), "vllm", "none") is None
 
 
+def test_serve_follows_a_profile_that_found_speculation_never_paid_by_starting_the_target_alone(artifact, vllm_env,
+                                                                                               tmp_path):
+    """`tune --engine vllm` stores a `speculative: false` profile where no draft length beat the plain
+    server; `serve --engine vllm` follows it (target alone, saying why) unless a speculative profile
+    measured through the engine outranks it or `--draft-len` asks for speculation."""
+    from specpack.packager.artifact import read_manifest
+    from specpack.tuning.profiles import engine_profile
+
+    plain = measured_profile("ngram", device="cpu", backend="vllm", speedup=1.0, speculative=False)
+    art = with_profiles(artifact, tmp_path / "art", plain)
+    chosen = engine_profile(read_manifest(art), "vllm")
+    assert chosen.id == plain.id
+    launch = engines.prepare(art, "vllm", chosen=chosen)
+    assert "--speculative-config" not in launch.argv and launch.draft_len == 0 and launch.profile == plain.name
+    assert f"following validated profile {plain.name}" in launch.message and "did not pay" in launch.message
+    asked = engines.prepare(art, "vllm", chosen=chosen, draft_len=2)
+    assert json.loads(asked.argv[asked.argv.index("--speculative-config") + 1])["num_speculative_tokens"] == 2
+    assert asked.profile is None
+    assert engine_profile(read_manifest(art), "vllm", plain.name).id == plain.id  # named: followed too
+    both = with_profiles(art, tmp_path / "both", measured_profile("ngram", draft_len=3, device="cpu", backend="vllm",
+                                                                  speedup=1.1))
+    assert engine_profile(read_manifest(both), "vllm").settings.speculative
+
+
 def test_sglang_and_trtllm_commands_carry_their_exports_flags(artifact, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path / "cache"))
     monkeypatch.setenv("SPECPACK_SGLANG", str(_executable(tmp_path / "sg/bin/python")))

@@ -166,11 +166,15 @@ def _tune_engine(artifact, workload, engine, dtype, device, concurrency, draft_l
     profile, path, passes = tune_engine(artifact, workload, engine, int_list(draft_lens, "--draft-lens"),
                                         int_list(concurrency, "--concurrency"), max_new_tokens, key, public_key,
                                         tuple(engine_args), dtype, device.split(":")[0])
-    e = profile.evidence
+    e, s = profile.evidence, profile.settings
+    found = (f"{e.speedup:.2f}x at one client, acceptance length {e.acceptance_length:.2f}, speculation up to "
+             f"{s.max_concurrency} concurrent requests" if s.speculative else
+             "speculation did not pay at one client (" + ", ".join(f"D={p.draft_len} {p.speedup:.2f}x" for p in
+                                                             e.draft_len_sweep) + f"): `serve --engine {engine}` "
+             "starts the target alone")
     emit({"profile": profile.model_dump(mode="json"), "manifest": str(path)}, json_mode, lambda d: (
         f"profile {profile.name} ({profile.id}) measured through {engine} {e.software.packages.get(engine)}: "
-        f"{e.speedup:.2f}x at one client, acceptance length {e.acceptance_length:.2f}, speculation up to "
-        f"{profile.settings.max_concurrency} concurrent requests; stored in {path}"))
+        f"{found}; stored in {path}"))
 
 
 @cli.command()

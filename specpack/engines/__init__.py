@@ -52,17 +52,20 @@ def prepare(artifact, engine: str, host: str = "127.0.0.1", port: int = 8000, mo
     """Verify `artifact`, export its drafter for `engine` and build the engine's command (see the
     module docstring). `chosen`: the validated profile (schemas.Profile) whose draft length and
     concurrency crossover the engine follows (tuning.profiles.engine_profile picks one), None for the
-    artifact's defaults; `speculative=False` starts the engine on the target alone."""
+    artifact's defaults; a profile that found speculation never paid starts the target alone unless
+    `draft_len` asks for speculation; `speculative=False` starts the engine on the target alone."""
     from specpack.exports import export_engine
     from specpack.packager.verify import verify
 
     exe, artifact = find(engine), Path(artifact).absolute()
     manifest = verify(artifact, public_key=public_key).manifest
     name, env = model_name or artifact.name, _engine_env(engine)
+    if chosen is not None and not chosen.settings.speculative:
+        if draft_len is None:  # the profile found speculation never paid: follow it (an explicit length overrides)
+            return _plain_launch(engine, exe, artifact, host, port, name, extra, env, chosen)
+        chosen = None
     if not speculative:
-        argv = _serve_argv(engine, exe, artifact, ["--backend", "pytorch"] if engine == "trtllm" else [])
-        return EngineLaunch(engine, _addressed(engine, argv, host, port, name, extra), artifact, {}, 0, None,
-                            f"{ENGINES[engine].label} on the verified target alone (no speculation)", env)
+        return _plain_launch(engine, exe, artifact, host, port, name, extra, env, None)
     out = _export_dir(manifest, engine, draft_len, tensor_parallel, chosen)
     result = export_engine(artifact, engine, out, draft_len=draft_len, tensor_parallel=tensor_parallel, force=True,
                            public_key=public_key, profile=chosen.id if chosen else "none")
@@ -72,6 +75,19 @@ def prepare(artifact, engine: str, host: str = "127.0.0.1", port: int = 8000, mo
                f"{out}" + (f", following validated profile {chosen.name} ({chosen.id})" if chosen else
                            ", no validated profile measured through it: the artifact's defaults"))
     return EngineLaunch(engine, _addressed(engine, argv, host, port, name, extra), out, spec, result.draft_len,
+                        chosen.name if chosen else None, message, env)
+
+
+def _plain_launch(engine: str, exe: Path, artifact: Path, host, port, name, extra, env, chosen) -> EngineLaunch:
+    """The engine on the target alone: asked for, or what the validated profile `chosen` measured best."""
+    argv = _serve_argv(engine, exe, artifact, ["--backend", "pytorch"] if engine == "trtllm" else [])
+    label = ENGINES[engine].label
+    message = f"{label} on the verified target alone (no speculation)"
+    if chosen is not None:
+        sweep = ", ".join(f"D={p.draft_len} {p.speedup:.2f}x" for p in chosen.evidence.draft_len_sweep)
+        message = (f"{label} on the verified target alone, following validated profile {chosen.name} ({chosen.id}): "
+                   f"speculation did not pay through {label} on its workload ({sweep or 'none measured'})")
+    return EngineLaunch(engine, _addressed(engine, argv, host, port, name, extra), artifact, {}, 0,
                         chosen.name if chosen else None, message, env)
 
 

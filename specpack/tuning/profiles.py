@@ -304,23 +304,27 @@ def profile_for_export(manifest, wanted: Optional[str] = None, device: str = "cu
 
 def engine_profile(manifest, engine: str, wanted: Optional[str] = None, device: str = "cpu") -> Optional[Profile]:
     """The validated profile `serve --engine` follows: the one named `wanted` (name, id or id prefix;
-    "none": none), else the speculative one measured through `engine` on `device` with the highest
-    speedup (then the newest), else None (the artifact's defaults). Profiles measured on specpack's own
-    runtime are not used: their draft lengths and crossovers were measured where they do not run."""
-    if wanted is not None:
-        return profile_for_export(manifest, wanted)
-    fits = []
+    "none": none), else the one measured through `engine` on `device` with the highest speedup (then
+    the newest), else None (the artifact's defaults). A profile that found speculation never paid
+    (speedup 1.0) is followed too, by starting the target alone, but any speculative one outranks it.
+    Profiles measured on specpack's own runtime are not used: their draft lengths and crossovers were
+    measured where they do not run."""
+    if wanted == "none":
+        return None
+    entries = []
     for raw in map(_raw, manifest.profiles):
         try:
             p = Profile.model_validate(raw)
         except ValidationError:
             continue
-        if p.backend == engine and p.device == device and p.settings.speculative and not _validity(p, raw, manifest):
-            fits.append(p)
-    return max(fits, key=lambda p: (p.evidence.speedup, p.evidence.measured_at), default=None)
+        entries.append((p, _validity(p, raw, manifest)))
+    if wanted is not None:
+        return _named_for_export(entries, wanted, plain_ok=True)
+    fits = [p for p, reasons in entries if not reasons and p.backend == engine and p.device == device]
+    return max(fits, key=lambda p: (p.settings.speculative, p.evidence.speedup, p.evidence.measured_at), default=None)
 
 
-def _named_for_export(entries: list, wanted: str) -> Profile:
+def _named_for_export(entries: list, wanted: str, plain_ok: bool = False) -> Profile:
     named = [(p, r) for p, r in entries if wanted in (p.name, p.id)]
     named = named or [(p, r) for p, r in entries if len(wanted) >= 4 and p.id.startswith(wanted)]
     if not named:
@@ -330,7 +334,7 @@ def _named_for_export(entries: list, wanted: str) -> Profile:
     if reasons:
         raise InputError(f"profile {p.name} ({p.id}) is not valid", problems=reasons,
                          hint="`specpack profiles ARTIFACT` lists them; re-tune, or pass --profile none")
-    if not p.settings.speculative:
+    if not p.settings.speculative and not plain_ok:
         raise InputError(f"profile {p.name} ({p.id}) found that speculation never paid on its workload: there is no "
                          "concurrency crossover to export", hint="pass --profile none (or serve without speculation)")
     return p
