@@ -135,6 +135,34 @@ def edit(path: Path, add: dict | None = None, drop=(), rename: dict | None = Non
     return path
 
 
+def kimi_k25(path: Path) -> Path:
+    """Kimi-K2.5 as published, from a DeepSeek-V3 fixture: `KimiK25ForConditionalGeneration` /
+    `kimi_k25` wrapping a `kimi_k2` text_config (its compressed-tensors INT4 routed experts stated there,
+    not at the top), the decoder under `language_model.model.` and `language_model.lm_head`, a MoonViT
+    vision tower (`vision_tower.*`) and a patch-merger projector (`mm_projector.*`) carried untouched.
+    Sources: TensorRT-LLM's Kimi-K2.5 test config, NeMo AutoModel kimi_k25_vl, vLLM kimi_k25.py."""
+    ct_int4(path)
+    text = json.loads((path / "config.json").read_text())
+    text["model_type"], text["architectures"] = "kimi_k2", ["DeepseekV3ForCausalLM"]
+    torch.manual_seed(1)
+    vision = {"vision_tower.patch_embed.proj.weight": torch.randn(32, 3, 14, 14),
+              "vision_tower.patch_embed.proj.bias": torch.zeros(32),
+              "vision_tower.patch_embed.pos_emb.weight": torch.randn(4, 4, 32),
+              "vision_tower.encoder.blocks.0.wqkv.weight": torch.randn(96, 32),
+              "vision_tower.encoder.blocks.0.wo.weight": torch.randn(32, 32),
+              "vision_tower.encoder.final_layernorm.weight": torch.ones(32),
+              "mm_projector.pre_norm.weight": torch.ones(32),
+              "mm_projector.proj.0.weight": torch.randn(128, 128),
+              "mm_projector.proj.2.weight": torch.randn(64, 128)}
+    edit(path, add=vision, rename={"model.": "language_model.model.", "lm_head.": "language_model.lm_head."})
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+              "media_placeholder_token_id": 3, "tie_word_embeddings": False, "text_config": text,
+              "vision_config": {"patch_size": 14, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                "intermediate_size": 64, "merge_kernel_size": [2, 2]}}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
 def deepseek_mtp(path: Path, n: int = 1) -> Path:
     """DeepSeek-V3's published MTP layers: `model.layers.{L+k}.` = a MoE decoder layer (a copy of the
     last target layer's tensors) + enorm, hnorm, eh_proj [H, 2H], shared_head.{norm, head}, embed_tokens."""

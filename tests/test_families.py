@@ -228,6 +228,55 @@ def test_kimi_k2_reads_as_deepseek_v3_and_runs(made, tmp_path, cli):
     assert code == 0, err
 
 
+def test_kimi_k25_builds_from_its_wrapper_with_int4_experts_and_its_vision_tower_carried(made, tmp_path, cli):
+    """Kimi-K2.5: DeepSeek-V3's decoder in a `kimi_k2` text_config under `language_model.`, its INT4
+    experts stated inside text_config; every tensor checked per scheme, the vision tower carried
+    untouched, `run` refused naming the engines, a packed expert weight of the wrong shape refused."""
+    import torch
+    from safetensors.torch import load_file
+
+    t = ff.kimi_k25(_copy(made, "deepseek_v3", tmp_path))
+    out = tmp_path / "art"
+    target = _build(t, out).target
+    arch = target.arch
+    assert (target.model_type, target.architecture) == ("kimi_k25", "KimiK25ForConditionalGeneration")
+    assert (arch.family, arch.tensor_prefix, arch.text_config) == ("deepseek", "language_model.model.", True)
+    assert arch.layer_kinds == ["mla+dense"] + ["mla+moe"] * 2 and arch.experts.routed == 4
+    assert arch.quantization.scheme == "ct-int4" and not arch.runs
+    assert (out / "model.safetensors").read_bytes() == (t / "model.safetensors").read_bytes()
+    assert cli("verify", out)[0] == 0 and cli("export", out, "--to", "vllm", "-o", tmp_path / "v")[0] == 0
+    code, _, err = cli("run", out, "--prompt", "hi", "--max-new-tokens", "2")
+    assert code == 2 and "specpack serve ART --engine vllm" in err, err
+
+    name = sorted(k for k in load_file(str(t / "model.safetensors")) if k.endswith("experts.0.up_proj.weight_packed"))[-1]
+    ff.edit(t, add={name: torch.zeros(24, 3, dtype=torch.int32)})
+    bad = tmp_path / "bad" / "art"
+    bad.parent.mkdir()
+    code, _, err = cli("build", t, "--drafter", "ngram", "-o", bad)
+    assert code == 2 and name in err and name.startswith("language_model.model.layers."), err
+    assert not any(bad.parent.iterdir())
+
+
+def test_kimi_k25_binds_an_eagle3_head_and_vllm_reads_its_routing_from_text_config(made, tmp_path):
+    """vLLM's KimiK25ForConditionalGeneration implements SupportsEagle3 (models/kimi_k25.py), so a head
+    on it exports; its DeepSeek decoder reads the routing keys from text_config, whose absence is refused."""
+    from specpack.exports import export_engine
+
+    t = ff.kimi_k25(_copy(made, "deepseek_v3", tmp_path))
+    m = _build(t, tmp_path / "art", drafter=str(_eagle3_head(t, tmp_path / "head", ids=(-1, 0, 1))))
+    assert m.drafter.aux_hidden_states.produced_by == ["embedding", "mla+dense", "mla+moe"]
+    export_engine(tmp_path / "art", "vllm", tmp_path / "v")
+    assert json.loads((tmp_path / "v/config.json").read_text())["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+
+    cfg = json.loads((t / "config.json").read_text())
+    del cfg["text_config"]["scoring_func"]
+    (t / "config.json").write_text(json.dumps(cfg))
+    _build(t, tmp_path / "art2")
+    with pytest.raises(UnsupportedError) as e:
+        export_engine(tmp_path / "art2", "vllm", tmp_path / "v2")
+    assert any("text_config does not state `scoring_func`" in p for p in e.value.problems)
+
+
 # ---- drafters bound to every family -------------------------------------------------------------
 
 @pytest.mark.parametrize("family, add, layout", [

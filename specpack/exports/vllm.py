@@ -98,14 +98,16 @@ def target_problems(config: dict) -> list[str]:
     `scoring_func` defaults to softmax and the routing's correction bias exists only with
     `topk_method: noaux_tc`, where transformers' DeepSeek-V3, and specpack, route by sigmoid with the
     bias): the experts would be chosen otherwise, silently; a checkpoint with the bias then fails to
-    load (`KeyError: ...e_score_correction_bias`)."""
-    if config.get("model_type") not in ("deepseek_v3", "kimi_k2"):
+    load (`KeyError: ...e_score_correction_bias`). Kimi-K2.5's wrapper hands its `text_config` to the
+    same decoder (models/kimi_k25.py)."""
+    text, where = (config["text_config"], "text_config") if "text_config" in config else (config, "config.json")
+    if text.get("model_type") not in ("deepseek_v3", "kimi_k2"):
         return []
-    return [f"the target's config.json does not state `{key}`: vLLM would take {default}, transformers and "
+    return [f"the target's {where} does not state `{key}`: vLLM would take {default}, transformers and "
             f"specpack take {ours}" for key, default, ours in (("scoring_func", "softmax", "sigmoid"),
                                                               ("topk_method", "routing without the correction bias",
                                                                "noaux_tc"))
-            if key not in config]
+            if key not in text]
 
 
 # words in a draft model's path from which vLLM infers another method whatever `method` says
