@@ -322,6 +322,30 @@ def modelopt_nvfp4(path: Path, hf_quant_file: bool = False) -> Path:
     return edit(path, add=add, config={"quantization_config": {"quant_method": "modelopt", **q}})
 
 
+def modelopt_mixed(path: Path) -> Path:
+    """ModelOpt MIXED_PRECISION (Nemotron 3.5's kind): `quantized_layers` names each quantized module and
+    its format (vLLM modelopt.py ModelOptMixedPrecisionConfig). Here: routed experts W4A16_NVFP4, the
+    dense MLP NVFP4 (both stored as modelopt_nvfp4 above), attention FP8 (as modelopt_fp8); the Mamba
+    mixers, shared experts, router and lm_head are not listed and stay bf16."""
+    t = load_file(str(path / "model.safetensors"))
+    add, layers = {}, {}
+    for k in _linear_names(t, UNQUANTIZED):
+        stem, module = k[: -len("weight")], k[: -len(".weight")]
+        o, i = t[k].shape
+        if ".experts." in k or ".mixer.up_proj" in k or ".mixer.down_proj" in k:
+            layers[module] = {"quant_algo": "W4A16_NVFP4" if ".experts." in k else "NVFP4", "group_size": 16}
+            add.update({k: torch.zeros(o, i // 2, dtype=torch.uint8),
+                        stem + "weight_scale": torch.ones(o, i // 16).to(torch.float8_e4m3fn),
+                        stem + "weight_scale_2": torch.tensor(1.0)})
+        elif k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
+            layers[module] = {"quant_algo": "FP8"}
+            add.update({k: t[k].to(torch.float8_e4m3fn), stem + "weight_scale": torch.tensor(1.0),
+                        stem + "input_scale": torch.tensor(1.0)})
+    return edit(path, add=add, config={"quantization_config": {
+        "quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8",
+        "quantized_layers": layers, "exclude_modules": ["lm_head"]}})
+
+
 def mxfp4(path: Path) -> Path:
     """gpt-oss's MXFP4 experts: gate_up_proj_blocks U8 [E, 2I, H/32, 16] and _scales U8 [E, 2I, H/32]
     for gate_up_proj [E, H, 2I] (and down_proj likewise), the rest bf16."""

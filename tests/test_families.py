@@ -116,6 +116,7 @@ SCHEMES = {  # fixture -> (family, manifest scheme)
     "ct_fp8_channel": ("glm4_moe", "ct-fp8"),
     "ct_nvfp4": ("qwen3_moe", "ct-nvfp4"),
     "modelopt_nvfp4": ("nemotron_h", "modelopt-nvfp4"),
+    "modelopt_mixed": ("nemotron_h", "modelopt-mixed"),
     "mxfp4": ("gpt_oss", "mxfp4"),
 }
 
@@ -137,6 +138,46 @@ def _header_bytes(path) -> int:
 
     with open(path, "rb") as f:
         return 8 + struct.unpack("<Q", f.read(8))[0]
+
+
+def test_modelopt_mixed_precision_holds_each_module_to_the_format_quantized_layers_states(made, tmp_path, cli):
+    """MIXED_PRECISION: a listed module stored in the other format, a listed module left bf16, an unlisted
+    module stored quantized, a format specpack cannot check, and no quantized_layers at all: each
+    refused, naming the tensor or the module."""
+    import torch
+    from safetensors.torch import load_file
+
+    t = ff.modelopt_mixed(_copy(made, "nemotron_h", tmp_path))
+    q = _build(t, tmp_path / "art").target.arch.quantization
+    assert (q.scheme, q.kv_cache) == ("modelopt-mixed", "fp8") and q.quantized_linear == 8 + 2 + 4
+    good = load_file(str(t / "model.safetensors"))
+    cfg = json.loads((t / "config.json").read_text())
+    layers = cfg["quantization_config"]["quantized_layers"]
+    attn, expert = "backbone.layers.1.mixer.q_proj", "backbone.layers.3.mixer.experts.0.up_proj"
+
+    def refused(name, tensors=None, quantized_layers=None, *expected):
+        case = shutil.copytree(t, tmp_path / name)
+        if tensors is not None:
+            ff.edit(case, add=tensors)
+        if quantized_layers is not None:
+            c = json.loads((case / "config.json").read_text())
+            c["quantization_config"]["quantized_layers"] = quantized_layers
+            (case / "config.json").write_text(json.dumps(c))
+        out = tmp_path / f"{name}-out" / "art"
+        out.parent.mkdir()
+        code, _, err = cli("build", case, "--drafter", "ngram", "-o", out)
+        assert code == 2 and all(e in err for e in expected), err
+        assert not any(out.parent.iterdir())
+
+    # the attention projection listed FP8 but holding an NVFP4 payload
+    refused("swapped", {attn + ".weight": torch.zeros(64, 32, dtype=torch.uint8)}, None, f"tensor {attn}.weight is U8")
+    # an expert listed W4A16_NVFP4 but its packed weight replaced by bf16 (the scales still beside it)
+    refused("plain", {expert + ".weight": torch.zeros(24, 64, dtype=torch.bfloat16)}, None, f"{expert}.weight")
+    # the Mamba in_proj is not listed, yet stored FP8
+    mamba = "backbone.layers.0.mixer.in_proj.weight"
+    refused("unlisted", {mamba: good[mamba].to(torch.float8_e4m3fn)}, None, mamba, "not in quantized_layers")
+    refused("unknown-algo", None, {**layers, attn: {"quant_algo": "INT8_SQ"}}, "INT8_SQ", attn)
+    refused("no-layers", None, {}, "states no quantized_layers")
 
 
 def test_modelopt_states_its_scheme_in_hf_quant_config_too(made, tmp_path):

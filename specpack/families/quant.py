@@ -15,7 +15,7 @@ its logical shape. Nothing is skipped.
 | `ct-int4` | compressed-tensors, 4-bit int, group g | X.weight_packed I32 [o, i/8]; X.weight_scale [o, i/g]; X.weight_shape [2] |
 | `modelopt-nvfp4` | quant_method modelopt (or hf_quant_config.json) NVFP4 / W4A16_NVFP4 | X.weight U8 [o, i/2]; X.weight_scale F8_E4M3 [o, i/16]; X.weight_scale_2 [] |
 | `modelopt-fp8` | modelopt FP8 | X.weight F8_E4M3 [o, i]; X.weight_scale []; X.input_scale [] |
-| `modelopt-mixed` | modelopt MIXED_PRECISION | per layer NVFP4 or FP8 as above |
+| `modelopt-mixed` | modelopt MIXED_PRECISION + `quantized_layers` {module: {quant_algo}} | each listed module as its NVFP4 / W4A16_NVFP4 / FP8 entry says; every other module unquantized |
 | `mxfp4` | quant_method mxfp4 (gpt-oss) | X_blocks U8 [*lead, o, i/32, 16]; X_scales U8 [*lead, o, i/32] |
 
 Sources (read, not guessed): vLLM layers/quantization/{fp8,modelopt,mxfp4}.py and compressed_tensors/
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 from specpack.errors import InputError
 from specpack.families.base import Tensor
@@ -46,6 +47,11 @@ class Quant:
     group: int = 0  # FP4 / INT4 group size
     strategy: str = ""  # ct-fp8: tensor | channel | block
     kv_cache: str | None = None  # a quantized KV cache the config states (FP8)
+    layers: tuple[tuple[str, str], ...] = ()  # modelopt-mixed: (module, quant_algo) as quantized_layers states
+
+    @cached_property
+    def layer_algos(self) -> dict[str, str]:
+        return dict(self.layers)
 
     @property
     def description(self) -> str:
@@ -108,9 +114,29 @@ def _modelopt(qc: dict) -> Quant:
     if algo == "FP8":
         return Quant("modelopt-fp8", "modelopt", kv_cache=kv)
     if algo == "MIXED_PRECISION":
-        return Quant("modelopt-mixed", "modelopt", group=int(qc.get("group_size") or 16), kv_cache=kv)
+        return Quant("modelopt-mixed", "modelopt", group=int(qc.get("group_size") or 16), kv_cache=kv,
+                     layers=_mixed_layers(qc.get("quantized_layers")))
     raise InputError(f"ModelOpt quant_algo {algo!r} is not a scheme specpack can check",
                      hint="supported: NVFP4, W4A16_NVFP4, FP8, MIXED_PRECISION")
+
+
+MIXED_ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8")
+
+
+def _mixed_layers(layers) -> tuple[tuple[str, str], ...]:
+    """ModelOpt MIXED_PRECISION's `quantized_layers` (vLLM modelopt.py ModelOptMixedPrecisionConfig:
+    module name -> {quant_algo, group_size}): required, and every algorithm one specpack checks."""
+    if not isinstance(layers, dict) or not layers:
+        raise InputError("ModelOpt MIXED_PRECISION states no quantized_layers: which module holds which format is "
+                         "unknown", hint="re-export with ModelOpt, whose export writes quantized_layers "
+                         "(vLLM refuses the checkpoint without it too)")
+    algos = {k: str(v.get("quant_algo", "")).upper() if isinstance(v, dict) else "" for k, v in layers.items()}
+    bad = [f"{k}: quant_algo {layers[k].get('quant_algo') if isinstance(layers[k], dict) else layers[k]!r}"
+           for k, a in algos.items() if a not in MIXED_ALGOS]
+    if bad:
+        raise InputError(f"ModelOpt MIXED_PRECISION lists {len(bad)} module(s) in a format specpack cannot check",
+                         problems=bad[:10], hint="supported per module: " + ", ".join(MIXED_ALGOS))
+    return tuple(sorted(algos.items()))
 
 
 def _mxfp4(qc: dict) -> Quant:
@@ -130,9 +156,11 @@ def check(name: str, t: Tensor, found: dict, q: Quant | None) -> tuple[list[str]
     entries `found` (name -> TensorMeta)."""
     if not t.linear or q is None:
         return _plain(name, t, found), False
-    if _is_plain(name, t, found, q):
-        return [], False
     layouts = _layouts(name, t, q)
+    if q.scheme == "modelopt-mixed" and not layouts:
+        return _unlisted(name, t, found), False
+    if q.scheme != "modelopt-mixed" and _is_plain(name, t, found, q):  # mixed: what quantized_layers lists is quantized
+        return [], False
     problems = min((_layout_problems(layout, found) for layout in layouts), key=len)
     if problems and name not in found and not any(n in found for layout in layouts for n in layout):
         return [f"missing tensor {name} (expected {list(_stored(t))} unquantized, or {q.scheme})"], False
@@ -144,6 +172,18 @@ def _plain(name: str, t: Tensor, found: dict) -> list[str]:
         return [f"missing tensor {name} (expected shape {list(_stored(t))})"]
     got = tuple(found[name].shape)
     return [] if got == _stored(t) else [f"tensor {name} has shape {list(got)}, expected {list(_stored(t))}"]
+
+
+def _unlisted(name: str, t: Tensor, found: dict) -> list[str]:
+    """A linear weight MIXED_PRECISION's quantized_layers does not list: a float tensor of its logical
+    shape with no scale beside it."""
+    module = _module(name)
+    problems = _plain(name, t, found)
+    if not problems and found[name].dtype not in FLOATS:
+        problems = [f"tensor {name} is {found[name].dtype}"]
+    problems += [f"tensor {module}.{s} is present" for s in ("weight_scale", "weight_scale_2", "input_scale")
+                 if f"{module}.{s}" in found]
+    return [f"{p}, but {module} is not in quantized_layers, so it must be stored unquantized" for p in problems]
 
 
 def _stored(t: Tensor) -> tuple[int, ...]:
@@ -162,6 +202,21 @@ def _dims(t: Tensor) -> tuple[tuple[int, ...], int, int]:
     """(lead dims, out, in) of a linear tensor's logical shape."""
     *lead, a, b = t.shape
     return (tuple(lead), b, a) if t.stored_in_out else (tuple(lead), a, b)
+
+
+def _module(name: str) -> str:
+    """The module a linear tensor belongs to: `X.weight` -> X; a fused parameter names itself."""
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def _mixed_algo(name: str, q: Quant) -> str | None:
+    """The format quantized_layers states for `name`'s module (a fused expert parameter: its
+    module's entries, as vLLM resolves a RoutedExperts prefix)."""
+    module = _module(name)
+    if module in q.layer_algos:
+        return q.layer_algos[module]
+    parent = module.rsplit(".", 1)[0] + "."
+    return next((a for k, a in q.layers if k.startswith(parent)), None) if not name.endswith(".weight") else None
 
 
 def _names(name: str) -> tuple[str, str]:
@@ -198,7 +253,9 @@ def _layouts(name: str, t: Tensor, q: Quant) -> list[dict[str, tuple[tuple, tupl
         nvfp4 = {weight: (("U8",), ((*lead, o, i // 2),)), n("weight_scale"): (E4M3, ((*lead, o, i // q.group),)),
                  n("weight_scale_2"): (("F32",), SCALAR + (((*lead,), (*lead, 1)) if lead else ()))}
         fp8 = {weight: (E4M3, ((*lead, o, i),)), n("weight_scale"): (("F32",), SCALAR + (((*lead,),) if lead else ()))}
-        return [nvfp4, fp8] if q.scheme == "modelopt-mixed" else [nvfp4]
+        if q.scheme == "modelopt-nvfp4":
+            return [nvfp4]
+        return {"NVFP4": [nvfp4], "W4A16_NVFP4": [nvfp4], "FP8": [fp8]}.get(_mixed_algo(name, q), [])
     if q.scheme == "ct-int4":
         return [{n("weight_packed"): (("I32",), ((*lead, o, i // 8),)), n("weight_scale"): (FLOATS, ((*lead, o, i // q.group),)),
                  n("weight_shape"): (("I32", "I64"), ((2,),))}]
