@@ -250,13 +250,15 @@ def test_a_config_that_states_mtp_its_weights_do_not_hold_says_so(made, tmp_path
 
 def test_run_refuses_a_family_the_runtime_does_not_decode_naming_the_engines(made, tmp_path, cli):
     out = tmp_path / "art"
-    _build(_copy(made, "qwen3_moe", tmp_path), out)
+    _build(_copy(made, "minimax_m2", tmp_path), out)
     code, _, err = cli("run", out, "--prompt", "hi", "--max-new-tokens", "2")
-    assert code == 2 and "not qwen3_moe" in err and "specpack serve ART --engine vllm" in err, err
+    assert code == 2 and "not minimax_m2" in err and "specpack serve ART --engine vllm" in err, err
 
 
-def test_dense_and_deepseek_targets_still_run(made, tmp_path):
+def test_dense_deepseek_and_qwen3_moe_targets_run_unquantized(made, tmp_path):
     assert _build(_copy(made, "deepseek_v3", tmp_path), tmp_path / "art").target.arch.runs
+    assert _build(_copy(made, "qwen3_moe", tmp_path, "q"), tmp_path / "q-art").target.arch.runs
+    assert not _build(ff.ct_nvfp4(_copy(made, "qwen3_moe", tmp_path, "n")), tmp_path / "n-art").target.arch.runs
 
 
 def test_kimi_k2_reads_as_deepseek_v3_and_runs(made, tmp_path, cli):

@@ -144,13 +144,13 @@ def steps_match(ref, ort, prompt: list[int]) -> float:
     return worst
 
 
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", [*tiny.FAMILIES, "qwen3-moe"])
 def test_logits_match_torch(family):
     (ref, _), (ort, _) = both(exported(family, "ngram"))
     steps_match(ref, ort, prompts(family, 1)[0])
 
 
-@pytest.mark.parametrize("family", tiny.FAMILIES)
+@pytest.mark.parametrize("family", [*tiny.FAMILIES, "qwen3-moe"])
 def test_greedy_speculative_identical(family):
     (tt, td), (ot, od) = both(exported(family, "ngram"))
     ref, ort = SpecModel(tt, td), SpecModel(ot, od)

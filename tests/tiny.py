@@ -52,6 +52,12 @@ def tiny_config(family: str = "llama", vocab_size: int = VOCAB, **overrides):
         cfg = Qwen2Config(**common, rope_theta=1000000.0)
     elif family == "qwen3":
         cfg = Qwen3Config(**common, head_dim=32, rope_theta=1000000.0)
+    elif family in ("qwen3-moe", "qwen3-moe-plain"):  # layer 0 dense (mlp_only_layers), the rest 8 experts, top 2
+        from transformers import Qwen3MoeConfig
+
+        cfg = Qwen3MoeConfig(**common, head_dim=32, rope_theta=1000000.0, num_experts=8, num_experts_per_tok=2,
+                             moe_intermediate_size=48, mlp_only_layers=[0], decoder_sparse_step=1,
+                             norm_topk_prob=family == "qwen3-moe")
     elif family == "smollm":
         cfg = LlamaConfig(**{**common, "tie_word_embeddings": True}, rope_theta=10000.0)
     else:

@@ -19,6 +19,7 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "MiMoForCausalLM": "qwen2",  # Xiaomi MiMo: a Qwen2 decoder (+ MTP layers, see runtime/mtp.py)
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3 attention, routed experts (families/qwen3_moe.py)
 }
 # loaded by runtime/deepseek.py (MLA + MoE), not by `target_spec_from_config`
 DEEPSEEK_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
@@ -64,6 +65,14 @@ class TargetSpec:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
     dtype: str | None = None  # the checkpoint's declared dtype
+    experts: int = 0  # Qwen3-MoE: routed experts per MoE layer (softmax router, no shared expert)
+    experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # the top k routing weights renormalized to sum 1
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts (the rest dense)
+
+    def is_moe(self, i: int) -> bool:
+        return i in self.moe_layers
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         """KV cache bytes one token takes (keys and values of every layer)."""
@@ -141,7 +150,7 @@ def target_spec_from_config(cfg: dict, generation_config: dict | None = None) ->
     max_pos = int(cfg.get("max_position_embeddings") or 4096)
     window = _sliding_window(cfg)
     eos = _ids(cfg.get("eos_token_id")) + _ids((generation_config or {}).get("eos_token_id"))
-    llama_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "mistral", "qwen3")
+    llama_bias = bool(cfg.get("attention_bias", False)) and model_type in ("llama", "mistral", "qwen3", "qwen3_moe")
     return TargetSpec(
         architecture=arch,
         model_type=cfg.get("model_type", model_type),
@@ -158,13 +167,30 @@ def target_spec_from_config(cfg: dict, generation_config: dict | None = None) ->
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=model_type == "qwen2" or llama_bias,
         o_proj_bias=llama_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         max_position_embeddings=max_pos,
         context_length=min(max_pos, window) if window else max_pos,
         eos_token_ids=tuple(dict.fromkeys(eos)),
         bos_token_id=cfg.get("bos_token_id"),
         dtype=cfg.get("dtype", cfg.get("torch_dtype")),
+        **(_experts(cfg) if model_type == "qwen3_moe" else {}),
     )
+
+
+def _experts(cfg: dict) -> dict:
+    """Qwen3-MoE's routing as the spec states it (transformers Qwen3MoeSparseMoeBlock)."""
+    from specpack.families.qwen3_moe import is_moe
+
+    routed = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    bad = size_problems({**cfg, "num_experts": routed}, ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
+                        ())
+    if not bad and cfg["num_experts_per_tok"] > routed:
+        bad = [f"num_experts_per_tok {cfg['num_experts_per_tok']} > num_experts {routed}"]
+    if bad:
+        raise InputError("Qwen3-MoE config.json lacks its routing or states it inconsistently", problems=bad)
+    return dict(experts=routed, experts_per_tok=int(cfg["num_experts_per_tok"]),
+                moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob")),
+                moe_layers=tuple(i for i in range(int(cfg["num_hidden_layers"])) if is_moe(cfg, i, routed)))
 
 
 def target_tensor_shapes(s: TargetSpec) -> dict[str, tuple[int, ...]]:
@@ -188,6 +214,21 @@ def target_tensor_shapes(s: TargetSpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.o_proj.bias"] = (H,)
         if s.qk_norm:
             shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        if s.is_moe(i):
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                del shapes[f"{p}mlp.{name}.weight"]
+            shapes.update(_expert_shapes(s, p + "mlp."))
+    return shapes
+
+
+def _expert_shapes(s: TargetSpec, p: str) -> dict[str, tuple[int, ...]]:
+    """A Qwen3-MoE layer's router and experts, one MLP each (as Qwen3-MoE checkpoints are published)."""
+    H, inter = s.hidden_size, s.moe_intermediate_size
+    shapes = {p + "gate.weight": (s.experts, H)}
+    for e in range(s.experts):
+        q = f"{p}experts.{e}."
+        shapes.update({q + "gate_proj.weight": (inter, H), q + "up_proj.weight": (inter, H),
+                       q + "down_proj.weight": (H, inter)})
     return shapes
 
 
@@ -199,7 +240,8 @@ def load_target_spec(model_dir) -> TargetSpec:
 # ---- the family verbs (base.py) ----
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mimo", "mistral3")
-ARCHITECTURES = (*SUPPORTED_ARCHITECTURES, "Mistral3ForConditionalGeneration")
+ARCHITECTURES = (*(a for a, t in SUPPORTED_ARCHITECTURES.items() if t in MODEL_TYPES),
+                 "Mistral3ForConditionalGeneration")
 PREFIXES = ("language_model.model.", "model.language_model.")  # Mistral 3: published, then v5 re-saves
 
 

@@ -1,7 +1,7 @@
 """Qwen3-MoE (`qwen3_moe`, e.g. Qwen3-30B-A3B): Qwen3 attention (q/k norms per head), every layer a
 mixture of experts unless `mlp_only_layers` or `decoder_sparse_step` make it dense; no shared expert,
-no MTP. Sources: transformers models/qwen3_moe (configuration :77-107, modeling :129, :310-315), vLLM
-models/qwen3_moe.py :387-391."""
+no MTP. Unquantized, it runs in specpack's runtime (runtime/models/moe.py). Sources: transformers
+models/qwen3_moe (configuration :77-107, modeling :129, :310-315), vLLM models/qwen3_moe.py :387-391."""
 
 from __future__ import annotations
 
@@ -28,7 +28,20 @@ def describe(config: dict, text: dict) -> Arch:
     return Arch("qwen3_moe", architecture_of(config), config.get("model_type", "qwen3_moe"), layers=layers,
                 experts=experts, kv_width=2 * g["num_kv_heads"] * g["head_dim"],
                 lm_head=None if config.get("tie_word_embeddings") else "lm_head.weight",
-                details={"attention_bias": bool(text.get("attention_bias"))}, **g)
+                details={"attention_bias": bool(text.get("attention_bias"))}, runs=_runs(config), **g)
+
+
+def _runs(config: dict) -> bool:
+    """specpack's runtime decodes it (runtime/models/dense.py with moe.py's experts) where the dense
+    reader takes its config (no text_config wrapper, RoPE it runs, silu, ...)."""
+    from specpack.errors import InputError, UnsupportedError
+    from specpack.families.dense import target_spec_from_config
+
+    try:
+        target_spec_from_config(config)
+    except (UnsupportedError, InputError):
+        return False
+    return True
 
 
 def tensors(arch: Arch, fused: bool = False) -> dict[str, Tensor]:

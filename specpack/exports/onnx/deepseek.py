@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpack.exports.onnx.layers import MLP, Block, CacheSlot, attend, linear, param, rms, rope
+from specpack.exports.onnx.layers import MLP, Block, CacheSlot, RoutedExperts, attend, linear, param, rms, rope
 
 
 def cache(spec) -> CacheSlot:
@@ -88,17 +88,14 @@ class MLA(nn.Module):
         return F.linear(out.reshape(T, n * self.v), self.o_w, self.o_b), [latent]
 
 
-class MoE(nn.Module):
+class MoE(RoutedExperts):
     """Shared experts plus the routed ones, routed as `runtime.deepseek.Router` (see the module docstring)."""
 
     def __init__(self, moe, s, seen: dict):
-        super().__init__()
+        super().__init__(moe, seen)
         self.groups, self.topk_group, self.k = s.n_group, s.topk_group, s.num_experts_per_tok
         self.norm_topk_prob, self.scaling = s.norm_topk_prob, s.routed_scaling_factor
-        self.router = param(moe.gate.weight, seen)
         self.bias = param(moe.gate.e_score_correction_bias, seen)
-        self.experts = nn.ModuleList(MLP(e, seen) for e in moe.experts)
-        self.shared = MLP(moe.shared_experts, seen) if moe.shared_experts is not None else None
 
     def route(self, x):
         """x [T, H] -> expert ids [T, k], their weights [T, k]."""
@@ -113,16 +110,6 @@ class MoE(nn.Module):
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         return ids, weights * self.scaling
-
-    def forward(self, x):
-        ids, weights = self.route(x)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            hit = ids == e  # [T, k]: at most one slot per token
-            tok = hit.any(-1).nonzero()[:, 0]  # the tokens routed to expert e
-            w = (weights * hit).sum(-1).index_select(0, tok)  # and their weight for it
-            out = out.index_add(0, tok, expert(x.index_select(0, tok)) * w[:, None])
-        return out + self.shared(x) if self.shared is not None else out
 
 
 def _two_rows(f, x):

@@ -1,12 +1,12 @@
-"""Llama / Mistral / Qwen2 / Qwen3 layers (runtime.model) as graph modules: a key and a value
-[kv_heads, head_dim] per layer and token."""
+"""Llama / Mistral / Qwen2 / Qwen3 / Qwen3-MoE layers (runtime.models.dense) as graph modules: a key and
+a value [kv_heads, head_dim] per layer and token."""
 
 from __future__ import annotations
 
 import torch.nn.functional as F
 from torch import nn
 
-from specpack.exports.onnx.layers import MLP, Block, CacheSlot, attend, linear, param, rms, rope
+from specpack.exports.onnx.layers import Block, CacheSlot, attend, linear, mlp_of, param, rms, rope
 
 
 def cache(spec) -> CacheSlot:
@@ -21,8 +21,8 @@ def rope_parameters(spec):
 
 
 def block(layer, spec, seen: dict) -> Block:
-    return Block(layer, Attention(layer.self_attn, spec.rms_norm_eps, seen), MLP(layer.mlp, seen),
-                 spec.rms_norm_eps, seen)
+    return Block(layer, Attention(layer.self_attn, spec.rms_norm_eps, seen), mlp_of(layer, seen), spec.rms_norm_eps,
+                 seen)
 
 
 class Attention(nn.Module):

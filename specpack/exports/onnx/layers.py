@@ -179,6 +179,52 @@ class MLP(nn.Module):
         return F.linear(F.silu(gate) * up, self.down)
 
 
+class RoutedExperts(nn.Module):
+    """Routed experts (and shared ones, where the runtime's module has them): a subclass's `route`
+    gives each token's expert ids and weights [T, k]; then each expert, unrolled in expert order, runs
+    on only the tokens routed to it (NonZero, Gather) and adds its weighted output back, as the
+    runtime's `moe.dispatch`: the work of the routed tokens, nothing dense over all experts."""
+
+    def __init__(self, moe, seen: dict):
+        super().__init__()
+        self.router = param(moe.gate.weight, seen)
+        self.experts = nn.ModuleList(MLP(e, seen) for e in moe.experts)
+        shared = getattr(moe, "shared_experts", None)
+        self.shared = MLP(shared, seen) if shared is not None else None
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def forward(self, x):
+        ids, weights = self.route(x)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            hit = ids == e  # [T, k]: at most one slot per token
+            tok = hit.any(-1).nonzero()[:, 0]  # the tokens routed to expert e
+            w = (weights * hit).sum(-1).index_select(0, tok)  # and their weight for it
+            out = out.index_add(0, tok, expert(x.index_select(0, tok)) * w[:, None])
+        return out + self.shared(x) if self.shared is not None else out
+
+
+class SoftmaxExperts(RoutedExperts):
+    """Qwen3-MoE's experts, routed as `runtime.models.moe.SoftmaxRouter`."""
+
+    def __init__(self, moe, seen: dict):
+        super().__init__(moe, seen)
+        self.k, self.renormalize = moe.gate.k, moe.gate.renormalize
+
+    def route(self, x):
+        weights, ids = F.linear(x, self.router).softmax(-1).topk(self.k, dim=-1)
+        return ids, weights / weights.sum(-1, keepdim=True) if self.renormalize else weights
+
+
+def mlp_of(layer, seen: dict) -> nn.Module:
+    """The graph module of a runtime layer's MLP: dense, or Qwen3-MoE's routed experts."""
+    from specpack.runtime.models.moe import SparseMoE
+
+    return SoftmaxExperts(layer.mlp, seen) if isinstance(layer.mlp, SparseMoE) else MLP(layer.mlp, seen)
+
+
 class Block(nn.Module):
     """A pre-norm decoder layer over a family's attention and MLP: the runtime's `Block` /
     `DeepseekBlock` with the cache explicit. forward -> (x [T, H], new cache slots)."""

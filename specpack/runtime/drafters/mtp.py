@@ -324,6 +324,6 @@ def load_mtp(params: dict | None, drafter_dir, target) -> MtpDrafter:
     with torch.device("meta"):
         drafter = MtpDrafter(spec, target, kit)
     drafter = assign_weights(drafter, state, target.device, target.dtype)
-    from specpack.runtime.models.deepseek import keep_router_fp32
+    from specpack.runtime.models.moe import keep_routers_fp32
 
-    return keep_router_fp32(drafter)
+    return keep_routers_fp32(drafter)

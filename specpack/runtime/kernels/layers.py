@@ -159,8 +159,9 @@ def _linears(attn, mlp) -> tuple:
 
 
 def _on_kernel(attn, mlp) -> bool:
-    """Whether a layer's four linear layers all run on the packed AVX2/AVX-512 kernel."""
-    return all(getattr(m, "packed", None) is not None and m.packed.backend == "avx2" for m in _linears(attn, mlp))
+    """Whether a layer's four linear layers all run on the packed AVX2/AVX-512 kernel (a layer of
+    routed experts never runs fused: its experts differ per token)."""
+    return hasattr(mlp, "gate_up_proj") and all(getattr(m, "packed", None) is not None and m.packed.backend == "avx2" for m in _linears(attn, mlp))
 
 
 def _threads(linears) -> int:

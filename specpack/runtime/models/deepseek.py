@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from specpack.families.deepseek import DeepseekSpec, load_deepseek_spec, target_tensor_shapes
 from specpack.runtime.models.dense import MLP, Decoder, KVCache, RMSNorm, apply_rope
+from specpack.runtime.models.moe import dispatch, keep_routers_fp32
 from specpack.runtime.models.rows import Rows, attend
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: fixed eps in DeepSeek's code and transformers'
@@ -197,11 +198,7 @@ class MoE(nn.Module):
             if s.n_shared_experts else None
 
     def forward(self, x: Tensor) -> Tensor:
-        ids, weights = self.gate(x)  # [T, k]
-        out = torch.zeros_like(x)
-        for e in ids.unique().tolist():
-            tok, slot = (ids == e).nonzero(as_tuple=True)
-            out.index_add_(0, tok, (self.experts[e](x[tok]) * weights[tok, slot, None]).to(x.dtype))
+        out = dispatch(x, *self.gate(x), self.experts)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
 
@@ -259,18 +256,10 @@ def layer_state(t: dict[str, Tensor], src: str, dst: str) -> dict[str, Tensor]:
     return out
 
 
-def keep_router_fp32(model: nn.Module) -> nn.Module:
-    """Routing decides which experts run: keep it in fp32 whatever the model dtype (as transformers)."""
-    for module in model.modules():
-        if isinstance(module, Router):
-            module.float()
-    return model
-
-
 def load_deepseek(model_dir, device="cpu", dtype=torch.float32) -> DeepseekTransformer:
     """Build a `DeepseekTransformer` from a transformers model directory (config.json + safetensors)."""
     from specpack.runtime.models.weights import build_decoder
 
     spec = load_deepseek_spec(model_dir)
-    return keep_router_fp32(build_decoder(model_dir, spec, target_tensor_shapes, layer_state, DeepseekTransformer,
+    return keep_routers_fp32(build_decoder(model_dir, spec, target_tensor_shapes, layer_state, DeepseekTransformer,
                                           device, dtype))

@@ -136,13 +136,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, s: TargetSpec):
+    """A decoder layer; `mlp`: a dense MLP, or the routed experts (moe.SparseMoE) on a Qwen3-MoE layer."""
+
+    def __init__(self, s: TargetSpec, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
         self.self_attn = Attention(s.hidden_size, s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim,
                                    s.attention_bias, s.o_proj_bias, s.rms_norm_eps if s.qk_norm else None)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps)
-        self.mlp = MLP(s.hidden_size, s.intermediate_size)
+        self.mlp = mlp if mlp is not None else MLP(s.hidden_size, s.intermediate_size)
 
     def forward(self, x, cos, sin, k_cache, v_cache, rows: Rows):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, rows)
@@ -281,11 +283,17 @@ class Decoder(nn.Module):
 
 
 class Transformer(Decoder):
-    """The Llama-family target (and draft models). Call `setup_cache(max_len)` before `forward`."""
+    """The Llama-family target (and draft models; Qwen3-MoE with its experts). Call `setup_cache(max_len)`
+    before `forward`."""
 
     def __init__(self, spec: TargetSpec):
+        from specpack.runtime.models.moe import SparseMoE
+
         super().__init__(spec)
-        self.layers = nn.ModuleList(Block(spec) for _ in range(spec.num_layers))
+        s = spec
+        self.layers = nn.ModuleList(
+            Block(s, SparseMoE(s.hidden_size, s.moe_intermediate_size, s.experts, s.experts_per_tok, s.norm_topk_prob)
+                  if s.is_moe(i) else None) for i in range(s.num_layers))
 
     def fuse_layers(self) -> bool:
         """Run each layer as a few C calls (kernels/layers.py) when every linear layer of the model

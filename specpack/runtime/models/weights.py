@@ -103,7 +103,15 @@ def fuse_layer(t: dict[str, Tensor], src: str, dst: str) -> dict[str, Tensor]:
         qkv = [t.get(f"{src}self_attn.{p}_proj.{kind}") for p in "qkv"]
         if qkv[0] is not None:
             out[f"{dst}self_attn.qkv_proj.{kind}"] = torch.cat(qkv)
-    out[f"{dst}mlp.gate_up_proj.weight"] = torch.cat([t[f"{src}mlp.gate_proj.weight"], t[f"{src}mlp.up_proj.weight"]])
+    if f"{src}mlp.gate.weight" in t:  # Qwen3-MoE: the router, and each expert's gate and up fused
+        out[f"{dst}mlp.gate.weight"] = t[f"{src}mlp.gate.weight"]
+        for e in range(t[f"{src}mlp.gate.weight"].shape[0]):
+            p, q = f"{src}mlp.experts.{e}.", f"{dst}mlp.experts.{e}."
+            out[q + "gate_up_proj.weight"] = torch.cat([t[p + "gate_proj.weight"], t[p + "up_proj.weight"]])
+            out[q + "down_proj.weight"] = t[p + "down_proj.weight"]
+    else:
+        out[f"{dst}mlp.gate_up_proj.weight"] = torch.cat([t[f"{src}mlp.gate_proj.weight"],
+                                                          t[f"{src}mlp.up_proj.weight"]])
     plain = ["self_attn.o_proj.weight", "self_attn.o_proj.bias", "self_attn.q_norm.weight",
              "self_attn.k_norm.weight", "mlp.down_proj.weight", "input_layernorm.weight",
              "post_attention_layernorm.weight", "hidden_norm.weight"]
@@ -149,8 +157,11 @@ def load_target(model_dir, device="cpu", dtype=torch.float32):
         from specpack.runtime.models.deepseek import load_deepseek
 
         return load_deepseek(model_dir, device, dtype)
+    from specpack.runtime.models.moe import keep_routers_fp32
+
     spec = load_target_spec(model_dir)
-    return build_decoder(model_dir, spec, target_tensor_shapes, fuse_layer, Transformer, device, dtype)
+    return keep_routers_fp32(build_decoder(model_dir, spec, target_tensor_shapes, fuse_layer, Transformer, device,
+                                           dtype))
 
 
 def build_decoder(model_dir, spec, shapes, layer_state, decoder_cls, device, dtype) -> torch.nn.Module:
