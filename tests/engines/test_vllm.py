@@ -255,6 +255,19 @@ def test_tiny_qwen3_eagle3(root):
     _check(_compare("tiny Qwen3", "eagle3", art, prompts, TINY_NEW, 4, plain, max_len=256)[0])
 
 
+def test_tiny_qwen3_moe_eagle3(root):
+    """Qwen3-MoE (8 experts, top 2, layer 0 dense), which specpack's runtime also decodes: a head trained
+    on it, exported, drafts in vLLM as in specpack."""
+    from specpack.packager import BuildOptions, build
+
+    fam = "qwen3-moe-wide"
+    art = build(BuildOptions(target=ef.target_dir(fam), drafter=str(th.eagle3_layout("sglang", root / "q3m-e3", fam)[0]),
+                             out=root / "qwen3-moe-eagle3")).out
+    prompts = th.prompt_ids(fam)
+    plain = vllm_run(art, prompts, TINY_NEW, speculative=False, max_len=256)[0]
+    _check(_compare("tiny Qwen3-MoE", "eagle3", art, prompts, TINY_NEW, 4, plain, max_len=256)[0])
+
+
 def test_tiny_deepseek_v3_mtp(root):
     """DeepSeek-V3's MTP layer inside the target (MLA at 512 + 64, MoE), trained on the target's own
     continuations: vLLM drafts with the target checkpoint itself. Its CPU MLA backend refuses float32
