@@ -295,3 +295,17 @@ def test_cli_trains_and_reports_bad_input_without_traceback(tiny_target, tmp_pat
     assert record["training"]["batch_size"] == 2 and record["training"]["train_lm_head"] is False
     assert record["head"]["dtype"] == "float16"
     assert {t.dtype for t in load_file(tmp_path / "h" / "model.safetensors").values()} >= {torch.float16}
+
+
+def test_cli_aux_layers_for_a_target_too_shallow_for_the_default(tmp_path, cli):
+    """EAGLE-3's default features (inputs of layers 2, L/2, L-3) collide on a 6-layer target: the error
+    says which flag picks others, and `--aux-layers` trains with them."""
+    from eagle_fixtures import target_dir
+
+    data = write_jsonl(tmp_path / "text.jsonl", [{"text": t} for t in tiny.CORPUS])
+    args = ("distill", target_dir("llama"), "-o", tmp_path / "h", "--data", data, "--steps", "2", "--seq-len", "32")
+    code, _, err = cli(*args)
+    assert code == 2 and "[2, 3, 3] (default for a 6-layer target)" in err and "--aux-layers" in err, err
+    code, out, err = cli(*args, "--aux-layers", "1,3,5", "--json")
+    assert code == 0, err
+    assert json.loads(out)["record"]["head"]["aux_layer_ids"] == [1, 3, 5]

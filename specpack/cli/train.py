@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from specpack._output import emit, progress_enabled
-from specpack.cli._common import JSON, cli
+from specpack.cli._common import JSON, cli, int_list
 
 DISTRIBUTION_LOSSES = {"l1": {"l1_alpha": 0.9, "soft_ce_alpha": 0.0},  # DSparkOptions fields per --distribution-loss
                        "soft-ce": {"l1_alpha": 0.0, "soft_ce_alpha": 0.9}}
@@ -35,6 +35,8 @@ DISTRIBUTION_LOSSES = {"l1": {"l1_alpha": 0.9, "soft_ce_alpha": 0.0},  # DSparkO
               help="Sampling temperature of the extra continuations.")
 @click.option("--gen-tokens", default=256, show_default=True, type=int, help="New tokens per continuation.")
 @click.option("--draft-vocab", type=int, help="Rows of the head's vocabulary [default: min(8192, target vocab)].")
+@click.option("--aux-layers", help="The target layers whose inputs the head reads, e.g. 1,3,5 (EAGLE-3's three "
+              "features, DSpark's taps) [default: 2, L/2, L-3 of L layers].")
 @click.option("--steps", default=2000, show_default=True, type=int)
 @click.option("--seq-len", default=256, show_default=True, type=int)
 @click.option("--lr", default=2e-3, show_default=True, type=float)
@@ -47,8 +49,8 @@ DISTRIBUTION_LOSSES = {"l1": {"l1_alpha": 0.9, "soft_ce_alpha": 0.0},  # DSparkO
 @click.option("--resume/--no-resume", default=True, show_default=True, help="Continue from OUT's checkpoint.")
 @JSON
 def distill(target, out, head, block_size, draft_layers, markov_rank, distribution_loss, data, self_generate, samples,
-            temperature, gen_tokens, draft_vocab, steps, seq_len, lr, batch_size, train_lm_head, dtype, seed, resume,
-            json_mode):
+            temperature, gen_tokens, draft_vocab, aux_layers, steps, seq_len, lr, batch_size, train_lm_head, dtype, seed,
+            resume, json_mode):
     """Train an EAGLE-3 or DSpark head for TARGET against its own outputs (CPU-capable, resumable, seeded).
 
     \b
@@ -57,6 +59,7 @@ def distill(target, out, head, block_size, draft_layers, markov_rank, distributi
       specpack distill smollm2-135m -o smollm2-dspark --self-generate 512 --head dspark
       specpack distill smollm2-135m -o smollm2-dspark --self-generate 512 --head dspark --distribution-loss soft-ce
       specpack distill ./target -o head --data chats.jsonl --draft-vocab 16384
+      specpack distill ./small-target -o head --self-generate 64 --aux-layers 1,3,5
       specpack build smollm2-135m --drafter smollm2-eagle3 -o smollm2-eagle3-artifact
     """
     from specpack.distill import distill as do_distill
@@ -64,7 +67,7 @@ def distill(target, out, head, block_size, draft_layers, markov_rank, distributi
     given = {"block_size": block_size, "layers": draft_layers, "markov_rank": markov_rank}
     dspark = {k: v for k, v in given.items() if v is not None} | DISTRIBUTION_LOSSES.get(distribution_loss, {})
     result = do_distill(target, out, data=data, self_generate=self_generate, samples=samples, temperature=temperature,
-                        gen_tokens=gen_tokens, draft_vocab=draft_vocab,
+                        gen_tokens=gen_tokens, draft_vocab=draft_vocab, aux_layer_ids=int_list(aux_layers, "--aux-layers"),
                         steps=steps, seq_len=seq_len, lr=lr, batch_size=batch_size, train_lm_head=train_lm_head,
                         dtype=dtype, seed=seed, resume=resume, head=head, dspark=dspark,
                         progress=progress_enabled(json_mode))

@@ -152,6 +152,11 @@ def check_target(target_dir: Path):
     return load_target_spec(target_dir)
 
 
+def _spread(layers: int) -> list[int]:
+    """Three distinct layers spread over a target too shallow for the default (at least 3 layers)."""
+    return sorted({1 % layers, layers // 2, layers - 1}) if layers >= 3 else list(range(layers))
+
+
 def check_options(spec, draft_vocab, self_generate, data, cfg, dtype: str, gen_tokens: int,
                   aux_layer_ids=None, samples: int = 1, temperature: float = 0.7, head: str = "eagle3",
                   dspark: dict | None = None) -> None:
@@ -194,9 +199,10 @@ def check_options(spec, draft_vocab, self_generate, data, cfg, dtype: str, gen_t
     else:
         problems += FAMILIES[head](dspark).problems(spec, ids)
     if problems:
-        raise InputError("distill options are not usable", problems=problems,
-                         hint=f"the draft vocab must lie in 1..{vocab_size}" if any("vocab" in p for p in problems)
-                         else None)
+        hint = (f"the draft vocab must lie in 1..{vocab_size}" if any("vocab" in p for p in problems) else
+                f"pass --aux-layers with distinct layers in 0..{L - 1}, e.g. {','.join(map(str, _spread(L)))}"
+                if any("aux layer" in p for p in problems) else None)
+        raise InputError("distill options are not usable", problems=problems, hint=hint)
 
 
 def _file_digest(path) -> str | None:
