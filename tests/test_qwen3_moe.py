@@ -119,3 +119,27 @@ def test_batched_greedy_equals_single_requests(tmp_path):
         engine = Engine(m.target, m.drafter, slots=slots, max_len=64, prefill_chunk=5)
         got = drive(engine, {0: reqs[:2], 1: reqs[2:4], 4: reqs[4:]})
         assert got == dict(enumerate(want)), slots
+
+
+def test_fused_experts_build_and_are_refused_by_run_saying_why(tmp_path, cli):
+    """Experts re-saved as 3-D tensors (`experts.gate_up_proj` [E, 2I, H], `down_proj` [E, H, I]):
+    checked and packaged, but `run` (which reads one MLP per expert, as Qwen3-MoE is published) refuses
+    before loading, saying why and naming the engines."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    target = shutil.copytree(target_dir("qwen3-moe"), tmp_path / "t")
+    t = load_file(str(target / "model.safetensors"))
+    for i in range(1, 6):
+        p = f"model.layers.{i}.mlp.experts."
+        gate_up = [torch.cat([t.pop(f"{p}{e}.gate_proj.weight"), t.pop(f"{p}{e}.up_proj.weight")]) for e in range(8)]
+        t[p + "gate_up_proj"] = torch.stack(gate_up)
+        t[p + "down_proj"] = torch.stack([t.pop(f"{p}{e}.down_proj.weight") for e in range(8)])
+    save_file(t, str(target / "model.safetensors"))
+    out = tmp_path / "art"
+    assert cli("build", target, "--drafter", "ngram", "-o", out)[0] == 0
+    arch = json.loads((out / "specpack.json").read_text())["target"]["arch"]
+    assert arch["experts"]["layout"] == "fused" and not arch["runs"]
+    code, _, err = cli("run", out, "--prompt", "hi", "--max-new-tokens", "2")
+    assert code == 2 and "stored fused" in err and "--engine vllm" in err, err

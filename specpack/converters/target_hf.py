@@ -312,7 +312,7 @@ def _arch_info(c: families.Checked, tensors) -> TargetArch:
         quantization=TargetQuantization(scheme=q.scheme, quant_method=q.quant_method,
                                         block=list(q.block) if q.block else None, group=q.group, kv_cache=q.kv_cache,
                                         quantized_linear=c.quantized, unquantized_linear=c.unquantized) if q else None,
-        runs=a.runs and q is None)
+        runs=a.runs and q is None and not c.fused_experts)  # the runtime reads experts one MLP each
 
 
 def _numel(shape) -> int:

@@ -74,10 +74,12 @@ def check_runnable(manifest) -> None:
     arch = manifest.target.arch
     if arch is None or arch.runs:
         return
-    q = arch.quantization
+    q, fused = arch.quantization, arch.experts is not None and arch.experts.layout == "fused"
     why = (f"its weights are quantized ({q.scheme}) and specpack decodes unquantized checkpoints" if q else
-           f"specpack's runtime decodes dense Llama / Mistral / Qwen2 / Qwen3 / MiMo and DeepSeek-V3 / Kimi-K2 "
-           f"decoders, not {arch.family} ({manifest.target.architecture}: "
+           "its experts are stored fused (`experts.gate_up_proj`, 3-D) and specpack reads one MLP per expert, "
+           "as the release publishes them" if fused else
+           f"specpack's runtime decodes dense Llama / Mistral / Qwen2 / Qwen3 / MiMo, Qwen3-MoE and DeepSeek-V3 / "
+           f"Kimi-K2 decoders, not {arch.family} ({manifest.target.architecture}: "
            f"{', '.join(sorted(set(arch.layer_kinds)))})")
     raise UnsupportedError(f"this artifact's target cannot run on specpack's own runtime: {why}",
                            hint="serve it with `specpack serve ART --engine vllm` (or sglang, trtllm), or export it: "
