@@ -127,7 +127,8 @@ def tie_gap(model, prompt: list[int], plain: list[int], spec: list[int]) -> tupl
 
 def make_artifacts(work: Path, real: Path | None) -> dict[str, tuple[Path, list[list[int]]]]:
     """name -> (artifact, prompt ids): the tiny Llama (n-gram), a tiny DeepSeek-V3 with its MTP layer
-    (MLA latent cache, MoE, an MTP step graph on TensorRT), and SmolLM2 (n-gram) when available."""
+    (MLA latent cache, MoE, an MTP step graph on TensorRT), a tiny Qwen3-MoE (softmax-routed experts,
+    n-gram), and SmolLM2 (n-gram) when available."""
     import mtp_layouts
     import tiny
 
@@ -141,6 +142,9 @@ def make_artifacts(work: Path, real: Path | None) -> dict[str, tuple[Path, list[
     ds = mtp_layouts.make_target(work / "tiny-deepseek-target", "mtp-deepseek", 1)
     build(BuildOptions(target=ds.path, drafter="mtp", out=work / "tiny-deepseek", mtp_allow_reuse=True))
     out["tiny deepseek-v3"] = (work / "tiny-deepseek", [p * 3 for p in base])
+    moe = tiny.make_target(work / "tiny-qwen3-moe-target", "qwen3-moe")
+    build(BuildOptions(target=moe, drafter="ngram", out=work / "tiny-qwen3-moe", ngram=NgramParams(1, 3, 4)))
+    out["tiny qwen3-moe"] = (work / "tiny-qwen3-moe", [p * 3 for p in base])
     if real is not None:
         from transformers import AutoTokenizer
 

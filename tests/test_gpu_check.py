@@ -20,7 +20,7 @@ def test_the_prepared_gpu_check_runs_on_the_cpu(tmp_path):
     results = json.loads(out.read_text())["results"]
     backends = [r for r in results if "backend" in r]
     extras = [r for r in results if "check" in r]
-    assert {r["model"] for r in results} == {"tiny llama", "tiny deepseek-v3"}
+    assert {r["model"] for r in results} == {"tiny llama", "tiny deepseek-v3", "tiny qwen3-moe"}
     assert backends and all(r["ok"] and r["spec_equals_plain"] for r in backends)
     assert {r["check"] for r in extras} == {"batched engine", "onnx graph"}
     assert all("error" not in r and r["identical"] == r["of"] for r in extras)
