@@ -573,3 +573,37 @@ def test_dspark_and_lilicorr_heads_bind_to_hybrid_and_moe_targets(made, family, 
     m = _build(target, tmp_path / "art", drafter=str(d))
     assert m.drafter.algorithm in ("dspark", "lilicorr")
     assert m.drafter.target_features.produced_by == EXPECTED[family][1][:2]
+
+
+@pytest.mark.parametrize("layout", ["published", "resaved", "untied"])
+def test_mistral3_runs_its_text_decoder_as_transformers_does(made, tmp_path, cli, layout):
+    """Mistral 3's decoder (text_config, under `language_model.model.` as published or
+    `model.language_model.` as transformers v5 re-saves it; its own head at `language_model.lm_head`
+    as Mistral-Small-3.1 ships, or tied) runs in specpack's runtime: logits equal transformers'
+    Mistral3ForConditionalGeneration on text, speculation equals plain; the vision tower is carried,
+    never run."""
+    import torch
+    from transformers import Mistral3ForConditionalGeneration
+
+    from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
+
+    t = _copy(made, "mistral3", tmp_path)
+    if layout == "resaved":
+        ff.edit(t, rename={"language_model.model.": "model.language_model.", "language_model.lm_head.": "lm_head."})
+    elif layout == "untied":
+        head = torch.randn(ff.V, 64, generator=torch.Generator().manual_seed(5))
+        ff.edit(t, add={"language_model.lm_head.weight": head}, config={"tie_word_embeddings": False})
+    out = tmp_path / "art"
+    assert _build(t, out).target.arch.runs
+    tokens = torch.randint(0, ff.V, (24,), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ref = Mistral3ForConditionalGeneration.from_pretrained(t).eval()(input_ids=tokens[None]).logits[0]
+    model = load_target(t)
+    model.setup_cache(32)
+    assert (model(tokens).logits - ref).abs().max() <= 1e-4 and ref.abs().max() > 0.1
+    spec = SpecModel(model, load_drafter("ngram", {"min_n": 1, "max_n": 3}, None, model))
+    prompt = (tokens[:6].tolist() * 3)[:16]
+    assert spec.generate(prompt, 16, draft_len=3, eos_ids=()).tokens == \
+        spec.generate(prompt, 16, speculative=False, eos_ids=()).tokens
+    code, _, err = cli("run", out, "--prompt", "hi", "--max-new-tokens", "4", "--draft-len", "2")
+    assert code == 0, err

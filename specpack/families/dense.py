@@ -122,9 +122,12 @@ def _sliding_window(cfg: dict) -> int | None:
 
 def target_spec_from_config(cfg: dict, generation_config: dict | None = None) -> TargetSpec:
     """Read a Hugging Face `config.json` dict (and optionally `generation_config.json`, whose EOS
-    ids are added) into a `TargetSpec`. Raises UnsupportedError / InputError listing every problem."""
+    ids are added) into a `TargetSpec`. Raises UnsupportedError / InputError listing every problem.
+    A multimodal wrapper of one of these decoders (WRAPPERS) reads as its text_config's decoder."""
     archs = cfg.get("architectures") or []
     arch = archs[0] if archs else None
+    if arch in WRAPPERS and isinstance(cfg.get("text_config"), dict):
+        return target_spec_from_config(_unwrapped(cfg, WRAPPERS[arch]), generation_config)
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedError(
             f"target architecture {arch!r} is not supported",
@@ -191,6 +194,18 @@ def _experts(cfg: dict) -> dict:
     return dict(experts=routed, experts_per_tok=int(cfg["num_experts_per_tok"]),
                 moe_intermediate_size=int(cfg["moe_intermediate_size"]), norm_topk_prob=bool(cfg.get("norm_topk_prob")),
                 moe_layers=tuple(i for i in range(int(cfg["num_hidden_layers"])) if is_moe(cfg, i, routed)))
+
+
+# multimodal wrappers whose text_config is a decoder above: the vision tower is carried, never run
+WRAPPERS = {"Mistral3ForConditionalGeneration": "MistralForCausalLM"}
+
+
+def _unwrapped(cfg: dict, arch: str) -> dict:
+    """The wrapped decoder's config: text_config, with the token ids and dtype a wrapper states at the
+    top where its text_config does not, and the wrapper's tying (`_tied`)."""
+    top = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "dtype", "torch_dtype") if k in cfg}
+    text = {**top, **cfg["text_config"], "architectures": [arch]}
+    return {**text, "tie_word_embeddings": _tied(cfg, cfg["text_config"])}
 
 
 def target_tensor_shapes(s: TargetSpec) -> dict[str, tuple[int, ...]]:
@@ -261,7 +276,7 @@ def describe(config: dict, text: dict) -> Arch:
     return Arch("dense", architecture_of(config), config.get("model_type", kind), layers=layers, mtp=mtp,
                 text_config=nested, prefix=p, embed=p + "embed_tokens.weight", norm=p + "norm.weight",
                 lm_head=None if _tied(config, text) else head,
-                kv_width=2 * g["num_kv_heads"] * g["head_dim"], runs=not nested and _runs(config),
+                kv_width=2 * g["num_kv_heads"] * g["head_dim"], runs=_runs(config),
                 details={"bias": kind in ("qwen2", "mimo") or llama_bias, "o_bias": llama_bias,
                          "qk_norm": kind == "qwen3", "prefixes": PREFIXES if nested else ("model.",)}, **g)
 

@@ -78,8 +78,8 @@ def check_runnable(manifest) -> None:
     why = (f"its weights are quantized ({q.scheme}) and specpack decodes unquantized checkpoints" if q else
            "its experts are stored fused (`experts.gate_up_proj`, 3-D) and specpack reads one MLP per expert, "
            "as the release publishes them" if fused else
-           f"specpack's runtime decodes dense Llama / Mistral / Qwen2 / Qwen3 / MiMo, Qwen3-MoE and DeepSeek-V3 / "
-           f"Kimi-K2 decoders, not {arch.family} ({manifest.target.architecture}: "
+           f"specpack's runtime decodes dense Llama / Mistral (Mistral 3's text too) / Qwen2 / Qwen3 / MiMo, "
+           f"Qwen3-MoE and DeepSeek-V3 / Kimi-K2 decoders, not {arch.family} ({manifest.target.architecture}: "
            f"{', '.join(sorted(set(arch.layer_kinds)))})")
     raise UnsupportedError(f"this artifact's target cannot run on specpack's own runtime: {why}",
                            hint="serve it with `specpack serve ART --engine vllm` (or sglang, trtllm), or export it: "

@@ -164,19 +164,41 @@ def load_target(model_dir, device="cpu", dtype=torch.float32):
                                            dtype))
 
 
+# where a checkpoint keeps its decoder and head: causal LMs; multimodal wrappers as published
+# (Mistral 3, Kimi-K2.5: `language_model.model.`), and as transformers v5 re-saves them
+DECODER_NAMES = (("model.", "lm_head.weight"), ("language_model.model.", "language_model.lm_head.weight"),
+                 ("model.language_model.", "lm_head.weight"))
+
+
+def decoder_names(files) -> tuple[str, str]:
+    """(decoder prefix, head tensor) of a checkpoint: the first of DECODER_NAMES whose embedding it
+    holds (else a causal LM's, whose missing tensors the shape check then lists); a wrapper's head
+    may also sit at the top (`lm_head.weight`, as transformers saves Mistral 3)."""
+    prefix, head = next(((p, h) for p, h in DECODER_NAMES if p + "embed_tokens.weight" in files), DECODER_NAMES[0])
+    return prefix, head if head in files or "lm_head.weight" not in files else "lm_head.weight"
+
+
+def _named(shapes: dict, prefix: str, head: str) -> dict:
+    """A causal LM's tensor names (`model.*`, `lm_head.weight`) at the checkpoint's own places."""
+    return {(head if n == "lm_head.weight" else prefix + n[len("model."):] if n.startswith("model.") else n): v
+            for n, v in shapes.items()}
+
+
 def build_decoder(model_dir, spec, shapes, layer_state, decoder_cls, device, dtype) -> torch.nn.Module:
     """Check a checkpoint's tensors against `shapes(spec)`, map them into `decoder_cls(spec)`'s names
     (`layer_state` per layer) and assign them: the loading every target family shares."""
     files = checkpoint_files(Path(model_dir))
-    expected = checked_tensor_shapes(spec, tensor_shapes(files), shapes, f"target checkpoint {model_dir}")
-    unused = sorted(set(files) - set(expected) - {"lm_head.weight"})
+    prefix, head = decoder_names(files)
+    expected = checked_tensor_shapes(spec, tensor_shapes(files), lambda s: _named(shapes(s), prefix, head),
+                                     f"target checkpoint {model_dir}")
+    unused = sorted(set(files) - set(expected) - {head})
     if unused:
         log.info("ignoring %d tensors not used by %s: %s", len(unused), decoder_cls.__name__, unused[:5])
     t = read_tensors(files, expected)
-    state = {"embed_tokens.weight": t["model.embed_tokens.weight"], "norm.weight": t["model.norm.weight"],
-             "lm_head.weight": t["model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight"]}
+    state = {"embed_tokens.weight": t[prefix + "embed_tokens.weight"], "norm.weight": t[prefix + "norm.weight"],
+             "lm_head.weight": t[prefix + "embed_tokens.weight" if spec.tie_word_embeddings else head]}
     for i in range(spec.num_layers):
-        state.update(layer_state(t, f"model.layers.{i}.", f"layers.{i}."))
+        state.update(layer_state(t, f"{prefix}layers.{i}.", f"layers.{i}."))
     with torch.device("meta"):
         model = decoder_cls(spec)
     return assign_weights(model, state, device, dtype)
