@@ -99,7 +99,18 @@ def test_a_config_without_its_routing_is_refused():
     del cfg["num_experts_per_tok"]
     with pytest.raises(InputError, match="lacks its routing"):
         target_spec_from_config(cfg)
-    assert isinstance(SparseMoE(8, 4, 2, 1, True).gate(torch.randn(3, 8))[0], torch.Tensor)
+
+
+def test_the_router_keeps_the_top_k_of_the_softmax_renormalized_or_not():
+    x = torch.randn(5, 8)
+    for renormalize in (True, False):
+        moe = SparseMoE(8, 4, 6, 2, renormalize)
+        torch.nn.init.normal_(moe.gate.weight)
+        ids, weights = moe.gate(x)
+        probs = (x @ moe.gate.weight.T).softmax(-1)
+        assert torch.equal(ids.sort(-1).values, probs.topk(2, dim=-1).indices.sort(-1).values)
+        want = probs.gather(1, ids)
+        assert torch.allclose(weights, want / want.sum(-1, keepdim=True) if renormalize else want)
 
 
 def test_batched_greedy_equals_single_requests(tmp_path):
