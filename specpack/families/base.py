@@ -210,6 +210,14 @@ def mlp_tensors(p: str, H: int, width: int, names=("gate_proj", "up_proj", "down
     return out
 
 
+def sigmoid_moe_tensors(m: str, H: int, experts: Experts) -> dict[str, Tensor]:
+    """A DeepSeek-V3-style MoE MLP under `m` (`...mlp.`): the router with its score-correction bias,
+    one gated MLP per routed expert, and the shared experts fused into one MLP (DeepSeek, GLM-4.5)."""
+    out = {m + "gate.weight": Tensor((experts.routed, H)), m + "gate.e_score_correction_bias": vector(experts.routed)}
+    out.update(expert_tensors(m + "experts.", H, experts, fused=False))
+    return {**out, **(mlp_tensors(m + "shared_experts.", H, experts.shared_size) if experts.shared else {})}
+
+
 def expert_tensors(p: str, H: int, experts: Experts, fused: bool, names=("gate_proj", "up_proj", "down_proj"),
                    transposed: bool = False) -> dict[str, Tensor]:
     """Routed experts under `p` (`...mlp.experts.`): one MLP per expert (`{e}.gate_proj.weight`), or

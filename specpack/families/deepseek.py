@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from specpack.errors import InputError, UnsupportedError
 from specpack.families import deepseek_mtp
 from specpack.families.base import (Arch, Experts, Layer, Mtp, Tensor, architecture_of, embedding_tensors, linear,
-                                    size_problems, vector)
+                                    mlp_tensors, sigmoid_moe_tensors, size_problems, vector)
 from specpack.families.checks import read_config
 
 
@@ -268,18 +268,7 @@ def layer_tensors(arch: Arch, p: str, moe: bool, fused: bool = False) -> dict[st
                     x + "k_norm.weight": vector(idim), x + "k_norm.bias": vector(idim),
                     x + "weights_proj.weight": Tensor((ih, H))})
     m = p + "mlp."
-    if not moe:
-        return {**out, **_mlp(m, H, arch.intermediate_size)}
-    e = arch.experts
-    out.update({m + "gate.weight": Tensor((e.routed, H)), m + "gate.e_score_correction_bias": vector(e.routed)})
-    for j in range(e.routed):
-        out.update(_mlp(f"{m}experts.{j}.", H, e.size))
-    return {**out, **(_mlp(m + "shared_experts.", H, e.shared_size) if e.shared else {})}
-
-
-def _mlp(p: str, H: int, width: int) -> dict[str, Tensor]:
-    return {p + "gate_proj.weight": linear(width, H), p + "up_proj.weight": linear(width, H),
-            p + "down_proj.weight": linear(H, width)}
+    return {**out, **(sigmoid_moe_tensors(m, H, arch.experts) if moe else mlp_tensors(m, H, arch.intermediate_size))}
 
 
 def tensors(arch: Arch, fused: bool = False) -> dict[str, Tensor]:

@@ -8,7 +8,7 @@ transformers models/glm4_moe (configuration :87-119, modeling :181, :402), vLLM 
 from __future__ import annotations
 
 from specpack.families.base import (Arch, Experts, Layer, Mtp, Tensor, architecture_of, attention_tensors,
-                                    embedding_tensors, expert_tensors, geometry, mlp_tensors, vector)
+                                    embedding_tensors, geometry, mlp_tensors, sigmoid_moe_tensors, vector)
 from specpack.families import deepseek_mtp
 
 MODEL_TYPES = ("glm4_moe",)
@@ -37,14 +37,8 @@ def layer_tensors(arch: Arch, p: str, moe: bool) -> dict[str, Tensor]:
     out.update(attention_tensors(p + "self_attn.", H, arch.num_heads, arch.num_kv_heads, arch.head_dim,
                                  bias=arch.details["attention_bias"],
                                  qk_norm="head" if arch.details["qk_norm"] else None))
-    if not moe:
-        return {**out, **mlp_tensors(p + "mlp.", H, arch.intermediate_size)}
-    e = arch.experts
-    out.update({p + "mlp.gate.weight": Tensor((e.routed, H)), p + "mlp.gate.e_score_correction_bias": vector(e.routed)})
-    out.update(expert_tensors(p + "mlp.experts.", H, e, fused=False))
-    if e.shared:
-        out.update(mlp_tensors(p + "mlp.shared_experts.", H, e.shared_size))
-    return out
+    m = p + "mlp."
+    return {**out, **(sigmoid_moe_tensors(m, H, arch.experts) if moe else mlp_tensors(m, H, arch.intermediate_size))}
 
 
 def tensors(arch: Arch, fused: bool = False) -> dict[str, Tensor]:
