@@ -56,6 +56,22 @@ def read_json(path):
     return json.loads(Path(path).read_text())
 
 
+def assert_decodes_incrementally(model, tokens, ref, tol: float = 1e-4) -> None:
+    """`model` (a runtime decoder) fed `tokens` as a prefill of 30, single tokens up to 40, then the rest
+    in one chunk gives the full forward's logits `ref`; rolling the cache back to 40 only moves the
+    pointer: junk written past it is never seen."""
+    import torch
+
+    model.setup_cache(64)
+    parts = [model(tokens[:30]).logits] + [model(tokens[i : i + 1]).logits for i in range(30, 40)]
+    parts.append(model(tokens[40:]).logits)
+    assert (torch.cat(parts) - ref).abs().max() <= tol
+    model.cache.length = 40
+    model(torch.randint(0, ref.shape[-1], (5,), generator=torch.Generator().manual_seed(7)))
+    model.cache.length = 40
+    assert (model(tokens[40:]).logits - ref[40:]).abs().max() <= tol
+
+
 def measured_profile(drafter: str, draft_len: int = 3, max_concurrency: int = 8, concurrency=(1, 4, 8, 16),
                      device: str = "cuda", backend: str = "tensorrt", speedup: float = 1.7, gpu: str = "NVIDIA H100",
                      speculative: bool = True, lookup: int | None = None):

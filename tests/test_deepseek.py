@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from conftest import assert_decodes_incrementally
 import mtp_layouts as ml
 from eagle_fixtures import one_thread  # noqa: F401
 from specpack.errors import InputError, UnsupportedError
@@ -63,15 +64,7 @@ def test_logits_and_captures_match_transformers(pair):
     routed = model.layers[2].mlp.gate(torch.randn(48, 64))[0]
     assert routed.unique().numel() > 4  # the router spreads tokens over experts
 
-    # incremental decoding: a prefill, single tokens, then a chunk; rollback only moves the pointer
-    model.setup_cache(64)
-    parts = [model(tokens[:30]).logits] + [model(tokens[i : i + 1]).logits for i in range(30, 40)]
-    parts.append(model(tokens[40:]).logits)
-    assert (torch.cat(parts) - ref).abs().max() <= TOL
-    model.cache.length = 40
-    model(ids(5, seed=7))
-    model.cache.length = 40
-    assert (model(tokens[40:]).logits - ref[40:]).abs().max() <= TOL
+    assert_decodes_incrementally(model, tokens, ref, TOL)
 
 
 def test_tree_mask_matches_chains(pair):

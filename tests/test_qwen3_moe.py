@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import tiny
+from conftest import assert_decodes_incrementally
 from eagle_fixtures import one_thread, target_dir  # noqa: F401
 from specpack.errors import InputError
 from specpack.families.dense import target_spec_from_config
@@ -36,14 +37,7 @@ def test_logits_and_captures_match_transformers(family):
     routed = model.layers[1].mlp.gate(torch.randn(48, 64))[0]
     assert routed.unique().numel() > 4  # the router spreads tokens over the experts
 
-    model.setup_cache(64)  # incremental: a prefill, single tokens, a chunk; a rollback only moves the pointer
-    parts = [model(tokens[:30]).logits] + [model(tokens[i : i + 1]).logits for i in range(30, 40)]
-    parts.append(model(tokens[40:]).logits)
-    assert (torch.cat(parts) - ref).abs().max() <= TOL
-    model.cache.length = 40
-    model(ids(5, seed=7))
-    model.cache.length = 40
-    assert (model(tokens[40:]).logits - ref[40:]).abs().max() <= TOL
+    assert_decodes_incrementally(model, tokens, ref, TOL)
 
 
 def test_the_cpu_kernels_and_bf16_keep_the_router_exact():

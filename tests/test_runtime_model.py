@@ -9,6 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 import tiny
+from conftest import assert_decodes_incrementally
 from eagle_fixtures import one_thread, target_dir  # noqa: F401
 from specpack.errors import InputError, UnsupportedError
 from specpack.families.dense import target_spec_from_config
@@ -38,17 +39,7 @@ def test_logits_match_transformers(family, shards):
     assert (out.logits - ref).abs().max() <= TOL
     assert (out.aux - torch.cat([hidden[0], hidden[2], hidden[5]], -1)).abs().max() <= TOL
 
-    # incremental decoding: a prefill, single tokens, then a chunk
-    model.setup_cache(64)
-    parts = [model(tokens[:30]).logits] + [model(tokens[i : i + 1]).logits for i in range(30, 40)]
-    parts.append(model(tokens[40:]).logits)
-    assert (torch.cat(parts) - ref).abs().max() <= TOL
-
-    # rolling back only moves the pointer: junk written past it is never seen
-    model.cache.length = 40
-    model(ids(5, seed=7))
-    model.cache.length = 40
-    assert (model(tokens[40:]).logits - ref[40:]).abs().max() <= TOL
+    assert_decodes_incrementally(model, tokens, ref, TOL)
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
