@@ -215,6 +215,24 @@ UNQUANTIZED = ("embed_tokens", "lm_head", "shared_head", "norm", "mlp.gate.", "m
                "vision", "multi_modal_projector")
 
 
+def _fp8_scalar(t: dict, k: str) -> dict:
+    """Linear weight `k` as FP8 with one scale: F8_E4M3 [o, i], weight_scale F32 [], input_scale F32 []
+    (static activations; `fp8` per tensor and ModelOpt FP8 store it alike)."""
+    stem = k[: -len("weight")]
+    return {k: t[k].to(torch.float8_e4m3fn), stem + "weight_scale": torch.tensor(1.0),
+            stem + "input_scale": torch.tensor(1.0)}
+
+
+def _modelopt_nvfp4(t: dict, k: str, input_scale: bool = True) -> dict:
+    """Linear weight `k` in ModelOpt's NVFP4: U8 [o, i/2], weight_scale F8_E4M3 [o, i/16], weight_scale_2
+    F32 [], and input_scale F32 [] unless its activations stay 16-bit (W4A16)."""
+    o, i = t[k].shape
+    stem = k[: -len("weight")]
+    out = {k: torch.zeros(o, i // 2, dtype=torch.uint8),
+           stem + "weight_scale": torch.ones(o, i // 16).to(torch.float8_e4m3fn), stem + "weight_scale_2": torch.tensor(1.0)}
+    return {**out, stem + "input_scale": torch.tensor(1.0)} if input_scale else out
+
+
 def fp8_block(path: Path, block: int = 16) -> Path:
     """DeepSeek-V3's FP8: every linear weight F8_E4M3 [o, i] + weight_scale_inv F32 [ceil(o/b), ceil(i/b)]."""
     t = load_file(str(path / "model.safetensors"))
@@ -265,11 +283,7 @@ def ct_nvfp4(path: Path) -> Path:
 def fp8_per_tensor(path: Path) -> Path:
     """FP8 without blocks: weight F8_E4M3 [o, i], weight_scale F32 [] and (static activations) input_scale []."""
     t = load_file(str(path / "model.safetensors"))
-    add = {}
-    for k in _linear_names(t, UNQUANTIZED):
-        stem = k[: -len("weight")]
-        add.update({k: t[k].to(torch.float8_e4m3fn), stem + "weight_scale": torch.tensor(1.0),
-                    stem + "input_scale": torch.tensor(1.0)})
+    add = {n: v for k in _linear_names(t, UNQUANTIZED) for n, v in _fp8_scalar(t, k).items()}
     return edit(path, add=add, config={"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}})
 
 
@@ -295,11 +309,7 @@ def ct_int4(path: Path, group: int = 32) -> Path:
 def modelopt_fp8(path: Path) -> Path:
     """ModelOpt FP8: weight F8_E4M3 [o, i], weight_scale F32 [], input_scale F32 []."""
     t = load_file(str(path / "model.safetensors"))
-    add = {}
-    for k in _linear_names(t, UNQUANTIZED):
-        stem = k[: -len("weight")]
-        add.update({k: t[k].to(torch.float8_e4m3fn), stem + "weight_scale": torch.tensor(1.0),
-                    stem + "input_scale": torch.tensor(1.0)})
+    add = {n: v for k in _linear_names(t, UNQUANTIZED) for n, v in _fp8_scalar(t, k).items()}
     return edit(path, add=add, config={"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
                                                                "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}})
 
@@ -308,13 +318,8 @@ def modelopt_nvfp4(path: Path, hf_quant_file: bool = False) -> Path:
     """ModelOpt NVFP4: weight U8 [o, i/2], weight_scale F8_E4M3 [o, i/16], weight_scale_2 F32 [],
     input_scale F32 []; stated in config.json, or (older exports) in hf_quant_config.json alone."""
     t = load_file(str(path / "model.safetensors"))
-    add = {}
-    for k in _linear_names(t, UNQUANTIZED + ("conv1d", "mixer.in_proj", "mixer.out_proj")):
-        o, i = t[k].shape
-        stem = k[: -len("weight")]
-        add.update({k: torch.zeros(o, i // 2, dtype=torch.uint8),
-                    stem + "weight_scale": torch.ones(o, i // 16).to(torch.float8_e4m3fn),
-                    stem + "weight_scale_2": torch.tensor(1.0), stem + "input_scale": torch.tensor(1.0)})
+    add = {n: v for k in _linear_names(t, UNQUANTIZED + ("conv1d", "mixer.in_proj", "mixer.out_proj"))
+           for n, v in _modelopt_nvfp4(t, k).items()}
     q = {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": ["lm_head"]}
     if hf_quant_file:
         (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": q}))
@@ -330,17 +335,13 @@ def modelopt_mixed(path: Path) -> Path:
     t = load_file(str(path / "model.safetensors"))
     add, layers = {}, {}
     for k in _linear_names(t, UNQUANTIZED):
-        stem, module = k[: -len("weight")], k[: -len(".weight")]
-        o, i = t[k].shape
+        module = k[: -len(".weight")]
         if ".experts." in k or ".mixer.up_proj" in k or ".mixer.down_proj" in k:
             layers[module] = {"quant_algo": "W4A16_NVFP4" if ".experts." in k else "NVFP4", "group_size": 16}
-            add.update({k: torch.zeros(o, i // 2, dtype=torch.uint8),
-                        stem + "weight_scale": torch.ones(o, i // 16).to(torch.float8_e4m3fn),
-                        stem + "weight_scale_2": torch.tensor(1.0)})
+            add.update(_modelopt_nvfp4(t, k, input_scale=False))
         elif k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
             layers[module] = {"quant_algo": "FP8"}
-            add.update({k: t[k].to(torch.float8_e4m3fn), stem + "weight_scale": torch.tensor(1.0),
-                        stem + "input_scale": torch.tensor(1.0)})
+            add.update(_fp8_scalar(t, k))
     return edit(path, add=add, config={"quantization_config": {
         "quant_method": "modelopt", "quant_algo": "MIXED_PRECISION", "kv_cache_quant_algo": "FP8",
         "quantized_layers": layers, "exclude_modules": ["lm_head"]}})
