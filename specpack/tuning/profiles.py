@@ -282,13 +282,8 @@ def select_profile(manifest, device: str = "cpu", dtype: str = "float32", wanted
     return _from_profile(best.profile, "picked", machine)
 
 
-def profile_for_export(manifest, wanted: Optional[str] = None, device: str = "cuda") -> Optional[Profile]:
-    """The validated profile whose measured concurrency crossover an engine export writes: the one
-    named `wanted` (name, id or id prefix; "none": no profile), else the speculative one measured
-    on `device` with the highest speedup (then the newest), if any. Unlike `select_profile` nothing
-    is checked against this machine: the engine runs elsewhere."""
-    if wanted == "none":
-        return None
+def _checked_entries(manifest) -> list[tuple[Profile, list[str]]]:
+    """(profile, reasons it is not valid) of every stored profile that reads as one."""
     entries = []
     for raw in map(_raw, manifest.profiles):
         try:
@@ -296,6 +291,17 @@ def profile_for_export(manifest, wanted: Optional[str] = None, device: str = "cu
         except ValidationError:
             continue
         entries.append((p, _validity(p, raw, manifest)))
+    return entries
+
+
+def profile_for_export(manifest, wanted: Optional[str] = None, device: str = "cuda") -> Optional[Profile]:
+    """The validated profile whose measured concurrency crossover an engine export writes: the one
+    named `wanted` (name, id or id prefix; "none": no profile), else the speculative one measured
+    on `device` with the highest speedup (then the newest), if any. Unlike `select_profile` nothing
+    is checked against this machine: the engine runs elsewhere."""
+    if wanted == "none":
+        return None
+    entries = _checked_entries(manifest)
     if wanted is not None:
         return _named_for_export(entries, wanted)
     fits = [p for p, reasons in entries if not reasons and p.device == device and p.settings.speculative]
@@ -311,13 +317,7 @@ def engine_profile(manifest, engine: str, wanted: Optional[str] = None, device: 
     measured where they do not run."""
     if wanted == "none":
         return None
-    entries = []
-    for raw in map(_raw, manifest.profiles):
-        try:
-            p = Profile.model_validate(raw)
-        except ValidationError:
-            continue
-        entries.append((p, _validity(p, raw, manifest)))
+    entries = _checked_entries(manifest)
     if wanted is not None:
         return _named_for_export(entries, wanted, plain_ok=True)
     fits = [p for p, reasons in entries if not reasons and p.backend == engine and p.device == device]
