@@ -276,7 +276,7 @@ def describe(config: dict, text: dict) -> Arch:
     return Arch("dense", architecture_of(config), config.get("model_type", kind), layers=layers, mtp=mtp,
                 text_config=nested, prefix=p, embed=p + "embed_tokens.weight", norm=p + "norm.weight",
                 lm_head=None if _tied(config, text) else head,
-                kv_width=2 * g["num_kv_heads"] * g["head_dim"], runs=_runs(config),
+                kv_width=2 * g["num_kv_heads"] * g["head_dim"], runs=runs(config),
                 details={"bias": kind in ("qwen2", "mimo") or llama_bias, "o_bias": llama_bias,
                          "qk_norm": kind == "qwen3", "prefixes": PREFIXES if nested else ("model.",)}, **g)
 
@@ -288,7 +288,9 @@ def _tied(config: dict, text: dict) -> bool:
     return bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False)))
 
 
-def _runs(config: dict) -> bool:
+def runs(config: dict) -> bool:
+    """The runtime's dense decoder (runtime/models/dense.py, Qwen3-MoE's experts included) decodes this
+    config: `target_spec_from_config` takes it."""
     try:
         target_spec_from_config(config)
     except (UnsupportedError, InputError):

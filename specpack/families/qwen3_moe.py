@@ -5,6 +5,7 @@ models/qwen3_moe (configuration :77-107, modeling :129, :310-315), vLLM models/q
 
 from __future__ import annotations
 
+from specpack.families import dense
 from specpack.families.base import (Arch, Experts, Layer, Tensor, architecture_of, attention_tensors,
                                     embedding_tensors, expert_tensors, geometry, mlp_tensors, vector)
 
@@ -28,20 +29,7 @@ def describe(config: dict, text: dict) -> Arch:
     return Arch("qwen3_moe", architecture_of(config), config.get("model_type", "qwen3_moe"), layers=layers,
                 experts=experts, kv_width=2 * g["num_kv_heads"] * g["head_dim"],
                 lm_head=None if config.get("tie_word_embeddings") else "lm_head.weight",
-                details={"attention_bias": bool(text.get("attention_bias"))}, runs=_runs(config), **g)
-
-
-def _runs(config: dict) -> bool:
-    """specpack's runtime decodes it (runtime/models/dense.py with moe.py's experts) where the dense
-    reader takes its config (no text_config wrapper, RoPE it runs, silu, ...)."""
-    from specpack.errors import InputError, UnsupportedError
-    from specpack.families.dense import target_spec_from_config
-
-    try:
-        target_spec_from_config(config)
-    except (UnsupportedError, InputError):
-        return False
-    return True
+                details={"attention_bias": bool(text.get("attention_bias"))}, runs=dense.runs(config), **g)
 
 
 def tensors(arch: Arch, fused: bool = False) -> dict[str, Tensor]:
