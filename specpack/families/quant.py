@@ -157,9 +157,10 @@ def check(name: str, t: Tensor, found: dict, q: Quant | None) -> tuple[list[str]
     if not t.linear or q is None:
         return _plain(name, t, found), False
     layouts = _layouts(name, t, q)
-    if q.scheme == "modelopt-mixed" and not layouts:
+    mixed = q.scheme == "modelopt-mixed"  # what quantized_layers lists is quantized, the rest is not
+    if mixed and not layouts:
         return _unlisted(name, t, found), False
-    if q.scheme != "modelopt-mixed" and _is_plain(name, t, found, q):  # mixed: what quantized_layers lists is quantized
+    if not mixed and _is_plain(name, t, found, layouts):
         return [], False
     problems = min((_layout_problems(layout, found) for layout in layouts), key=len)
     if problems and name not in found and not any(n in found for layout in layouts for n in layout):
@@ -191,11 +192,13 @@ def _stored(t: Tensor) -> tuple[int, ...]:
     return t.shape
 
 
-def _is_plain(name: str, t: Tensor, found: dict, q: Quant) -> bool:
+def _is_plain(name: str, t: Tensor, found: dict, layouts: list) -> bool:
+    """`name` stored unquantized: a float of its logical shape with none of the scheme's other
+    tensors (`layouts`, its stored forms) beside it."""
     meta = found.get(name)
     if meta is None or meta.dtype not in FLOATS or tuple(meta.shape) != t.shape:
         return False
-    return not any(n in found for layout in _layouts(name, t, q) for n in layout if n != name)
+    return not any(n in found for layout in layouts for n in layout if n != name)
 
 
 def _dims(t: Tensor) -> tuple[tuple[int, ...], int, int]:
