@@ -13,7 +13,7 @@ from pathlib import Path
 
 from specpack.converters import target_hf
 from specpack.converters.base import ConvertedDrafter
-from specpack.converters.target_hf import INDEX_NAME, Target, read_json
+from specpack.converters.target_hf import INDEX_NAME, Target, read_config, read_json
 from specpack.errors import ConversionError, InputError, UnsupportedError
 from specpack.schemas import DraftModelDrafter, Source, TokenizerEvidence
 
@@ -27,7 +27,7 @@ def detect(path: Path) -> str | None:
     path = Path(path)
     if not (path / "config.json").is_file():
         return None
-    archs = read_json(path / "config.json", "drafter config").get("architectures") or []
+    archs = read_config(path / "config.json").get("architectures") or []
     has_weights = any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file()
     return LAYOUT if has_weights and any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs) else None
 
@@ -57,7 +57,7 @@ def convert(path: Path, target: Target, source: Source | None = None) -> Convert
 def _check_family(path: Path) -> None:
     from specpack.families.dense import SUPPORTED_ARCHITECTURES, target_spec_from_config
 
-    config = read_json(path / "config.json", "draft model config")
+    config = read_config(path / "config.json", "draft model config")
     try:
         target_spec_from_config(config)
     except UnsupportedError as exc:

@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specpack.converters.base import AuxOverride, ConvertedDrafter
-from specpack.converters.target_hf import Target, read_json
+from specpack.converters.target_hf import Target, read_config, read_json
 from specpack.errors import ConversionError, InputError
 from specpack.families.base import size_problems
+from specpack.families.fields import check_config
 from specpack.schemas import AuxLayers, Eagle3Drafter, Source
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def detect(path: Path) -> str | None:
     path = Path(path)
     if not (path / "config.json").is_file() or not any((path / w).is_file() for w in WEIGHT_FILES):
         return None
-    config = read_json(path / "config.json", "drafter config")
+    config = read_config(path / "config.json")
     return _layout(config, _tensor_names(path))
 
 
@@ -76,7 +77,7 @@ def convert(path: Path, target: Target, aux: AuxOverride | None = None,
             source: Source | None = None) -> ConvertedDrafter:
     """Check the head at `path` against `target` and map it to the canonical layout."""
     path = Path(path)
-    config = read_json(path / "config.json", "drafter config")
+    config = read_config(path / "config.json")
     raw = load_tensors(path)
     layout = _layout(config, set(raw))
     if layout is None:
@@ -89,6 +90,10 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
                     source: Source, path: Path, problems: list[str] | None = None) -> ConvertedDrafter:
     """Check a head's tensors `raw` (named as in `layout`) and its flat Llama-style `config` against
     `target`, and map them to the canonical head; `problems` found by the caller are reported along."""
+    try:  # a flat config's fields typed, its counts bounded by the head's own tensors
+        check_config(config, tensors=len(raw))
+    except InputError as exc:
+        raise InputError(f"EAGLE-3 head '{path}': {exc.message}", problems=exc.problems, hint=exc.hint) from None
     bad = size_problems(config, optional=SIZE_FIELDS)
     if bad:
         raise InputError(f"EAGLE-3 head '{path}': config sizes that are not positive integers", problems=bad,

@@ -32,7 +32,7 @@ from pathlib import Path
 from specpack.converters.base import ConvertedDrafter
 from specpack.converters.safetensors_header import TORCH_NAMES, TensorMeta, read_header
 from specpack.converters.safetensors_header import data_start as _data_start
-from specpack.converters.target_hf import INDEX_NAME, Target, _dtype_bytes, read_json
+from specpack.converters.target_hf import INDEX_NAME, Target, _dtype_bytes, read_config, read_json
 from specpack.errors import ConversionError, InputError, UnsupportedError
 from specpack.schemas import MtpDrafter, Source
 
@@ -172,7 +172,7 @@ def convert(path: Path, target: Target, allow_reuse: bool = False, source: Sourc
     for file in sorted(set(files.values())):
         meta.update({n: m for n, m in read_header(file).items() if files.get(n) == file})
     has_config = (path / "config.json").is_file()
-    config = _text_config(read_json(path / "config.json", "MTP head config")) if has_config else {}
+    config = _text_config(read_config(path / "config.json", "MTP head config")) if has_config else {}
     src = _Source(meta, files, config, source or Source.local(path), "drafter")
     return _convert(LAYOUTS[layout], src, target, allow_reuse, f"MTP head '{path}'")
 

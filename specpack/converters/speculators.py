@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specpack.converters import eagle3
 from specpack.converters.base import AuxOverride, ConvertedDrafter
-from specpack.converters.target_hf import Target, read_json
+from specpack.converters.target_hf import Target, read_config, read_json
 from specpack.schemas import Source
 
 KIND = "eagle3"
@@ -33,7 +33,7 @@ def detect(path: Path) -> str | None:
     path = Path(path)
     if not (path / "config.json").is_file():
         return None
-    config = read_json(path / "config.json", "drafter config")
+    config = read_config(path / "config.json")
     archs = set(config.get("architectures") or [])
     return LAYOUT if "speculators_model_type" in config or archs & set(ARCHITECTURES) else None
 
@@ -42,7 +42,7 @@ def convert(path: Path, target: Target, aux: AuxOverride | None = None,
             source: Source | None = None) -> ConvertedDrafter:
     """Check the speculators head at `path` (and that its verifier is `target`), then canonicalise it."""
     path = Path(path)
-    config = read_json(path / "config.json", "drafter config")
+    config = read_config(path / "config.json")
     problems = _unsupported(config) + verifier_problems(config, target)  # reported with the tensor checks
     return eagle3.convert_tensors(LAYOUT, flat_config(config), eagle3.load_tensors(path), target, aux,
                                   source or Source.local(path), path, problems)

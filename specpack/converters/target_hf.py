@@ -100,9 +100,12 @@ def load(path: Path, source: Source | None = None) -> Target:
     _check_reserved(root, files)
     weight_files = _weight_files(root, files)
     tensors = _read_tensors(root, weight_files)
+    try:
+        families.check_config(config, tensors=len(tensors), weights=sum(m.numel for _, m in tensors.values()))
+    except InputError as exc:
+        raise InputError(f"target '{root}': {exc.message}", problems=exc.problems, hint=exc.hint) from None
     arch, q = _describe(root, config, files)
     info = _target_info(root, config, files, weight_files, tensors, source or Source.local(path), arch)
-    _check_plain_bounds(root, info, tensors)
     if arch is None:
         return Target(root=root, files=files, info=info, tensors=tensors)
     try:
@@ -125,6 +128,18 @@ def read_json(path: Path, what: str) -> dict:
     if not isinstance(data, dict):
         raise InputError(f"{what} {path} is not a JSON object")
     return data
+
+
+def read_config(path: Path, what: str = "drafter config") -> dict:
+    """A drafter's config.json, every field a reader takes type-checked (families.fields: the same
+    table the targets' configs are checked against, numbers finite)."""
+    config = read_json(path, what)
+    try:
+        families.check_config(config)
+    except InputError as exc:
+        raise InputError(f"{what} {path}: {exc.message.removeprefix('config.json: ')}", problems=exc.problems,
+                         hint=exc.hint) from None
+    return config
 
 
 def _check_reserved(root: Path, files: list[str]) -> None:
@@ -254,21 +269,6 @@ def _text_config(root: Path, config: dict) -> dict:
         raise InputError(f"{root / 'config.json'}: missing or invalid decoder sizes", problems=problems,
                          hint="the target config must state its decoder geometry")
     return text
-
-
-def _check_plain_bounds(root: Path, info: TargetInfo, tensors) -> None:
-    """Sizes no checkpoint could hold, in time and memory bounded by its headers whatever the config
-    claims (before any per-layer expectation is built)."""
-    n, weights = len(tensors), info.parameters
-    problems = [f"{k} {v:,} > the {weights:,} weights in its safetensors files" for k, v in (
-        ("hidden_size", info.hidden_size), ("intermediate_size", info.intermediate_size),
-        ("vocab_size", info.vocab_size), ("num_attention_heads", info.num_attention_heads)) if v > weights]
-    if info.num_hidden_layers > n:
-        problems.append(f"num_hidden_layers {info.num_hidden_layers:,} > the {n:,} tensors in its weights")
-    if problems:
-        raise InputError(f"target '{root}': config.json claims sizes its weights cannot hold",
-                         problems=problems, hint="the config and the safetensors files must come from "
-                                                 "the same model")
 
 
 def _describe(root: Path, config: dict, files: list[str]) -> tuple[families.Arch | None, quant.Quant | None]:

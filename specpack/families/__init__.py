@@ -3,6 +3,7 @@
 its checkpoint holds and how they are quantized. Converters, the runtime and the exports read targets
 through it; it reads configs and safetensors headers, never weights, and imports nothing above it.
 
+    check_config(config, tensors, weights)        # every field's type; counts bounded by the checkpoint
     arch = describe(config)                       # Arch: geometry, layers, experts, MTP
     checked = check(arch, header_entries, quant)  # every tensor (quantized or not), or one InputError
 
@@ -18,6 +19,7 @@ from specpack.errors import InputError, UnsupportedError
 from specpack.families import (deepseek, dense, gemma3, glm4_moe, gpt_oss, llama4, minimax_m2, nemotron_h, qwen3_moe,
                                qwen3_next, quant)
 from specpack.families.base import Arch, Tensor, architecture_of, text_config
+from specpack.families.fields import check_config
 
 FAMILIES = {m.__name__.rsplit(".", 1)[1]: m for m in (dense, deepseek, glm4_moe, qwen3_moe, qwen3_next, minimax_m2,
                                                        gpt_oss, nemotron_h, llama4, gemma3)}
@@ -71,6 +73,7 @@ def check(arch: Arch, found: dict, q: quant.Quant | None) -> Checked:
     fused = _fused(found)
     expected = module.tensors(arch, fused)
     problems, counts = _tensor_problems(expected, found, q)
+    problems += _scheme_problems(arch, expected, found, q, counts)
     if problems:
         raise InputError(f"the checkpoint does not match its config ({len(problems)} problems)", problems=problems,
                          hint="the checkpoint and config.json must come from the same model" +
@@ -138,9 +141,33 @@ def _experts(found: dict, prefix: str) -> dict[str, set[int]]:
 
 def _tensor_problems(expected: dict, found: dict, q) -> tuple[list[str], dict[bool, int]]:
     problems, counts = [], {True: 0, False: 0}
+    ignored = quant.ignored(q, {quant.module_of(n) for n in found})
     for name, t in expected.items():
-        bad, quantized = quant.check(name, t, found, q)
+        bad, quantized = quant.check(name, t, found, q, ignored.get(quant.module_of(name)))
         problems += bad
         if t.linear and not bad:
             counts[quantized] += 1
     return problems, counts
+
+
+def _scheme_problems(arch: Arch, expected: dict, found: dict, q, counts: dict[bool, int]) -> list[str]:
+    """A scheme that quantizes nothing the checkpoint holds, and MIXED_PRECISION's quantized_layers
+    naming a module the model does not have (neither a decoder or MTP linear nor any tensor's module)."""
+    if q is None:
+        return []
+    if not counts[True]:
+        return [f"quantization_config states {q.description}, but none of the {counts[False]} linear weights is "
+                "stored quantized (is this the unquantized checkpoint under a quantized model's config?)"]
+    if not q.layers:
+        return []
+    mtp = {n: t for k in range(mtp_held(arch, found)) for n, t in mtp_tensors(arch, k).items()}
+    linear = {quant.module_of(n) for n, t in {**expected, **mtp}.items() if t.linear}
+    fused = {n.rsplit(".", 1)[0] + "." for n in linear if not n.endswith(".weight") and n in expected}
+    held = {n.rsplit(".", 1)[0] for n in found}
+    return [f"quantization_config.quantized_layers names {k}, a module the model does not have"
+            for k, _ in q.layers if k not in linear and k not in held and not _under(k, fused)]
+
+
+def _under(module: str, prefixes: set[str]) -> bool:
+    """`module` inside one of `prefixes` (a fused expert parameter's module, `...experts.`)."""
+    return any(module[: i + 1] in prefixes for i, c in enumerate(module) if c == ".")

@@ -161,14 +161,21 @@ def check_sizes(cfg: dict, required: Iterable[str], optional: Iterable[str] = ()
                          problems=problems, hint="is this the model's own config.json?")
 
 
-def layer_types(cfg: dict, n: int, default) -> list[str]:
-    """`layer_types` as stated (its length checked against the layer count), else `default(i)` per layer."""
+def layer_types(cfg: dict, n: int, default, known: tuple[str, ...] = ("full_attention", "sliding_attention")
+                ) -> list[str]:
+    """`layer_types` as stated (its length checked against the layer count, each type one of the
+    family's `known`), else `default(i)` per layer."""
     stated = cfg.get("layer_types")
     if stated is None:
         return [default(i) for i in range(n)]
     if not (isinstance(stated, list) and len(stated) == n and all(isinstance(t, str) for t in stated)):
         raise InputError(f"config.json layer_types must list one type per layer ({n})",
                          problems=[f"layer_types = {str(stated)[:200]}"])
+    unknown = sorted({t for t in stated if t not in known})
+    if unknown:
+        raise InputError("config.json layer_types names layer types this family does not have",
+                         problems=[f"layer_types[{stated.index(t)}] = {t!r}: not one of {', '.join(known)}"
+                                   for t in unknown])
     return stated
 
 

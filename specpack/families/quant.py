@@ -18,18 +18,28 @@ its logical shape. Nothing is skipped.
 | `modelopt-mixed` | modelopt MIXED_PRECISION + `quantized_layers` {module: {quant_algo}} | each listed module as its NVFP4 / W4A16_NVFP4 / FP8 entry says; every other module unquantized |
 | `mxfp4` | quant_method mxfp4 (gpt-oss) | X_blocks U8 [*lead, o, i/32, 16]; X_scales U8 [*lead, o, i/32] |
 
+Every field of a quantization config is type-checked as it is read (an error names it); a scheme that
+quantizes none of the checkpoint's linear weights, an F8 weight under a config that states no scheme,
+and a compressed-tensors `ignore` entry's module stored quantized are refused; `re:` patterns are
+compiled once and matched within a time budget.
+
 Sources (read, not guessed): vLLM layers/quantization/{fp8,modelopt,mxfp4}.py and compressed_tensors/
 schemes, transformers integrations/{finegrained_fp8,mxfp4}.py, DeepSeek-V3 README_WEIGHTS.md.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 from functools import cached_property
 
+import regex
+
 from specpack.errors import InputError
 from specpack.families.base import Tensor
+from specpack.families.fields import OBJECT, SIZE, STR, STRS, field
 
 FLOATS = ("F32", "F16", "BF16")
 SCALES = ("F32", "F16", "BF16", "F8_E8M0")
@@ -48,6 +58,7 @@ class Quant:
     strategy: str = ""  # ct-fp8: tensor | channel | block
     kv_cache: str | None = None  # a quantized KV cache the config states (FP8)
     layers: tuple[tuple[str, str], ...] = ()  # modelopt-mixed: (module, quant_algo) as quantized_layers states
+    ignore: tuple[str, ...] = ()  # compressed-tensors: modules stored unquantized (names, or `re:` regexes)
 
     @cached_property
     def layer_algos(self) -> dict[str, str]:
@@ -59,17 +70,23 @@ class Quant:
         return f"{self.scheme} ({self.quant_method}{extra})"
 
 
+log = logging.getLogger(__name__)
+W = "quantization_config."  # where a field of the quantization config is named in errors
+MATCH_BUDGET_S = 2.0  # every `ignore` pattern against every module name, all together
+MAX_PATTERN = 1000
+
+
 def scheme(config: dict, hf_quant: dict | None = None) -> Quant | None:
     """The scheme config.json's `quantization_config` (or a ModelOpt `hf_quant_config.json`) states,
-    None for an unquantized checkpoint; an UnsupportedScheme error for one specpack cannot check."""
-    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    None for an unquantized checkpoint; an InputError naming the field for one specpack cannot check
+    (each field read is type-checked: fields.field)."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    qc = config.get("quantization_config") or text.get("quantization_config")
     if qc is None and hf_quant:
-        qc = {"quant_method": "modelopt", **(hf_quant.get("quantization") or {})}
+        qc = {"quant_method": "modelopt", **field(hf_quant, "quantization", OBJECT, "hf_quant_config.json ", {})}
     if qc is None:
         return None
-    if not isinstance(qc, dict):
-        raise InputError("config.json quantization_config is not a JSON object")
-    method = str(qc.get("quant_method", "")).lower()
+    method = field(qc, "quant_method", STR, W, "").lower()
     reader = {"fp8": _fp8, "compressed-tensors": _compressed, "modelopt": _modelopt, "mxfp4": _mxfp4}.get(method)
     if reader is None:
         raise InputError(f"quantization_config.quant_method {method!r} is not a scheme specpack can check",
@@ -86,35 +103,56 @@ def _fp8(qc: dict) -> Quant:
 
 
 def _compressed(qc: dict) -> Quant:
-    groups = [g for g in (qc.get("config_groups") or {}).values() if isinstance(g, dict)]
-    weights = [g.get("weights") or {} for g in groups]
-    kinds = {(w.get("num_bits"), w.get("type")) for w in weights}
+    groups = field(qc, "config_groups", OBJECT, W, {})
+    stated = [_ct_group(groups, name) for name in groups]  # (where, weights, num_bits, type) each
+    kinds = {(bits, kind) for _, _, bits, kind in stated}
     if len(kinds) != 1:
         raise InputError("compressed-tensors quantization_config must state one weight scheme in config_groups",
                          problems=[f"config_groups weights: {sorted(map(str, kinds))}"])
-    w = weights[0]
+    where, w, bits, kind = stated[0]
     kv = "fp8" if qc.get("kv_cache_scheme") else None
-    if (w.get("num_bits"), w.get("type")) == (8, "float"):
-        strategy = w.get("strategy", "tensor")
-        block = _pair(w["block_structure"], "block_structure") if strategy == "block" else None
-        return Quant("ct-fp8", "compressed-tensors", block=block, strategy=strategy, kv_cache=kv)
-    if (w.get("num_bits"), w.get("type")) == (4, "float"):
-        return Quant("ct-nvfp4", "compressed-tensors", group=int(w.get("group_size") or 16), kv_cache=kv)
-    if (w.get("num_bits"), w.get("type")) == (4, "int"):
-        return Quant("ct-int4", "compressed-tensors", group=int(w.get("group_size") or 128), kv_cache=kv)
-    raise InputError(f"compressed-tensors weights of {w.get('num_bits')} bits, type {w.get('type')!r}, are not a "
+    ignore = tuple(field(qc, "ignore", STRS, W, []))
+    _patterns(ignore, "ignore")
+    if (bits, kind) == (8, "float"):
+        strategy = field(w, "strategy", STR, where, "tensor")
+        block = None
+        if strategy == "block":
+            if w.get("block_structure") is None:
+                raise InputError(f"{where}strategy is 'block', but block_structure is missing",
+                                 hint="a block-quantized FP8 config states block_structure [rows, cols]")
+            block = _pair(w["block_structure"], "block_structure")
+        return Quant("ct-fp8", "compressed-tensors", block=block, strategy=strategy, kv_cache=kv, ignore=ignore)
+    if (bits, kind) == (4, "float"):
+        return Quant("ct-nvfp4", "compressed-tensors", group=field(w, "group_size", SIZE, where, 16), kv_cache=kv,
+                     ignore=ignore)
+    if (bits, kind) == (4, "int"):
+        return Quant("ct-int4", "compressed-tensors", group=field(w, "group_size", SIZE, where, 128), kv_cache=kv,
+                     ignore=ignore)
+    raise InputError(f"compressed-tensors weights of {bits} bits, type {kind!r}, are not a "
                      "scheme specpack can check", hint="supported: 8-bit float, 4-bit float (NVFP4), 4-bit int")
 
 
+def _ct_group(groups: dict, name: str) -> tuple[str, dict, int, str]:
+    """One compressed-tensors config group: (where its weights are named, its weights, num_bits, type)."""
+    where = f"{W}config_groups.{name}."
+    group = field(groups, name, OBJECT, W + "config_groups.")
+    _patterns(field(group, "targets", STRS, where, []), f"config_groups.{name}.targets")
+    w = field(group, "weights", OBJECT, where, {})
+    where += "weights."
+    return where, w, field(w, "num_bits", SIZE, where), field(w, "type", STR, where)
+
+
 def _modelopt(qc: dict) -> Quant:
-    algo = str(qc.get("quant_algo", "")).upper()
-    kv = (qc.get("kv_cache_quant_algo") or "").lower() or None
+    algo = field(qc, "quant_algo", STR, W, "").upper()
+    kv = field(qc, "kv_cache_quant_algo", STR, W, "").lower() or None
+    field(qc, "exclude_modules", STRS, W)
+    group = field(qc, "group_size", SIZE, W, 16)
     if algo in ("NVFP4", "W4A16_NVFP4"):
-        return Quant("modelopt-nvfp4", "modelopt", group=int(qc.get("group_size") or 16), kv_cache=kv)
+        return Quant("modelopt-nvfp4", "modelopt", group=group, kv_cache=kv)
     if algo == "FP8":
         return Quant("modelopt-fp8", "modelopt", kv_cache=kv)
     if algo == "MIXED_PRECISION":
-        return Quant("modelopt-mixed", "modelopt", group=int(qc.get("group_size") or 16), kv_cache=kv,
+        return Quant("modelopt-mixed", "modelopt", group=group, kv_cache=kv,
                      layers=_mixed_layers(qc.get("quantized_layers")))
     raise InputError(f"ModelOpt quant_algo {algo!r} is not a scheme specpack can check",
                      hint="supported: NVFP4, W4A16_NVFP4, FP8, MIXED_PRECISION")
@@ -130,13 +168,61 @@ def _mixed_layers(layers) -> tuple[tuple[str, str], ...]:
         raise InputError("ModelOpt MIXED_PRECISION states no quantized_layers: which module holds which format is "
                          "unknown", hint="re-export with ModelOpt, whose export writes quantized_layers "
                          "(vLLM refuses the checkpoint without it too)")
-    algos = {k: str(v.get("quant_algo", "")).upper() if isinstance(v, dict) else "" for k, v in layers.items()}
-    bad = [f"{k}: quant_algo {layers[k].get('quant_algo') if isinstance(layers[k], dict) else layers[k]!r}"
-           for k, a in algos.items() if a not in MIXED_ALGOS]
+    algos = {k: field(v, "quant_algo", STR, f"{W}quantized_layers.{k}.", "").upper() for k, v in layers.items()}
+    bad = [f"{k}: quant_algo {layers[k].get('quant_algo')!r}" for k, a in algos.items() if a not in MIXED_ALGOS]
     if bad:
         raise InputError(f"ModelOpt MIXED_PRECISION lists {len(bad)} module(s) in a format specpack cannot check",
                          problems=bad[:10], hint="supported per module: " + ", ".join(MIXED_ALGOS))
     return tuple(sorted(algos.items()))
+
+
+def _patterns(entries, what: str) -> list:
+    """compressed-tensors module patterns: `re:` entries compiled (once; each refused if it does not
+    compile), the rest exact names or class names such as `Linear`."""
+    compiled, bad = [], []
+    for entry in entries:
+        if not entry.startswith("re:"):
+            continue
+        try:
+            if len(entry) > MAX_PATTERN:
+                raise regex.error(f"longer than {MAX_PATTERN} characters")
+            compiled.append((entry, regex.compile(entry[3:])))
+        except (regex.error, ValueError, OverflowError, RecursionError) as exc:
+            bad.append(f"{W}{what}: {entry[:120]!r} does not compile: {exc}")
+    if bad:
+        raise InputError("quantization_config holds module patterns that are not regular expressions", problems=bad,
+                         hint="compressed-tensors reads `re:` entries as Python regular expressions")
+    return compiled
+
+
+def ignored(q: Quant | None, modules: set[str]) -> dict[str, str]:
+    """{module: the `ignore` entry naming it} for each of `modules` (the checkpoint's) that a
+    compressed-tensors config leaves unquantized, `re:` entries matched as compressed-tensors does
+    (re.match). All matching shares one time budget: a pattern that backtracks catastrophically is
+    refused, not waited for. An entry that names no module is merely unusual: logged."""
+    if q is None or not q.ignore:
+        return {}
+    names, regexes = set(q.ignore), _patterns(q.ignore, "ignore")
+    budget = MATCH_BUDGET_S + 2e-5 * len(modules) * len(regexes)
+    deadline, out = time.monotonic() + budget, {}
+    for module in sorted(modules):
+        if module in names:
+            out[module] = module
+            continue
+        for entry, pattern in regexes:
+            try:
+                hit = pattern.match(module, timeout=max(1e-3, deadline - time.monotonic()))
+            except TimeoutError:
+                raise InputError(f"{W}ignore {entry[:120]!r} takes more than {budget:.0f} s to match the "
+                                 f"checkpoint's {len(modules):,} module names", hint="write the pattern without "
+                                 "nested repetition (such as (a|aa)+), which backtracks exponentially") from None
+            if hit:
+                out[module] = entry
+                break
+    unused = sorted(set(q.ignore) - set(out.values()))
+    if unused:
+        log.warning("quantization_config.ignore entries that name no module of the checkpoint: %s", ", ".join(unused))
+    return out
 
 
 def _mxfp4(qc: dict) -> Quant:
@@ -151,11 +237,17 @@ def _pair(value, key: str) -> tuple[int, int]:
 
 # ---- checking one tensor --------------------------------------------------------------------------
 
-def check(name: str, t: Tensor, found: dict, q: Quant | None) -> tuple[list[str], bool]:
+def check(name: str, t: Tensor, found: dict, q: Quant | None, ignored_by: str | None = None
+          ) -> tuple[list[str], bool]:
     """(problems, quantized) for tensor `name` of logical form `t` against the checkpoint's header
-    entries `found` (name -> TensorMeta)."""
+    entries `found` (name -> TensorMeta); `ignored_by`: the compressed-tensors `ignore` entry that
+    leaves its module unquantized."""
     if not t.linear or q is None:
-        return _plain(name, t, found), False
+        return _plain(name, t, found) or _float_problems(name, found, q), False
+    if ignored_by is not None:
+        problems = _plain(name, t, found) or _float_problems(name, found, q)
+        return [f"{p}, but quantization_config.ignore {ignored_by!r} leaves {module_of(name)} unquantized"
+                for p in problems], False
     layouts = _layouts(name, t, q)
     mixed = q.scheme == "modelopt-mixed"  # what quantized_layers lists is quantized, the rest is not
     if mixed and not layouts:
@@ -175,10 +267,22 @@ def _plain(name: str, t: Tensor, found: dict) -> list[str]:
     return [] if got == _stored(t) else [f"tensor {name} has shape {list(got)}, expected {list(_stored(t))}"]
 
 
+def _float_problems(name: str, found: dict, q: Quant | None) -> list[str]:
+    """A tensor stored unquantized must be a float one (an F8 weight under a config that states no
+    quantization is a quantized checkpoint whose quantization_config was removed)."""
+    dtype = found[name].dtype
+    if dtype in FLOATS:
+        return []
+    if q is None:
+        return [f"tensor {name} is {dtype}: stored quantized, but config.json states no quantization_config "
+                "(was it removed?)"]
+    return [f"tensor {name} is {dtype}, expected {' or '.join(FLOATS)}"]
+
+
 def _unlisted(name: str, t: Tensor, found: dict) -> list[str]:
     """A linear weight MIXED_PRECISION's quantized_layers does not list: a float tensor of its logical
     shape with no scale beside it."""
-    module = _module(name)
+    module = module_of(name)
     problems = _plain(name, t, found)
     if not problems and found[name].dtype not in FLOATS:
         problems = [f"tensor {name} is {found[name].dtype}"]
@@ -207,7 +311,7 @@ def _dims(t: Tensor) -> tuple[tuple[int, ...], int, int]:
     return (tuple(lead), b, a) if t.stored_in_out else (tuple(lead), a, b)
 
 
-def _module(name: str) -> str:
+def module_of(name: str) -> str:
     """The module a linear tensor belongs to: `X.weight` -> X; a fused parameter names itself."""
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
@@ -215,7 +319,7 @@ def _module(name: str) -> str:
 def _mixed_algo(name: str, q: Quant) -> str | None:
     """The format quantized_layers states for `name`'s module (a fused expert parameter: its
     module's entries, as vLLM resolves a RoutedExperts prefix)."""
-    module = _module(name)
+    module = module_of(name)
     if module in q.layer_algos:
         return q.layer_algos[module]
     parent = module.rsplit(".", 1)[0] + "."

@@ -36,7 +36,8 @@ def describe(config: dict, text: dict) -> Arch:
     experts = Experts(routed, text.get("num_experts_per_tok") or 0, text.get("moe_intermediate_size") or 0, 1,
                       text.get("shared_expert_intermediate_size") or 0) if moe else None
     every = text.get("full_attention_interval") or 4
-    kinds = layer_types(text, g["num_layers"], lambda i: "full_attention" if (i + 1) % every == 0 else "linear_attention")
+    kinds = layer_types(text, g["num_layers"], lambda i: "full_attention" if (i + 1) % every == 0 else "linear_attention",
+                        ("full_attention", "linear_attention"))
     layers = tuple(Layer("full" if kind == "full_attention" else "linear",
                          "moe" if moe and (not next_ or is_moe(text, i, routed)) else "dense")
                    for i, kind in enumerate(kinds))

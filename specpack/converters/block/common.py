@@ -33,6 +33,7 @@ from pathlib import Path
 from specpack.converters.base import (BLOCK_ALGORITHM_FLAG, BLOCK_LAYOUT_FLAG, MASK_TOKEN_FLAG,
                                       TARGET_LAYERS_FLAG, AuxOverride, BlockOverrides)
 from specpack.converters.target_hf import INDEX_NAME, Target, read_json
+from specpack.converters.target_hf import read_config as _checked_config
 from specpack.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -273,7 +274,7 @@ def flag_problems(block: BlockOverrides | None) -> list[str]:
 
 
 def read_config(path: Path) -> dict:
-    return read_json(path / "config.json", "drafter config")
+    return _checked_config(path / "config.json")
 
 
 def source_of(path: Path, source):
