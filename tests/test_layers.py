@@ -10,7 +10,7 @@ import specpack
 # top to bottom; a room may import only rooms below it (and the package's own _private modules)
 ORDER = ["demo", "cli", "engines", "exports", "serving", "tuning", "distill", "runtime", "packager", "converters",
          "families", "schemas"]
-SHARED = {"errors", "_atomic", "_paths", "_machine", "_output", "_redact", "__init__", "__main__"}
+SHARED = {"errors", "_atomic", "_paths", "_machine", "_net", "_output", "_redact", "__init__", "__main__"}
 ROOT = Path(specpack.__file__).parent
 
 

@@ -249,6 +249,10 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
     /health needs the key; without one, listening beyond loopback logs a warning. Needs
     `pip install 'specpack[serve]'`.
 
+    With --engine, the key reaches vLLM through VLLM_API_KEY and SGLang inside its process, never on a
+    command line; TensorRT-LLM takes none, so it is refused a key and refused beyond loopback. Once the
+    engine answers /health the artifact is verified again, and the engine stopped on any difference.
+
     \b
     Examples:
       specpack serve my-artifact --port 8000
@@ -260,7 +264,7 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
     """
     if engine != "specpack":
         return _serve_engine(artifact, engine, host, port, profile, model_name, draft_len, tp, no_spec, engine_args,
-                             public_key)
+                             public_key, api_key)
     if engine_args or no_spec or tp != 1:
         raise click.UsageError("--tp, --no-spec and engine flags after `--` are for --engine vllm|sglang|trtllm")
     from specpack.serving.serve import prepare, run as run_server
@@ -276,8 +280,10 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
     run_server(plan, host, port)
 
 
-def _serve_engine(artifact, engine, host, port, profile, model_name, draft_len, tp, no_spec, engine_args, public_key):
-    """`serve --engine vllm|sglang|trtllm`: verify, export, then run the engine in the foreground."""
+def _serve_engine(artifact, engine, host, port, profile, model_name, draft_len, tp, no_spec, engine_args, public_key,
+                  api_key):
+    """`serve --engine vllm|sglang|trtllm`: verify, export, then run the engine in the foreground (the
+    key passed where no command line shows it; the artifact verified again once the engine is up)."""
     from specpack import engines
     from specpack.packager.artifact import read_manifest
     from specpack.tuning.profiles import engine_profile
@@ -285,7 +291,7 @@ def _serve_engine(artifact, engine, host, port, profile, model_name, draft_len, 
     chosen = None if no_spec else engine_profile(read_manifest(artifact), engine, profile)
     launch = engines.prepare(artifact, engine, host=host, port=port, model_name=model_name, tensor_parallel=tp,
                              draft_len=draft_len, chosen=chosen, public_key=public_key, extra=tuple(engine_args),
-                             speculative=not no_spec)
+                             speculative=not no_spec, api_key=api_key)
     click.echo(launch.message, err=True)
     click.echo(f"starting: {launch.command}", err=True)
     raise SystemExit(engines.run(launch))

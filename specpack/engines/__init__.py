@@ -10,6 +10,17 @@ the engine reads the artifact's target files and the export's drafter binding.
 Where each engine is: `SPECPACK_VLLM` / `SPECPACK_SGLANG` / `SPECPACK_TRTLLM` (the executable, or for
 SGLang the Python that has it), else the executable on PATH. Engines live in environments of their own
 (vLLM pins its own torch), so specpack never imports them.
+
+The API key reaches the engine without appearing on any command line (`ps` shows every process's
+argv to every user): vLLM reads `VLLM_API_KEY` (vllm/entrypoints/openai/api_server.py: the key is
+`args.api_key or envs.VLLM_API_KEY`); SGLang takes only `--api-key` (sglang/srt/server_args.py), so
+its launcher starts from a few lines of Python that append the flag to `sys.argv` inside the process
+(what `ps` shows is the argv it was started with); TensorRT-LLM's `trtllm-serve` takes no key at all
+(tensorrt_llm/commands/serve.py), so it is refused beyond loopback and refused a key.
+
+The files the engine loads are the files verified: once the engine answers /health (it has read its
+weights), `run` verifies the artifact again against the manifest it verified before the start, and the
+export's files against what it wrote, and stops the engine on any difference (`recheck`).
 """
 
 from __future__ import annotations
@@ -18,12 +29,15 @@ import hashlib
 import logging
 import os
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specpack._machine import ENGINES, Engine, MissingEngineError, find
+from specpack._net import is_loopback, warn_without_key
+from specpack.engines.server import base_url, healthy
+from specpack.errors import UnsupportedError, VerificationError
 
-__all__ = ["ENGINES", "Engine", "EngineLaunch", "MissingEngineError", "find", "prepare", "run"]
+__all__ = ["ENGINES", "Engine", "EngineLaunch", "MissingEngineError", "find", "prepare", "recheck", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +54,10 @@ class EngineLaunch:
     profile: str | None  # the validated profile whose settings it follows
     message: str
     env: dict = field(default_factory=dict)
+    artifact: Path | None = None  # what was verified: recheck verifies it again once the engine is up
+    public_key: Path | None = None
+    manifest_sha256: str = ""  # the manifest as verified
+    export_digests: tuple[tuple[str, str], ...] = ()  # (path under export_dir, sha256) as the export wrote them
 
     @property
     def command(self) -> str:
@@ -48,24 +66,40 @@ class EngineLaunch:
 
 def prepare(artifact, engine: str, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
             tensor_parallel: int = 1, draft_len: int | None = None, chosen=None, public_key=None,
-            extra: tuple[str, ...] = (), speculative: bool = True) -> EngineLaunch:
+            extra: tuple[str, ...] = (), speculative: bool = True, api_key: str | None = None) -> EngineLaunch:
     """Verify `artifact`, export its drafter for `engine` and build the engine's command (see the
     module docstring). `chosen`: the validated profile (schemas.Profile) whose draft length and
     concurrency crossover the engine follows (tuning.profiles.engine_profile picks one), None for the
     artifact's defaults; a profile that found speculation never paid starts the target alone unless
-    `draft_len` asks for speculation; `speculative=False` starts the engine on the target alone."""
-    from specpack.exports import export_engine
+    `draft_len` asks for speculation; `speculative=False` starts the engine on the target alone;
+    `api_key`: the key every request must carry (module docstring: how each engine gets it)."""
+    from specpack.packager.hashing import sha256_file
     from specpack.packager.verify import verify
+    from specpack.schemas import MANIFEST_NAME
 
+    _check_key(engine, host, api_key)
     exe, artifact = find(engine), Path(artifact).absolute()
+    manifest_sha256 = sha256_file(artifact / MANIFEST_NAME) if (artifact / MANIFEST_NAME).is_file() else ""
     manifest = verify(artifact, public_key=public_key).manifest
     name, env = model_name or artifact.name, _engine_env(engine)
-    if chosen is not None and not chosen.settings.speculative:
-        if draft_len is None:  # the profile found speculation never paid: follow it (an explicit length overrides)
-            return _plain_launch(engine, exe, artifact, host, port, name, extra, env, chosen)
-        chosen = None
-    if not speculative:
-        return _plain_launch(engine, exe, artifact, host, port, name, extra, env, None)
+    if chosen is not None and not chosen.settings.speculative and draft_len is None:
+        # the profile found speculation never paid: follow it (an explicit length overrides)
+        launch = _plain_launch(engine, exe, artifact, host, port, name, extra, env, chosen)
+    elif not speculative:
+        launch = _plain_launch(engine, exe, artifact, host, port, name, extra, env, None)
+    else:
+        chosen = chosen if chosen is None or chosen.settings.speculative else None
+        launch = _speculative_launch(engine, exe, artifact, manifest, host, port, name, extra, env, draft_len,
+                                     tensor_parallel, chosen, public_key)
+    launch = replace(launch, artifact=artifact, public_key=public_key, manifest_sha256=manifest_sha256)
+    return _with_key(launch, host, api_key)
+
+
+def _speculative_launch(engine, exe, artifact, manifest, host, port, name, extra, env, draft_len, tensor_parallel,
+                        chosen, public_key) -> EngineLaunch:
+    """The engine with the artifact's drafter exported for it into a private directory."""
+    from specpack.exports import export_engine
+
     out = _export_dir(manifest, engine, draft_len, tensor_parallel, chosen)
     result = export_engine(artifact, engine, out, draft_len=draft_len, tensor_parallel=tensor_parallel, force=True,
                            public_key=public_key, profile=chosen.id if chosen else "none")
@@ -75,7 +109,74 @@ def prepare(artifact, engine: str, host: str = "127.0.0.1", port: int = 8000, mo
                f"{out}" + (f", following validated profile {chosen.name} ({chosen.id})" if chosen else
                            ", no validated profile measured through it: the artifact's defaults"))
     return EngineLaunch(engine, _addressed(engine, argv, host, port, name, extra), out, spec, result.draft_len,
-                        chosen.name if chosen else None, message, env)
+                        chosen.name if chosen else None, message, env, export_digests=_digests(out))
+
+
+# SGLang's launcher with `--api-key` appended inside the process, the key read from (and removed
+# from) the environment: never on its command line
+KEY_ENV = "SPECPACK_ENGINE_API_KEY"
+SGLANG_WITH_KEY = (f"import os, runpy, sys; sys.argv += ['--api-key', os.environ.pop('{KEY_ENV}')]; "
+                   "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
+
+
+def _check_key(engine: str, host: str, api_key: str | None) -> None:
+    """Refuse what would serve without the key asked for: an engine that takes none (TensorRT-LLM),
+    given a key or listening beyond loopback."""
+    if engine != "trtllm" or (api_key is None and is_loopback(host)):
+        return
+    why = "so --api-key would be dropped" if api_key is not None else f"so on {host} anyone who can reach it could use it"
+    raise UnsupportedError(f"TensorRT-LLM's trtllm-serve takes no API key, {why}",
+                           hint="serve it on 127.0.0.1 behind a proxy that checks keys, or use --engine vllm, "
+                                "sglang or specpack, which take --api-key")
+
+
+def _with_key(launch: EngineLaunch, host: str, api_key: str | None) -> EngineLaunch:
+    """`launch` with the API key where its engine reads it (module docstring); without one, the warning
+    specpack's own server gives when it listens beyond loopback."""
+    if api_key is None:
+        if not is_loopback(host) and not (launch.engine == "vllm" and os.environ.get("VLLM_API_KEY")):
+            warn_without_key(log, host)
+        return launch
+    if launch.engine == "vllm":
+        return replace(launch, env={**launch.env, "VLLM_API_KEY": api_key})
+    i = launch.argv.index("-m")  # [python, -m, sglang.launch_server, ...]
+    return replace(launch, argv=[launch.argv[0], "-c", SGLANG_WITH_KEY, *launch.argv[i + 2:]],
+                   env={**launch.env, KEY_ENV: api_key})
+
+
+def _digests(folder: Path) -> tuple[tuple[str, str], ...]:
+    from specpack.packager.hashing import sha256_file
+
+    return tuple((str(p.relative_to(folder)), sha256_file(p)) for p in sorted(Path(folder).rglob("*")) if p.is_file())
+
+
+def recheck(launch: EngineLaunch) -> None:
+    """Raise VerificationError (naming each file) when what the engine may have loaded differs from what
+    `prepare` verified: the artifact verified again (its signature too when a key was given), its
+    manifest the one verified then, the export's files as the export wrote them."""
+    from specpack.packager.hashing import sha256_file
+    from specpack.packager.verify import verify
+    from specpack.schemas import MANIFEST_NAME
+
+    if launch.artifact is None:
+        return
+    problems = []
+    manifest = launch.artifact / MANIFEST_NAME
+    if not manifest.is_file() or sha256_file(manifest) != launch.manifest_sha256:
+        problems.append(f"{MANIFEST_NAME}: changed since it was verified")
+    try:
+        verify(launch.artifact, public_key=launch.public_key)
+    except VerificationError as exc:
+        problems += exc.problems
+    if launch.export_digests:
+        was, now = dict(launch.export_digests), dict(_digests(launch.export_dir))
+        problems += [f"{launch.export_dir / p}: changed since the export wrote it" for p in sorted(was.keys() | now.keys())
+                     if was.get(p) != now.get(p)]
+    if problems:
+        raise VerificationError(f"the files {ENGINES[launch.engine].label} loaded from '{launch.artifact}' are not the "
+                                "files verified before it started: it was stopped", problems=problems,
+                                hint="find what changed the artifact; `specpack verify` it, or pull or rebuild it, "
+                                     "then serve again")
 
 
 def _plain_launch(engine: str, exe: Path, artifact: Path, host, port, name, extra, env, chosen) -> EngineLaunch:
@@ -150,18 +251,41 @@ def _export_dir(manifest, engine: str, draft_len, tensor_parallel: int, profile)
     return root / key
 
 
-def run(launch: EngineLaunch) -> int:
-    """Run the engine in the foreground until it exits (Ctrl-C stops it); its exit code."""
+def run(launch: EngineLaunch, poll_s: float = 1.0) -> int:
+    """Run the engine in the foreground until it exits (Ctrl-C stops it); its exit code. Once it
+    answers /health, `recheck`: on any difference it is stopped and the VerificationError raised."""
     import subprocess
 
     log.info("starting %s", launch.command)
     proc = subprocess.Popen(launch.argv, env={**os.environ, **launch.env})
     try:
+        _recheck_when_ready(launch, proc, poll_s)
         return proc.wait()
     except KeyboardInterrupt:
-        proc.terminate()
-        try:
-            return proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            return proc.wait()
+        return _stop(proc)
+    except VerificationError:
+        _stop(proc)
+        raise
+
+
+def _recheck_when_ready(launch: EngineLaunch, proc, poll_s: float) -> None:
+    import time
+
+    url = base_url(launch.argv)
+    while proc.poll() is None:
+        if healthy(url):
+            recheck(launch)
+            log.info("%s is up on the files verified before it started", ENGINES[launch.engine].label)
+            return
+        time.sleep(poll_s)
+
+
+def _stop(proc) -> int:
+    import subprocess
+
+    proc.terminate()
+    try:
+        return proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

@@ -56,9 +56,8 @@ class EngineServer:
     def __init__(self, launch, start_timeout: float = 600.0, env: dict | None = None):
         self.launch, self.start_timeout = launch, start_timeout
         self.env = {**os.environ, **launch.env, **(env or {})}
+        self.url = base_url(launch.argv)
         self.port = int(launch.argv[launch.argv.index("--port") + 1])
-        host = launch.argv[launch.argv.index("--host") + 1]
-        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
         name = "--served-model-name"
         self.model = launch.argv[launch.argv.index(name) + 1] if name in launch.argv else None
         self.proc: subprocess.Popen | None = None
@@ -72,7 +71,8 @@ class EngineServer:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 self._failed(f"{self.launch.engine} exited with code {self.proc.returncode} before it served")
-            if self._healthy():
+            if healthy(self.url):
+                self._recheck()
                 return self
             time.sleep(1.0)
         self.__exit__(None, None, None)
@@ -87,12 +87,15 @@ class EngineServer:
                 os.killpg(self.proc.pid, 9)
                 self.proc.wait()
 
-    def _healthy(self) -> bool:
+    def _recheck(self) -> None:
+        """The files it loaded are the files verified (engines.recheck), else it is stopped."""
+        from specpack.engines import recheck
+
         try:
-            with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                return r.status == 200
-        except (urllib.error.URLError, OSError):
-            return False
+            recheck(self.launch)
+        except SpecpackError:
+            self.__exit__(None, None, None)
+            raise
 
     def _failed(self, message: str):
         tail = self.log_path.read_text(errors="replace")[-20000:]
@@ -113,6 +116,22 @@ class EngineServer:
         with urllib.request.urlopen(self.url + "/metrics", timeout=30) as r:
             text = r.read().decode()
         return SpecCounts(**{k: _sum(text, name) for k, name in SPEC_COUNTERS.items()})
+
+
+def base_url(argv: list[str]) -> str:
+    """Where an engine started with `argv` (its --host and --port) answers, from this machine."""
+    port = int(argv[argv.index("--port") + 1])
+    host = argv[argv.index("--host") + 1]
+    return f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+
+
+def healthy(url: str) -> bool:
+    """The engine at `url` answers /health (200)."""
+    try:
+        with urllib.request.urlopen(url + "/health", timeout=5) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
 
 
 def _sum(text: str, name: str) -> float:

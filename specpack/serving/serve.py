@@ -23,7 +23,6 @@ decoding and stop-string matching run in a thread pool, not on the worker.
 # and `Request` is imported inside create_app so that FastAPI stays an optional dependency.
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import re
 import socket
@@ -32,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from specpack._net import is_loopback, warn_without_key
 from specpack.errors import InputError
 from specpack.schemas import openai as oa
 from specpack.serving.guards import LimitBody, RequireKey
@@ -170,19 +170,9 @@ def run(plan: ServerPlan, host: str = "127.0.0.1", port: int = 8000, log_level: 
     """Serve `plan` until interrupted."""
     import uvicorn
 
-    if not plan.needs_key and not _is_loopback(host):
-        log.warning("serving on %s with no API key: anyone who can reach it can use the model; set "
-                    "--api-key or SPECPACK_API_KEY", host)
+    if not plan.needs_key and not is_loopback(host):
+        warn_without_key(log, host)
     uvicorn.run(plan.app, host=host, port=port, log_level=log_level)
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:  # a host name: it may resolve to anything
-        return False
 
 
 def create_app(model, worker: Scheduler, model_name: str, api_key: Optional[str] = None,
