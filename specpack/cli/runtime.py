@@ -213,7 +213,8 @@ def profiles(artifact, json_mode):
                    "its last 3-4 tokens before, instead of asking the drafter. 0: off [default: the profile's; "
                    "else off].")
 @click.option("--api-key", envvar="SPECPACK_API_KEY",
-              help="Require 'Authorization: Bearer KEY' on every route but /health [env: SPECPACK_API_KEY].")
+              help="Require 'Authorization: Bearer KEY' on every route but /health [env: SPECPACK_API_KEY, which "
+                   "keeps the key off this command line].")
 @click.option("--max-body-bytes", type=int, default=2**20, show_default=True,
               help="Largest request body accepted; a larger one gets 413 before it is read.")
 @click.option("--max-seqs", type=int, default=16, show_default=True,

@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -365,15 +366,21 @@ def test_tune_through_vllm_then_serve_follows_it(wide, root, tmp_path):
     assert [p.model_dump() for p in read_manifest(art).profiles][-1]["id"] == profile.id
     assert passes[4].acceptance_length > 1.5 and profile.evidence.greedy_equal
 
-    port, log = _port(), tmp_path / "serve.log"
+    port, log, key = _port(), tmp_path / "serve.log", "engine-suite-key-7f3a"
     proc = subprocess.Popen([sys.executable, "-m", "specpack", "serve", str(art), "--engine", "vllm", "--port", str(port),
                              "--", *EAGER, "--dtype", "float32", "--max-model-len", "256"],
-                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True)
+                            stdout=subprocess.DEVNULL, stderr=open(log, "w"), start_new_session=True,
+                            env={**os.environ, "SPECPACK_API_KEY": key})
     try:
         said = _wait(port, proc, log)
+        assert not [c for c in _cmdlines() if key in c], "the API key is on a command line ps shows"
         body = json.dumps({"model": "tuned", "prompt": th.PROMPTS[0], "max_tokens": th.NEW, "temperature": 0,
                            "return_token_ids": True, "ignore_eos": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body, {"Content-Type": "application/json"})
+        url, headers = f"http://127.0.0.1:{port}/v1/completions", {"Content-Type": "application/json"}
+        with pytest.raises(urllib.error.HTTPError) as denied:  # vLLM enforces the key specpack handed it
+            urllib.request.urlopen(urllib.request.Request(url, body, headers), timeout=120)
+        assert denied.value.code == 401
+        req = urllib.request.Request(url, body, {**headers, "Authorization": f"Bearer {key}"})
         got = json.load(urllib.request.urlopen(req, timeout=120))["choices"][0]["token_ids"]
     finally:
         os.killpg(proc.pid, 15)
@@ -381,6 +388,17 @@ def test_tune_through_vllm_then_serve_follows_it(wide, root, tmp_path):
     assert f"following validated profile {profile.name}" in said  # speculative or not: timing decides which
     assert ("drafter exported" in said) == profile.settings.speculative
     assert got == th.greedy(0, family="llama-wide")
+
+
+def _cmdlines() -> list[str]:
+    """Every process's command line, as `ps` shows it to any user."""
+    out = []
+    for p in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            out.append(p.read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:
+            pass
+    return out
 
 
 def _wait(port: int, proc, log: Path, timeout: float = 600) -> str:
