@@ -233,11 +233,11 @@ def _modelopt_nvfp4(t: dict, k: str, input_scale: bool = True) -> dict:
     return {**out, stem + "input_scale": torch.tensor(1.0)} if input_scale else out
 
 
-def fp8_block(path: Path, block: int = 16) -> Path:
+def fp8_block(path: Path, block: int = 16, skip: tuple = ()) -> Path:
     """DeepSeek-V3's FP8: every linear weight F8_E4M3 [o, i] + weight_scale_inv F32 [ceil(o/b), ceil(i/b)]."""
     t = load_file(str(path / "model.safetensors"))
     add = {}
-    for k in _linear_names(t, UNQUANTIZED):
+    for k in _linear_names(t, UNQUANTIZED + skip):
         o, i = t[k].shape
         add[k] = t[k].to(torch.float8_e4m3fn)
         add[k[: -len("weight")] + "weight_scale_inv"] = torch.ones(math.ceil(o / block), math.ceil(i / block))
@@ -246,11 +246,11 @@ def fp8_block(path: Path, block: int = 16) -> Path:
                                                                "weight_block_size": [block, block]}})
 
 
-def ct_fp8_channel(path: Path) -> Path:
+def ct_fp8_channel(path: Path, skip: tuple = ()) -> Path:
     """GLM-4.5-FP8's compressed-tensors FP8: weight F8_E4M3 [o, i] + weight_scale BF16 [o, 1]."""
     t = load_file(str(path / "model.safetensors"))
     add = {}
-    for k in _linear_names(t, UNQUANTIZED):
+    for k in _linear_names(t, UNQUANTIZED + skip):
         add[k] = t[k].to(torch.float8_e4m3fn)
         add[k[: -len("weight")] + "weight_scale"] = torch.ones(t[k].shape[0], 1, dtype=torch.bfloat16)
     return edit(path, add=add, config={"quantization_config": {
@@ -260,12 +260,12 @@ def ct_fp8_channel(path: Path) -> Path:
         "ignore": ["lm_head", "re:.*mlp.gate$"]}})
 
 
-def ct_nvfp4(path: Path) -> Path:
+def ct_nvfp4(path: Path, skip: tuple = ()) -> Path:
     """compressed-tensors NVFP4: weight_packed U8 [o, i/2], weight_scale F8_E4M3 [o, i/16],
     weight_global_scale F32 [1], input_global_scale F32 [1]; no `weight`."""
     t = load_file(str(path / "model.safetensors"))
     add, drop = {}, []
-    for k in _linear_names(t, UNQUANTIZED):
+    for k in _linear_names(t, UNQUANTIZED + skip):
         o, i = t[k].shape
         stem = k[: -len("weight")]
         drop.append(k)
@@ -280,10 +280,10 @@ def ct_nvfp4(path: Path) -> Path:
         "ignore": ["lm_head"]}})
 
 
-def fp8_per_tensor(path: Path) -> Path:
+def fp8_per_tensor(path: Path, skip: tuple = ()) -> Path:
     """FP8 without blocks: weight F8_E4M3 [o, i], weight_scale F32 [] and (static activations) input_scale []."""
     t = load_file(str(path / "model.safetensors"))
-    add = {n: v for k in _linear_names(t, UNQUANTIZED) for n, v in _fp8_scalar(t, k).items()}
+    add = {n: v for k in _linear_names(t, UNQUANTIZED + skip) for n, v in _fp8_scalar(t, k).items()}
     return edit(path, add=add, config={"quantization_config": {"quant_method": "fp8", "activation_scheme": "static"}})
 
 
@@ -306,25 +306,39 @@ def ct_int4(path: Path, group: int = 32) -> Path:
         "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*"]}})
 
 
-def modelopt_fp8(path: Path) -> Path:
+def modelopt_fp8(path: Path, skip: tuple = ()) -> Path:
     """ModelOpt FP8: weight F8_E4M3 [o, i], weight_scale F32 [], input_scale F32 []."""
     t = load_file(str(path / "model.safetensors"))
-    add = {n: v for k in _linear_names(t, UNQUANTIZED) for n, v in _fp8_scalar(t, k).items()}
+    add = {n: v for k in _linear_names(t, UNQUANTIZED + skip) for n, v in _fp8_scalar(t, k).items()}
     return edit(path, add=add, config={"quantization_config": {"quant_method": "modelopt", "quant_algo": "FP8",
                                                                "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}})
 
 
-def modelopt_nvfp4(path: Path, hf_quant_file: bool = False) -> Path:
+def modelopt_nvfp4(path: Path, hf_quant_file: bool = False, skip: tuple = ()) -> Path:
     """ModelOpt NVFP4: weight U8 [o, i/2], weight_scale F8_E4M3 [o, i/16], weight_scale_2 F32 [],
     input_scale F32 []; stated in config.json, or (older exports) in hf_quant_config.json alone."""
     t = load_file(str(path / "model.safetensors"))
-    add = {n: v for k in _linear_names(t, UNQUANTIZED + ("conv1d", "mixer.in_proj", "mixer.out_proj"))
+    add = {n: v for k in _linear_names(t, UNQUANTIZED + skip + ("conv1d", "mixer.in_proj", "mixer.out_proj"))
            for n, v in _modelopt_nvfp4(t, k).items()}
     q = {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16, "exclude_modules": ["lm_head"]}
     if hf_quant_file:
         (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": q}))
         return edit(path, add=add)
     return edit(path, add=add, config={"quantization_config": {"quant_method": "modelopt", **q}})
+
+
+def mxfp8(path: Path, skip: tuple = ()) -> Path:
+    """MiniMax-style MXFP8 (vLLM modelopt.py ModelOptMxFp8Config.from_config): quant_method mxfp8,
+    weight F8_E4M3 [o, i], weight_scale E8M0 [o, i/32] (one scale per 32 inputs of a row)."""
+    t = load_file(str(path / "model.safetensors"))
+    add = {}
+    for k in _linear_names(t, UNQUANTIZED + skip):
+        o, i = t[k].shape
+        add[k] = t[k].to(torch.float8_e4m3fn)
+        add[k[: -len("weight")] + "weight_scale"] = torch.full((o, i // 32), 127, dtype=torch.uint8).view(
+            torch.float8_e8m0fnu)
+    return edit(path, add=add, config={"quantization_config": {"quant_method": "mxfp8", "weight_block_size": [1, 32],
+                                                               "ignored_layers": ["lm_head"]}})
 
 
 def modelopt_mixed(path: Path) -> Path:

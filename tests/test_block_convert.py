@@ -261,7 +261,8 @@ def test_own_embedding_that_differs_is_kept_equal_copy_is_shared(tmp_path, tiny_
     ("zlab-dflash", {"rope_theta": 1000000.0}, "RoPE base 1000000.0 != the target's 10000"),
     ("zlab-dflash", {"is_neox_style": False}, "interleaved RoPE"),
     ("zlab-dflash", {"hidden_act": "gelu"}, "only silu"),
-    ("zlab-dflash", {"quantization_config": {"quant_algo": "W4A16_NVFP4"}}, "quantized (W4A16_NVFP4)"),
+    ("zlab-dflash", {"quantization_config": {"quant_algo": "W4A16_NVFP4"}}, "quant_algo 'W4A16_NVFP4' but no "
+                                                                            "quant_method"),
     ("zlab-dflash", {"block_size": 1}, "leaves no draft slot"),
     ("zlab-dflash", {"block_size": "4"}, "block size '4' is not an integer"),
     ("deepspec-dspark", {"target_layer_ids": "1,4,6"}, "target_layer_ids = '1,4,6' is not a list of layer ids"),

@@ -48,7 +48,7 @@ def test_unknown_missing_and_misshapen_tensors_all_listed(tmp_path, tiny_target,
     _fails(cli, tmp_path, tiny_target, "--drafter", src,
            text=["tensor 'midlayer.extra_gate.weight' maps to no canonical name",
                  "missing tensor 'norm.weight'",
-                 "layers.0.mlp.up_proj.weight: shape [7, 64], expected [128, 64]"])
+                 "midlayer.mlp.up_proj.weight: shape [7, 64], expected [128, 64]"])
 
 
 def test_fc_width_not_three_hidden(tmp_path, tiny_target, tiny_cfg, head, cli):

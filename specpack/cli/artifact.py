@@ -14,8 +14,9 @@ from specpack.cli._common import JSON, PUBKEY, cli
 @click.argument("target", type=click.Path(path_type=Path))
 @click.option("--drafter", required=True,
               help="Drafter: a directory (EAGLE-3 official/SGLang/ModelOpt/vLLM speculators head, DFlash/DSpark/"
-                   "LiLiCorr block drafter, MTP head, or a draft model), 'mtp' (the target's own MTP layers) or "
-                   "'ngram'.")
+                   "LiLiCorr block drafter, MTP head, or a draft model), 'mtp' (the target's own MTP layers), "
+                   "'bundled' (the one drafter the release ships: MTP in its weights or a subfolder such as "
+                   "dspark/; `specpack inspect TARGET` lists them) or 'ngram'.")
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--key", type=click.Path(path_type=Path), envvar="SPECPACK_SIGNING_KEY",
               help="EC private key (PEM) to sign with [env: SPECPACK_SIGNING_KEY]. Without it the "
@@ -57,6 +58,7 @@ def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block
     Examples:
       specpack build ./target --drafter ./eagle3-head -o my-artifact --key signer.pem
       specpack build ./target --drafter ngram --ngram-max 3 --draft-len 6 -o my-artifact
+      specpack build ./release --drafter bundled -o my-artifact   # the drafter the release ships
       specpack build ./deepseek-v3 --drafter mtp -o deepseek-mtp --key signer.pem
       specpack build ./qwen3-8b --drafter ./dspark-head --block-layout anchor_first -o qwen3-dspark
     """
@@ -145,13 +147,50 @@ def verify(artifact, public_key, require_signature, json_mode):
 def inspect(artifact, json_mode):
     """Summarise ARTIFACT: target, drafter and its bindings, memory, signature, files.
 
+    On a model directory that is not an artifact (a release as downloaded), list the drafters it
+    bundles: MTP modules in its weights, DSpark stages its config declares, drafters in a subfolder
+    (`dspark/`), each with its layout and what `build --drafter bundled` would bind.
+
     \b
-    Example:
+    Examples:
       specpack inspect my-artifact --json | jq .drafter
+      specpack inspect ./MiniMax-M3.1        # what the release bundles
     """
+    from specpack.schemas import MANIFEST_NAME
+
+    if not (artifact / MANIFEST_NAME).is_file() and (artifact / "config.json").is_file():
+        emit(_release(artifact), json_mode, _release_text)
+        return
     from specpack.packager import describe
 
     emit(describe(artifact), json_mode, _inspect_text)
+
+
+def _release(root: Path) -> dict:
+    from specpack.converters import bundled
+    from specpack.errors import InputError, UnsupportedError
+
+    found = bundled.find(root)
+    try:
+        binds = bundled.choose(root)
+    except (InputError, UnsupportedError) as exc:
+        binds, why = None, exc.message
+    else:
+        why = None
+    return {"release": str(root), "bundled": [b.to_dict() for b in found],
+            "drafter_bundled": binds, **({"why_not": why} if why else {})}
+
+
+def _release_text(d: dict) -> str:
+    rows = [("release", f"{d['release']} (a model directory, not an artifact)")]
+    for b in d["bundled"]:
+        binds = f"--drafter {b['drafter']}" if "drafter" in b else f"cannot be bound: {b['why_not']}"
+        rows.append((f"  layout {b['layout']}", f"{b['kind']} in {b['where']}: {b['detail']}; {binds}"))
+    if not d["bundled"]:
+        rows.append(("  bundled", "no drafter"))
+    rows.append(("--drafter bundled", f"binds {d['drafter_bundled']}" if d["drafter_bundled"] else
+                 f"refused: {d['why_not']}"))
+    return table(rows)
 
 
 def _inspect_text(d: dict) -> str:
@@ -211,6 +250,8 @@ def import_gguf(gguf_file, out, dtype, force, json_mode):
 
 
 def _block_rows(dr: dict) -> list[tuple[str, str]]:
+    from specpack.packager.card import quantization_text
+
     f = dr["target_features"]
     heads = [f"markov rank {dr['markov']['rank']} ({dr['markov']['type']})"] if "markov" in dr else []
     heads += [f"confidence{' +markov' if dr['confidence']['with_markov'] else ''}"] if "confidence" in dr else []
@@ -228,7 +269,8 @@ def _block_rows(dr: dict) -> list[tuple[str, str]]:
                                  f"{', windows ' + str(dr['sliding_window']) if any(dr['sliding_window']) else ''}"
                                  f"{', sinks' if dr['attention_sinks'] else ''}"),
             ("  heads", ", ".join(heads) or "none"),
-            ("  params/dtype", f"{dr['parameters']:,} / {dr['dtype']}")]
+            ("  params/dtype", f"{dr['parameters']:,} / {dr['dtype']}")] + \
+        ([("  quantization", quantization_text(dr["quantization"]))] if "quantization" in dr else [])
 
 
 def _remote_code_text(rc: dict) -> str:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from specpack.converters import drafter_tensors
 from specpack.converters.base import AuxOverride, ConvertedDrafter
-from specpack.converters.target_hf import Target, read_config, read_json
+from specpack.converters.target_hf import Target, quantization_entry, read_config, read_json
 from specpack.errors import ConversionError, InputError
 from specpack.families.base import size_problems
 from specpack.families.fields import check_config
@@ -100,10 +101,12 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
                          hint="is this the head's own config.json?")
     tensors, name_problems = _map_names(layout, raw)
     geo, geo_problems = _geometry(config, target, tensors)
-    problems = list(problems or []) + name_problems + geo_problems
+    q, quant_problems = drafter_tensors.scheme(path, config)
+    problems = list(problems or []) + name_problems + geo_problems + quant_problems
     aux_layers, aux_problems = _aux_layers(layout, config, geo, tensors, aux)
     aux_layers = aux_layers.model_copy(update={"produced_by": target.feature_kinds(aux_layers.layer_ids)})
-    problems += aux_problems + _check_shapes(tensors, geo, aux_layers) + _embedding_problems(tensors, geo, target)
+    checked = _check_tensors(layout, tensors, geo, aux_layers, q)
+    problems += aux_problems + checked.problems + _embedding_problems(tensors, geo, target)
     t2d_source, map_problems = _check_vocab_map(tensors, geo)
     problems += map_problems
     if problems:
@@ -111,7 +114,11 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
                               f"'{target.root}'", problems=problems,
                               hint="is this head made for this target? Fix or re-export the head")
     embedding = _embedding_source(tensors, target)
-    return _canonical(layout, config, tensors, geo, aux_layers, t2d_source, embedding, source)
+    converted = _canonical(layout, config, tensors, geo, aux_layers, t2d_source, embedding, source, checked)
+    if q:
+        converted.config["quantization_config"] = drafter_tensors.stated_config(path, config)
+    return replace(converted, entry=converted.entry.model_copy(
+        update={"quantization": quantization_entry(q, checked.counts)}))
 
 
 def _tensor_names(path: Path) -> set[str]:
@@ -171,12 +178,28 @@ def _layout(config: dict, names: set[str]) -> str | None:
 
 
 def _map_names(layout: str, raw: dict) -> tuple[dict, list[str]]:
+    """The head's tensors under canonical names: a quantized weight's scales (`X.weight_scale`) follow
+    their weight's name; what is missing is found by `_check_tensors`."""
     mapping = LAYOUTS[layout][0]
-    tensors = {mapping[k]: v for k, v in raw.items() if k in mapping}
-    problems = [f"tensor '{k}' maps to no canonical name" for k in sorted(raw) if k not in mapping]
-    canonical_to_source = {v: k for k, v in mapping.items()}
-    problems += [f"missing tensor '{canonical_to_source.get(k, k)}'" for k in REQUIRED if k not in tensors]
+    tensors, problems = {}, []
+    for k, v in raw.items():
+        name = mapping.get(k) or _scale_name(k, mapping)
+        if name is None:
+            problems.append(f"tensor '{k}' maps to no canonical name")
+        else:
+            tensors[name] = v
     return tensors, problems
+
+
+def _scale_name(name: str, mapping: dict) -> str | None:
+    """`X.<suffix>` beside a mapped `X.weight` -> the canonical stem with the same suffix."""
+    stem, _, suffix = name.rpartition(".")
+    weight = mapping.get(f"{stem}.weight")
+    return f"{weight.removesuffix('.weight')}.{suffix}" if weight and weight.endswith(".weight") and suffix else None
+
+
+def source_names(layout: str) -> dict:
+    return {v: k for k, v in LAYOUTS[layout][0].items()}
 
 
 def _geometry(config: dict, target: Target, tensors: dict) -> tuple[_Geometry, list[str]]:
@@ -276,20 +299,28 @@ def _expected_shapes(geo: _Geometry, n_aux: int) -> dict[str, tuple]:
     return {**shapes, **{f"layers.0.{k}": v for k, v in layer.items()}}
 
 
-def _check_shapes(tensors: dict, geo: _Geometry, aux: AuxLayers) -> list[str]:
+def _check_tensors(layout: str, tensors: dict, geo: _Geometry, aux: AuxLayers, q) -> drafter_tensors.Checked:
+    """Every tensor, float or as the scheme `q` stores it (drafter_tensors.check), and fc's width
+    against the aux layers (named first: its usual cause is a wrong aux layer count)."""
     n_aux = len(aux.layer_ids) or 3
-    problems = []
-    fc = tensors.get("fc.weight")
-    if fc is not None and fc.ndim == 2 and fc.shape[1] != n_aux * geo.target_hidden:
-        problems.append(f"fc.weight takes {fc.shape[1]} inputs, but {n_aux} aux layers × target "
-                        f"hidden {geo.target_hidden} = {n_aux * geo.target_hidden}")
-    for name, want in _expected_shapes(geo, n_aux).items():
-        got = tensors.get(name)
-        if got is not None and tuple(got.shape) != want and not (name == "fc.weight" and got.ndim == 2):
-            problems.append(f"{name}: shape {list(got.shape)}, expected {list(want)}")
-    if fc is not None and fc.ndim == 2 and fc.shape[0] != geo.hidden:
-        problems.append(f"fc.weight: {fc.shape[0]} outputs, expected hidden size {geo.hidden}")
-    return problems
+    expected = _expected_shapes(geo, n_aux)
+    fc, problems = tensors.get("fc.weight"), []
+    if fc is not None and fc.ndim == 2 and fc.element_size() > 1:  # a packed fc is checked by its scheme
+        if fc.shape[1] != n_aux * geo.target_hidden:
+            problems.append(f"fc.weight takes {fc.shape[1]} inputs, but {n_aux} aux layers × target "
+                            f"hidden {geo.target_hidden} = {n_aux * geo.target_hidden}")
+        if fc.shape[0] != geo.hidden:
+            problems.append(f"fc.weight: {fc.shape[0]} outputs, expected hidden size {geo.hidden}")
+        expected["fc.weight"] = None if problems else expected["fc.weight"]
+    names = source_names(layout)
+    checked = drafter_tensors.check(expected, tensors, q, _linear, OPTIONAL, ("d2t", "t2d"),
+                                    lambda n: names.get(n, n))
+    checked.problems[:0] = problems
+    return checked
+
+
+def _linear(name: str) -> bool:
+    return name.endswith("_proj.weight") or name in ("fc.weight", "lm_head.weight")
 
 
 def check_vocab_map(tensors: dict, draft_vocab: int, target_vocab: int) -> tuple[str, list[str]]:
@@ -358,8 +389,8 @@ def _embedding_source(tensors: dict, target: Target) -> str:
     return "drafter"
 
 
-def _canonical(layout, config, tensors, geo, aux, t2d_source, embedding, source) -> ConvertedDrafter:
-    dtype = str(tensors["fc.weight"].dtype).removeprefix("torch.")
+def _canonical(layout, config, tensors, geo, aux, t2d_source, embedding, source, checked) -> ConvertedDrafter:
+    dtype = drafter_tensors.float_dtype(tensors, checked.held)
     norm_before_residual = bool(config.get("norm_before_residual", False))
     canonical_config = {
         "kind": "eagle3", "hidden_size": geo.hidden, "intermediate_size": geo.intermediate,
@@ -372,12 +403,12 @@ def _canonical(layout, config, tensors, geo, aux, t2d_source, embedding, source)
         "aux_layer_ids": aux.layer_ids, "draft_vocab_size": geo.draft_vocab,
         "target_vocab_size": geo.target_vocab, "embedding": embedding,
         "norm_before_residual": norm_before_residual}
-    params = sum(t.numel() for k, t in tensors.items() if k not in ("d2t", "t2d"))
+    params = drafter_tensors.parameters(checked.held, tensors, ("d2t", "t2d"))
     entry = Eagle3Drafter(
         source_layout=layout, source=source, dtype=dtype, parameters=params, hidden_size=geo.hidden,
         aux_hidden_states=aux, draft_vocab_size=geo.draft_vocab,
         vocab_map="d2t" if "d2t" in tensors else "identity", t2d_source=t2d_source,
         embedding_source=embedding, norm_before_residual=norm_before_residual)
-    kv = 2 * geo.kv_heads * geo.head_dim * tensors["fc.weight"].element_size()
+    kv = 2 * geo.kv_heads * geo.head_dim * drafter_tensors.FLOAT_BYTES.get(dtype, 2)
     return ConvertedDrafter(entry=entry, config=canonical_config, tensors=tensors,
                             kv_bytes_per_token=kv)

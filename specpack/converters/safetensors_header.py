@@ -10,11 +10,12 @@ from pathlib import Path
 
 from specpack.errors import ConversionError
 
-DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "I16": 2,
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "U16": 2, "I16": 2,
                "F16": 2, "BF16": 2, "U32": 4, "I32": 4, "F32": 4, "U64": 8, "I64": 8, "F64": 8}
 TORCH_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
                "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
-               "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+               "BOOL": "bool", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu"}
+ST_NAMES = {v: k for k, v in TORCH_NAMES.items()}
 MAX_HEADER_BYTES = 100_000_000
 
 
@@ -28,6 +29,12 @@ class TensorMeta:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def st_dtype(tensor) -> str:
+    """The safetensors name of a torch tensor's dtype (F8_E4M3 for torch.float8_e4m3fn)."""
+    name = str(tensor.dtype).removeprefix("torch.")
+    return ST_NAMES.get(name, name)
 
 
 def read_header(path: Path) -> dict[str, TensorMeta]:

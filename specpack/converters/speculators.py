@@ -59,7 +59,7 @@ def flat_config(config: dict) -> dict:
             layer["rope_scaling"] = rope
     flat = {**layer, "draft_vocab_size": config.get("draft_vocab_size") or layer["vocab_size"],
             "norm_before_residual": bool(config.get("norm_before_residual", False))}
-    for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids"):
+    for key in ("target_hidden_size", "eagle_aux_hidden_state_layer_ids", "quantization_config"):
         if config.get(key) is not None:
             flat[key] = config[key]
     return flat

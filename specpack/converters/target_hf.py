@@ -309,10 +309,18 @@ def _arch_info(c: families.Checked, tensors) -> TargetArch:
         draft_len_start=a.draft_len_start,
         mtp=TargetMtp(layout=a.mtp.layout, count_key=a.mtp.count_key, stated=a.mtp.layers, held=c.mtp_held)
         if a.mtp else None,
-        quantization=TargetQuantization(scheme=q.scheme, quant_method=q.quant_method,
-                                        block=list(q.block) if q.block else None, group=q.group, kv_cache=q.kv_cache,
-                                        quantized_linear=c.quantized, unquantized_linear=c.unquantized) if q else None,
+        quantization=quantization_entry(q, {True: c.quantized, False: c.unquantized}),
         runs=a.runs and q is None and not c.fused_experts)  # the runtime reads experts one MLP each
+
+
+def quantization_entry(q: quant.Quant | None, counts: dict[bool, int]) -> TargetQuantization | None:
+    """The manifest's account of a checkpoint's scheme (a target's or a drafter's), with what its
+    check counted: {True: linear weights stored quantized, False: stored unquantized}."""
+    if q is None:
+        return None
+    return TargetQuantization(scheme=q.scheme, quant_method=q.quant_method, block=list(q.block) if q.block else None,
+                              group=q.group, kv_cache=q.kv_cache, quantized_linear=counts[True],
+                              unquantized_linear=counts[False])
 
 
 def _numel(shape) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpack.exports._common import ExportContext, output_of_layer, save_tensors, write_json
+from specpack.exports._common import ExportContext, output_of_layer, save_tensors, with_quantization, write_json
 
 _SLIDING = "sliding_attention"
 
@@ -113,7 +113,7 @@ def hf_config(ctx: ExportContext, head: dict, arch: str) -> dict:
     if d.logit_scale is not None:
         config["logit_scale"] = d.logit_scale
     config.update(_head_fields(d, dc))
-    return config
+    return with_quantization(config, head)
 
 
 def _head_fields(d, dc: dict) -> dict:

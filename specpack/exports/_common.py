@@ -125,6 +125,14 @@ def hf_draft_config(ctx: ExportContext, head: dict, architectures: list[str],
     }
     if head.get("rope_scaling"):
         config["rope_scaling"] = head["rope_scaling"]
+    return with_quantization(config, head)
+
+
+def with_quantization(config: dict, head: dict) -> dict:
+    """`config` with the drafter's quantization_config as its source stated it (engines pick the
+    scheme's kernels from it); unchanged for a float drafter."""
+    if head.get("quantization_config"):
+        config["quantization_config"] = head["quantization_config"]
     return config
 
 
@@ -154,7 +162,7 @@ def quote(value) -> str:
 QUANT_NAMES = {
     "vllm": {"fp8-block": "fp8", "fp8": "fp8", "ct-fp8": "compressed-tensors", "ct-nvfp4": "compressed-tensors",
              "ct-int4": "compressed-tensors", "modelopt-nvfp4": "modelopt_fp4", "modelopt-fp8": "modelopt",
-             "modelopt-mixed": "modelopt_mixed", "mxfp4": "gpt_oss_mxfp4"},
+             "modelopt-mixed": "modelopt_mixed", "mxfp4": "gpt_oss_mxfp4", "mxfp8": "modelopt_mxfp8"},
     "sglang": {"fp8-block": "fp8", "fp8": "fp8", "ct-fp8": "compressed-tensors", "ct-nvfp4": "compressed-tensors",
                "ct-int4": "compressed-tensors", "modelopt-nvfp4": "modelopt_fp4", "modelopt-fp8": "modelopt_fp8",
                "modelopt-mixed": "modelopt_mixed", "mxfp4": "mxfp4"},
@@ -175,13 +183,18 @@ def target_lines(manifest, engine: str) -> list[str]:
     if a.experts:
         lines.append(f"- {a.experts.active} of {a.experts.routed} routed experts a token; "
                      f"{a.active_parameters:,} of {a.total_parameters:,} parameters active")
-    q = a.quantization
-    if q:
-        name = QUANT_NAMES.get(engine, {}).get(q.scheme)
-        lines.append(f"- quantized: {q.scheme} ({q.quant_method}, every packed weight and scale checked at build); "
-                     + (f"{engine} reads it from the checkpoint's config as `{name}`" if name else
-                        f"no {engine} name for it was checked: see the engine's quantization support"))
+    if a.quantization:
+        lines.append(f"- {quantization_line(a.quantization, engine)}")
     return lines + [""]
+
+
+def quantization_line(q, engine: str, whose: str = "the checkpoint's") -> str:
+    """A quantized checkpoint (a target's or a drafter's) as `engine` names its scheme."""
+    name = QUANT_NAMES.get(engine, {}).get(q.scheme)
+    return (f"quantized: {q.scheme} ({q.quant_method}; {q.quantized_linear} linear weights packed, "
+            f"{q.unquantized_linear} kept float, every packed weight and scale checked at build); "
+            + (f"{engine} reads it from {whose} config as `{name}`" if name else
+               f"no {engine} name for it was checked: see the engine's quantization support"))
 
 
 def write_readme(ctx: ExportContext, engine: str, export: EngineExport) -> None:
@@ -197,6 +210,9 @@ def write_readme(ctx: ExportContext, engine: str, export: EngineExport) -> None:
                   f"*{export.aux_convention.replace('_', ' ')} i* ({engine}'s convention; the "
                   f"artifact states {d.aux_hidden_states.layer_ids} as input of layer i).", ""]
     lines += target_lines(ctx.manifest, engine)
+    if getattr(d, "quantization", None):
+        lines += ["## Drafter", "", "- " + quantization_line(d.quantization, engine, "the draft") +
+                  "; weights and scales carried bit for bit, `quantization_config` as the source states it", ""]
     if export.bindings:
         lines += ["## Bindings", ""] + [f"- {b}" for b in export.bindings] + [""]
     schedule = list(ctx.schedule_notes) + export.schedule

@@ -60,7 +60,7 @@ import json
 
 from specpack.exports import _block, _mtp, _schedule
 from specpack.exports._common import (EngineExport, ExportContext, aux_problems, capture_problems,
-                                                embedding_problems, quote, write_json)
+                                                embedding_problems, quote, with_quantization, write_json)
 from specpack.packager.hashing import place_file
 
 NAME = "vllm"
@@ -270,7 +270,7 @@ def speculators_config(ctx: ExportContext, head: dict, aux_ids: list[int]) -> di
         layer["rope_scaling"] = head["rope_scaling"]
     greedy = {"proposal_type": "greedy", "speculative_tokens": ctx.draft_len,
               "verifier_accept_k": 1, "accept_tolerance": 0.0}
-    return {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+    return with_quantization({"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
             "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": layer,
             "draft_vocab_size": head["draft_vocab_size"],
             "norm_before_residual": head["norm_before_residual"],
@@ -279,7 +279,7 @@ def speculators_config(ctx: ExportContext, head: dict, aux_ids: list[int]) -> di
             "speculators_config": {"algorithm": "eagle3", "proposal_methods": [greedy],
                                    "default_proposal_method": "greedy",
                                    "verifier": {"name_or_path": _verifier_name(ctx),
-                                                "architectures": [t.architecture]}}}
+                                                "architectures": [t.architecture]}}}, head)
 
 
 def _verifier_name(ctx: ExportContext) -> str:

@@ -72,7 +72,7 @@ def check(arch: Arch, found: dict, q: quant.Quant | None) -> Checked:
     module = FAMILIES[arch.family]
     fused = _fused(found)
     expected = module.tensors(arch, fused)
-    problems, counts = _tensor_problems(expected, found, q)
+    problems, counts = quant.check_all(expected, found, q)
     problems += _scheme_problems(arch, expected, found, q, counts)
     if problems:
         raise InputError(f"the checkpoint does not match its config ({len(problems)} problems)", problems=problems,
@@ -139,27 +139,11 @@ def _experts(found: dict, prefix: str) -> dict[str, set[int]]:
     return out
 
 
-def _tensor_problems(expected: dict, found: dict, q) -> tuple[list[str], dict[bool, int]]:
-    problems, counts = [], {True: 0, False: 0}
-    ignored = quant.ignored(q, {quant.module_of(n) for n in found})
-    for name, t in expected.items():
-        bad, quantized = quant.check(name, t, found, q, ignored.get(quant.module_of(name)))
-        problems += bad
-        if t.linear and not bad:
-            counts[quantized] += 1
-    return problems, counts
-
-
 def _scheme_problems(arch: Arch, expected: dict, found: dict, q, counts: dict[bool, int]) -> list[str]:
     """A scheme that quantizes nothing the checkpoint holds, and MIXED_PRECISION's quantized_layers
     naming a module the model does not have (neither a decoder or MTP linear nor any tensor's module)."""
-    if q is None:
-        return []
-    if not counts[True]:
-        return [f"quantization_config states {q.description}, but none of the {counts[False]} linear weights is "
-                "stored quantized (is this the unquantized checkpoint under a quantized model's config?)"]
-    if not q.layers:
-        return []
+    if q is None or not counts[True] or not q.layers:
+        return quant.none_quantized(q, counts)
     mtp = {n: t for k in range(mtp_held(arch, found)) for n, t in mtp_tensors(arch, k).items()}
     linear = {quant.module_of(n) for n, t in {**expected, **mtp}.items() if t.linear}
     fused = {n.rsplit(".", 1)[0] + "." for n in linear if not n.endswith(".weight") and n in expected}

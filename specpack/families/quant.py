@@ -17,6 +17,7 @@ its logical shape. Nothing is skipped.
 | `modelopt-fp8` | modelopt FP8 | X.weight F8_E4M3 [o, i]; X.weight_scale []; X.input_scale [] |
 | `modelopt-mixed` | modelopt MIXED_PRECISION + `quantized_layers` {module: {quant_algo}} | each listed module as its NVFP4 / W4A16_NVFP4 / FP8 entry says; every other module unquantized |
 | `mxfp4` | quant_method mxfp4 (gpt-oss) | X_blocks U8 [*lead, o, i/32, 16]; X_scales U8 [*lead, o, i/32] |
+| `mxfp8` | quant_method mxfp8 (MiniMax), or modelopt MXFP8 | X.weight F8_E4M3 [o, i]; X.weight_scale E8M0 (U8) [o, i/32] |
 
 Every field of a quantization config is type-checked as it is read (an error names it); a scheme that
 quantizes none of the checkpoint's linear weights, an F8 weight under a config that states no scheme,
@@ -24,7 +25,12 @@ and a compressed-tensors `ignore` entry's module stored quantized are refused; `
 compiled once and matched within a time budget.
 
 Sources (read, not guessed): vLLM layers/quantization/{fp8,modelopt,mxfp4}.py and compressed_tensors/
-schemes, transformers integrations/{finegrained_fp8,mxfp4}.py, DeepSeek-V3 README_WEIGHTS.md.
+schemes, transformers integrations/{finegrained_fp8,mxfp4}.py, DeepSeek-V3 README_WEIGHTS.md. MXFP8:
+vLLM modelopt.py `ModelOptMxFp8Config.from_config` reads MiniMax-style `quant_method: "mxfp8"` (with
+`ignored_layers`) as ModelOpt MXFP8, whose linear holds `weight` E4M3 [n, k] and `weight_scale`
+E8M0 [n, k/32] (MXFP8_BLOCK_SIZE 32). A third-party note names MiniMax-M3.1's dspark/ scales
+`weight_scale_inv` U8 (shared/RELEASES.md pair 2); vLLM's loader does not read that name, so such a
+checkpoint is refused naming the tensor, not carried on a guess.
 """
 
 from __future__ import annotations
@@ -80,19 +86,33 @@ def scheme(config: dict, hf_quant: dict | None = None) -> Quant | None:
     """The scheme config.json's `quantization_config` (or a ModelOpt `hf_quant_config.json`) states,
     None for an unquantized checkpoint; an InputError naming the field for one specpack cannot check
     (each field read is type-checked: fields.field)."""
+    qc = stated_config(config, hf_quant)
+    if qc is None:
+        return None
+    method = field(qc, "quant_method", STR, W, "").lower()
+    if not method and "quant_algo" in qc:
+        raise InputError(f"quantization_config states quant_algo {qc['quant_algo']!r} but no quant_method: which "
+                         "scheme's reader applies is not stated", hint="ModelOpt checkpoints state quant_method "
+                         "\"modelopt\" (vLLM modelopt.py detects ModelOpt by it), or ship hf_quant_config.json; add it")
+    reader = {"fp8": _fp8, "compressed-tensors": _compressed, "modelopt": _modelopt, "mxfp4": _mxfp4,
+              "mxfp8": _mxfp8}.get(method)
+    if reader is None:
+        raise InputError(f"quantization_config.quant_method {method!r} is not a scheme specpack can check",
+                         hint="supported: fp8 (block or per-tensor), compressed-tensors (FP8, NVFP4, INT4), "
+                              "modelopt (NVFP4, FP8, MXFP8, MIXED_PRECISION), mxfp4, mxfp8; dequantize others to "
+                              "bf16 first")
+    return reader(qc)
+
+
+def stated_config(config: dict, hf_quant: dict | None = None) -> dict | None:
+    """The quantization config as the checkpoint states it: config.json's `quantization_config` (or
+    its text_config's), else a ModelOpt hf_quant_config.json's `quantization` with quant_method
+    modelopt (the form transformers writes into config.json); None for an unquantized checkpoint."""
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
     qc = config.get("quantization_config") or text.get("quantization_config")
     if qc is None and hf_quant:
         qc = {"quant_method": "modelopt", **field(hf_quant, "quantization", OBJECT, "hf_quant_config.json ", {})}
-    if qc is None:
-        return None
-    method = field(qc, "quant_method", STR, W, "").lower()
-    reader = {"fp8": _fp8, "compressed-tensors": _compressed, "modelopt": _modelopt, "mxfp4": _mxfp4}.get(method)
-    if reader is None:
-        raise InputError(f"quantization_config.quant_method {method!r} is not a scheme specpack can check",
-                         hint="supported: fp8 (block or per-tensor), compressed-tensors (FP8, NVFP4, INT4), "
-                              "modelopt (NVFP4, FP8, MIXED_PRECISION), mxfp4; dequantize others to bf16 first")
-    return reader(qc)
+    return qc
 
 
 def _fp8(qc: dict) -> Quant:
@@ -151,11 +171,13 @@ def _modelopt(qc: dict) -> Quant:
         return Quant("modelopt-nvfp4", "modelopt", group=group, kv_cache=kv)
     if algo == "FP8":
         return Quant("modelopt-fp8", "modelopt", kv_cache=kv)
+    if algo == "MXFP8":
+        return Quant("mxfp8", "modelopt", block=MX_BLOCK, kv_cache=kv)
     if algo == "MIXED_PRECISION":
         return Quant("modelopt-mixed", "modelopt", group=group, kv_cache=kv,
                      layers=_mixed_layers(qc.get("quantized_layers")))
     raise InputError(f"ModelOpt quant_algo {algo!r} is not a scheme specpack can check",
-                     hint="supported: NVFP4, W4A16_NVFP4, FP8, MIXED_PRECISION")
+                     hint="supported: NVFP4, W4A16_NVFP4, FP8, MXFP8, MIXED_PRECISION")
 
 
 MIXED_ALGOS = ("NVFP4", "W4A16_NVFP4", "FP8")
@@ -229,6 +251,19 @@ def _mxfp4(qc: dict) -> Quant:
     return Quant("mxfp4", "mxfp4", group=32)
 
 
+MX_BLOCK = (1, 32)  # an MX scale covers 32 consecutive inputs of one row (vLLM MXFP8_BLOCK_SIZE)
+
+
+def _mxfp8(qc: dict) -> Quant:
+    """MiniMax-style MXFP8: `weight_block_size`, where stated, must be the MX block [1, 32]."""
+    block = qc.get("weight_block_size")
+    if block is not None and _pair(block, "weight_block_size") != MX_BLOCK:
+        raise InputError("quantization_config.weight_block_size of an mxfp8 checkpoint must be [1, 32] (one E8M0 "
+                         "scale per 32 inputs of a row)", problems=[f"weight_block_size = {block!r}"])
+    field(qc, "ignored_layers", STRS, W)
+    return Quant("mxfp8", "mxfp8", block=MX_BLOCK, kv_cache=field(qc, "kv_cache_quant_algo", STR, W, "").lower() or None)
+
+
 def _pair(value, key: str) -> tuple[int, int]:
     if not (isinstance(value, list) and len(value) == 2 and all(isinstance(v, int) and v > 0 for v in value)):
         raise InputError(f"quantization_config.{key} must be two positive integers", problems=[f"{key} = {value!r}"])
@@ -236,6 +271,44 @@ def _pair(value, key: str) -> tuple[int, int]:
 
 
 # ---- checking one tensor --------------------------------------------------------------------------
+
+def check_all(expected: dict, found: dict, q: Quant | None) -> tuple[list[str], dict[bool, int]]:
+    """Every tensor of `expected` (name -> Tensor) against `found` (name -> header entry): (problems,
+    {True: linear weights stored quantized, False: stored unquantized})."""
+    problems, counts = [], {True: 0, False: 0}
+    by = ignored(q, {module_of(n) for n in found})
+    for name, t in expected.items():
+        bad, quantized = check(name, t, found, q, by.get(module_of(name)))
+        problems += bad
+        if t.linear and not bad:
+            counts[quantized] += 1
+    return problems, counts
+
+
+def none_quantized(q: Quant | None, counts: dict[bool, int]) -> list[str]:
+    """A scheme under which none of the checkpoint's linear weights is stored quantized."""
+    if q is None or counts[True]:
+        return []
+    return [f"quantization_config states {q.description}, but none of the {counts[False]} linear weights is "
+            "stored quantized (is this the unquantized checkpoint under a quantized model's config?)"]
+
+
+# a static activation scale beside a quantized weight (a scalar; vLLM fp8.py / modelopt.py `input_scale`,
+# compressed-tensors NVFP4 `input_global_scale`)
+ACTIVATION_SCALE = {"fp8": "input_scale", "modelopt-fp8": "input_scale", "ct-fp8": "input_scale",
+                    "modelopt-nvfp4": "input_scale", "modelopt-mixed": "input_scale", "ct-nvfp4": "input_global_scale"}
+
+
+def stored_names(name: str, t: Tensor, q: Quant | None) -> set[str]:
+    """Every tensor name the linear weight `name` may be stored as under `q`: the weight, its scales
+    and a static activation scale."""
+    if q is None or not t.linear:
+        return {name}
+    names = {name, *(n for layout in _layouts(name, t, q) for n in layout)}
+    if q.scheme in ACTIVATION_SCALE and name.endswith(".weight"):
+        names.add(f"{module_of(name)}.{ACTIVATION_SCALE[q.scheme]}")
+    return names
+
 
 def check(name: str, t: Tensor, found: dict, q: Quant | None, ignored_by: str | None = None
           ) -> tuple[list[str], bool]:
@@ -257,7 +330,16 @@ def check(name: str, t: Tensor, found: dict, q: Quant | None, ignored_by: str | 
     problems = min((_layout_problems(layout, found) for layout in layouts), key=len)
     if problems and name not in found and not any(n in found for layout in layouts for n in layout):
         return [f"missing tensor {name} (expected {list(_stored(t))} unquantized, or {q.scheme})"], False
-    return problems, not problems
+    return problems or _activation_problems(name, found, q), not problems
+
+
+def _activation_problems(name: str, found: dict, q: Quant) -> list[str]:
+    """A static activation scale beside a quantized weight: one float number."""
+    act = f"{module_of(name)}.{ACTIVATION_SCALE.get(q.scheme, '')}"
+    meta = found.get(act) if q.scheme in ACTIVATION_SCALE and name.endswith(".weight") else None
+    if meta is None or (meta.dtype in FLOATS and tuple(meta.shape) in SCALAR):
+        return []
+    return [f"tensor {act} is {meta.dtype} {list(meta.shape)}, expected one float (F32 [] or [1])"]
 
 
 def _plain(name: str, t: Tensor, found: dict) -> list[str]:
@@ -366,6 +448,9 @@ def _layouts(name: str, t: Tensor, q: Quant) -> list[dict[str, tuple[tuple, tupl
     if q.scheme == "ct-int4":
         return [{n("weight_packed"): (("I32",), ((*lead, o, i // 8),)), n("weight_scale"): (FLOATS, ((*lead, o, i // q.group),)),
                  n("weight_shape"): (("I32", "I64"), ((2,),))}]
+    if q.scheme == "mxfp8":
+        scale = (*lead, o, math.ceil(i / MX_BLOCK[1]))
+        return [{weight: (E4M3, ((*lead, o, i),)), n("weight_scale"): (("F8_E8M0", "U8"), (scale,))}]
     if q.scheme == "mxfp4":
         return [{name + "_blocks": (("U8",), ((*lead, o, i // 32, 16),)), name + "_scales": (("U8", "F8_E8M0"), ((*lead, o, i // 32),))}]
     raise AssertionError(q.scheme)

@@ -5,12 +5,12 @@ from __future__ import annotations
 import datetime as dt
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specpack import __version__
 from specpack._atomic import staging_dir
-from specpack.converters import DRAFTER_FAMILIES, detect_drafter, mtp, ngram, remote_code, target_hf
+from specpack.converters import DRAFTER_FAMILIES, bundled, detect_drafter, mtp, ngram, remote_code, target_hf
 from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter
 from specpack.packager import card
 from specpack.errors import ConversionError, InputError
@@ -62,7 +62,10 @@ def build(opts: BuildOptions) -> BuildResult:
     if opts.key:
         check_signing_key(opts.key)  # before minutes of work
     target = remote_code.check(target_hf.load(opts.target), opts.allow_remote_code)
+    if opts.drafter == bundled.BUNDLED:
+        opts = replace(opts, drafter=bundled.choose(target.root))
     drafter = convert_drafter(opts, target)
+    target, drafter = _bundled_once(target, drafter, opts.drafter)
     with staging_dir(opts.out, opts.force) as tmp:
         digests = _place_target(target, tmp, opts)
         digests |= _write_drafter(drafter, tmp, opts.link)
@@ -106,6 +109,20 @@ def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDr
     if family == "block":
         return module.convert(path, target, aux=opts.aux, block=opts.block)
     return module.convert(path, target, aux=opts.aux)
+
+
+def _bundled_once(target: target_hf.Target, drafter: ConvertedDrafter, spec: str):
+    """A drafter read from a subfolder of the target (layout C) is stored once, as the canonical
+    drafter: its folder's files leave the target's files, their digests go to the drafter's source."""
+    sub = bundled.subfolder_of(target.root, spec) if Path(spec).is_dir() else None
+    if sub is None:
+        return target, drafter
+    inside = [f for f in target.files if f.startswith(sub + "/")]
+    digests = {f[len(sub) + 1:]: sha256_file(target.root / f) for f in inside}
+    source = drafter.entry.source.model_copy(update={"kind": "path", "path": target.info.source.path,
+                                                     "subfolder": sub, "files_sha256": digests})
+    return (replace(target, files=[f for f in target.files if f not in inside]),
+            replace(drafter, entry=drafter.entry.model_copy(update={"source": source})))
 
 
 def _check_block_flags(opts: BuildOptions, family: str) -> None:

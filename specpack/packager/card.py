@@ -63,15 +63,18 @@ def arch_rows(a: dict | None) -> list[tuple[str, str]]:
     m = a.get("mtp")
     if m:
         rows.append(("MTP modules", f"{m['held']} held of {m['stated'] or 'unstated'} ({m['layout']}, {m['count_key']})"))
-    q = a.get("quantization")
-    if q:
-        rows.append(("quantization", f"{q['scheme']} ({q['quant_method']}): {q['quantized_linear']} linear weights "
-                                     f"quantized, {q['unquantized_linear']} kept" + (f"; KV cache {q['kv_cache']}"
-                                                                                     if q.get("kv_cache") else "")))
+    if a.get("quantization"):
+        rows.append(("quantization", quantization_text(a["quantization"])))
     rows.append(("draft length to start from (GPU)", f"{a['draft_len_start']} (128 / G - 1)"))
     rows.append(("runs on", "specpack's runtime and the engines" if a["runs"] else
                  "the engines only (`specpack serve --engine vllm`, `specpack export`)"))
     return rows
+
+
+def quantization_text(q: dict) -> str:
+    """A checkpoint's quantization (the manifest's `quantization`, as JSON data) in one line."""
+    return (f"{q['scheme']} ({q['quant_method']}): {q['quantized_linear']} linear weights quantized, "
+            f"{q['unquantized_linear']} kept" + (f"; KV cache {q['kv_cache']}" if q.get("kv_cache") else ""))
 
 
 def _drafter(m: Manifest) -> str:
@@ -120,8 +123,9 @@ _QUERIES = {"fill_in": "[anchor, MASK × (B-1)]: each MASK slot predicts the tok
 
 def _block(d: BlockDrafter) -> str:
     f = d.target_features
+    shipped = f" (shipped in the target's `{d.source.subfolder}/`, stored once)" if d.source.subfolder else ""
     rows = [
-        ("converted from", f"`{d.source_layout}`"),
+        ("converted from", f"`{d.source_layout}`{shipped}"),
         ("algorithm", d.algorithm),
         ("query layout", f"{d.query_layout}: {_QUERIES[d.query_layout]}"),
         ("block size / draft slots", f"{d.block_size} / {d.draft_slots}"),
@@ -135,6 +139,8 @@ def _block(d: BlockDrafter) -> str:
         ("attention", _attention(d)),
         ("heads", _heads(d)),
         ("parameters / dtype", f"{d.parameters:,} / {d.dtype}")]
+    if d.quantization:
+        rows.append(("quantization", quantization_text(d.quantization.model_dump())))
     settled = "; ".join(f"{k}: {v}" for k, v in d.resolved_from.items())
     return "\n".join(["## Drafter: block drafter", "", "| binding | value |", "|---|---|"]
                      + [f"| {k} | {v} |" for k, v in rows] + ["", f"Settled by: {settled}."])

@@ -71,6 +71,12 @@ def check_runnable(manifest) -> None:
     family its decoders do not implement, or a quantized checkpoint), before anything is loaded."""
     from specpack.errors import UnsupportedError
 
+    quantized = getattr(manifest.drafter, "quantization", None)
+    if quantized:
+        raise UnsupportedError(f"this artifact's drafter cannot run on specpack's own runtime: its weights are "
+                               f"quantized ({quantized.scheme}) and specpack runs float drafters",
+                               hint="serve it with `specpack serve ART --engine vllm` (or sglang, trtllm), or export "
+                                    "it: `specpack export ART --to vllm|sglang|trtllm -o DIR`")
     arch = manifest.target.arch
     if arch is None or arch.runs:
         return

@@ -37,6 +37,11 @@ class Source(_Strict):
                           "artifacts may hold the path as given).")
     repo_id: Optional[str] = Field(None, description="Hugging Face repo id, when pulled from the hub.")
     revision: Optional[str] = Field(None, description="Hub revision (commit) of the input.")
+    subfolder: Optional[str] = Field(None, description="A drafter the release ships in a subfolder of the target "
+                                                       "(`dspark/`): that folder. Its files are not carried among "
+                                                       "the target's; the canonical drafter holds their tensors.")
+    files_sha256: Optional[dict[str, str]] = Field(None, description="With `subfolder`: SHA-256 of each file it "
+                                                                     "held, as the release published it.")
 
     @classmethod
     def local(cls, path) -> "Source":
@@ -73,13 +78,19 @@ class TargetMtp(_Strict):
 
 class TargetQuantization(_Strict):
     scheme: Literal["fp8-block", "fp8", "ct-fp8", "ct-nvfp4", "ct-int4", "modelopt-nvfp4", "modelopt-fp8",
-                    "modelopt-mixed", "mxfp4"] = Field(description="How quantized linear weights are stored (families/quant.py).")
+                    "modelopt-mixed", "mxfp4", "mxfp8"] = Field(description="How quantized linear weights are stored (families/quant.py).")
     quant_method: str = Field(description="config.json `quantization_config.quant_method` (modelopt: or hf_quant_config.json).")
     block: Optional[list[int]] = Field(None, description="FP8 weight block [rows, cols], for block-scaled schemes.")
     group: int = Field(0, ge=0, description="Group size of FP4 / INT4 scales (0: none).")
     kv_cache: Optional[str] = Field(None, description="The KV cache quantization the config states, if any.")
     quantized_linear: int = Field(ge=0, description="Linear weights stored quantized (every one checked against the scheme).")
     unquantized_linear: int = Field(ge=0, description="Linear weights the release kept unquantized (routers, lm_head, ...).")
+
+
+def _drafter_quantization():
+    return Field(None, description="How the drafter's weights are quantized, checked per scheme as a target's are "
+                                   "(its config's quantization_config is kept in drafter/config.json); absent: float "
+                                   "weights.")
 
 
 class TargetArch(_Strict):
@@ -162,8 +173,10 @@ class Eagle3Drafter(_Strict):
     source: Source = Field(description="Where the head was read from.")
     config: str = Field("drafter/config.json", description="Canonical drafter config.")
     weights: str = Field("drafter/model.safetensors", description="Canonical drafter weights.")
-    dtype: str = Field(description="Dtype of the head's float weights.")
-    parameters: int = Field(ge=0, description="Number of weights in the head (maps excluded).")
+    dtype: str = Field(description="Dtype of the head's float weights (its quantized ones: `quantization`).")
+    parameters: int = Field(ge=0, description="Number of weights in the head, in logical (unpacked) count (maps "
+                                              "and scales excluded).")
+    quantization: Optional[TargetQuantization] = _drafter_quantization()
     hidden_size: int = Field(gt=0, description="Width of the head.")
     num_layers: int = Field(1, description="Decoder layers in the head.")
     aux_hidden_states: AuxLayers = Field(description="Which target hidden states feed `fc`.")
@@ -286,8 +299,10 @@ class BlockDrafter(_Strict):
     config: str = Field("drafter/config.json", description="Canonical drafter config (the runtime reads only it "
                                                            "and the weights).")
     weights: str = Field("drafter/model.safetensors", description="Canonical drafter weights.")
-    dtype: str = Field(description="Dtype of the drafter's float weights.")
-    parameters: int = Field(ge=0, description="Number of weights in the drafter (d2t excluded).")
+    dtype: str = Field(description="Dtype of the drafter's float weights (its quantized ones: `quantization`).")
+    parameters: int = Field(ge=0, description="Number of weights in the drafter, in logical (unpacked) count (d2t "
+                                              "and scales excluded).")
+    quantization: Optional[TargetQuantization] = _drafter_quantization()
     algorithm: Literal["dflash", "dspark", "lilicorr"] = Field(
         description="`dflash`: independent slots; `dspark`: sequential Markov correction (+ confidence head); "
                     "`lilicorr`: DFlash backbone + candidate-lattice correlator.")

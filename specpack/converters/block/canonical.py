@@ -6,20 +6,19 @@ bit for bit and, when equal, not stored twice (its SHA-256 is recorded instead).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter
 from specpack.converters.block import lilicorr, tables
 from specpack.converters.block.common import (CONFIDENCE, LAYER_BIASES, LAYER_WEIGHTS, MARKOV, SINK, Reading,
                                               check_target, dflash_config, flag_problems, id_problems, is_int,
                                               resolve, resolve_target_ids)
-from specpack.converters.target_hf import Target
+from specpack.converters import drafter_tensors
+from specpack.converters.target_hf import Target, quantization_entry
 from specpack.errors import ConversionError, InputError
-from specpack.families.dense import SIZE_FIELDS, rope_from_config
 from specpack.families.base import size_problems
+from specpack.families.dense import SIZE_FIELDS, rope_from_config
 
 log = logging.getLogger(__name__)
 _SLIDING = "sliding_attention"
@@ -48,7 +47,9 @@ def build(r: Reading, target: Target, aux: AuxOverride | None, block: BlockOverr
     r.problems += flag_problems(block)
     geo = _geometry(r, target)
     bind = _bindings(r, block, geo, target, aux)
-    r.problems += _tensor_problems(r, geo, bind)
+    q, bad = drafter_tensors.scheme(r.path, r.raw)
+    checked = _tensor_problems(r, geo, bind, q)
+    r.problems += bad + checked.problems
     if not r.problems:
         bind.update(tables.sharing(r, geo, target, bind["algorithm"]))
     if r.problems:
@@ -57,7 +58,7 @@ def build(r: Reading, target: Target, aux: AuxOverride | None, block: BlockOverr
                               hint="flags named above settle what the checkpoint leaves open (see `specpack build "
                                    "--help`); anything else means the drafter was made for another target or its "
                                    "config lost a field: fix or re-export it")
-    converted = _canonical(r, geo, bind, source)
+    converted = _canonical(r, geo, bind, source, q, checked)
     features = converted.entry.target_features
     kinds = target.feature_kinds(features.layer_ids)
     return replace(converted, entry=converted.entry.model_copy(
@@ -110,11 +111,6 @@ def _geometry_problems(r: Reading, geo: Geometry, target: Target) -> list[str]:
                    f"{t.num_hidden_layers}: made for another target?")
     if cfg.get("hidden_act", "silu") != "silu":
         out.append(f"hidden_act {cfg.get('hidden_act')!r}: only silu (every published block drafter uses it)")
-    quant = r.raw.get("quantization_config") or cfg.get("quantization_config")
-    if quant or (r.path / "hf_quant_config.json").is_file():
-        algo = (quant or {}).get("quant_algo") if isinstance(quant, dict) else None
-        out.append(f"the checkpoint is quantized{f' ({algo})' if algo else ''}: specpack carries float weights bit "
-                   "for bit; build from the unquantized (BF16) release of the drafter")
     if dflash_config(r.raw).get("use_aux_hidden_state", r.raw.get("use_aux_hidden_state", True)) is False:
         out.append("use_aux_hidden_state is false (no fc; the last hidden state only): not a layout specpack runs")
     return out
@@ -249,8 +245,9 @@ def _binding_problems(r: Reading, geo: Geometry, bind: dict) -> list[str]:
     elif mask is not None and mask >= geo.vocab:
         out.append(f"mask token id {mask} is outside the drafter's embedding ({geo.vocab} rows)")
     ids = bind["ids"]
-    fc = r.tensors.get("fc.weight")
-    if ids and fc is not None and fc.ndim == 2 and fc.shape[1] != len(ids[0]) * geo.target_hidden:
+    fc = r.tensors.get("fc.weight")  # float; a packed quantized fc is checked against its scheme
+    if ids and fc is not None and fc.ndim == 2 and fc.element_size() > 1 and \
+            fc.shape[1] != len(ids[0]) * geo.target_hidden:
         out.append(f"fc.weight takes {fc.shape[1]} inputs, but {len(ids[0])} target layers × width "
                    f"{geo.target_hidden} = {len(ids[0]) * geo.target_hidden}")
     return out
@@ -292,34 +289,42 @@ def _head_shapes(geo: Geometry, bind: dict) -> dict[str, tuple]:
     return shapes
 
 
+def _linear(name: str) -> bool:
+    """A weight a quantization scheme may pack: every projection, fc, the lm_head and the heads'
+    output layers (never an embedding, a norm or a bias)."""
+    return name.endswith("_proj.weight") or name in ("fc.weight", "lm_head.weight", MARKOV["vanilla"][1],
+                                                     CONFIDENCE[0])
+
+
 _OPTIONAL = {"embed_tokens.weight", "lm_head.weight", "d2t", "t2d", "mask_embedding"}
+_INTEGER = {"d2t", "t2d"}  # vocab maps: integer (d2t) and boolean (t2d) tables
 
 
-def _tensor_problems(r: Reading, geo: Geometry, bind: dict) -> list[str]:
+def _tensor_problems(r: Reading, geo: Geometry, bind: dict, q) -> drafter_tensors.Checked:
+    """Every tensor against its canonical shape, each linear weight float or as the scheme `q`
+    stores it (drafter_tensors.check)."""
     expected = expected_shapes(geo, bind)
     expected.update({"embed_tokens.weight": (geo.vocab, geo.hidden), "lm_head.weight": (geo.draft_vocab, geo.hidden),
                      "d2t": (geo.draft_vocab,), "t2d": (geo.target_vocab,), "mask_embedding": (geo.hidden,)})
-    out = [f"tensor '{r.source_name(n)}' maps to no canonical name of this drafter (an unused head would be "
-           "dropped silently by engines that skip unknown tensors)" for n in sorted(r.tensors) if n not in expected]
-    out += [f"missing tensor '{r.source_name(n)}'" + (f" (expected shape {list(s)})" if s else "")
-            for n, s in expected.items() if n not in r.tensors and n not in _OPTIONAL]
-    for name, shape in expected.items():
-        got = r.tensors.get(name)
-        if got is not None and shape is not None and tuple(got.shape) != tuple(shape):
-            out.append(f"{r.source_name(name)}: shape {list(got.shape)}, expected {list(shape)}")
-    return out
+    return drafter_tensors.check(expected, r.tensors, q, _linear, _OPTIONAL, _INTEGER, r.source_name)
 
 
 # ---- canonical ----
 
-def _canonical(r: Reading, geo: Geometry, bind: dict, source) -> ConvertedDrafter:
+def _canonical(r: Reading, geo: Geometry, bind: dict, source, q, checked: drafter_tensors.Checked
+               ) -> ConvertedDrafter:
     from specpack.schemas import AuxLayers, BlockConfidence, BlockDrafter, BlockMarkov, LiLiCorrGeometry
 
     ids_in, src_ids, src_conv, _ = bind["ids"]
     slots = bind["block_size"] - 1 if bind["query_layout"] == "fill_in" else bind["block_size"]
     config = _config(geo, bind, slots)
+    dtype = drafter_tensors.float_dtype(r.tensors, checked.held)
+    if q:
+        config["quantization_config"] = drafter_tensors.stated_config(r.path, r.raw)
     entry = BlockDrafter(
-        source_layout=r.layout, source=source, dtype=_dtype(r.tensors), parameters=_params(r.tensors),
+        source_layout=r.layout, source=source, dtype=dtype,
+        parameters=drafter_tensors.parameters(checked.held, r.tensors, _INTEGER),
+        quantization=quantization_entry(q, checked.counts),
         algorithm=bind["algorithm"], query_layout=bind["query_layout"], block_size=bind["block_size"],
         draft_slots=slots, hidden_size=geo.hidden, num_layers=geo.layers,
         target_features=AuxLayers(layer_ids=ids_in, source_ids=src_ids, source_convention=src_conv),
@@ -334,7 +339,7 @@ def _canonical(r: Reading, geo: Geometry, bind: dict, source) -> ConvertedDrafte
         confidence=BlockConfidence(**bind["confidence"]) if bind["confidence"] else None,
         lilicorr=LiLiCorrGeometry(**bind["lilicorr"]) if bind["lilicorr"] else None,
         resolved_from=_resolved_from(bind))
-    kv = geo.layers * 2 * geo.kv_heads * geo.head_dim * r.tensors["fc.weight"].element_size()
+    kv = geo.layers * 2 * geo.kv_heads * geo.head_dim * drafter_tensors.FLOAT_BYTES.get(dtype, 2)
     return ConvertedDrafter(entry=entry, config=config, tensors=r.tensors, kv_bytes_per_token=kv)
 
 
@@ -360,16 +365,3 @@ def _resolved_from(bind: dict) -> dict[str, str]:
     found = {**bind["resolved_from"], **{f"{k}_head": v for k, v in bind["heads_from"].items()},
              "attention_sinks": bind.get("attention_from")}
     return {k: v for k, v in found.items() if v}
-
-
-def _dtype(tensors: dict) -> str:
-    counts: dict[str, int] = {}
-    for t in tensors.values():
-        if t.is_floating_point():
-            key = str(t.dtype).removeprefix("torch.")
-            counts[key] = counts.get(key, 0) + t.numel() * t.element_size()
-    return max(counts, key=counts.get) if counts else "unknown"
-
-
-def _params(tensors: dict) -> int:
-    return sum(t.numel() for k, t in tensors.items() if k != "d2t")

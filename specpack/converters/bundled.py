@@ -1,0 +1,141 @@
+"""What a release bundles with its target (shared/RELEASES.md §0): MTP modules in the target's weights
+(layout A), DSpark stages declared by `dspark_*` keys on the target config (layout B), and drafters in
+a subfolder of the model repo with their own config and weights (layout C, MiniMax-M3.1's `dspark/`).
+
+    find(root)   -> every drafter the release at `root` bundles, each with what binds it
+    choose(root) -> the `--drafter` spec `build --drafter bundled` binds (refused unless exactly one)
+
+Read from the config, the weight index and the subfolders alone (no tensor data), so it answers for a
+release whose target family specpack cannot check too.
+
+Sources: SGLang `checkpoint_bundles_dspark_draft` (dspark_config.py): a target bundles DSpark stages iff
+it sets any of dspark_block_size, dspark_markov_rank, dspark_noise_token_id, dspark_target_layer_ids
+(or a nested dspark_config), and those markers win over the legacy num_nextn_predict_layers DeepSeek-V4
+configs keep (vLLM speculative.py @ 002e77c1: "DeepSeek V4.1 has no classic-MTP draft: its checkpoints
+ship DSpark stages under mtp.*"); NeMo AutoModel minimax_m3_vl.dspark: "a target checkpoint that ships
+dspark/config.json fixes the draft contract".
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specpack.errors import InputError, UnsupportedError
+
+DSPARK_MARKERS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
+MTP_COUNT_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")
+BUNDLED = "bundled"  # the `--drafter` value that binds what the release bundles
+
+
+@dataclass(frozen=True)
+class Bundled:
+    """One drafter a release bundles."""
+
+    kind: str  # mtp | block | eagle3 | draft_model
+    layout: str  # the RELEASES.md layout: A (MTP in the target), B (DSpark stages in the target), C (subfolder)
+    where: str  # what holds it: "target weights" or the subfolder
+    detail: str  # what it is, in a line
+    drafter: str | None  # the `--drafter` spec `build` binds it with; None: specpack cannot bind it yet
+    why_not: str | None = None  # why it cannot be bound
+
+    def to_dict(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def find(root: Path) -> list[Bundled]:
+    """Every drafter the release at `root` bundles (MTP modules, DSpark stages, subfolder drafters)."""
+    from specpack.converters.target_hf import read_config
+
+    root = Path(root)
+    config = read_config(root / "config.json", "target config")
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    stages = _dspark_stages(config, text)
+    found = [stages] if stages else [m for m in [_mtp(root, config, text)] if m]
+    return found + _subfolders(root)
+
+
+def choose(root: Path) -> str:
+    """The `--drafter` spec of the one drafter the release bundles; refused, listing what it holds,
+    when it bundles none, several, or only ones specpack cannot bind."""
+    found = find(root)
+    ready = [b for b in found if b.drafter]
+    if len(ready) == 1:
+        return ready[0].drafter
+    listed = [f"{b.layout}: {b.kind} in {b.where} ({b.detail})" + (f": --drafter {b.drafter}" if b.drafter else
+                                                                    f": cannot be bound ({b.why_not})")
+              for b in found]
+    if not ready:
+        raise (UnsupportedError if found else InputError)(
+            f"--drafter bundled: the release at '{root}' bundles " + ("no drafter specpack can bind" if found
+                                                                      else "no drafter"),
+            problems=listed, hint="pass the drafter's directory (or ngram) as --drafter; `specpack inspect DIR` "
+                                  "lists what a release bundles")
+    raise InputError(f"--drafter bundled: the release at '{root}' bundles {len(ready)} drafters; which one is not "
+                     "stated", problems=listed, hint="pass the one you want as --drafter (the value shown)")
+
+
+def _dspark_stages(config: dict, text: dict) -> Bundled | None:
+    stated = {k: c[k] for c in (config, text) for k in DSPARK_MARKERS if c.get(k) is not None}
+    nested = text.get("dspark_config") if isinstance(text.get("dspark_config"), dict) else None
+    if not stated and not nested:
+        return None
+    keys = ", ".join(f"{k} {v}" for k, v in stated.items()) or "dspark_config"
+    return Bundled("block", "B", "target weights", f"DSpark stages declared by {keys}; these win over "
+                   f"{_mtp_key(text) or 'any MTP count key'}", None,
+                   "DSpark stages inside the target (DeepSeek-V4's layout) are not packed yet: their target "
+                   "family is not one specpack checks")
+
+
+def _mtp_key(text: dict) -> str | None:
+    return next((f"{k} {text[k]}" for k in MTP_COUNT_KEYS if isinstance(text.get(k), int) and text[k] > 0), None)
+
+
+def _mtp(root: Path, config: dict, text: dict) -> Bundled | None:
+    """MTP modules as the target's family reads them (held = what the weights hold)."""
+    from specpack import families
+    from specpack.converters.block.common import tensor_names
+
+    try:
+        arch = families.describe(config)
+    except (InputError, UnsupportedError) as exc:
+        key = _mtp_key(text)
+        return Bundled("mtp", "A", "target weights", f"MTP declared by {key}", None,
+                       f"the target family is not one specpack reads: {exc.message}") if key else None
+    if arch.mtp is None:
+        return None
+    held = families.mtp_held(arch, dict.fromkeys(tensor_names(root)))
+    detail = f"{held} module(s) held of {arch.mtp.layers or 'unstated'} ({arch.mtp.count_key}, {arch.mtp.layout})"
+    if not held:
+        return Bundled("mtp", "A", "target weights", detail, None, "the config states MTP modules but the weights "
+                       "hold none (a re-upload that dropped them)")
+    return Bundled("mtp", "A", "target weights", detail, "mtp")
+
+
+def _subfolders(root: Path) -> list[Bundled]:
+    """Drafters in an immediate subfolder of the release (config.json + weights in a known layout)."""
+    from specpack.converters import detect_drafter
+
+    out = []
+    from specpack.converters.block.common import has_weights
+
+    for sub in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if not (sub / "config.json").is_file() or not has_weights(sub):
+            continue
+        try:
+            family, layout = detect_drafter(str(sub))
+        except InputError as exc:
+            out.append(Bundled("unknown", "C", f"{sub.name}/", "a config.json that is no drafter layout specpack "
+                               "reads", None, exc.message))
+            continue
+        out.append(Bundled(family, "C", f"{sub.name}/", f"{family} drafter, {layout} layout", str(sub)))
+    return out
+
+
+def subfolder_of(target_root: Path, drafter: str) -> str | None:
+    """The drafter's folder relative to the target's, where it lies inside it (layout C), else None."""
+    try:
+        rel = Path(drafter).resolve().relative_to(Path(target_root).resolve())
+    except ValueError:
+        return None
+    return rel.as_posix() if rel.parts else None
