@@ -68,8 +68,9 @@ def test_the_canonical_head_is_the_same_whichever_layout_it_came_from(group, tmp
 
 
 def _binding_fields(entry: dict) -> dict:
-    """The entry without what only describes the source (its layout, path, id convention, what settled it)."""
-    entry = {k: v for k, v in entry.items() if k not in ("source_layout", "source", "resolved_from")}
+    """The entry without what only describes the source (its layout, path, id convention, what settled it,
+    what it states about its target)."""
+    entry = {k: v for k, v in entry.items() if k not in ("source_layout", "source", "resolved_from", "made_for")}
     entry["target_features"] = entry["target_features"]["layer_ids"]
     return entry
 
@@ -256,7 +257,7 @@ def test_own_embedding_that_differs_is_kept_equal_copy_is_shared(tmp_path, tiny_
 
 @pytest.mark.parametrize("layout, update, text", [
     ("zlab-dflash", {"target_hidden_size": 32}, "features of width 32"),
-    ("zlab-dflash", {"num_target_layers": 36}, "36-layer target"),
+    ("zlab-dflash", {"num_target_layers": 36}, "num_target_layers = 36, this target's is 8"),
     ("zlab-dflash", {"vocab_size": 256}, "input vocab (256) is smaller"),
     ("zlab-dflash", {"rope_theta": 1000000.0}, "RoPE base 1000000.0 != the target's 10000"),
     ("zlab-dflash", {"is_neox_style": False}, "interleaved RoPE"),
@@ -401,4 +402,17 @@ def test_speculators_verifier_must_be_the_target(tmp_path, tiny_target):
     config = read_json(head / "config.json")
     config["speculators_config"]["verifier"]["architectures"] = ["Qwen3ForCausalLM"]
     (head / "config.json").write_text(json.dumps(config))
-    _refused(tmp_path, tiny_target, head, "verifier architectures ['Qwen3ForCausalLM']")
+    _refused(tmp_path, tiny_target, head, "speculators_config.verifier.architectures = ['Qwen3ForCausalLM']")
+
+
+def test_a_drafter_for_another_target_builds_only_when_allowed_and_says_so(tmp_path, tiny_target):
+    head = bl.edit_config(bl.write("zlab-dflash", tmp_path / "head", tiny_target), update={"num_target_layers": 36})
+    _refused(tmp_path, tiny_target, head, "num_target_layers = 36, this target's is 8", "--allow-target-mismatch")
+    art = build(BuildOptions(target=tiny_target, drafter=str(head), out=tmp_path / "anyway",
+                             allow_target_mismatch=True)).out
+    d = read_json(art / "specpack.json")["drafter"]
+    assert d["made_for"] == [{"stated_in": "num_target_layers", "value": 36, "target": 8, "matches": False}]
+    assert d["target_mismatch_allowed"] is True
+    plain = read_json(_build(tmp_path, tiny_target, bl.write("zlab-dflash", tmp_path / "h2", tiny_target), "ok") /
+                      "specpack.json")["drafter"]
+    assert plain["target_mismatch_allowed"] is False

@@ -89,7 +89,7 @@ def test_trained_head_runs_losslessly_with_high_acceptance(tmp_path):
 
 @pytest.mark.parametrize("verifier, text", [
     ({"name_or_path": "Qwen/Qwen2.5-7B", "architectures": ["Qwen2ForCausalLM"]},
-     "the head's verifier architectures ['Qwen2ForCausalLM'] do not include the target's LlamaForCausalLM"),
+     "speculators_config.verifier.architectures = ['Qwen2ForCausalLM'], this target's is 'LlamaForCausalLM'"),
     ({}, "speculators_config.verifier is missing"),
 ])
 def test_verifier_that_is_not_the_target(tmp_path, tiny_target, tiny_cfg, head, cli, verifier, text):
@@ -107,8 +107,18 @@ def test_verifier_name_must_match_the_targets_when_both_name_one(tmp_path, tiny_
     (target / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "HuggingFaceTB/SmolLM2-135M"}))
     src = write_speculators(tmp_path / "spec", head, tiny_cfg)
     _fails(cli, tmp_path, target, "--drafter", src,
-           text=["the head was trained for verifier 'meta-llama/Llama-3.1-8B-Instruct', but the target is "
-                 "'HuggingFaceTB/SmolLM2-135M'"])
+           text=["the drafter was made for another target: speculators_config.verifier.name_or_path = "
+                 "'meta-llama/Llama-3.1-8B-Instruct', this target's is 'HuggingFaceTB/SmolLM2-135M'",
+                 "--allow-target-mismatch"])
+    code, _, _ = cli("build", target, "--drafter", src, "-o", tmp_path / "anyway", "--allow-target-mismatch")
+    assert code == 0
+    d = read_json(tmp_path / "anyway/specpack.json")["drafter"]
+    assert d["target_mismatch_allowed"] is True
+    assert {m["stated_in"]: m["matches"] for m in d["made_for"]} == {
+        "speculators_config.verifier.architectures": True, "speculators_config.verifier.name_or_path": False}
+    code, out, _ = cli("inspect", tmp_path / "anyway")
+    assert "MISMATCH: target 'HuggingFaceTB/SmolLM2-135M'" in out and "--allow-target-mismatch" in out
+    assert "| made for |" in (tmp_path / "anyway/README.md").read_text()
 
 
 def test_unsupported_heads_and_bad_tensors_listed_together(tmp_path, tiny_target, tiny_cfg, head, cli):

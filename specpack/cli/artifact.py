@@ -48,10 +48,13 @@ from specpack.cli._common import JSON, PUBKEY, cli
 @click.option("--allow-remote-code", is_flag=True,
               help="Accept a target that needs its own code (auto_map, .py files): it is carried and recorded "
                    "in the manifest; specpack itself never runs it.")
+@click.option("--allow-target-mismatch", is_flag=True,
+              help="Build a drafter whose config states another target (a speculators verifier, a layer count) "
+                   "than this one; the manifest and inspect then say so. Expect low acceptance.")
 @JSON
 def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block_layout, block_algorithm,
           mask_token_id, ngram_min, ngram_max, draft_len, ngram_match, mtp_allow_reuse, copy_files, allow_remote_code,
-          json_mode):
+          allow_target_mismatch, json_mode):
     """Convert TARGET and its drafter into one (signed) artifact at OUT.
 
     \b
@@ -70,6 +73,7 @@ def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block
                         block=BlockOverrides(block_layout, block_algorithm, mask_token_id),
                         ngram=NgramParams(ngram_min, ngram_max, draft_len, ngram_match), link=not copy_files,
                         mtp_allow_reuse=mtp_allow_reuse, allow_remote_code=allow_remote_code,
+                        allow_target_mismatch=allow_target_mismatch,
                         progress=progress_enabled(json_mode))
     result = do_build(opts)
     data = {"artifact": str(result.out), "signed": result.signed, "seconds": round(result.seconds, 3),
@@ -215,6 +219,7 @@ def _inspect_text(d: dict) -> str:
                  ("  params/dtype", f"{dr['parameters']:,} / {dr['dtype']}")]
     else:
         rows += _drafter_rows(dr)
+    rows += _made_for_rows(dr)
     rows += [("memory", f"target {mem['target_weight_bytes'] / 2**20:,.1f} MiB + drafter "
                         f"{mem['drafter_weight_bytes'] / 2**20:,.1f} MiB; KV/token "
                         f"{mem['target_kv_bytes_per_token']:,} + {mem['drafter_kv_bytes_per_token']:,} B"),
@@ -271,6 +276,15 @@ def _block_rows(dr: dict) -> list[tuple[str, str]]:
             ("  heads", ", ".join(heads) or "none"),
             ("  params/dtype", f"{dr['parameters']:,} / {dr['dtype']}")] + \
         ([("  quantization", quantization_text(dr["quantization"]))] if "quantization" in dr else [])
+
+
+def _made_for_rows(dr: dict) -> list[tuple[str, str]]:
+    """What the drafter states about the target it was made for, and a mismatch the build allowed."""
+    from specpack.packager.card import made_for_text
+
+    if not dr.get("made_for"):
+        return []
+    return [("  made for", made_for_text(dr["made_for"], dr.get("target_mismatch_allowed", False)))]
 
 
 def _remote_code_text(rc: dict) -> str:

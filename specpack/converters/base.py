@@ -68,3 +68,16 @@ class ConvertedDrafter:
     @property
     def weight_bytes(self) -> int:
         return self.extra_weight_bytes + sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+ALLOW_MISMATCH_FLAG = "--allow-target-mismatch"
+
+
+def mismatch_problems(made_for: list, allowed: bool) -> list[str]:
+    """The statements of a drafter about its target (schemas.MadeFor) that this target contradicts:
+    problems, unless the build allows the mismatch."""
+    if allowed:
+        return []
+    return [f"the drafter was made for another target: {m.stated_in} = {m.value!r}, this target's is {m.target!r} "
+            f"(a drafter trained on another revision can collapse acceptance; {ALLOW_MISMATCH_FLAG} builds it "
+            "anyway, stated in the manifest)" for m in made_for if not m.matches]

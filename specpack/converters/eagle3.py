@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specpack.converters import drafter_tensors
-from specpack.converters.base import AuxOverride, ConvertedDrafter
+from specpack.converters.base import AuxOverride, ConvertedDrafter, mismatch_problems
 from specpack.converters.target_hf import Target, quantization_entry, read_config, read_json
 from specpack.errors import ConversionError, InputError
 from specpack.families.base import size_problems
@@ -75,7 +75,7 @@ def detect(path: Path) -> str | None:
 
 
 def convert(path: Path, target: Target, aux: AuxOverride | None = None,
-            source: Source | None = None) -> ConvertedDrafter:
+            source: Source | None = None, allow_mismatch: bool = False) -> ConvertedDrafter:
     """Check the head at `path` against `target` and map it to the canonical layout."""
     path = Path(path)
     config = read_config(path / "config.json")
@@ -84,13 +84,16 @@ def convert(path: Path, target: Target, aux: AuxOverride | None = None,
     if layout is None:
         raise InputError(f"'{path}' is not an EAGLE-3 head in a known layout",
                          hint="known layouts: " + ", ".join(LAYOUTS))
-    return convert_tensors(layout, config, raw, target, aux, source or Source.local(path), path)
+    return convert_tensors(layout, config, raw, target, aux, source or Source.local(path), path,
+                           allow_mismatch=allow_mismatch)
 
 
 def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: AuxOverride | None,
-                    source: Source, path: Path, problems: list[str] | None = None) -> ConvertedDrafter:
+                    source: Source, path: Path, problems: list[str] | None = None, made_for: list | None = None,
+                    allow_mismatch: bool = False) -> ConvertedDrafter:
     """Check a head's tensors `raw` (named as in `layout`) and its flat Llama-style `config` against
-    `target`, and map them to the canonical head; `problems` found by the caller are reported along."""
+    `target`, and map them to the canonical head; `problems` found by the caller are reported along,
+    with its statements about the target it was made for (`made_for`) this target contradicts."""
     try:  # a flat config's fields typed, its counts bounded by the head's own tensors
         check_config(config, tensors=len(raw))
     except InputError as exc:
@@ -102,7 +105,9 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
     tensors, name_problems = _map_names(layout, raw)
     geo, geo_problems = _geometry(config, target, tensors)
     q, quant_problems = drafter_tensors.scheme(path, config)
-    problems = list(problems or []) + name_problems + geo_problems + quant_problems
+    made_for = list(made_for or [])
+    problems = list(problems or []) + mismatch_problems(made_for, allow_mismatch) + name_problems + geo_problems + \
+        quant_problems
     aux_layers, aux_problems = _aux_layers(layout, config, geo, tensors, aux)
     aux_layers = aux_layers.model_copy(update={"produced_by": target.feature_kinds(aux_layers.layer_ids)})
     checked = _check_tensors(layout, tensors, geo, aux_layers, q)
@@ -117,8 +122,9 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
     converted = _canonical(layout, config, tensors, geo, aux_layers, t2d_source, embedding, source, checked)
     if q:
         converted.config["quantization_config"] = drafter_tensors.stated_config(path, config)
-    return replace(converted, entry=converted.entry.model_copy(
-        update={"quantization": quantization_entry(q, checked.counts)}))
+    return replace(converted, entry=converted.entry.model_copy(update={
+        "quantization": quantization_entry(q, checked.counts), "made_for": made_for,
+        "target_mismatch_allowed": any(not m.matches for m in made_for)}))
 
 
 def _tensor_names(path: Path) -> set[str]:

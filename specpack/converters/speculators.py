@@ -15,7 +15,7 @@ from pathlib import Path
 from specpack.converters import eagle3
 from specpack.converters.base import AuxOverride, ConvertedDrafter
 from specpack.converters.target_hf import Target, read_config, read_json
-from specpack.schemas import Source
+from specpack.schemas import MadeFor, Source
 
 KIND = "eagle3"
 LAYOUT = "eagle3-speculators"
@@ -39,13 +39,14 @@ def detect(path: Path) -> str | None:
 
 
 def convert(path: Path, target: Target, aux: AuxOverride | None = None,
-            source: Source | None = None) -> ConvertedDrafter:
+            source: Source | None = None, allow_mismatch: bool = False) -> ConvertedDrafter:
     """Check the speculators head at `path` (and that its verifier is `target`), then canonicalise it."""
     path = Path(path)
     config = read_config(path / "config.json")
-    problems = _unsupported(config) + verifier_problems(config, target)  # reported with the tensor checks
+    made_for, problems = verifier_statements(config, target)
     return eagle3.convert_tensors(LAYOUT, flat_config(config), eagle3.load_tensors(path), target, aux,
-                                  source or Source.local(path), path, problems)
+                                  source or Source.local(path), path, _unsupported(config) + problems,
+                                  made_for, allow_mismatch)
 
 
 def flat_config(config: dict) -> dict:
@@ -79,21 +80,22 @@ def _unsupported(config: dict) -> list[str]:
     return [f"unsupported: {text}" for bad, text in checks if bad]
 
 
-def verifier_problems(config: dict, target: Target) -> list[str]:
-    """The verifier the head was trained for must be this target: same architecture, and the same
-    hub id when both name one (the target's hub source, else its config's `_name_or_path`)."""
+def verifier_statements(config: dict, target: Target) -> tuple[list[MadeFor], list[str]]:
+    """What the head's `speculators_config.verifier` states about the target it was trained for, each
+    against this target (architecture; hub id when both name one: the target's hub source, else its
+    config's `_name_or_path`), and the problem of a head that states none."""
     verifier = (config.get("speculators_config") or {}).get("verifier")
     if not isinstance(verifier, dict):
-        return ["speculators_config.verifier is missing: nothing says which target the head was trained for"]
-    problems = []
+        return [], ["speculators_config.verifier is missing: nothing says which target the head was trained for"]
+    where = "speculators_config.verifier."
     archs = verifier.get("architectures") or []
-    if target.info.architecture not in archs:
-        problems.append(f"the head's verifier architectures {archs} do not include the target's "
-                        f"{target.info.architecture}")
+    out = [MadeFor(stated_in=where + "architectures", value=archs, target=target.info.architecture,
+                   matches=target.info.architecture in archs)]
     name, mine = verifier.get("name_or_path"), _target_name(target)
-    if name and mine and _HUB_ID.match(str(name)) and str(name).lower() != mine.lower():
-        problems.append(f"the head was trained for verifier '{name}', but the target is '{mine}'")
-    return problems
+    if name and _HUB_ID.match(str(name)):
+        out.append(MadeFor(stated_in=where + "name_or_path", value=name, target=mine,
+                           matches=mine is None or str(name).lower() == mine.lower()))
+    return out, []
 
 
 def _target_name(target: Target) -> str | None:

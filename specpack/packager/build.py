@@ -43,6 +43,7 @@ class BuildOptions:
     ngram: NgramParams = field(default_factory=NgramParams)
     mtp_allow_reuse: bool = False  # MTP: allow more draft tokens than layers (step k uses layer k mod n)
     allow_remote_code: bool = False  # carry a target that needs its own code (never run by specpack)
+    allow_target_mismatch: bool = False  # build a drafter that states another target (stated in the manifest)
     link: bool = True
     progress: bool = False
 
@@ -107,8 +108,8 @@ def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDr
     if family == "draft_model":
         return module.convert(path, target)
     if family == "block":
-        return module.convert(path, target, aux=opts.aux, block=opts.block)
-    return module.convert(path, target, aux=opts.aux)
+        return module.convert(path, target, aux=opts.aux, block=opts.block, allow_mismatch=opts.allow_target_mismatch)
+    return module.convert(path, target, aux=opts.aux, allow_mismatch=opts.allow_target_mismatch)
 
 
 def _bundled_once(target: target_hf.Target, drafter: ConvertedDrafter, spec: str):

@@ -77,6 +77,14 @@ def quantization_text(q: dict) -> str:
             f"{q['unquantized_linear']} kept" + (f"; KV cache {q['kv_cache']}" if q.get("kv_cache") else ""))
 
 
+def made_for_text(made_for: list[dict], allowed: bool) -> str:
+    """A drafter's statements about its target (the manifest's `made_for`, as JSON data) in one line."""
+    text = "; ".join(f"{m['stated_in']} {m['value']!r}" + ("" if m["matches"] else f" (MISMATCH: target "
+                                                                                    f"{m.get('target')!r})")
+                     for m in made_for)
+    return text + (" — built with --allow-target-mismatch: expect low acceptance" if allowed else "")
+
+
 def _drafter(m: Manifest) -> str:
     d = m.drafter
     if isinstance(d, MtpDrafter):
@@ -99,7 +107,15 @@ def _drafter(m: Manifest) -> str:
         f"| draft vocab | {d.draft_vocab_size} (map: {d.vocab_map}, t2d: {d.t2d_source}) |",
         f"| embedding / lm_head | {d.embedding_source} / {d.lm_head_source} |",
         f"| concat order | {d.concat_order} |",
-        f"| parameters / dtype | {d.parameters:,} / {d.dtype} |"])
+        f"| parameters / dtype | {d.parameters:,} / {d.dtype} |", *_checked_rows(d)])
+
+
+def _checked_rows(d) -> list[str]:
+    """Table rows for a drafter's quantization and what it states about its target, where it has them."""
+    rows = [("quantization", quantization_text(d.quantization.model_dump()))] if d.quantization else []
+    if d.made_for:
+        rows.append(("made for", made_for_text([m.model_dump() for m in d.made_for], d.target_mismatch_allowed)))
+    return [f"| {k} | {v} |" for k, v in rows]
 
 
 def _mtp(d: MtpDrafter) -> str:
@@ -139,11 +155,9 @@ def _block(d: BlockDrafter) -> str:
         ("attention", _attention(d)),
         ("heads", _heads(d)),
         ("parameters / dtype", f"{d.parameters:,} / {d.dtype}")]
-    if d.quantization:
-        rows.append(("quantization", quantization_text(d.quantization.model_dump())))
     settled = "; ".join(f"{k}: {v}" for k, v in d.resolved_from.items())
     return "\n".join(["## Drafter: block drafter", "", "| binding | value |", "|---|---|"]
-                     + [f"| {k} | {v} |" for k, v in rows] + ["", f"Settled by: {settled}."])
+                     + [f"| {k} | {v} |" for k, v in rows] + _checked_rows(d) + ["", f"Settled by: {settled}."])
 
 
 def _shared(source: str, digest: str | None) -> str:

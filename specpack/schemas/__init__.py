@@ -7,7 +7,7 @@ from pathlib import Path
 
 from specpack.schemas.manifest import (BLOCK_LAYOUTS, MANIFEST_NAME, SIGNATURE_NAME, AuxLayers, BlockConfidence,
                                        BlockDrafter, BlockMarkov, DraftModelDrafter, LiLiCorrGeometry,
-                                       Eagle3Drafter, FileEntry, Manifest, MemoryInfo, MtpDrafter,
+                                       Eagle3Drafter, FileEntry, MadeFor, Manifest, MemoryInfo, MtpDrafter,
                                        NgramDrafter, RemoteCode, Source, TargetArch, TargetExperts, TargetInfo,
                                        TargetMtp, TargetQuantization, TokenizerEvidence)
 
@@ -15,7 +15,7 @@ SCHEMA_PATH = Path(__file__).with_name("manifest.v1.json")
 
 __all__ = ["BLOCK_LAYOUTS", "MANIFEST_NAME", "SIGNATURE_NAME", "AuxLayers", "BlockConfidence", "BlockDrafter",
            "BlockMarkov", "LiLiCorrGeometry", "DraftModelDrafter", "Eagle3Drafter", "FileEntry",
-           "Manifest", "MemoryInfo", "MtpDrafter", "NgramDrafter", "RemoteCode", "Source", "TargetArch",
+           "MadeFor", "Manifest", "MemoryInfo", "MtpDrafter", "NgramDrafter", "RemoteCode", "Source", "TargetArch",
            "TargetExperts", "TargetInfo", "TargetMtp", "TargetQuantization", "TokenizerEvidence",
            "SCHEMA_PATH", "manifest_schema"]
 

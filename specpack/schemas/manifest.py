@@ -93,6 +93,27 @@ def _drafter_quantization():
                                    "weights.")
 
 
+class MadeFor(_Strict):
+    """One place a drafter states the target it was made for, against this target."""
+
+    stated_in: str = Field(description="Where the drafter states it: `speculators_config.verifier.name_or_path`, "
+                                       "`speculators_config.verifier.architectures`, `num_target_layers`.")
+    value: Any = Field(description="What it states.")
+    target: Any = Field(None, description="This target's value for the same thing (null: the target states none).")
+    matches: bool = Field(description="The statement agrees with this target (a mismatch builds only with "
+                                      "`--allow-target-mismatch`, stated in `target_mismatch_allowed`).")
+
+
+def _made_for():
+    return Field(default_factory=list, description="Every statement the drafter makes about the target it was made "
+                                                   "for, each checked against this target.")
+
+
+def _mismatch_allowed():
+    return Field(False, description="The drafter states another target (a `made_for` entry does not match) and "
+                                    "was built anyway with `--allow-target-mismatch`: expect low acceptance.")
+
+
 class TargetArch(_Strict):
     family: str = Field(description="The families/ module that reads this target (dense, deepseek, qwen3_next, ...).")
     text_config: bool = Field(description="The decoder's config is config.json's `text_config` (a multimodal "
@@ -177,6 +198,8 @@ class Eagle3Drafter(_Strict):
     parameters: int = Field(ge=0, description="Number of weights in the head, in logical (unpacked) count (maps "
                                               "and scales excluded).")
     quantization: Optional[TargetQuantization] = _drafter_quantization()
+    made_for: list[MadeFor] = _made_for()
+    target_mismatch_allowed: bool = _mismatch_allowed()
     hidden_size: int = Field(gt=0, description="Width of the head.")
     num_layers: int = Field(1, description="Decoder layers in the head.")
     aux_hidden_states: AuxLayers = Field(description="Which target hidden states feed `fc`.")
@@ -303,6 +326,8 @@ class BlockDrafter(_Strict):
     parameters: int = Field(ge=0, description="Number of weights in the drafter, in logical (unpacked) count (d2t "
                                               "and scales excluded).")
     quantization: Optional[TargetQuantization] = _drafter_quantization()
+    made_for: list[MadeFor] = _made_for()
+    target_mismatch_allowed: bool = _mismatch_allowed()
     algorithm: Literal["dflash", "dspark", "lilicorr"] = Field(
         description="`dflash`: independent slots; `dspark`: sequential Markov correction (+ confidence head); "
                     "`lilicorr`: DFlash backbone + candidate-lattice correlator.")

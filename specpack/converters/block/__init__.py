@@ -2,7 +2,7 @@
 (kind `block`; BLOCK-CANONICAL.md).
 
     detect(path)  -> the layout name, or None
-    convert(path, target, aux=None, block=None, source=None) -> ConvertedDrafter
+    convert(path, target, aux=None, block=None, source=None, allow_mismatch=False) -> ConvertedDrafter
 
 One module per source family (dflash, dspark, lilicorr), each with `LAYOUTS`, `detect(config, names)`
 and `read(layout, path, config, tensors, target) -> Reading`; `canonical.build` settles and checks
@@ -38,7 +38,7 @@ def detect(path: Path) -> str | None:
 
 
 def convert(path: Path, target: Target, aux: AuxOverride | None = None, block: BlockOverrides | None = None,
-            source: Source | None = None) -> ConvertedDrafter:
+            source: Source | None = None, allow_mismatch: bool = False) -> ConvertedDrafter:
     """Read the block drafter at `path`, settle and check its bindings against `target`, canonicalise it."""
     path = Path(path)
     config, tensors = read_config(path), load_tensors(path)
@@ -50,7 +50,7 @@ def convert(path: Path, target: Target, aux: AuxOverride | None = None, block: B
         raise InputError(f"'{path}' is not a block drafter in a known layout", hint="known: " + ", ".join(LAYOUTS))
     reading = family.read(layout, path, config, tensors, target)
     _add_mask_embedding(reading)
-    return build(reading, target, aux, block, source_of(path, source))
+    return build(reading, target, aux, block, source_of(path, source), allow_mismatch)
 
 
 def _add_mask_embedding(r) -> None:

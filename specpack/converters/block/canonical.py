@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 
-from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter
+from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter, mismatch_problems
 from specpack.converters.block import lilicorr, tables
 from specpack.converters.block.common import (CONFIDENCE, LAYER_BIASES, LAYER_WEIGHTS, MARKOV, SINK, Reading,
                                               check_target, dflash_config, flag_problems, id_problems, is_int,
@@ -19,6 +19,7 @@ from specpack.converters.target_hf import Target, quantization_entry
 from specpack.errors import ConversionError, InputError
 from specpack.families.base import size_problems
 from specpack.families.dense import SIZE_FIELDS, rope_from_config
+from specpack.schemas import MadeFor
 
 log = logging.getLogger(__name__)
 _SLIDING = "sliding_attention"
@@ -40,12 +41,13 @@ class Geometry:
 
 
 def build(r: Reading, target: Target, aux: AuxOverride | None, block: BlockOverrides | None,
-          source) -> ConvertedDrafter:
+          source, allow_mismatch: bool = False) -> ConvertedDrafter:
     """Settle, check and canonicalise the drafter `r` for `target`; ConversionError lists every problem."""
     check_target(target)
     block = block or BlockOverrides()
     r.problems += flag_problems(block)
     geo = _geometry(r, target)
+    r.problems += mismatch_problems(r.made_for, allow_mismatch)
     bind = _bindings(r, block, geo, target, aux)
     q, bad = drafter_tensors.scheme(r.path, r.raw)
     checked = _tensor_problems(r, geo, bind, q)
@@ -106,9 +108,9 @@ def _geometry_problems(r: Reading, geo: Geometry, target: Target) -> list[str]:
     if geo.draft_vocab > geo.target_vocab:
         out.append(f"draft vocab {geo.draft_vocab} is larger than the target vocab {geo.target_vocab}")
     declared = r.raw.get("num_target_layers", dflash_config(r.raw).get("num_target_layers"))
-    if isinstance(declared, int) and declared != t.num_hidden_layers:
-        out.append(f"the drafter was made for a {declared}-layer target (num_target_layers); this target has "
-                   f"{t.num_hidden_layers}: made for another target?")
+    if isinstance(declared, int):
+        r.made_for.append(MadeFor(stated_in="num_target_layers", value=declared, target=t.num_hidden_layers,
+                                  matches=declared == t.num_hidden_layers))
     if cfg.get("hidden_act", "silu") != "silu":
         out.append(f"hidden_act {cfg.get('hidden_act')!r}: only silu (every published block drafter uses it)")
     if dflash_config(r.raw).get("use_aux_hidden_state", r.raw.get("use_aux_hidden_state", True)) is False:
@@ -324,7 +326,8 @@ def _canonical(r: Reading, geo: Geometry, bind: dict, source, q, checked: drafte
     entry = BlockDrafter(
         source_layout=r.layout, source=source, dtype=dtype,
         parameters=drafter_tensors.parameters(checked.held, r.tensors, _INTEGER),
-        quantization=quantization_entry(q, checked.counts),
+        quantization=quantization_entry(q, checked.counts), made_for=r.made_for,
+        target_mismatch_allowed=any(not m.matches for m in r.made_for),
         algorithm=bind["algorithm"], query_layout=bind["query_layout"], block_size=bind["block_size"],
         draft_slots=slots, hidden_size=geo.hidden, num_layers=geo.layers,
         target_features=AuxLayers(layer_ids=ids_in, source_ids=src_ids, source_convention=src_conv),

@@ -68,6 +68,7 @@ class Reading:
     problems: list = field(default_factory=list)
     lilicorr: dict | None = None  # LiLiCorr correlator geometry (LiLiCorrGeometry fields)
     attention: tuple | None = None  # (per-layer causal, per-layer window) when the layout defines its own rule
+    made_for: list = field(default_factory=list)  # schemas.MadeFor: what it states about the target it was made for
 
     def say(self, binding: str, value, where: str) -> None:
         if value is not None:

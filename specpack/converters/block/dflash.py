@@ -23,7 +23,7 @@ from pathlib import Path
 from specpack.converters.block.common import (size, Reading, speculators_attention, speculators_flat, state_all_ids,
                                               state_anchor_markers, state_block_size, state_mask_token, state_own_tables,
                                               state_sinks, state_target_ids, unsupported_variant)
-from specpack.converters.speculators import verifier_problems
+from specpack.converters.speculators import verifier_statements
 from specpack.errors import UnsupportedError
 
 LAYOUTS = ("zlab-dflash", "modelopt-dflash", "speculators-dflash", "nemotron35-dflash")
@@ -67,7 +67,8 @@ def _speculators(path: Path, raw: dict, tensors: dict, target) -> Reading:
         raise UnsupportedError(f"'{path}': speculators DFlash with a {kind} decoder layer; the DFlash layer is a "
                                "Qwen3 layer", hint="re-export with a Qwen3 layer")
     r = Reading("speculators-dflash", path, flat, raw, dict(tensors), {})
-    r.problems += verifier_problems(raw, target)
+    r.made_for, bad = verifier_statements(raw, target)
+    r.problems += bad
     r.say("algorithm", "dflash", "speculators_model_type dflash")
     if isinstance(raw.get("sample_from_anchor"), bool):
         state_anchor_markers(r)

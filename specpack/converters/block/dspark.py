@@ -31,7 +31,7 @@ from specpack.converters.block.common import (size, CONFIDENCE, MARKOV, Reading,
                                               speculators_flat, state_all_ids, state_anchor_markers, state_block_size,
                                               state_mask_token, state_own_tables, state_sinks, state_target_ids,
                                               unsupported_variant)
-from specpack.converters.speculators import verifier_problems
+from specpack.converters.speculators import verifier_statements
 from specpack.errors import UnsupportedError
 
 LAYOUTS = ("deepspec-dspark", "deepseek-dflash", "speculators-dspark", "modelopt-dspark", "specforge-dspark",
@@ -94,7 +94,8 @@ def read(layout: str, path: Path, raw: dict, tensors: dict, target) -> Reading:
     state_sinks(r, layers)
     state_own_tables(r)
     if layout == "speculators-dspark":
-        r.problems += verifier_problems(raw, target)
+        r.made_for, bad = verifier_statements(raw, target)
+        r.problems += bad
         r.attention = speculators_attention(flat, raw, layers)
         state_target_ids(r, (raw.get("aux_hidden_state_layer_ids"), "input_of_layer", "aux_hidden_state_layer_ids"))
     else:
