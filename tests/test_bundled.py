@@ -87,6 +87,19 @@ def test_dspark_markers_win_over_the_legacy_mtp_key_and_are_not_packed_yet(tmp_p
     d = json.loads(out)
     assert [(b["layout"], b["kind"]) for b in d["bundled"]] == [("B", "block")]
     assert "win over num_nextn_predict_layers 1" in d["bundled"][0]["detail"]
+    assert "the weights hold no mtp.* tensor" in d["bundled"][0]["detail"]  # this tiny target holds none
     assert d["drafter_bundled"] is None and "no drafter specpack can bind" in d["why_not"]
     with pytest.raises(UnsupportedError, match="DSpark stages inside the target"):
         _build(tmp_path, root, "bundled")
+
+
+def test_dspark_stages_held_under_mtp_are_counted(tmp_path, tiny_target, cli):
+    """DeepSeek-V4-Flash-DSpark keeps its three stages under mtp.{0,1,2}.* (RELEASES.md pair 1: main_proj
+    in mtp.0, the heads in mtp.2); inspect counts the stages the weights hold."""
+    import torch
+
+    root = shutil.copytree(tiny_target, tmp_path / "v4like")
+    ff.edit(root, add={"mtp.0.main_proj.weight": torch.zeros(4, 12), "mtp.1.attn_norm.weight": torch.ones(4),
+                       "mtp.2.norm.weight": torch.ones(4)}, config={"dspark_block_size": 5})
+    code, out, _ = cli("inspect", root, "--json")
+    assert "stages [0, 1, 2] held under mtp.*" in json.loads(out)["bundled"][0]["detail"]

@@ -18,6 +18,7 @@ dspark/config.json fixes the draft contract".
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from specpack.errors import InputError, UnsupportedError
 DSPARK_MARKERS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
 MTP_COUNT_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_modules")
 BUNDLED = "bundled"  # the `--drafter` value that binds what the release bundles
+_STAGE = re.compile(r"mtp\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -50,7 +52,7 @@ def find(root: Path) -> list[Bundled]:
     root = Path(root)
     config = read_config(root / "config.json", "target config")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    stages = _dspark_stages(config, text)
+    stages = _dspark_stages(root, config, text)
     found = [stages] if stages else [m for m in [_mtp(root, config, text)] if m]
     return found + _subfolders(root)
 
@@ -75,14 +77,21 @@ def choose(root: Path) -> str:
                      "stated", problems=listed, hint="pass the one you want as --drafter (the value shown)")
 
 
-def _dspark_stages(config: dict, text: dict) -> Bundled | None:
+def _dspark_stages(root: Path, config: dict, text: dict) -> Bundled | None:
+    """DSpark stages the config declares, and the stages the weights hold under `mtp.{k}.` (where
+    vLLM and DeepSeek-V4-Flash-DSpark keep them: RELEASES.md pair 1)."""
+    from specpack.converters.block.common import tensor_names
+
     stated = {k: c[k] for c in (config, text) for k in DSPARK_MARKERS if c.get(k) is not None}
     nested = text.get("dspark_config") if isinstance(text.get("dspark_config"), dict) else None
     if not stated and not nested:
         return None
     keys = ", ".join(f"{k} {v}" for k, v in stated.items()) or "dspark_config"
-    return Bundled("block", "B", "target weights", f"DSpark stages declared by {keys}; these win over "
-                   f"{_mtp_key(text) or 'any MTP count key'}", None,
+    held = sorted({int(m.group(1)) for n in tensor_names(root) if (m := _STAGE.match(n))})
+    tensors = f"stages {held} held under mtp.*" if held else "but the weights hold no mtp.* tensor (markers " \
+                                                            "without their stages: a re-upload that dropped them?)"
+    return Bundled("block", "B", "target weights", f"DSpark stages declared by {keys}, {tensors}; the markers win "
+                   f"over {_mtp_key(text) or 'any MTP count key'}", None,
                    "DSpark stages inside the target (DeepSeek-V4's layout) are not packed yet: their target "
                    "family is not one specpack checks")
 
