@@ -176,7 +176,7 @@ def _release(root: Path) -> dict:
 
     found = bundled.find(root)
     try:
-        binds = bundled.choose(root)
+        binds = bundled.choose(root, found)
     except (InputError, UnsupportedError) as exc:
         binds, why = None, exc.message
     else:

@@ -57,10 +57,10 @@ def find(root: Path) -> list[Bundled]:
     return found + _subfolders(root)
 
 
-def choose(root: Path) -> str:
-    """The `--drafter` spec of the one drafter the release bundles; refused, listing what it holds,
-    when it bundles none, several, or only ones specpack cannot bind."""
-    found = find(root)
+def choose(root: Path, found: list[Bundled] | None = None) -> str:
+    """The `--drafter` spec of the one drafter the release bundles (`found`: what `find` listed for it);
+    refused, listing what it holds, when it bundles none, several, or only ones specpack cannot bind."""
+    found = find(root) if found is None else found
     ready = [b for b in found if b.drafter]
     if len(ready) == 1:
         return ready[0].drafter
@@ -124,10 +124,9 @@ def _mtp(root: Path, config: dict, text: dict) -> Bundled | None:
 def _subfolders(root: Path) -> list[Bundled]:
     """Drafters in an immediate subfolder of the release (config.json + weights in a known layout)."""
     from specpack.converters import detect_drafter
-
-    out = []
     from specpack.converters.block.common import has_weights
 
+    out = []
     for sub in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         if not (sub / "config.json").is_file() or not has_weights(sub):
             continue

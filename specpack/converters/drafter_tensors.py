@@ -36,17 +36,14 @@ def hf_quant(path: Path) -> dict | None:
     return read_json(path / HF_QUANT, "ModelOpt quantization config") if (path / HF_QUANT).is_file() else None
 
 
-def scheme(path: Path, config: dict) -> tuple[quant.Quant | None, list[str]]:
-    """(the drafter's scheme or None, problems: one for a scheme specpack cannot check)."""
+def scheme(path: Path, config: dict) -> tuple[quant.Quant | None, dict | None, list[str]]:
+    """(the drafter's scheme or None, its quantization config as it states it (kept in the canonical
+    config, for engines), problems: one for a scheme specpack cannot check)."""
+    hf = hf_quant(path)
     try:
-        return quant.scheme(config, hf_quant(path)), []
+        return quant.scheme(config, hf), quant.stated_config(config, hf), []
     except (InputError, UnsupportedError) as exc:
-        return None, [exc.message, *exc.problems]
-
-
-def stated_config(path: Path, config: dict) -> dict | None:
-    """The quantization config as the drafter states it (kept in the canonical config, for engines)."""
-    return quant.stated_config(config, hf_quant(path))
+        return None, None, [exc.message, *exc.problems]
 
 
 def check(expected: dict, tensors: dict, q: quant.Quant | None, linear: Callable[[str], bool],

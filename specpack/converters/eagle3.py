@@ -104,7 +104,7 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
                          hint="is this the head's own config.json?")
     tensors, name_problems = _map_names(layout, raw)
     geo, geo_problems = _geometry(config, target, tensors)
-    q, quant_problems = drafter_tensors.scheme(path, config)
+    q, stated, quant_problems = drafter_tensors.scheme(path, config)
     made_for = list(made_for or [])
     problems = list(problems or []) + mismatch_problems(made_for, allow_mismatch) + name_problems + geo_problems + \
         quant_problems
@@ -121,7 +121,7 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
     embedding = _embedding_source(tensors, target)
     converted = _canonical(layout, config, tensors, geo, aux_layers, t2d_source, embedding, source, checked)
     if q:
-        converted.config["quantization_config"] = drafter_tensors.stated_config(path, config)
+        converted.config["quantization_config"] = stated
     return replace(converted, entry=converted.entry.model_copy(update={
         "quantization": quantization_entry(q, checked.counts), "made_for": made_for,
         "target_mismatch_allowed": any(not m.matches for m in made_for)}))

@@ -87,12 +87,6 @@ class TargetQuantization(_Strict):
     unquantized_linear: int = Field(ge=0, description="Linear weights the release kept unquantized (routers, lm_head, ...).")
 
 
-def _drafter_quantization():
-    return Field(None, description="How the drafter's weights are quantized, checked per scheme as a target's are "
-                                   "(its config's quantization_config is kept in drafter/config.json); absent: float "
-                                   "weights.")
-
-
 class MadeFor(_Strict):
     """One place a drafter states the target it was made for, against this target."""
 
@@ -104,14 +98,19 @@ class MadeFor(_Strict):
                                       "`--allow-target-mismatch`, stated in `target_mismatch_allowed`).")
 
 
-def _made_for():
-    return Field(default_factory=list, description="Every statement the drafter makes about the target it was made "
-                                                   "for, each checked against this target.")
+class _CheckedDrafter(_Strict):
+    """What a drafter whose weights and config specpack checks (EAGLE-3 heads, block drafters)
+    states beyond its kind's own bindings."""
 
-
-def _mismatch_allowed():
-    return Field(False, description="The drafter states another target (a `made_for` entry does not match) and "
-                                    "was built anyway with `--allow-target-mismatch`: expect low acceptance.")
+    quantization: Optional[TargetQuantization] = Field(
+        None, description="How the drafter's weights are quantized, checked per scheme as a target's are (its "
+                          "config's quantization_config is kept in drafter/config.json); absent: float weights.")
+    made_for: list[MadeFor] = Field(default_factory=list, description="Every statement the drafter makes about the "
+                                                                      "target it was made for, each checked against "
+                                                                      "this target.")
+    target_mismatch_allowed: bool = Field(False, description="The drafter states another target (a `made_for` entry "
+                                                             "does not match) and was built anyway with "
+                                                             "`--allow-target-mismatch`: expect low acceptance.")
 
 
 class TargetArch(_Strict):
@@ -187,7 +186,7 @@ class AuxLayers(_Strict):
                           "is stated (absent for targets of a family specpack does not read).")
 
 
-class Eagle3Drafter(_Strict):
+class Eagle3Drafter(_CheckedDrafter):
     kind: Literal["eagle3"] = "eagle3"
     source_layout: Literal["eagle3-official", "eagle3-sglang", "eagle3-modelopt", "eagle3-speculators"] = \
         Field(description="The published layout the head was converted from.")
@@ -197,9 +196,6 @@ class Eagle3Drafter(_Strict):
     dtype: str = Field(description="Dtype of the head's float weights (its quantized ones: `quantization`).")
     parameters: int = Field(ge=0, description="Number of weights in the head, in logical (unpacked) count (maps "
                                               "and scales excluded).")
-    quantization: Optional[TargetQuantization] = _drafter_quantization()
-    made_for: list[MadeFor] = _made_for()
-    target_mismatch_allowed: bool = _mismatch_allowed()
     hidden_size: int = Field(gt=0, description="Width of the head.")
     num_layers: int = Field(1, description="Decoder layers in the head.")
     aux_hidden_states: AuxLayers = Field(description="Which target hidden states feed `fc`.")
@@ -312,7 +308,7 @@ class LiLiCorrGeometry(_Strict):
     logit_scale: float = Field(description="Multiplies the cosine scores into logits (changes scores, not shapes).")
 
 
-class BlockDrafter(_Strict):
+class BlockDrafter(_CheckedDrafter):
     kind: Literal["block"] = "block"
     source_layout: Literal[BLOCK_LAYOUTS] = Field(
         description="The published layout the drafter was converted from (z-lab/ModelOpt/speculators DFlash, "
@@ -325,9 +321,6 @@ class BlockDrafter(_Strict):
     dtype: str = Field(description="Dtype of the drafter's float weights (its quantized ones: `quantization`).")
     parameters: int = Field(ge=0, description="Number of weights in the drafter, in logical (unpacked) count (d2t "
                                               "and scales excluded).")
-    quantization: Optional[TargetQuantization] = _drafter_quantization()
-    made_for: list[MadeFor] = _made_for()
-    target_mismatch_allowed: bool = _mismatch_allowed()
     algorithm: Literal["dflash", "dspark", "lilicorr"] = Field(
         description="`dflash`: independent slots; `dspark`: sequential Markov correction (+ confidence head); "
                     "`lilicorr`: DFlash backbone + candidate-lattice correlator.")

@@ -49,7 +49,7 @@ def build(r: Reading, target: Target, aux: AuxOverride | None, block: BlockOverr
     geo = _geometry(r, target)
     r.problems += mismatch_problems(r.made_for, allow_mismatch)
     bind = _bindings(r, block, geo, target, aux)
-    q, bad = drafter_tensors.scheme(r.path, r.raw)
+    q, stated, bad = drafter_tensors.scheme(r.path, r.raw)
     checked = _tensor_problems(r, geo, bind, q)
     r.problems += bad + checked.problems
     if not r.problems:
@@ -60,7 +60,7 @@ def build(r: Reading, target: Target, aux: AuxOverride | None, block: BlockOverr
                               hint="flags named above settle what the checkpoint leaves open (see `specpack build "
                                    "--help`); anything else means the drafter was made for another target or its "
                                    "config lost a field: fix or re-export it")
-    converted = _canonical(r, geo, bind, source, q, checked)
+    converted = _canonical(r, geo, bind, source, q, stated, checked)
     features = converted.entry.target_features
     kinds = target.feature_kinds(features.layer_ids)
     return replace(converted, entry=converted.entry.model_copy(
@@ -313,8 +313,8 @@ def _tensor_problems(r: Reading, geo: Geometry, bind: dict, q) -> drafter_tensor
 
 # ---- canonical ----
 
-def _canonical(r: Reading, geo: Geometry, bind: dict, source, q, checked: drafter_tensors.Checked
-               ) -> ConvertedDrafter:
+def _canonical(r: Reading, geo: Geometry, bind: dict, source, q, stated: dict | None,
+               checked: drafter_tensors.Checked) -> ConvertedDrafter:
     from specpack.schemas import AuxLayers, BlockConfidence, BlockDrafter, BlockMarkov, LiLiCorrGeometry
 
     ids_in, src_ids, src_conv, _ = bind["ids"]
@@ -322,7 +322,7 @@ def _canonical(r: Reading, geo: Geometry, bind: dict, source, q, checked: drafte
     config = _config(geo, bind, slots)
     dtype = drafter_tensors.float_dtype(r.tensors, checked.held)
     if q:
-        config["quantization_config"] = drafter_tensors.stated_config(r.path, r.raw)
+        config["quantization_config"] = stated
     entry = BlockDrafter(
         source_layout=r.layout, source=source, dtype=dtype,
         parameters=drafter_tensors.parameters(checked.held, r.tensors, _INTEGER),
