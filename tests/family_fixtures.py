@@ -31,7 +31,7 @@ def _save(model, out: Path, config_updates: dict | None = None) -> Path:
 
 
 def _configs():
-    from transformers import (DeepseekV3Config, DeepseekV32Config, Gemma3Config, Glm4MoeConfig, GlmMoeDsaConfig,
+    from transformers import (DeepseekV3Config, DeepseekV4Config, DeepseekV32Config, Gemma3Config, Glm4MoeConfig, GlmMoeDsaConfig,
                               GptOssConfig, Llama4Config, MiniMaxM2Config, Mistral3Config, NemotronHConfig,
                               Qwen3_5Config, Qwen3_5MoeConfig, Qwen3MoeConfig, Qwen3NextConfig)
 
@@ -47,6 +47,18 @@ def _configs():
         "deepseek_v32": lambda: DeepseekV32Config(**common, intermediate_size=96, num_hidden_layers=3,
                                                   first_k_dense_replace=1, n_group=2, topk_group=1, index_n_heads=2,
                                                   index_head_dim=16, index_topk=8, **mla, **moe),
+        # every attention kind (sliding, CSA, HCA), a hash-routed layer, two hyper-connection streams
+        "deepseek_v4": lambda: DeepseekV4Config(vocab_size=V, hidden_size=64, num_attention_heads=4, head_dim=32,
+                                                q_lora_rank=32, partial_rotary_factor=0.25, num_hidden_layers=4,
+                                                moe_intermediate_size=24, n_routed_experts=4, n_shared_experts=1,
+                                                num_experts_per_tok=2, hc_mult=2, o_groups=2, o_lora_rank=16,
+                                                index_n_heads=2, index_head_dim=16, index_topk=4, sliding_window=8,
+                                                layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                             "heavily_compressed_attention",
+                                                             "compressed_sparse_attention"],
+                                                mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+                                                compress_rates={"compressed_sparse_attention": 4,
+                                                                "heavily_compressed_attention": 8}),
         "glm_moe_dsa": lambda: GlmMoeDsaConfig(**common, intermediate_size=96, num_hidden_layers=3,
                                                first_k_dense_replace=1, index_n_heads=2, index_head_dim=16,
                                                index_topk=8, **mla, **moe),
@@ -96,7 +108,7 @@ def _configs():
     }
 
 
-FAMILIES = ("deepseek_v3", "deepseek_v32", "glm_moe_dsa", "glm4_moe", "qwen3_moe", "qwen3_next", "qwen3_5",
+FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "glm4_moe", "qwen3_moe", "qwen3_next", "qwen3_5",
             "qwen3_5_moe", "minimax_m2", "gpt_oss", "nemotron_h", "llama4", "gemma3", "mistral3")
 
 
@@ -115,7 +127,21 @@ def make(family: str, out: Path, seed: int = 0) -> Path:
     # the DeepSeek family's published configs state their routing (transformers' classes do not write it)
     routing = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"} if family in ("deepseek_v3", "deepseek_v32",
                                                                                      "glm_moe_dsa") else {}
-    return _save(model.eval(), out, routing)
+    out = _save(model.eval(), out, routing)
+    return deepseek_v4_release(out) if family == "deepseek_v4" else out
+
+
+def deepseek_v4_release(path: Path) -> Path:
+    """DeepSeek-V4 in the names its release ships (no `model.` prefix, `embed.weight`, `hc_head_fn`):
+    transformers 5.25's save keeps `model.` and its own names for the embedding and hc_head; its
+    loader reads the release names (conversion_mapping "deepseek_v4": `^embed.weight`, `^hc_head_fn`),
+    which test_families checks by loading this fixture back with transformers."""
+    top = {"embed_tokens.weight": "embed.weight", "hc_head.hc_fn": "hc_head_fn", "hc_head.hc_base": "hc_head_base",
+           "hc_head.hc_scale": "hc_head_scale"}
+    t = load_file(str(path / "model.safetensors"))
+    t = {top.get(k.removeprefix("model."), k.removeprefix("model.")): v for k, v in t.items()}
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    return path
 
 
 # ---- what transformers does not write ------------------------------------------------------------
@@ -375,3 +401,25 @@ def mxfp4(path: Path) -> Path:
     return edit(path, add=add, drop=drop, config={"quantization_config": {
         "quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
                                                             "model.embed_tokens", "lm_head"]}})
+
+
+def deepseek_v4_fp8(path: Path, block: int = 16) -> Path:
+    """DeepSeek-V4-Flash's published form (transformers quantizer_finegrained_fp8.py: per-block scales
+    under `.scale`; FineGrainedFP8Config scale_fmt ue8m0, expert_dtype fp4; finegrained_fp8.py
+    `_alloc_expert_proj`): linear weights F8_E4M3 [o, i] + `.scale` E8M0 [ceil(o/b), ceil(i/b)]; routed
+    experts I8 [o, i/2] (two e2m1 per byte) + `.scale` E8M0 [o, ceil(i/32)]; the router, the norms, the
+    hyper-connections, the embedding and the head stay float."""
+    t = load_file(str(path / "model.safetensors"))
+    add, e8m0 = {}, torch.float8_e8m0fnu
+    for k in _linear_names(t, ("embed.", "head.weight", "norm", "ffn.gate.")):
+        o, i = t[k].shape
+        stem = k[: -len("weight")]
+        if ".experts." in k and ".shared_experts." not in k:
+            add[k] = torch.zeros(o, i // 2, dtype=torch.int8)
+            add[stem + "scale"] = torch.full((o, math.ceil(i / 32)), 127, dtype=torch.uint8).view(e8m0)
+        else:
+            add[k] = t[k].to(torch.float8_e4m3fn)
+            add[stem + "scale"] = torch.full((math.ceil(o / block), math.ceil(i / block)), 127, dtype=torch.uint8).view(e8m0)
+    return edit(path, add=add, config={"expert_dtype": "fp4", "quantization_config": {
+        "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [block, block],
+        "activation_scheme": "dynamic"}})

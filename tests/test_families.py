@@ -18,6 +18,7 @@ from specpack.packager import BuildOptions, build
 EXPECTED = {
     "deepseek_v3": ("deepseek", ["mla+dense"] + ["mla+moe"] * 2, 4),
     "deepseek_v32": ("deepseek", ["mla_sparse+dense"] + ["mla_sparse+moe"] * 2, 4),
+    "deepseek_v4": ("deepseek_v4", ["sliding+hash_moe", "csa+moe", "hca+moe", "csa+moe"], 4),
     "glm_moe_dsa": ("deepseek", ["mla_sparse+dense"] + ["mla_sparse+moe"] * 2, 4),
     "glm4_moe": ("glm4_moe", ["full+dense"] + ["full+moe"] * 2, 4),
     "qwen3_moe": ("qwen3_moe", ["full+dense"] + ["full+moe"] * 2, 4),

@@ -319,7 +319,8 @@ def quantization_entry(q: quant.Quant | None, counts: dict[bool, int]) -> Target
     if q is None:
         return None
     return TargetQuantization(scheme=q.scheme, quant_method=q.quant_method, block=list(q.block) if q.block else None,
-                              group=q.group, kv_cache=q.kv_cache, quantized_linear=counts[True],
+                              group=q.group, kv_cache=q.kv_cache, scale_format=q.scale_fmt,
+                              expert_dtype=q.expert_dtype, quantized_linear=counts[True],
                               unquantized_linear=counts[False])
 
 

@@ -16,12 +16,12 @@ import re
 from dataclasses import dataclass, replace
 
 from specpack.errors import InputError, UnsupportedError
-from specpack.families import (deepseek, dense, gemma3, glm4_moe, gpt_oss, llama4, minimax_m2, nemotron_h, qwen3_moe,
+from specpack.families import (deepseek, deepseek_v4, dense, gemma3, glm4_moe, gpt_oss, llama4, minimax_m2, nemotron_h, qwen3_moe,
                                qwen3_next, quant)
 from specpack.families.base import Arch, Tensor, architecture_of, text_config
 from specpack.families.fields import check_config
 
-FAMILIES = {m.__name__.rsplit(".", 1)[1]: m for m in (dense, deepseek, glm4_moe, qwen3_moe, qwen3_next, minimax_m2,
+FAMILIES = {m.__name__.rsplit(".", 1)[1]: m for m in (dense, deepseek, deepseek_v4, glm4_moe, qwen3_moe, qwen3_next, minimax_m2,
                                                        gpt_oss, nemotron_h, llama4, gemma3)}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.")
@@ -65,11 +65,13 @@ def check(arch: Arch, found: dict, q: quant.Quant | None) -> Checked:
     and the layer and expert counts first (so a config claiming a million layers costs only the
     checkpoint's own tensor list). Raises one InputError listing every problem."""
     arch = _located(arch, found)
+    module = FAMILIES[arch.family]
+    if hasattr(module, "locate"):  # a family whose release names a tensor more than one way
+        arch = module.locate(arch, found)
     problems = _count_problems(arch, found)
     if problems:
         raise InputError(f"the checkpoint does not match its config ({len(problems)} problems)", problems=problems,
                          hint="the checkpoint and config.json must come from the same model")
-    module = FAMILIES[arch.family]
     fused = _fused(found)
     expected = module.tensors(arch, fused)
     problems, counts = quant.check_all(expected, found, q)
@@ -124,7 +126,7 @@ def _count_problems(arch: Arch, found: dict) -> list[str]:
     if not set(range(arch.num_layers)) <= held:
         problems.append(f"the config claims {arch.num_layers} decoder layers, but the weights hold "
                         f"{len(held & set(range(arch.num_layers)))} of them under {arch.prefix}layers.")
-    if arch.experts and arch.count(mlp=("moe",)) and not _fused(found):
+    if arch.experts and arch.count(mlp=("moe", "hash_moe")) and not _fused(found):
         most = max((max(e) + 1 for e in _experts(found, arch.prefix).values()), default=0)
         if arch.experts.routed > most:
             problems.append(f"the config claims {arch.experts.routed} experts, but the weights hold {most}")

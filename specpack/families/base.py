@@ -12,27 +12,32 @@ A family module exposes the same few names:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from specpack.errors import InputError
 
 MTP_ROLES = ("embed_norm", "hidden_norm", "proj", "final_norm")
-ATTENTION_KINDS = ("full", "sliding", "chunked", "mla", "mla_sparse", "linear", "mamba", "none")
-MLP_KINDS = ("dense", "moe", "none")
+# csa / hca: DeepSeek-V4's compressed sparse and heavily compressed attention (a sliding window beside
+# entries that each compress 4 or 128 tokens)
+ATTENTION_KINDS = ("full", "sliding", "chunked", "mla", "mla_sparse", "csa", "hca", "linear", "mamba", "none")
+MLP_KINDS = ("dense", "moe", "hash_moe", "none")  # hash_moe: experts chosen by token id (DeepSeek-V4)
 # attention kinds whose cache grows with the context (per token); linear attention and Mamba carry a
 # fixed recurrent state per sequence instead
-CACHED = ("full", "sliding", "chunked", "mla", "mla_sparse")
+CACHED = ("full", "sliding", "chunked", "mla", "mla_sparse", "csa", "hca")
 RECURRENT = ("linear", "mamba")
 
 
 @dataclass(frozen=True)
 class Layer:
-    """One decoder layer: its token mixer and its MLP (`window`: a sliding or chunked layer's span)."""
+    """One decoder layer: its token mixer and its MLP (`window`: a sliding or chunked layer's span;
+    `cache`: elements one token adds to this layer's cache where it is not the Arch's `kv_width`)."""
 
     attention: str
     mlp: str
     window: int | None = None
+    cache: float | None = None
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,7 @@ class Tensor:
     shape: tuple[int, ...]
     linear: bool = False
     stored_in_out: bool = False
+    integer: bool = False  # a table of ids, not weights (DeepSeek-V4's hash router `tid2eid`)
 
 
 @dataclass(frozen=True)
@@ -110,7 +116,9 @@ class Arch:
     def kv_bytes_per_token(self, dtype_bytes: int) -> int:
         """Cache bytes one token adds: attention layers only (a sliding layer's cache stops growing at
         its window, but counts here, as engines allocate it per token up to the window)."""
-        return self.count(attention=CACHED) * self.kv_width * dtype_bytes
+        elements = sum(self.kv_width if layer.cache is None else layer.cache
+                       for layer in self.layers if layer.attention in CACHED)
+        return math.ceil(elements * dtype_bytes)
 
     def state_bytes_per_sequence(self, dtype_bytes: int) -> int:
         """Recurrent state one sequence holds whatever its length (linear attention, Mamba)."""

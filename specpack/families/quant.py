@@ -8,7 +8,7 @@ its logical shape. Nothing is skipped.
 
 | scheme | detected from | a quantized linear X |
 |---|---|---|
-| `fp8-block` | quant_method fp8 + weight_block_size [b0, b1] | X.weight F8_E4M3 [o, i]; X.weight_scale_inv [⌈o/b0⌉, ⌈i/b1⌉] |
+| `fp8-block` | quant_method fp8 + weight_block_size [b0, b1] | X.weight F8_E4M3 [o, i]; X.weight_scale_inv (or X.scale) [⌈o/b0⌉, ⌈i/b1⌉]; `scale_fmt: ue8m0`: the scales E8M0 (or U8); `expert_dtype: fp4`: each routed expert's X.weight I8 [o, i/2] (two e2m1 per byte), X.scale [o, ⌈i/32⌉] |
 | `fp8` | quant_method fp8, no block size | X.weight F8_E4M3 [o, i]; X.weight_scale [] or [1]; X.input_scale (static) |
 | `ct-fp8` | compressed-tensors, 8-bit float weights | X.weight F8_E4M3 [o, i]; X.weight_scale [1] / [o, 1] / blocks |
 | `ct-nvfp4` | compressed-tensors, 4-bit float, group 16 | X.weight_packed U8 [o, i/2]; X.weight_scale F8_E4M3 [o, i/16]; X.weight_global_scale [1] |
@@ -23,6 +23,13 @@ Every field of a quantization config is type-checked as it is read (an error nam
 quantizes none of the checkpoint's linear weights, an F8 weight under a config that states no scheme,
 and a compressed-tensors `ignore` entry's module stored quantized are refused; `re:` patterns are
 compiled once and matched within a time budget.
+
+DeepSeek-V4's form of fp8-block (transformers 5.25 quantizers/quantizer_finegrained_fp8.py :185-190:
+"Some FP8 checkpoints ship per-block scales under `.scale` (e.g. DeepSeek-V4-Flash)", renamed to
+`weight_scale_inv` on load; utils/quantization_config.py FineGrainedFP8Config `scale_fmt` float | ue8m0,
+`expert_dtype` fp8 | fp4; integrations/finegrained_fp8.py `_alloc_expert_proj`: fp4 experts store int8
+weights with K halved and one scale per row per 32 inputs; models/deepseek_v4/configuration :243-251:
+a top-level `expert_dtype` joins the quantization config).
 
 Sources (read, not guessed): vLLM layers/quantization/{fp8,modelopt,mxfp4}.py and compressed_tensors/
 schemes, transformers integrations/{finegrained_fp8,mxfp4}.py, DeepSeek-V3 README_WEIGHTS.md. MXFP8:
@@ -65,6 +72,8 @@ class Quant:
     kv_cache: str | None = None  # a quantized KV cache the config states (FP8)
     layers: tuple[tuple[str, str], ...] = ()  # modelopt-mixed: (module, quant_algo) as quantized_layers states
     ignore: tuple[str, ...] = ()  # compressed-tensors: modules stored unquantized (names, or `re:` regexes)
+    scale_fmt: str = "float"  # fp8-block: "ue8m0" for one-byte power-of-two scales (DeepSeek-V4)
+    expert_dtype: str = "fp8"  # fp8-block: "fp4" for routed experts packed two e2m1 values per byte
 
     @cached_property
     def layer_algos(self) -> dict[str, str]:
@@ -73,6 +82,8 @@ class Quant:
     @property
     def description(self) -> str:
         extra = f" {self.block[0]}x{self.block[1]} blocks" if self.block else f" groups of {self.group}" if self.group else ""
+        extra += ", ue8m0 scales" if self.scale_fmt == "ue8m0" else ""
+        extra += ", fp4 experts" if self.expert_dtype == "fp4" else ""
         return f"{self.scheme} ({self.quant_method}{extra})"
 
 
@@ -89,6 +100,8 @@ def scheme(config: dict, hf_quant: dict | None = None) -> Quant | None:
     qc = stated_config(config, hf_quant)
     if qc is None:
         return None
+    if config.get("expert_dtype") is not None and isinstance(qc, dict) and "expert_dtype" not in qc:
+        qc = {**qc, "expert_dtype": config["expert_dtype"]}  # DeepSeek-V4 states it beside (transformers folds it in)
     method = field(qc, "quant_method", STR, W, "").lower()
     if not method and "quant_algo" in qc:
         raise InputError(f"quantization_config states quant_algo {qc['quant_algo']!r} but no quant_method: which "
@@ -115,11 +128,24 @@ def stated_config(config: dict, hf_quant: dict | None = None) -> dict | None:
     return qc
 
 
+FP8_SCALE_FORMATS = ("float", "ue8m0")
+EXPERT_DTYPES = ("fp8", "fp4")
+
+
 def _fp8(qc: dict) -> Quant:
     block = qc.get("weight_block_size")
+    scale_fmt = field(qc, "scale_fmt", STR, W, "float")
+    experts = field(qc, "expert_dtype", STR, W, "fp8")
+    bad = [f"scale_fmt = {scale_fmt!r}: not one of {', '.join(FP8_SCALE_FORMATS)}"] * (scale_fmt not in FP8_SCALE_FORMATS)
+    bad += [f"expert_dtype = {experts!r}: not one of {', '.join(EXPERT_DTYPES)}"] * (experts not in EXPERT_DTYPES)
+    bad += ["scale_fmt ue8m0 or expert_dtype fp4 without weight_block_size: only the block-scaled form states "
+            "them"] * (block is None and (scale_fmt, experts) != ("float", "fp8"))
+    if bad:
+        raise InputError("quantization_config: an fp8 form specpack cannot check", problems=bad,
+                         hint="transformers' FineGrainedFP8Config reads scale_fmt float | ue8m0, expert_dtype fp8 | fp4")
     if block is None:
         return Quant("fp8", "fp8")
-    return Quant("fp8-block", "fp8", block=_pair(block, "weight_block_size"))
+    return Quant("fp8-block", "fp8", block=_pair(block, "weight_block_size"), scale_fmt=scale_fmt, expert_dtype=experts)
 
 
 def _compressed(qc: dict) -> Quant:
@@ -315,6 +341,8 @@ def check(name: str, t: Tensor, found: dict, q: Quant | None, ignored_by: str | 
     """(problems, quantized) for tensor `name` of logical form `t` against the checkpoint's header
     entries `found` (name -> TensorMeta); `ignored_by`: the compressed-tensors `ignore` entry that
     leaves its module unquantized."""
+    if t.integer:
+        return _plain(name, t, found) or _int_problems(name, found), False
     if not t.linear or q is None:
         return _plain(name, t, found) or _float_problems(name, found, q), False
     if ignored_by is not None:
@@ -327,7 +355,9 @@ def check(name: str, t: Tensor, found: dict, q: Quant | None, ignored_by: str | 
         return _unlisted(name, t, found), False
     if not mixed and _is_plain(name, t, found, layouts):
         return [], False
-    problems = min((_layout_problems(layout, found) for layout in layouts), key=len)
+    # the stored form closest to what the checkpoint holds (of equals, the one whose tensors it names)
+    problems = min((_layout_problems(layout, found) for layout in layouts),
+                   key=lambda ps: (len(ps), sum(p.startswith("missing") for p in ps)))
     if problems and name not in found and not any(n in found for layout in layouts for n in layout):
         return [f"missing tensor {name} (expected {list(_stored(t))} unquantized, or {q.scheme})"], False
     return problems or _activation_problems(name, found, q), not problems
@@ -359,6 +389,12 @@ def _float_problems(name: str, found: dict, q: Quant | None) -> list[str]:
         return [f"tensor {name} is {dtype}: stored quantized, but config.json states no quantization_config "
                 "(was it removed?)"]
     return [f"tensor {name} is {dtype}, expected {' or '.join(FLOATS)}"]
+
+
+def _int_problems(name: str, found: dict) -> list[str]:
+    """A table of ids (DeepSeek-V4's hash router `tid2eid`) is stored as integers."""
+    dtype = found[name].dtype
+    return [] if dtype in ("I64", "I32") else [f"tensor {name} is {dtype}, expected an integer table (I64 or I32)"]
 
 
 def _unlisted(name: str, t: Tensor, found: dict) -> list[str]:
@@ -426,11 +462,17 @@ def _layouts(name: str, t: Tensor, q: Quant) -> list[dict[str, tuple[tuple, tupl
         return f"{name}_{'scale_inv' if suffix == 'weight_scale_inv' else suffix}"
 
     weight = name
-    if q.scheme == "fp8-block" or (q.scheme == "ct-fp8" and q.strategy == "block"):
+    if q.scheme == "fp8-block":
+        scales = ("F8_E8M0", "U8") if q.scale_fmt == "ue8m0" else SCALES
+        if q.expert_dtype == "fp4" and w and _ROUTED.search(name):
+            scale = (*lead, o, math.ceil(i / FP4_GROUP))
+            return [{weight: (("I8",), ((*lead, o, i // 2),)), n(s): (scales, (scale,))} for s in FP8_SCALE_NAMES]
+        scale = (*lead, math.ceil(o / q.block[0]), math.ceil(i / q.block[1]))
+        return [{weight: (E4M3, ((*lead, o, i),)), n(s): (scales, (scale,))} for s in FP8_SCALE_NAMES]
+    if q.scheme == "ct-fp8" and q.strategy == "block":
         b0, b1 = q.block
         scale = (*lead, math.ceil(o / b0), math.ceil(i / b1))
-        suffix = "weight_scale_inv" if q.scheme == "fp8-block" else "weight_scale"
-        return [{weight: (E4M3, ((*lead, o, i),)), n(suffix): (SCALES, (scale,))}]
+        return [{weight: (E4M3, ((*lead, o, i),)), n("weight_scale"): (SCALES, (scale,))}]
     if q.scheme in ("fp8", "modelopt-fp8", "ct-fp8"):
         scales = {"channel": ((*lead, o, 1), (*lead, o)), "tensor": ((*lead, 1), (*lead,)) if lead else SCALAR}
         shapes = scales.get(q.strategy, SCALAR + (((*lead, 1),) if lead else ()))
@@ -454,6 +496,11 @@ def _layouts(name: str, t: Tensor, q: Quant) -> list[dict[str, tuple[tuple, tupl
     if q.scheme == "mxfp4":
         return [{name + "_blocks": (("U8",), ((*lead, o, i // 32, 16),)), name + "_scales": (("U8", "F8_E8M0"), ((*lead, o, i // 32),))}]
     raise AssertionError(q.scheme)
+
+
+FP8_SCALE_NAMES = ("weight_scale_inv", "scale")  # transformers renames `.scale` to `weight_scale_inv` on load
+FP4_GROUP = 32  # an fp4 expert's scale covers 32 inputs of one row (transformers `sf_gran_k=32`)
+_ROUTED = regex.compile(r"\.experts\.\d+\.")  # a routed expert's MLP (not the shared experts)
 
 
 def _layout_problems(layout: dict, found: dict) -> list[str]:

@@ -73,7 +73,8 @@ def arch_rows(a: dict | None) -> list[tuple[str, str]]:
 
 def quantization_text(q: dict) -> str:
     """A checkpoint's quantization (the manifest's `quantization`, as JSON data) in one line."""
-    return (f"{q['scheme']} ({q['quant_method']}): {q['quantized_linear']} linear weights quantized, "
+    form = "".join([", ue8m0 scales"] * (q.get("scale_format") == "ue8m0") + [", fp4 experts"] * (q.get("expert_dtype") == "fp4"))
+    return (f"{q['scheme']} ({q['quant_method']}{form}): {q['quantized_linear']} linear weights quantized, "
             f"{q['unquantized_linear']} kept" + (f"; KV cache {q['kv_cache']}" if q.get("kv_cache") else ""))
 
 

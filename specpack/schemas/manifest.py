@@ -83,6 +83,10 @@ class TargetQuantization(_Strict):
     block: Optional[list[int]] = Field(None, description="FP8 weight block [rows, cols], for block-scaled schemes.")
     group: int = Field(0, ge=0, description="Group size of FP4 / INT4 scales (0: none).")
     kv_cache: Optional[str] = Field(None, description="The KV cache quantization the config states, if any.")
+    scale_format: Literal["float", "ue8m0"] = Field("float", description="fp8-block: the scales' format (ue8m0: one-byte "
+                                                                      "powers of two, DeepSeek-V4).")
+    expert_dtype: Literal["fp8", "fp4"] = Field("fp8", description="fp8-block: fp4 when the routed experts are packed two "
+                                                                   "e2m1 values per byte with a scale per 32 inputs.")
     quantized_linear: int = Field(ge=0, description="Linear weights stored quantized (every one checked against the scheme).")
     unquantized_linear: int = Field(ge=0, description="Linear weights the release kept unquantized (routers, lm_head, ...).")
 
@@ -119,7 +123,9 @@ class TargetArch(_Strict):
                                           "wrapper; its other towers are carried untouched).")
     tensor_prefix: str = Field(description="Where the decoder's layers live in the checkpoint (`{prefix}layers.{i}.`).")
     layer_kinds: list[str] = Field(description="Each decoder layer as `attention+mlp`: attention full, sliding, chunked, "
-                                               "mla, mla_sparse, linear (linear attention), mamba or none; mlp dense, "
+                                               "mla, mla_sparse, csa / hca (DeepSeek-V4's compressed sparse / heavily compressed), linear "
+                                               "(linear attention), mamba or none; mlp dense, hash_moe (experts chosen "
+                                               "by token id), "
                                                "moe or none.")
     experts: Optional[TargetExperts] = Field(None, description="The mixture of experts, for MoE targets.")
     total_parameters: int = Field(ge=0, description="Decoder weights in logical (unpacked) count.")
