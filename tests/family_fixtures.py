@@ -32,7 +32,7 @@ def _save(model, out: Path, config_updates: dict | None = None) -> Path:
 
 def _configs():
     from transformers import (DeepseekV3Config, DeepseekV4Config, DeepseekV32Config, Gemma3Config, Glm4MoeConfig, GlmMoeDsaConfig,
-                              GptOssConfig, Llama4Config, MiniMaxM2Config, Mistral3Config, NemotronHConfig,
+                              GptOssConfig, Llama4Config, MiniMaxM2Config, MiniMaxM3VLConfig, Mistral3Config, NemotronHConfig,
                               Qwen3_5Config, Qwen3_5MoeConfig, Qwen3MoeConfig, Qwen3NextConfig)
 
     mla = dict(q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12)
@@ -83,6 +83,16 @@ def _configs():
                                                                    intermediate_size=64, num_heads=2)),
         "minimax_m2": lambda: MiniMaxM2Config(**common, head_dim=16, intermediate_size=24, num_hidden_layers=3,
                                               num_local_experts=4, num_experts_per_tok=2),
+        # a dense layer, MoE layers, full and block-sparse attention (widths multiples of MXFP8's 32); transformers
+        # saves the release names
+        "minimax_m3_vl": lambda: MiniMaxM3VLConfig(
+            text_config=dict(**common, head_dim=16, intermediate_size=32, num_hidden_layers=4, num_local_experts=4,
+                             num_experts_per_tok=2, dense_intermediate_size=64, shared_intermediate_size=32,
+                             rotary_dim=8, index_n_heads=2, index_head_dim=16, index_block_size=8, index_topk_blocks=2,
+                             bos_token_id=1, eos_token_id=2,
+                             layer_types=["full_attention", "minimax_m3_sparse", "full_attention", "minimax_m3_sparse"],
+                             mlp_layer_types=["dense", "sparse", "sparse", "sparse"]),
+            vision_config=dict(**vision, image_size=56, patch_size=14), projector_hidden_size=32),
         "gpt_oss": lambda: GptOssConfig(**common, head_dim=16, intermediate_size=64, num_hidden_layers=3,
                                         num_local_experts=4, num_experts_per_tok=2),
         "nemotron_h": lambda: NemotronHConfig(**common, head_dim=16, hybrid_override_pattern="M*-E",
@@ -109,7 +119,7 @@ def _configs():
 
 
 FAMILIES = ("deepseek_v3", "deepseek_v32", "deepseek_v4", "glm_moe_dsa", "glm4_moe", "qwen3_moe", "qwen3_next", "qwen3_5",
-            "qwen3_5_moe", "minimax_m2", "gpt_oss", "nemotron_h", "llama4", "gemma3", "mistral3")
+            "qwen3_5_moe", "minimax_m2", "minimax_m3_vl", "gpt_oss", "nemotron_h", "llama4", "gemma3", "mistral3")
 
 
 def make(family: str, out: Path, seed: int = 0) -> Path:

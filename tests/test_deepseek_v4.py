@@ -138,3 +138,23 @@ def test_a_v4_config_this_family_cannot_check_is_refused(v4, tmp_path, cli, conf
     (t / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
     err = _refused(cli, t, tmp_path)
     assert expect in err, err
+
+
+def test_a_dspark_release_builds_as_a_target_and_says_why_its_stages_are_not_bound(v4, tmp_path, cli):
+    """DeepSeek-V4-Flash-DSpark (RELEASES.md pair 1): dspark_* markers beside the legacy MTP key, stages
+    under mtp.{0,1,2}.*. The target builds with its stage tensors carried byte for byte; inspect lists
+    the stages as layout B and `--drafter bundled` refuses, saying what is unsourced."""
+    t = _copy(v4, tmp_path)
+    ff.edit(t, add={"mtp.0.main_proj.weight": torch.zeros(64, 192), "mtp.1.attn_norm.weight": torch.ones(64),
+                    "mtp.2.norm.weight": torch.ones(64)},
+            config={"num_nextn_predict_layers": 1, "dspark_block_size": 5, "dspark_noise_token_id": 7,
+                    "dspark_target_layer_ids": [1, 2, 3], "dspark_markov_rank": 8})
+    code, shown, _ = cli("inspect", t, "--json")
+    bundled = json.loads(shown)["bundled"]
+    assert code == 0 and [(b["layout"], b["kind"]) for b in bundled] == [("B", "block")], shown
+    assert "stages [0, 1, 2] held under mtp.*" in bundled[0]["detail"] and "main_proj" in bundled[0]["why_not"]
+    out = tmp_path / "art"
+    assert _build(t, out).target.arch.family == "deepseek_v4"
+    assert (out / "model.safetensors").read_bytes() == (t / "model.safetensors").read_bytes()
+    code, _, err = cli("build", t, "--drafter", "bundled", "-o", tmp_path / "b")
+    assert code == 2 and "no drafter specpack can bind" in err and not (tmp_path / "b").exists(), err

@@ -26,6 +26,7 @@ EXPECTED = {
     "qwen3_5": ("qwen3_next", ["linear+dense"] * 3 + ["full+dense"], 0),
     "qwen3_5_moe": ("qwen3_next", ["linear+moe"] * 3 + ["full+moe"], 4),
     "minimax_m2": ("minimax_m2", ["full+moe"] * 3, 4),
+    "minimax_m3_vl": ("minimax_m3", ["full+dense", "block_sparse+moe", "full+moe", "block_sparse+moe"], 4),
     "gpt_oss": ("gpt_oss", ["sliding+moe", "full+moe", "sliding+moe"], 4),
     "nemotron_h": ("nemotron_h", ["mamba+none", "full+none", "none+dense", "none+moe"], 4),
     "llama4": ("llama4", ["chunked+dense", "chunked+moe", "chunked+dense", "full+moe"], 4),

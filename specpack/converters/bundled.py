@@ -92,8 +92,10 @@ def _dspark_stages(root: Path, config: dict, text: dict) -> Bundled | None:
                                                             "without their stages: a re-upload that dropped them?)"
     return Bundled("block", "B", "target weights", f"DSpark stages declared by {keys}, {tensors}; the markers win "
                    f"over {_mtp_key(text) or 'any MTP count key'}", None,
-                   "DSpark stages inside the target (DeepSeek-V4's layout) are not packed yet: their target "
-                   "family is not one specpack checks")
+                   "DSpark stages inside the target (layout B) are not bound yet: no public source specpack can "
+                   "check states the stages' own tensors (the main_proj / main_norm fusion, markov_head, "
+                   "confidence_head) and their shapes; vLLM's speculative method 'dspark' with no draft model "
+                   "reads them from the target itself")
 
 
 def _mtp_key(text: dict) -> str | None:

@@ -114,7 +114,8 @@ def convert_in_target(target: Target, allow_reuse: bool = False) -> ConvertedDra
         advertised = arch.details.get("advertised_mtp")
         raise ConversionError(
             f"target '{target.root}' ({arch.family}) has no MTP modules: its config states none"
-            + (f" (it advertises {advertised}, whose weights were never published)" if advertised else ""),
+            + (f" (it advertises {advertised}, {arch.details.get('mtp_why', 'whose weights were never published')})"
+               if advertised else ""),
             hint="use an EAGLE-3 head, a draft model or 'ngram' for this target")
     config = _text_config(read_json(target.root / "config.json", "target config"))
     if checked.mtp_held == 0:

@@ -20,12 +20,13 @@ from specpack.errors import InputError
 
 MTP_ROLES = ("embed_norm", "hidden_norm", "proj", "final_norm")
 # csa / hca: DeepSeek-V4's compressed sparse and heavily compressed attention (a sliding window beside
-# entries that each compress 4 or 128 tokens)
-ATTENTION_KINDS = ("full", "sliding", "chunked", "mla", "mla_sparse", "csa", "hca", "linear", "mamba", "none")
+# entries that each compress 4 or 128 tokens); block_sparse: MiniMax-M3's (an indexer picks key blocks)
+ATTENTION_KINDS = ("full", "sliding", "chunked", "mla", "mla_sparse", "csa", "hca", "block_sparse", "linear", "mamba",
+                   "none")
 MLP_KINDS = ("dense", "moe", "hash_moe", "none")  # hash_moe: experts chosen by token id (DeepSeek-V4)
 # attention kinds whose cache grows with the context (per token); linear attention and Mamba carry a
 # fixed recurrent state per sequence instead
-CACHED = ("full", "sliding", "chunked", "mla", "mla_sparse", "csa", "hca")
+CACHED = ("full", "sliding", "chunked", "mla", "mla_sparse", "csa", "hca", "block_sparse")
 RECURRENT = ("linear", "mamba")
 
 

@@ -222,6 +222,9 @@ def describe(config: dict, text: dict) -> Arch:
     routed, shared = text.get("n_routed_experts") or 0, text.get("n_shared_experts") or 0
     size = text.get("moe_intermediate_size") or 0
     dense, every = text.get("first_k_dense_replace") or 0, text.get("moe_layer_freq") or 1
+    if not isinstance(every, int):
+        raise InputError(f"DeepSeek-style config.json: moe_layer_freq = {str(every)[:80]}: not a positive integer "
+                         "(this family places MoE layers every k-th layer)")
     n, H = text["num_hidden_layers"], text["hidden_size"]
     layers = tuple(Layer("mla_sparse" if sparse else "mla", "moe" if routed and i >= dense and i % every == 0 else "dense")
                    for i in range(n))

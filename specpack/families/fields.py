@@ -57,13 +57,16 @@ _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_va
           "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group", "topk_group", "sliding_window",
           "sliding_window_pattern", "attention_chunk_size", "conv_kernel", "mamba_d_conv", "n_groups",
           "mamba_n_groups", "moe_latent_size", "full_attention_interval", "interleave_moe_layer_step",
-          "decoder_sparse_step", "moe_layer_freq", "no_rope_layer_interval", "intermediate_size_mlp",
+          "decoder_sparse_step", "no_rope_layer_interval", "intermediate_size_mlp",
           "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
           "linear_conv_kernel_dim", "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
           "original_max_position_embeddings", "draft_vocab_size",
           # DeepSeek-V4
           "hc_mult", "hc_sinkhorn_iters", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk",
-          "compress_rate_csa", "compress_rate_hca", "dspark_block_size", "dspark_markov_rank")
+          "compress_rate_csa", "compress_rate_hca", "dspark_block_size", "dspark_markov_rank",
+          # MiniMax-M3
+          "dense_intermediate_size", "shared_intermediate_size", "rotary_dim", "index_block_size", "index_topk_blocks",
+          "index_local_blocks")
 _COUNTS = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "num_mtp_modules",
            "mtp_num_hidden_layers", "num_hash_layers", "dspark_noise_token_id")
 _BOOLS = ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window", "norm_topk_prob",
@@ -73,7 +76,7 @@ _STRS = ("model_type", "hidden_act", "dtype", "torch_dtype", "scoring_func", "to
          "expert_dtype")
 _POSITIVE = ("rms_norm_eps", "rope_theta", "routed_scaling_factor", "factor", "beta_fast", "beta_slow", "mscale",
              "mscale_all_dim", "attention_factor", "low_freq_factor", "high_freq_factor", "hc_eps",
-             "swiglu_limit", "compress_rope_theta")
+             "swiglu_limit", "compress_rope_theta", "swiglu_alpha")
 
 FIELDS: dict[str, Kind] = {
     **dict.fromkeys(_SIZES, SIZE), **dict.fromkeys(_COUNTS, COUNT), **dict.fromkeys(_BOOLS, BOOL),
@@ -81,7 +84,9 @@ FIELDS: dict[str, Kind] = {
     "intermediate_size": SIZES, "partial_rotary_factor": FRACTION,
     "architectures": STRS, "layer_types": STRS, "layers_block_type": STRS, "mtp_layers_block_type": STR_OR_STRS,
     "mlp_only_layers": INTS, "no_rope_layers": INTS, "compress_ratios": INTS, "compress_rates": OBJECT,
-    "mlp_layer_types": STRS, "dspark_target_layer_ids": LAYER_IDS, "eos_token_id": IDS, "bos_token_id": COUNT,
+    "mlp_layer_types": STRS, "dspark_target_layer_ids": LAYER_IDS, "sparse_attention_config": OBJECT,
+    "moe_layer_freq": Kind("a positive integer (every k-th layer) or one 0 / 1 per layer",
+                           lambda v: SIZE.ok(v) or INTS.ok(v)), "eos_token_id": IDS, "bos_token_id": COUNT,
     "text_config": OBJECT, "rope_parameters": OBJECT, "rope_scaling": OBJECT, "quantization_config": OBJECT,
     # drafters' configs (EAGLE-3 official and speculators layouts)
     "eagle_config": OBJECT, "transformer_layer_config": OBJECT, "speculators_config": OBJECT,

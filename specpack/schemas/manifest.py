@@ -123,7 +123,8 @@ class TargetArch(_Strict):
                                           "wrapper; its other towers are carried untouched).")
     tensor_prefix: str = Field(description="Where the decoder's layers live in the checkpoint (`{prefix}layers.{i}.`).")
     layer_kinds: list[str] = Field(description="Each decoder layer as `attention+mlp`: attention full, sliding, chunked, "
-                                               "mla, mla_sparse, csa / hca (DeepSeek-V4's compressed sparse / heavily compressed), linear "
+                                               "mla, mla_sparse, csa / hca (DeepSeek-V4's compressed sparse / heavily compressed), block_sparse "
+                                               "(MiniMax-M3's indexed key blocks), linear "
                                                "(linear attention), mamba or none; mlp dense, hash_moe (experts chosen "
                                                "by token id), "
                                                "moe or none.")
