@@ -433,3 +433,21 @@ def deepseek_v4_fp8(path: Path, block: int = 16) -> Path:
     return edit(path, add=add, config={"expert_dtype": "fp4", "quantization_config": {
         "quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [block, block],
         "activation_scheme": "dynamic"}})
+
+
+# ---- building them -------------------------------------------------------------------------------
+
+def build_ngram(target: Path, out: Path, **kw):
+    """The manifest of `target` built with an n-gram drafter (or `drafter=`)."""
+    from specpack.packager import BuildOptions, build
+
+    return build(BuildOptions(target=target, drafter=kw.pop("drafter", "ngram"), out=out, **kw)).manifest
+
+
+def refused(cli, target: Path, tmp_path: Path) -> str:
+    """`specpack build` of `target` exits 2 and writes nothing; its stderr."""
+    out = tmp_path / "out" / "art"
+    out.parent.mkdir()
+    code, _, err = cli("build", target, "--drafter", "ngram", "-o", out)
+    assert code == 2 and not any(out.parent.iterdir()), err
+    return err

@@ -11,7 +11,6 @@ import torch
 from safetensors.torch import load_file
 
 import family_fixtures as ff
-from specpack.packager import BuildOptions, build
 
 KINDS = ["sliding+hash_moe", "csa+moe", "hca+moe", "csa+moe"]
 
@@ -25,16 +24,7 @@ def _copy(v4, tmp_path, name="t"):
     return shutil.copytree(v4, tmp_path / name)
 
 
-def _build(target, out, **kw):
-    return build(BuildOptions(target=target, drafter=kw.pop("drafter", "ngram"), out=out, **kw)).manifest
-
-
-def _refused(cli, target, tmp_path):
-    out = tmp_path / "out" / "art"
-    out.parent.mkdir()
-    code, _, err = cli("build", target, "--drafter", "ngram", "-o", out)
-    assert code == 2 and not any(out.parent.iterdir()), err
-    return err
+_build, _refused = ff.build_ngram, ff.refused
 
 
 def test_the_release_names_are_what_transformers_loads(v4):

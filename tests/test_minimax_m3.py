@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 
 import family_fixtures as ff
 from specpack.errors import ConversionError
-from specpack.packager import BuildOptions, build
 
 KINDS = ["full+dense", "block_sparse+moe", "full+moe", "block_sparse+moe"]
 P = "language_model.model."
@@ -26,16 +25,7 @@ def _copy(m3, tmp_path, name="t"):
     return shutil.copytree(m3, tmp_path / name)
 
 
-def _build(target, out, **kw):
-    return build(BuildOptions(target=target, drafter=kw.pop("drafter", "ngram"), out=out, **kw)).manifest
-
-
-def _refused(cli, target, tmp_path):
-    out = tmp_path / "out" / "art"
-    out.parent.mkdir()
-    code, _, err = cli("build", target, "--drafter", "ngram", "-o", out)
-    assert code == 2 and not any(out.parent.iterdir()), err
-    return err
+_build, _refused = ff.build_ngram, ff.refused
 
 
 def test_the_fixture_holds_the_release_names_transformers_loads(m3):
