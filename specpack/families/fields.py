@@ -7,7 +7,9 @@ costs nothing before it is refused).
 Fields are checked in the config, in its `text_config` and in its RoPE dicts (`rope_parameters`,
 `rope_scaling`, and v5's per-layer-type dicts inside them). `null` is always allowed: it reads as
 unstated, and a family that needs the value says it is missing. Numbers anywhere in the config must
-be finite (Python's json reads `NaN` and `Infinity`).
+be finite (Python's json reads `NaN` and `Infinity`), except where a published config writes `Infinity`
+for "no limit" (UNLIMITED). A value a published release holds is never refused: tests/published_configs
+holds each family's published config.json, and a test builds every one of them.
 """
 
 from __future__ import annotations
@@ -50,6 +52,17 @@ IDS = Kind("a token id or a list of them", lambda v: COUNT.ok(v) or INTS.ok(v))
 LAYER_IDS = Kind("a list of integers", lambda v: isinstance(v, list) and all(_int(x) for x in v))
 OBJECT = Kind("a JSON object", lambda v: isinstance(v, dict))
 
+
+def _no_limit(v) -> bool:
+    """+Infinity as JSON configs spell it: `Infinity` (json), `{"__float__": "Infinity"}` (transformers 5)."""
+    return v == math.inf or v == {"__float__": "Infinity"}
+
+
+# Mamba-2's clamp on dt: transformers' default and the published Nemotron-H configs are [0.0, Infinity]
+TIME_LIMIT = Kind("[lower, upper] with 0 <= lower <= upper (upper Infinity: no limit)",
+                  lambda v: isinstance(v, list) and len(v) == 2 and _real(v[0]) and v[0] >= 0
+                  and (_no_limit(v[1]) or (_real(v[1]) and v[0] <= v[1])))
+
 _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
           "vocab_size", "max_position_embeddings", "moe_intermediate_size", "num_experts_per_tok",
           "experts_per_token", "n_routed_experts", "num_experts", "num_local_experts",
@@ -65,10 +78,11 @@ _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_va
           "hc_mult", "hc_sinkhorn_iters", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk",
           "compress_rate_csa", "compress_rate_hca", "dspark_block_size", "dspark_markov_rank",
           # MiniMax-M3
-          "dense_intermediate_size", "shared_intermediate_size", "rotary_dim", "index_block_size", "index_topk_blocks",
+          "dense_intermediate_size", "rotary_dim", "index_block_size", "index_topk_blocks",
           "index_local_blocks")
 _COUNTS = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "num_mtp_modules",
-           "mtp_num_hidden_layers", "num_hash_layers", "dspark_noise_token_id")
+           "mtp_num_hidden_layers", "num_hash_layers", "dspark_noise_token_id",
+           "shared_intermediate_size")  # MiniMax-M2 / M1 publish 0: no shared expert
 _BOOLS = ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window", "norm_topk_prob",
           "rope_interleave", "use_conv_bias", "use_mtp", "use_qk_norm", "truncate")
 _STRS = ("model_type", "hidden_act", "dtype", "torch_dtype", "scoring_func", "topk_method", "hybrid_override_pattern",
@@ -90,8 +104,10 @@ FIELDS: dict[str, Kind] = {
     "text_config": OBJECT, "rope_parameters": OBJECT, "rope_scaling": OBJECT, "quantization_config": OBJECT,
     # drafters' configs (EAGLE-3 official and speculators layouts)
     "eagle_config": OBJECT, "transformer_layer_config": OBJECT, "speculators_config": OBJECT,
-    "eagle_aux_hidden_state_layer_ids": LAYER_IDS,
+    "eagle_aux_hidden_state_layer_ids": LAYER_IDS, "time_step_limit": TIME_LIMIT,
 }
+# fields whose published values use Infinity for "no limit": their Kind checks them, not the finiteness rule
+UNLIMITED = ("time_step_limit",)
 ROPE = ("rope_parameters", "rope_scaling")
 # counts that size a loop before the tensors are checked: each needs one tensor of the checkpoint at least
 LOOPED = ("num_hidden_layers", "num_nextn_predict_layers", "num_mtp_modules", "mtp_num_hidden_layers")
@@ -143,7 +159,7 @@ def _non_finite(value, where: str) -> list[str]:
         if isinstance(v, float) and not math.isfinite(v):
             problems.append(f"{path or 'config'} = {v}: not a finite number")
         elif isinstance(v, dict):
-            stack += [(f"{path}.{k}" if path else str(k), x) for k, x in v.items()]
+            stack += [(f"{path}.{k}" if path else str(k), x) for k, x in v.items() if k not in UNLIMITED]
         elif isinstance(v, list):
             stack += [(f"{path}[{i}]", x) for i, x in enumerate(v)]
     return sorted(problems)

@@ -42,7 +42,7 @@ def describe(config: dict, text: dict) -> Arch:
                                hint="MiniMax-M3 releases ship MiniMaxM3SparseForConditionalGeneration with text_config")
     g = geometry(text, ("intermediate_size",), tuple(DEFAULTS))
     n = g["num_layers"]
-    sizes = {k: text.get(k) or v for k, v in DEFAULTS.items()}
+    sizes = {k: v if text.get(k) is None else text[k] for k, v in DEFAULTS.items()}  # shared 0: none
     problems: list[str] = []
     sparse = text.get("sparse_attention_config") if isinstance(text.get("sparse_attention_config"), dict) else {}
     attention = _listed(text, "layer_types", n, ATTENTION, problems,
@@ -60,8 +60,8 @@ def describe(config: dict, text: dict) -> Arch:
                    for a, m in zip(attention, mlps))
     p = PREFIXES[0]
     return Arch("minimax_m3", architecture_of(config), config.get("model_type", "minimax_m3_vl"), layers=layers,
-                experts=Experts(sizes["num_local_experts"], sizes["num_experts_per_tok"], g["intermediate_size"], 1,
-                                sizes["shared_intermediate_size"]), kv_width=kv, text_config=True, prefix=p,
+                experts=Experts(sizes["num_local_experts"], sizes["num_experts_per_tok"], g["intermediate_size"],
+                                int(sizes["shared_intermediate_size"] > 0), sizes["shared_intermediate_size"]), kv_width=kv, text_config=True, prefix=p,
                 embed=p + "embed_tokens.weight", norm=p + "norm.weight",
                 lm_head=None if text.get("tie_word_embeddings") else "language_model.lm_head.weight",
                 details={"prefixes": PREFIXES, **sizes,
@@ -107,4 +107,4 @@ def _mlp(arch: Arch, p: str, kind: str) -> dict[str, Tensor]:
     out = {m + "gate.weight": Tensor((e.routed, H)), m + "e_score_correction_bias": vector(e.routed)}
     for k in range(e.routed):
         out.update(mlp_tensors(f"{m}experts.{k}.", H, e.size, EXPERT_NAMES))
-    return {**out, **mlp_tensors(m + "shared_experts.", H, e.shared_size)}
+    return {**out, **mlp_tensors(m + "shared_experts.", H, e.shared_size)} if e.shared else out
