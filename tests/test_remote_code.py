@@ -1,5 +1,6 @@
-"""A target's own code (auto_map, .py files) is refused by build unless allowed, recorded when allowed,
-and never run: not by build, inspect, verify or run, whatever stdin holds."""
+"""A target's own code (auto_map, unknown tokenizer classes) is refused by build unless allowed, recorded when
+allowed, and never run: not by build, inspect, verify or run, whatever stdin holds; Python files nothing
+names (DeepSeek's inference/) are carried as files."""
 
 import io
 import json
@@ -33,9 +34,7 @@ def _config_auto_map(tiny_target, tmp_path):
 
 @pytest.mark.parametrize("case, reasons", [
     ("all", ["tokenizer_config.json: auto_map AutoTokenizer -> ['evil.EvilTokenizer', 'evil.EvilTokenizer']",
-             "tokenizer_config.json: tokenizer_class EvilTokenizer is not a transformers class",
-             "evil.py: Python code"]),
-    ("py file only", ["evil.py: Python code"]),
+             "tokenizer_config.json: tokenizer_class EvilTokenizer is not a transformers class"]),
     ("unknown tokenizer class only", ["tokenizer_class EvilTokenizer is not a transformers class"]),
     ("config auto_map only", ["config.json: auto_map AutoConfig -> configuration_x.XConfig"]),
 ])
@@ -63,10 +62,23 @@ def allowed(tiny_target, tmp_path, cli):
     return tmp_path / "art", marker
 
 
+def test_python_files_no_loader_names_are_carried_as_files(tiny_target, tmp_path, cli):
+    """DeepSeek-V4 releases ship `inference/` (DeepSeek's reference code and its config.json) with no
+    auto_map: nothing executes it, so it is carried byte for byte and the target needs no code."""
+    target = shutil.copytree(tiny_target, tmp_path / "target")
+    (target / "inference").mkdir()
+    (target / "inference" / "model.py").write_text("raise SystemExit('never imported')\n")
+    (target / "inference" / "config.json").write_text('{"n_mtp_layers": 3}')
+    code, out, err = cli("build", target, "--drafter", "ngram", "-o", tmp_path / "art")
+    manifest = json.loads((tmp_path / "art" / "specpack.json").read_text())
+    assert code == 0 and manifest["target"].get("remote_code") is None, out + err
+    assert (tmp_path / "art" / "inference" / "model.py").read_bytes() == (target / "inference" / "model.py").read_bytes()
+
+
 def test_allowed_code_is_recorded_in_the_manifest_and_shown(allowed, cli):
     art, marker = allowed
     remote = json.loads((art / "specpack.json").read_text())["target"]["remote_code"]
-    assert remote["allowed"] is True and remote["files"] == ["evil.py"] and len(remote["reasons"]) == 3
+    assert remote["allowed"] is True and remote["files"] == ["evil.py"] and len(remote["reasons"]) == 2
     code, out, _ = cli("inspect", art)
     assert code == 0 and "remote code" in out and "evil.py" in out and "never runs it" in out
     assert json.loads(cli("inspect", art, "--json")[1])["target"]["remote_code"] == remote

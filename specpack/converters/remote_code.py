@@ -1,10 +1,12 @@
 """Targets that need code of their own (what transformers calls `trust_remote_code`).
 
 specpack never runs a model's code: every tokenizer and config is loaded with
-`trust_remote_code=False`. A target that names or ships code (an `auto_map` in its configs, `.py`
-files, a tokenizer class transformers does not have) is refused by `build` unless the user allows it
-(`--allow-remote-code`); the manifest then records it (`target.remote_code`) and `inspect` shows it.
-Even then `run` and `serve` do not execute it: only engines the artifact is exported to may.
+`trust_remote_code=False`. A target that needs code a loader would execute (an `auto_map` in its
+configs, a tokenizer class transformers does not have) is refused by `build` unless the user allows it
+(`--allow-remote-code`); the manifest then records it (`target.remote_code`, with the `.py` files the
+release ships) and `inspect` shows it. Even then `run` and `serve` do not execute it: only engines the
+artifact is exported to may. Python files that nothing names (DeepSeek's `inference/` reference code
+beside its config, a training script) are not what a loader runs: they are carried as files.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ def detect(root: Path, files: list[str]) -> RemoteCode | None:
     reasons = [reason for name, cfg in configs.items() for reason in _auto_map(name, cfg)]
     reasons += _unknown_tokenizer_classes(configs)
     code = [f for f in files if f.endswith(".py")]
-    reasons += [f"{f}: Python code" for f in code]
     return RemoteCode(allowed=False, files=code, reasons=reasons) if reasons else None
 
 
