@@ -171,6 +171,40 @@ def edit(path: Path, add: dict | None = None, drop=(), rename: dict | None = Non
     return path
 
 
+def deepseek_v4_dspark(path: Path, stages: int = 3, ids=(1, 2, 3), rank: int = 8, block: int = 5, noise: int = 7,
+                       inference: bool = True) -> Path:
+    """DeepSeek-V4-Flash-DSpark (shared/RELEASES.md pair 1) from a DeepSeek-V4 fixture, written from vLLM's
+    DeepSeek-V4 DSpark draft module (models/deepseek_v4/dspark.py, "parameter names and weight loading
+    matching the DSpark checkpoint"): stage k under `mtp.{k}.` is a DeepseekV4DecoderLayer (sliding-window
+    attention `attn.{wq_a,q_norm,wq_b,wkv,kv_norm,wo_a,wo_b,attn_sink}`, `ffn.{gate.weight,gate.bias,
+    experts.{e}.w1/w2/w3,shared_experts.w1/w2/w3}`, `attn_norm`, `ffn_norm`, `hc_{attn,ffn}_{fn,base,
+    scale}`: here the fixture's layer 1 without its compressor and indexer); stage 0 adds `main_proj`
+    [H, H x len(ids)] and `main_norm` [H]; the last stage adds `norm` [H], `markov_head.markov_w1/w2`
+    [V, rank], `confidence_head.proj` [1, H + rank] (bias=False) and `hc_head_{fn,base,scale}`. The config
+    keeps the legacy `num_nextn_predict_layers: 1` beside the dspark_* keys; `inference/` holds DeepSeek's
+    reference code and its config.json with `n_mtp_layers` (what `_read_dspark_num_layers` reads)."""
+    t = load_file(str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    H, V, hc = cfg["hidden_size"], cfg["vocab_size"], cfg["hc_mult"]
+    layer = {k[len("layers.1."):].replace("attn.norm.", "attn.kv_norm."): v for k, v in t.items()
+             if k.startswith("layers.1.") and ".compressor." not in k and ".indexer." not in k}
+    add = {f"mtp.{k}.{n}": v.clone() for k in range(stages) for n, v in layer.items()}
+    last = f"mtp.{stages - 1}."
+    add.update({"mtp.0.main_proj.weight": torch.randn(H, H * len(ids)) * 0.02, "mtp.0.main_norm.weight": torch.ones(H),
+                last + "norm.weight": torch.ones(H), last + "markov_head.markov_w1.weight": torch.randn(V, rank),
+                last + "markov_head.markov_w2.weight": torch.randn(V, rank) * 0.02,
+                last + "confidence_head.proj.weight": torch.randn(1, H + rank) * 0.02,
+                last + "hc_head_fn": torch.randn(hc, hc * H) * 0.02, last + "hc_head_base": torch.zeros(hc),
+                last + "hc_head_scale": torch.ones(1)})
+    if inference:
+        (path / "inference").mkdir()
+        (path / "inference" / "config.json").write_text(json.dumps({"n_mtp_layers": stages, "dim": H}))
+        (path / "inference" / "model.py").write_text("# DeepSeek's reference inference code: carried, never run\n")
+    return edit(path, add=add, config={"num_nextn_predict_layers": 1, "dspark_block_size": block,
+                                       "dspark_noise_token_id": noise, "dspark_target_layer_ids": list(ids),
+                                       "dspark_markov_rank": rank})
+
+
 def kimi_k25(path: Path) -> Path:
     """Kimi-K2.5 as published, from a DeepSeek-V3 fixture: `KimiK25ForConditionalGeneration` /
     `kimi_k25` wrapping a `kimi_k2` text_config (its compressed-tensors INT4 routed experts stated there,
@@ -421,7 +455,8 @@ def deepseek_v4_fp8(path: Path, block: int = 16) -> Path:
     hyper-connections, the embedding and the head stay float."""
     t = load_file(str(path / "model.safetensors"))
     add, e8m0 = {}, torch.float8_e8m0fnu
-    for k in _linear_names(t, ("embed.", "head.weight", "norm", "ffn.gate.")):
+    # the DSpark heads stay float (vLLM's DSparkMarkovHead / DSparkConfidenceHead take no quant_config)
+    for k in _linear_names(t, ("embed.", "head.weight", "norm", "ffn.gate.", "markov_head.", "confidence_head.")):
         o, i = t[k].shape
         stem = k[: -len("weight")]
         if ".experts." in k and ".shared_experts." not in k:

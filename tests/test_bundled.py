@@ -75,7 +75,7 @@ def test_mtp_modules_in_the_weights_are_layout_a(tmp_path, cli):
     assert entry["kind"] == "mtp"
 
 
-def test_dspark_markers_win_over_the_legacy_mtp_key_and_are_not_packed_yet(tmp_path, tiny_target, cli):
+def test_dspark_markers_win_over_the_legacy_mtp_key_and_without_stages_bind_nothing(tmp_path, tiny_target, cli):
     """SGLang's checkpoint_bundles_dspark_draft rule: any dspark_* marker means DSpark stages, even where
     the config keeps num_nextn_predict_layers (DeepSeek-V4-Flash-DSpark's config, RELEASES.md pair 1)."""
     root = shutil.copytree(tiny_target, tmp_path / "v4like")
@@ -85,11 +85,12 @@ def test_dspark_markers_win_over_the_legacy_mtp_key_and_are_not_packed_yet(tmp_p
     (root / "config.json").write_text(json.dumps(cfg))
     code, out, _ = cli("inspect", root, "--json")
     d = json.loads(out)
-    assert [(b["layout"], b["kind"]) for b in d["bundled"]] == [("B", "block")]
+    assert [(b["layout"], b["kind"]) for b in d["bundled"]] == [("B", "dspark_stages")]
     assert "win over num_nextn_predict_layers 1" in d["bundled"][0]["detail"]
     assert "the weights hold no mtp.* tensor" in d["bundled"][0]["detail"]  # this tiny target holds none
     assert d["drafter_bundled"] is None and "no drafter specpack can bind" in d["why_not"]
-    with pytest.raises(UnsupportedError, match="DSpark stages inside the target"):
+    assert d["bundled"][0]["why_not"] == "the weights hold no mtp.{k}. tensor"
+    with pytest.raises(UnsupportedError, match="no drafter specpack can bind"):
         _build(tmp_path, root, "bundled")
 
 

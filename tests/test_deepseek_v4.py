@@ -130,19 +130,22 @@ def test_a_v4_config_this_family_cannot_check_is_refused(v4, tmp_path, cli, conf
     assert expect in err, err
 
 
-def test_a_dspark_release_builds_as_a_target_and_says_why_its_stages_are_not_bound(v4, tmp_path, cli):
-    """DeepSeek-V4-Flash-DSpark (RELEASES.md pair 1): dspark_* markers beside the legacy MTP key, stages
-    under mtp.{0,1,2}.*. The target builds with its stage tensors carried byte for byte; inspect lists
-    the stages as layout B and `--drafter bundled` refuses, saying what is unsourced."""
+def test_a_dspark_release_with_stages_cut_short_builds_as_a_target_and_inspect_says_what_bundled_lacks(v4, tmp_path, cli):
+    """DSpark markers beside the legacy MTP key with only three stage tensors under mtp.{0,1,2}.*: the
+    target builds with them carried byte for byte; inspect lists layout B with the build's own check
+    (so it never says `bundled` binds what build refuses) and `--drafter bundled` refuses the same.
+    The whole release binds: test_dspark_stages.py."""
     t = _copy(v4, tmp_path)
     ff.edit(t, add={"mtp.0.main_proj.weight": torch.zeros(64, 192), "mtp.1.attn_norm.weight": torch.ones(64),
                     "mtp.2.norm.weight": torch.ones(64)},
             config={"num_nextn_predict_layers": 1, "dspark_block_size": 5, "dspark_noise_token_id": 7,
                     "dspark_target_layer_ids": [1, 2, 3], "dspark_markov_rank": 8})
     code, shown, _ = cli("inspect", t, "--json")
-    bundled = json.loads(shown)["bundled"]
-    assert code == 0 and [(b["layout"], b["kind"]) for b in bundled] == [("B", "block")], shown
-    assert "stages [0, 1, 2] held under mtp.*" in bundled[0]["detail"] and "main_proj" in bundled[0]["why_not"]
+    report = json.loads(shown)
+    bundled = report["bundled"]
+    assert code == 0 and [(b["layout"], b["kind"]) for b in bundled] == [("B", "dspark_stages")], shown
+    assert "stages [0, 1, 2] held under mtp.*" in bundled[0]["detail"] and report["drafter_bundled"] is None
+    assert "missing tensor mtp.0.attn_norm.weight" in bundled[0]["why_not"]
     out = tmp_path / "art"
     assert _build(t, out).target.arch.family == "deepseek_v4"
     assert (out / "model.safetensors").read_bytes() == (t / "model.safetensors").read_bytes()

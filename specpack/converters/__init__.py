@@ -5,6 +5,7 @@
 - `block`: block drafters — DFlash, DSpark, LiLiCorr — in every published layout (→ kind `block`)
 - `speculators`: EAGLE-3 heads in the vLLM speculators layout (→ the same canonical head)
 - `mtp`: MTP layers (DeepSeek-V3/GLM, Qwen3-Next, MiMo), in the target or a separate head dir
+- `dspark_stages`: DSpark stages inside a DeepSeek-V4 release's own weights (bound where they are)
 - `draft_model`: a separate small causal LM sharing the target's tokenizer
 - `ngram`: prompt-lookup drafters (parameters only)
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from specpack.converters import block, draft_model, eagle3, mtp, ngram, speculators
+from specpack.converters import block, draft_model, dspark_stages, eagle3, mtp, ngram, speculators
 from specpack.errors import InputError
 
 # family -> module, in detection order (the first whose `detect` names a layout wins); block drafters
@@ -24,15 +25,18 @@ DRAFTER_FAMILIES = {"block": block, "speculators": speculators, "eagle3": eagle3
 
 def detect_drafter(spec: str) -> tuple[str, str]:
     """(family, layout) of the drafter named by `spec`: 'ngram', 'mtp' (the target's own MTP
-    layers) or a directory. `family` is a key of DRAFTER_FAMILIES, or 'ngram'."""
+    layers), 'dspark-stages' (its own DSpark stages) or a directory. `family` is a key of
+    DRAFTER_FAMILIES, 'ngram' or 'dspark_stages'."""
     if ngram.detect(spec):
         return "ngram", "ngram"
     if str(spec) == "mtp":
         return "mtp", mtp.IN_TARGET
+    if str(spec) == dspark_stages.SPEC:
+        return dspark_stages.KIND, dspark_stages.LAYOUT
     path = Path(spec)
     if not path.is_dir():
-        raise InputError(f"drafter '{spec}' is neither 'ngram', 'mtp' nor a directory",
-                         hint="pass a drafter directory (config.json + weights), 'mtp' or 'ngram'")
+        raise InputError(f"drafter '{spec}' is neither 'ngram', 'mtp', '{dspark_stages.SPEC}' nor a directory",
+                         hint="pass a drafter directory (config.json + weights), 'mtp', 'ngram' or 'bundled'")
     for family, module in DRAFTER_FAMILIES.items():
         layout = module.detect(path)
         if layout:
@@ -40,4 +44,4 @@ def detect_drafter(spec: str) -> tuple[str, str]:
     raise InputError(f"'{spec}' is not a drafter in any known layout",
                      hint="supported: EAGLE-3 heads (" + ", ".join(eagle3.LAYOUTS) + "), block drafters (" +
                           ", ".join(block.LAYOUTS) + "), MTP heads (" + ", ".join(mtp.LAYOUTS) +
-                          "), draft models (Hugging Face causal LMs), 'mtp' and 'ngram'")
+                          "), draft models (Hugging Face causal LMs), 'mtp', 'dspark-stages' and 'ngram'")

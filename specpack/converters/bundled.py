@@ -22,6 +22,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specpack.converters import dspark_stages
 from specpack.errors import InputError, UnsupportedError
 
 DSPARK_MARKERS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
@@ -34,7 +35,7 @@ _STAGE = re.compile(r"mtp\.(\d+)\.")
 class Bundled:
     """One drafter a release bundles."""
 
-    kind: str  # mtp | block | eagle3 | draft_model
+    kind: str  # mtp | dspark_stages | block | eagle3 | draft_model
     layout: str  # the RELEASES.md layout: A (MTP in the target), B (DSpark stages in the target), C (subfolder)
     where: str  # what holds it: "target weights" or the subfolder
     detail: str  # what it is, in a line
@@ -45,22 +46,23 @@ class Bundled:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def find(root: Path) -> list[Bundled]:
-    """Every drafter the release at `root` bundles (MTP modules, DSpark stages, subfolder drafters)."""
+def find(root: Path, target=None) -> list[Bundled]:
+    """Every drafter the release at `root` bundles (MTP modules, DSpark stages, subfolder drafters);
+    `target`: the release as target_hf.load read it, when the caller has it."""
     from specpack.converters.target_hf import read_config
 
     root = Path(root)
     config = read_config(root / "config.json", "target config")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    stages = _dspark_stages(root, config, text)
+    stages = _dspark_stages(root, config, text, target)
     found = [stages] if stages else [m for m in [_mtp(root, config, text)] if m]
     return found + _subfolders(root)
 
 
-def choose(root: Path, found: list[Bundled] | None = None) -> str:
+def choose(root: Path, found: list[Bundled] | None = None, target=None) -> str:
     """The `--drafter` spec of the one drafter the release bundles (`found`: what `find` listed for it);
     refused, listing what it holds, when it bundles none, several, or only ones specpack cannot bind."""
-    found = find(root) if found is None else found
+    found = find(root, target) if found is None else found
     ready = [b for b in found if b.drafter]
     if len(ready) == 1:
         return ready[0].drafter
@@ -77,7 +79,7 @@ def choose(root: Path, found: list[Bundled] | None = None) -> str:
                      "stated", problems=listed, hint="pass the one you want as --drafter (the value shown)")
 
 
-def _dspark_stages(root: Path, config: dict, text: dict) -> Bundled | None:
+def _dspark_stages(root: Path, config: dict, text: dict, target=None) -> Bundled | None:
     """DSpark stages the config declares, and the stages the weights hold under `mtp.{k}.` (where
     vLLM and DeepSeek-V4-Flash-DSpark keep them: RELEASES.md pair 1)."""
     from specpack.converters.block.common import tensor_names
@@ -86,16 +88,34 @@ def _dspark_stages(root: Path, config: dict, text: dict) -> Bundled | None:
     nested = text.get("dspark_config") if isinstance(text.get("dspark_config"), dict) else None
     if not stated and not nested:
         return None
-    keys = ", ".join(f"{k} {v}" for k, v in stated.items()) or "dspark_config"
-    held = sorted({int(m.group(1)) for n in tensor_names(root) if (m := _STAGE.match(n))})
-    tensors = f"stages {held} held under mtp.*" if held else "but the weights hold no mtp.* tensor (markers " \
-                                                            "without their stages: a re-upload that dropped them?)"
-    return Bundled("block", "B", "target weights", f"DSpark stages declared by {keys}, {tensors}; the markers win "
-                   f"over {_mtp_key(text) or 'any MTP count key'}", None,
-                   "DSpark stages inside the target (layout B) are not bound yet: no public source specpack can "
-                   "check states the stages' own tensors (the main_proj / main_norm fusion, markov_head, "
-                   "confidence_head) and their shapes; vLLM's speculative method 'dspark' with no draft model "
-                   "reads them from the target itself")
+    keys = ", ".join(f"{k} {_short(v)}" for k, v in stated.items()) or "dspark_config"
+    held = sorted({int(m.group(1)) for n in tensor_names(root) if (m := _STAGE.match(n)) and len(m.group(1)) <= 6})
+    tensors = f"stages {held[:16]} held under mtp.*" if held else "but the weights hold no mtp.* tensor (markers " \
+                                                                "without their stages: a re-upload that dropped them?)"
+    detail = f"DSpark stages declared by {keys}, {tensors}; the markers win over {_mtp_key(text) or 'any MTP count key'}"
+    why = _stages_why_not(root, held, target)
+    return Bundled("dspark_stages", "B", "target weights", detail, None if why else dspark_stages.SPEC, why)
+
+
+def _stages_why_not(root: Path, held: list[int], target) -> str | None:
+    """Why `build --drafter dspark-stages` cannot bind the stages: the build's own check, run on the
+    release's headers (every tensor, every dspark_* key)."""
+    from specpack.converters import target_hf
+
+    if not held:
+        return "the weights hold no mtp.{k}. tensor"
+    try:
+        problems = dspark_stages.problems(target or target_hf.load(root))
+    except (InputError, UnsupportedError) as exc:
+        return f"the target does not build: {exc.message}"
+    if not problems:
+        return None
+    return f"{len(problems)} problem(s): " + "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
+
+
+def _short(value) -> str:
+    text = str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _mtp_key(text: dict) -> str | None:

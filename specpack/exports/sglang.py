@@ -111,6 +111,8 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         return problems
     if d.kind == "block":
         return _block_limits(d)
+    if d.kind == "dspark_stages":
+        return []
     if d.kind != "eagle3":
         return [f"SGLang export of {d.kind} drafters is not implemented"]
     problems = capture_problems(manifest, "sglang", "SGLang") + aux_problems(manifest)
@@ -242,10 +244,25 @@ def _flat(flags: dict) -> dict:
     return {k: "" if v is None else str(v) for k, v in flags.items()}
 
 
+def write_dspark_stages(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
+    """SGLang's bundled-DSpark rule (dspark_config.py `checkpoint_bundles_dspark_draft`, speculative_hook.py
+    `_handle_dspark`): a target config with dspark_* markers is its own draft; a different draft path is
+    refused, and the hook sets the draft tokens to block + 1 itself."""
+    d = ctx.manifest.drafter
+    flags = {"--speculative-algorithm": "DSPARK"}
+    write_json(ctx.out / "launch_flags.json", _flat(flags))
+    notes = [f"No weights and no --speculative-draft-model-path: SGLang reads the {d.stages} DSpark stages from the "
+             "target itself (a different draft path is refused) and drafts blocks of dspark_block_size "
+             f"{d.block_size} (--speculative-num-draft-tokens becomes {d.block_size + 1}).",
+             "SGLang refuses bundled DSpark with decode PP > 1 and context parallelism."]
+    return EngineExport(_serve(ctx, flags), {"flags": _flat(flags)}, notes)
+
+
 def _serve(ctx: ExportContext, flags: dict) -> str:
     args = " \\\n  ".join(k if v is None else f"{k} {quote(v)}" for k, v in flags.items())
     return (f"python -m sglang.launch_server --model-path {quote(ctx.artifact)} "
             f"--tp-size {ctx.tensor_parallel} \\\n  {args}")
 
 
-KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp, "block": write_block}
+KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp, "block": write_block,
+         "dspark_stages": write_dspark_stages}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 from specpack import __version__
 from specpack._atomic import staging_dir
-from specpack.converters import DRAFTER_FAMILIES, bundled, detect_drafter, mtp, ngram, remote_code, target_hf
+from specpack.converters import (DRAFTER_FAMILIES, bundled, detect_drafter, dspark_stages, mtp, ngram, remote_code,
+                                 target_hf)
 from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter
 from specpack.packager import card
 from specpack.errors import ConversionError, InputError
@@ -64,7 +65,7 @@ def build(opts: BuildOptions) -> BuildResult:
         check_signing_key(opts.key)  # before minutes of work
     target = remote_code.check(target_hf.load(opts.target), opts.allow_remote_code)
     if opts.drafter == bundled.BUNDLED:
-        opts = replace(opts, drafter=bundled.choose(target.root))
+        opts = replace(opts, drafter=bundled.choose(target.root, target=target))
     drafter = convert_drafter(opts, target)
     target, drafter = _bundled_once(target, drafter, opts.drafter)
     with staging_dir(opts.out, opts.force) as tmp:
@@ -102,6 +103,8 @@ def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDr
         return ngram.convert(opts.ngram.min_n, opts.ngram.max_n, opts.ngram.draft_len, opts.ngram.match)
     if layout == mtp.IN_TARGET:
         return mtp.convert_in_target(target, allow_reuse=opts.mtp_allow_reuse)
+    if family == dspark_stages.KIND:
+        return dspark_stages.convert_in_target(target)
     module, path = DRAFTER_FAMILIES[family], Path(opts.drafter)
     if family == "mtp":
         return module.convert(path, target, allow_reuse=opts.mtp_allow_reuse)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specpack.schemas import BlockDrafter, DraftModelDrafter, Eagle3Drafter, Manifest, MtpDrafter
+from specpack.schemas import BlockDrafter, DraftModelDrafter, DSparkStagesDrafter, Eagle3Drafter, Manifest, MtpDrafter
 
 TARGET_CARD = "README.target.md"
 
@@ -86,8 +86,26 @@ def made_for_text(made_for: list[dict], allowed: bool) -> str:
     return text + (" — built with --allow-target-mismatch: expect low acceptance" if allowed else "")
 
 
+def stages_rows(d: dict) -> list[tuple[str, str]]:
+    """DSpark stages bound inside the target (the manifest's drafter, as JSON data), as rows."""
+    q = d.get("quantization")
+    return [("stages", f"{d['stages']} under mtp.{{k}}. in the target's own weight files, each a {d['stage_layer']} "
+                       f"layer (count: {d['stages_from']})"),
+            ("block", f"{d['block_size']} draft tokens, noise token {d['noise_token_id']}"),
+            ("target layers", f"{d['target_layer_ids']} ({d['target_layer_convention']}) -> main_proj"),
+            ("heads", f"markov rank {d['markov']['rank']} ({d['markov']['type']}), confidence"
+                      f"{' +markov' if d['confidence']['with_markov'] else ''}"),
+            ("shared with the target", ", ".join(d["shared_tensors"])),
+            ("tensors / parameters", f"{d['tensors']} checked / {d['parameters']:,}"),
+            ("quantization", quantization_text(q) if q else "none")]
+
+
 def _drafter(m: Manifest) -> str:
     d = m.drafter
+    if isinstance(d, DSparkStagesDrafter):
+        return "\n".join(["## Drafter: DSpark stages in the target", "", "| binding | value |", "|---|---|",
+                          f"| converted from | `{d.source_layout}` |",
+                          *(f"| {k} | {v} |" for k, v in stages_rows(d.model_dump()))])
     if isinstance(d, MtpDrafter):
         return _mtp(d)
     if isinstance(d, DraftModelDrafter):
