@@ -205,6 +205,72 @@ def deepseek_v4_dspark(path: Path, stages: int = 3, ids=(1, 2, 3), rank: int = 8
                                        "dspark_markov_rank": rank})
 
 
+DSPARK_M31 = "language_model.model.dspark."
+
+
+def minimax_m31_dspark(path: Path, layers: int = 2, ids=(0, 2, 3), rank: int = 8, block: int = 7, noise: int = 380,
+                       mxfp8: bool = True) -> Path:
+    """MiniMax-M3.1 with its published `dspark/` draft (RELEASES.md pair 2) beside a MiniMax-M3 fixture,
+    written from the public schema validator of the released checkpoint (minimax_m31_dspark_checkpoint.py
+    `validate_schema`, schema `minimax_m31_dspark_preview2`) at tiny sizes: `dspark/config.json` with
+    architectures ["DSparkMiniMaxDraftModel"], quantization_config mxfp8 [1, 32] and the DSpark keys in
+    `text_config` (sliding layers, moe_layer_freq all 0, no sparse attention, use_gemma_norm, vanilla
+    Markov head, confidence head with Markov); tensors under `language_model.model.dspark.`: `fc` [H, H x
+    len(ids)], `hidden_norm`, `final_norm`, `markov_head.markov_w1/w2` [V, rank], `confidence_head.proj`
+    weight [1, H + rank] and bias [1] (BF16), and per layer `layers.{i}.decoder_layer.` norms (BF16) with
+    q/k/v/o and gate/up/down projections F8_E4M3 + `weight_scale_inv` U8 [rows, cols / 32]; sharded with
+    its index. The embedding and lm_head are the target's (absent here). The decoder keys the SGLang port
+    reads (minimax_m3_dspark.py: gemma norms, per-head q/k norm, partial rotary, swigluoai) are the
+    target's own values."""
+    cfg = json.loads((path / "config.json").read_text())["text_config"]
+    H, V, heads, kv, hd = (cfg[k] for k in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
+                                            "head_dim"))
+    inter = 64
+    text = {"num_hidden_layers": layers, "hidden_size": H, "vocab_size": V, "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": hd, "dense_intermediate_size": inter, "dspark_ffn_hidden_size": inter,
+            "dspark_markov_rank": rank, "dspark_markov_head_type": "vanilla", "dspark_block_size": block,
+            "dspark_noise_token_id": noise, "dspark_target_layer_ids": list(ids), "sliding_window": 16,
+            "layer_types": ["sliding_attention"] * layers, "moe_layer_freq": [0] * layers,
+            "sparse_attention_config": None, "dspark_use_dense_ffn": True, "dspark_hybrid_context_fusion": False,
+            "dspark_config": {"hybrid_context_fusion": False}, "enable_confidence_head": True,
+            "confidence_head_with_markov": True, "use_gemma_norm": True, "rms_norm_eps": 1e-6,
+            "hidden_act": "swigluoai", "rotary_dim": cfg["rotary_dim"],
+            "rope_parameters": cfg.get("rope_parameters"), "qk_norm_type": "per_head"}
+    config = {"architectures": ["DSparkMiniMaxDraftModel"], "text_config": text}
+    if mxfp8:
+        config["quantization_config"] = {"quant_method": "mxfp8", "weight_block_size": [1, 32]}
+    bf16 = torch.bfloat16
+    t = {"fc.weight": torch.randn(H, H * len(ids)).to(bf16) * 0.02, "hidden_norm.weight": torch.zeros(H, dtype=bf16),
+         "final_norm.weight": torch.zeros(H, dtype=bf16),
+         "markov_head.markov_w1.weight": torch.randn(V, rank).to(bf16),
+         "markov_head.markov_w2.weight": (torch.randn(V, rank) * 0.02).to(bf16),
+         "confidence_head.proj.weight": (torch.randn(1, H + rank) * 0.02).to(bf16),
+         "confidence_head.proj.bias": torch.zeros(1, dtype=bf16)}
+    shapes = {"self_attn.q_proj": (heads * hd, H), "self_attn.k_proj": (kv * hd, H), "self_attn.v_proj": (kv * hd, H),
+              "self_attn.o_proj": (H, heads * hd), "mlp.gate_proj": (inter, H), "mlp.up_proj": (inter, H),
+              "mlp.down_proj": (H, inter)}
+    for i in range(layers):
+        root = f"layers.{i}.decoder_layer."
+        t.update({root + n + ".weight": torch.zeros(H, dtype=bf16) for n in ("input_layernorm", "post_attention_layernorm")})
+        t.update({root + f"self_attn.{n}.weight": torch.zeros(hd, dtype=bf16) for n in ("q_norm", "k_norm")})
+        for name, (rows, cols) in shapes.items():
+            w = torch.randn(rows, cols) * 0.02
+            if mxfp8:
+                t[root + name + ".weight"] = w.to(torch.float8_e4m3fn)
+                t[root + name + ".weight_scale_inv"] = torch.full((rows, cols // 32), 127, dtype=torch.uint8)
+            else:
+                t[root + name + ".weight"] = w.to(bf16)
+    d = path / "dspark"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config, indent=1))
+    shard = "model-00001-of-00001.safetensors"
+    save_file({DSPARK_M31 + k: v.contiguous() for k, v in t.items()}, str(d / shard))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": sum(v.numel() * v.element_size() for v in t.values())},
+         "weight_map": {DSPARK_M31 + k: shard for k in t}}))
+    return path
+
+
 def kimi_k25(path: Path) -> Path:
     """Kimi-K2.5 as published, from a DeepSeek-V3 fixture: `KimiK25ForConditionalGeneration` /
     `kimi_k25` wrapping a `kimi_k2` text_config (its compressed-tensors INT4 routed experts stated there,
@@ -397,16 +463,17 @@ def modelopt_nvfp4(path: Path, hf_quant_file: bool = False, skip: tuple = ()) ->
     return edit(path, add=add, config={"quantization_config": {"quant_method": "modelopt", **q}})
 
 
-def mxfp8(path: Path, skip: tuple = ()) -> Path:
+def mxfp8(path: Path, skip: tuple = (), scale: str = "weight_scale") -> Path:
     """MiniMax-style MXFP8 (vLLM modelopt.py ModelOptMxFp8Config.from_config): quant_method mxfp8,
-    weight F8_E4M3 [o, i], weight_scale E8M0 [o, i/32] (one scale per 32 inputs of a row)."""
+    weight F8_E4M3 [o, i], weight_scale E8M0 [o, i/32] (one scale per 32 inputs of a row); MiniMax-M3's
+    releases and M3.1's dspark/ write the scales as `weight_scale_inv` U8 (RELEASES.md pair 2)."""
     t = load_file(str(path / "model.safetensors"))
     add = {}
     for k in _linear_names(t, UNQUANTIZED + skip):
         o, i = t[k].shape
         add[k] = t[k].to(torch.float8_e4m3fn)
-        add[k[: -len("weight")] + "weight_scale"] = torch.full((o, i // 32), 127, dtype=torch.uint8).view(
-            torch.float8_e8m0fnu)
+        scales = torch.full((o, i // 32), 127, dtype=torch.uint8)
+        add[k[: -len("weight")] + scale] = scales if scale == "weight_scale_inv" else scales.view(torch.float8_e8m0fnu)
     return edit(path, add=add, config={"quantization_config": {"quant_method": "mxfp8", "weight_block_size": [1, 32],
                                                                "ignored_layers": ["lm_head"]}})
 

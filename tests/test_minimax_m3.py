@@ -71,6 +71,37 @@ def test_the_mxfp8_release_form_builds_and_an_8_bit_router_is_refused(m3, tmp_pa
     assert f"{P}layers.1.block_sparse_moe.gate.weight is F8_E4M3" in err, err
 
 
+def test_the_release_scale_name_weight_scale_inv_u8_builds(m3, tmp_path):
+    """MiniMax-M3's MXFP8 checkpoints name the U8 scales `weight_scale_inv` (issue 60: 121 tensors were
+    refused as missing `weight_scale`)."""
+    t = ff.mxfp8(_copy(m3, tmp_path), skip=("block_sparse_moe.gate.", "patch_merge_mlp"), scale="weight_scale_inv")
+    q = _build(t, tmp_path / "art").target.arch.quantization
+    assert q.scheme == "mxfp8" and q.quantized_linear > 0
+
+
+def _nested_index(t, **sparse):
+    cfg = json.loads((t / "config.json").read_text())
+    text = cfg["text_config"]
+    text.pop("index_n_heads"), text.pop("index_head_dim")
+    text["sparse_attention_config"] = {"use_sparse_attention": True, "sparse_block_size": 8, "sparse_topk_blocks": 2,
+                                       "sparse_local_block": 1, **sparse}
+    (t / "config.json").write_text(json.dumps(cfg))
+    return t
+
+
+def test_the_indexer_geometry_is_read_from_the_release_sparse_attention_config(m3, tmp_path, cli):
+    """Releases state the indexer in the nested sparse_attention_config (vLLM minimax_m3.py reads
+    sparse_num_index_heads / sparse_index_dim there), not in flat index_* keys with defaults."""
+    t = _nested_index(_copy(m3, tmp_path), sparse_num_index_heads=2, sparse_index_dim=16)
+    assert _build(t, tmp_path / "art").target.arch.layer_kinds == KINDS
+    wrong = _nested_index(_copy(m3, tmp_path, "w"), sparse_num_index_heads=2, sparse_index_dim=32)
+    err = _refused(cli, wrong, (tmp_path / "w2").mkdir() or tmp_path / "w2")
+    assert f"tensor {P}layers.1.self_attn.index_q_proj.weight has shape [32, 64], expected [64, 64]" in err, err
+    bad = _nested_index(_copy(m3, tmp_path, "b"), sparse_num_index_heads="2", sparse_index_dim=16)
+    err = _refused(cli, bad, (tmp_path / "b2").mkdir() or tmp_path / "b2")
+    assert "sparse_attention_config.sparse_num_index_heads = 2: not a positive integer" in err, err
+
+
 def test_missing_and_misshapen_m3_tensors_are_refused_together(m3, tmp_path, cli):
     t = _copy(m3, tmp_path)
     tensors = load_file(str(t / "model.safetensors"))

@@ -34,6 +34,7 @@ PREFIXES = ("language_model.model.", "model.language_model.")
 EXPERT_NAMES = ("w1", "w3", "w2")  # gate, up, down
 DEFAULTS = {"dense_intermediate_size": 12288, "shared_intermediate_size": 3072, "num_local_experts": 128,
             "num_experts_per_tok": 4, "index_n_heads": 4, "index_head_dim": 128}  # transformers' config defaults
+SPARSE_KEYS = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim"}
 
 
 def describe(config: dict, text: dict) -> Arch:
@@ -42,9 +43,9 @@ def describe(config: dict, text: dict) -> Arch:
                                hint="MiniMax-M3 releases ship MiniMaxM3SparseForConditionalGeneration with text_config")
     g = geometry(text, ("intermediate_size",), tuple(DEFAULTS))
     n = g["num_layers"]
-    sizes = {k: v if text.get(k) is None else text[k] for k, v in DEFAULTS.items()}  # shared 0: none
     problems: list[str] = []
     sparse = text.get("sparse_attention_config") if isinstance(text.get("sparse_attention_config"), dict) else {}
+    sizes = _sizes(text, sparse, problems)
     attention = _listed(text, "layer_types", n, ATTENTION, problems,
                         legacy=[("minimax_m3_sparse" if f else "full_attention") for f in sparse["sparse_attention_freq"]]
                         if isinstance(sparse.get("sparse_attention_freq"), list) else None, default="full_attention")
@@ -67,6 +68,22 @@ def describe(config: dict, text: dict) -> Arch:
                 details={"prefixes": PREFIXES, **sizes,
                          "advertised_mtp": text.get("num_mtp_modules") or config.get("num_mtp_modules") or 0,
                          "mtp_why": "whose tensor names no public source states"}, **g)
+
+
+def _sizes(text: dict, sparse: dict, problems: list[str]) -> dict:
+    """DEFAULTS as the config states them: a flat key, else (the indexer's) in the release's nested
+    sparse_attention_config (vLLM minimax_m3.py reads `sparse_num_index_heads` / `sparse_index_dim`
+    there; transformers folds them the same way), else transformers' default. 0 shared: none."""
+    sizes = {k: v if text.get(k) is None else text[k] for k, v in DEFAULTS.items()}
+    for flat, nested in SPARSE_KEYS.items():
+        value = sparse.get(nested)
+        if text.get(flat) is not None or value is None:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            sizes[flat] = value
+        else:
+            problems.append(f"text_config.sparse_attention_config.{nested} = {str(value)[:40]}: not a positive integer")
+    return sizes
 
 
 def _listed(text: dict, key: str, n: int, known: dict, problems: list[str], legacy, default: str) -> list[str]:

@@ -17,7 +17,7 @@ its logical shape. Nothing is skipped.
 | `modelopt-fp8` | modelopt FP8 | X.weight F8_E4M3 [o, i]; X.weight_scale []; X.input_scale [] |
 | `modelopt-mixed` | modelopt MIXED_PRECISION + `quantized_layers` {module: {quant_algo}} | each listed module as its NVFP4 / W4A16_NVFP4 / FP8 entry says; every other module unquantized |
 | `mxfp4` | quant_method mxfp4 (gpt-oss) | X_blocks U8 [*lead, o, i/32, 16]; X_scales U8 [*lead, o, i/32] |
-| `mxfp8` | quant_method mxfp8 (MiniMax), or modelopt MXFP8 | X.weight F8_E4M3 [o, i]; X.weight_scale E8M0 (U8) [o, i/32] |
+| `mxfp8` | quant_method mxfp8 (MiniMax), or modelopt MXFP8 | X.weight F8_E4M3 [o, i]; X.weight_scale (or X.weight_scale_inv) E8M0 (U8) [o, i/32] |
 
 Every field of a quantization config is type-checked as it is read (an error names it); a scheme that
 quantizes none of the checkpoint's linear weights, an F8 weight under a config that states no scheme,
@@ -35,9 +35,10 @@ Sources (read, not guessed): vLLM layers/quantization/{fp8,modelopt,mxfp4}.py an
 schemes, transformers integrations/{finegrained_fp8,mxfp4}.py, DeepSeek-V3 README_WEIGHTS.md. MXFP8:
 vLLM modelopt.py `ModelOptMxFp8Config.from_config` reads MiniMax-style `quant_method: "mxfp8"` (with
 `ignored_layers`) as ModelOpt MXFP8, whose linear holds `weight` E4M3 [n, k] and `weight_scale`
-E8M0 [n, k/32] (MXFP8_BLOCK_SIZE 32). A third-party note names MiniMax-M3.1's dspark/ scales
-`weight_scale_inv` U8 (shared/RELEASES.md pair 2); vLLM's loader does not read that name, so such a
-checkpoint is refused naming the tensor, not carried on a guess.
+E8M0 [n, k/32] (MXFP8_BLOCK_SIZE 32). MiniMax-M3's MXFP8 releases and MiniMax-M3.1's dspark/ name
+the U8 scales `weight_scale_inv` (shared/RELEASES.md pair 2); engines' loaders rename
+`.weight_scale_inv` to `.weight_scale` before matching parameters (vLLM minimax_m3, SGLang llama.py
+`load_weights`), so both names are read.
 """
 
 from __future__ import annotations
@@ -492,13 +493,14 @@ def _layouts(name: str, t: Tensor, q: Quant) -> list[dict[str, tuple[tuple, tupl
                  n("weight_shape"): (("I32", "I64"), ((2,),))}]
     if q.scheme == "mxfp8":
         scale = (*lead, o, math.ceil(i / MX_BLOCK[1]))
-        return [{weight: (E4M3, ((*lead, o, i),)), n("weight_scale"): (("F8_E8M0", "U8"), (scale,))}]
+        return [{weight: (E4M3, ((*lead, o, i),)), n(s): (("F8_E8M0", "U8"), (scale,))} for s in MX_SCALE_NAMES]
     if q.scheme == "mxfp4":
         return [{name + "_blocks": (("U8",), ((*lead, o, i // 32, 16),)), name + "_scales": (("U8", "F8_E8M0"), ((*lead, o, i // 32),))}]
     raise AssertionError(q.scheme)
 
 
 FP8_SCALE_NAMES = ("weight_scale_inv", "scale")  # transformers renames `.scale` to `weight_scale_inv` on load
+MX_SCALE_NAMES = ("weight_scale", "weight_scale_inv")  # MiniMax's releases write the second
 FP4_GROUP = 32  # an fp4 expert's scale covers 32 inputs of one row (transformers `sf_gran_k=32`)
 _ROUTED = regex.compile(r"\.experts\.\d+\.")  # a routed expert's MLP (not the shared experts)
 
