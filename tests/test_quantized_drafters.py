@@ -208,12 +208,17 @@ def test_an_8bit_eagle3_weight_without_a_scheme_is_refused(tmp_path, tiny_target
     assert not (tmp_path / "refused").exists()
 
 
-def test_mxfp8_scales_under_the_name_no_engine_reads_are_refused(tmp_path, tiny_target):
-    """vLLM's MXFP8 loader reads `weight_scale`; a `weight_scale_inv` (the name one third-party note gives
-    MiniMax-M3.1's dspark/ scales) is refused, not carried on a guess."""
+def test_mxfp8_scales_named_weight_scale_inv_are_carried_as_weight_scale(tmp_path, tiny_target):
+    """MiniMax's releases name MXFP8 scales `weight_scale_inv` (RELEASES.md pair 2); the canonical drafter
+    carries them, bytes unchanged, as `weight_scale`, the name vLLM's MXFP8 linear reads."""
     head = _quantized(tmp_path, tiny_target, "mxfp8")
+    before = load_file(head / "model.safetensors")["fc.weight_scale"]
     bl.edit_tensors(head, rename={"fc.weight_scale": "fc.weight_scale_inv"})
-    _refused(tmp_path, tiny_target, head, "missing tensor fc.weight_scale", "'fc.weight_scale_inv' maps to no")
+    out = tmp_path / "art"
+    build(BuildOptions(target=tiny_target, drafter=str(head), out=out))
+    carried = load_file(out / "drafter" / "model.safetensors")
+    assert "fc.weight_scale_inv" not in carried and torch.equal(carried["fc.weight_scale"].view(torch.uint8),
+                                                                before.view(torch.uint8))
 
 
 def test_mxfp8_states_its_one_block(tmp_path, tiny_target):

@@ -41,7 +41,7 @@ def convert(path: Path, target: Target, aux: AuxOverride | None = None, block: B
             source: Source | None = None, allow_mismatch: bool = False) -> ConvertedDrafter:
     """Read the block drafter at `path`, settle and check its bindings against `target`, canonicalise it."""
     path = Path(path)
-    config, tensors = read_config(path), load_tensors(path)
+    config, tensors = read_config(path), _mx_scale_names(read_config(path), load_tensors(path))
     for family in FAMILIES:
         layout = family.detect(config, set(tensors))
         if layout:
@@ -51,6 +51,16 @@ def convert(path: Path, target: Target, aux: AuxOverride | None = None, block: B
     reading = family.read(layout, path, config, tensors, target)
     _add_mask_embedding(reading)
     return build(reading, target, aux, block, source_of(path, source), allow_mismatch)
+
+
+def _mx_scale_names(config: dict, tensors: dict) -> dict:
+    """MXFP8 scales stored as `X.weight_scale_inv` (MiniMax's releases) carried as `X.weight_scale`, the
+    name vLLM's MXFP8 linear reads (modelopt.py): a rename, the bytes unchanged."""
+    qc = config.get("quantization_config")
+    if not (isinstance(qc, dict) and qc.get("quant_method") == "mxfp8"):
+        return tensors
+    return {(n.removesuffix("_inv") if n.endswith(".weight_scale_inv") and n.removesuffix("_inv") not in tensors
+             else n): t for n, t in tensors.items()}
 
 
 def _add_mask_embedding(r) -> None:
