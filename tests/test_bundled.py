@@ -85,7 +85,7 @@ def test_dspark_markers_win_over_the_legacy_mtp_key_and_without_stages_bind_noth
     (root / "config.json").write_text(json.dumps(cfg))
     code, out, _ = cli("inspect", root, "--json")
     d = json.loads(out)
-    assert [(b["layout"], b["kind"]) for b in d["bundled"]] == [("B", "dspark_stages")]
+    assert [(b["layout"], b["kind"]) for b in d["bundled"]] == [("B", "release_dspark")]
     assert "win over num_nextn_predict_layers 1" in d["bundled"][0]["detail"]
     assert "the weights hold no mtp.* tensor" in d["bundled"][0]["detail"]  # this tiny target holds none
     assert d["drafter_bundled"] is None and "no drafter specpack can bind" in d["why_not"]

@@ -134,7 +134,7 @@ def test_a_dspark_release_with_stages_cut_short_builds_as_a_target_and_inspect_s
     """DSpark markers beside the legacy MTP key with only three stage tensors under mtp.{0,1,2}.*: the
     target builds with them carried byte for byte; inspect lists layout B with the build's own check
     (so it never says `bundled` binds what build refuses) and `--drafter bundled` refuses the same.
-    The whole release binds: test_dspark_stages.py."""
+    The whole release binds: test_release_dspark_v4.py."""
     t = _copy(v4, tmp_path)
     ff.edit(t, add={"mtp.0.main_proj.weight": torch.zeros(64, 192), "mtp.1.attn_norm.weight": torch.ones(64),
                     "mtp.2.norm.weight": torch.ones(64)},
@@ -143,7 +143,7 @@ def test_a_dspark_release_with_stages_cut_short_builds_as_a_target_and_inspect_s
     code, shown, _ = cli("inspect", t, "--json")
     report = json.loads(shown)
     bundled = report["bundled"]
-    assert code == 0 and [(b["layout"], b["kind"]) for b in bundled] == [("B", "dspark_stages")], shown
+    assert code == 0 and [(b["layout"], b["kind"]) for b in bundled] == [("B", "release_dspark")], shown
     assert "stages [0, 1, 2] held under mtp.*" in bundled[0]["detail"] and report["drafter_bundled"] is None
     assert "missing tensor mtp.0.attn_norm.weight" in bundled[0]["why_not"]
     out = tmp_path / "art"

@@ -296,10 +296,10 @@ def _remote_code_text(rc: dict) -> str:
 def _drafter_rows(dr: dict) -> list[tuple[str, str]]:
     if dr["kind"] == "block":
         return _block_rows(dr)
-    if dr["kind"] == "dspark_stages":
-        from specpack.packager.card import stages_rows
+    if dr["kind"] == "release_dspark":
+        from specpack.packager.card import release_dspark_rows
 
-        return [(f"  {k}", v) for k, v in stages_rows(dr)]
+        return [(f"  {k}", v) for k, v in release_dspark_rows(dr)]
     if dr["kind"] == "mtp":
         return [("  layers", f"{dr['num_layers']} (weights in {dr['location']}; layer reuse "
                              f"{'allowed' if dr['allow_layer_reuse'] else 'off'})"),

@@ -22,7 +22,7 @@ import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from specpack.converters import dspark_stages
+from specpack.converters import release_dspark
 from specpack.errors import InputError, UnsupportedError
 
 DSPARK_MARKERS = ("dspark_block_size", "dspark_markov_rank", "dspark_noise_token_id", "dspark_target_layer_ids")
@@ -35,7 +35,7 @@ _STAGE = re.compile(r"mtp\.(\d+)\.")
 class Bundled:
     """One drafter a release bundles."""
 
-    kind: str  # mtp | dspark_stages | block | eagle3 | draft_model
+    kind: str  # mtp | release_dspark | block | eagle3 | draft_model
     layout: str  # the RELEASES.md layout: A (MTP in the target), B (DSpark stages in the target), C (subfolder)
     where: str  # what holds it: "target weights" or the subfolder
     detail: str  # what it is, in a line
@@ -54,7 +54,7 @@ def find(root: Path, target=None) -> list[Bundled]:
     root = Path(root)
     config = read_config(root / "config.json", "target config")
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    stages = _dspark_stages(root, config, text, target)
+    stages = _release_stages(root, config, text, target)
     found = [stages] if stages else [m for m in [_mtp(root, config, text)] if m]
     return found + _subfolders(root)
 
@@ -79,7 +79,7 @@ def choose(root: Path, found: list[Bundled] | None = None, target=None) -> str:
                      "stated", problems=listed, hint="pass the one you want as --drafter (the value shown)")
 
 
-def _dspark_stages(root: Path, config: dict, text: dict, target=None) -> Bundled | None:
+def _release_stages(root: Path, config: dict, text: dict, target=None) -> Bundled | None:
     """DSpark stages the config declares, and the stages the weights hold under `mtp.{k}.` (where
     vLLM and DeepSeek-V4-Flash-DSpark keep them: RELEASES.md pair 1)."""
     from specpack.converters.block.common import tensor_names
@@ -94,7 +94,7 @@ def _dspark_stages(root: Path, config: dict, text: dict, target=None) -> Bundled
                                                                 "without their stages: a re-upload that dropped them?)"
     detail = f"DSpark stages declared by {keys}, {tensors}; the markers win over {_mtp_key(text) or 'any MTP count key'}"
     why = _stages_why_not(root, held, target)
-    return Bundled("dspark_stages", "B", "target weights", detail, None if why else dspark_stages.SPEC, why)
+    return Bundled("release_dspark", "B", "target weights", detail, None if why else release_dspark.SPEC, why)
 
 
 def _stages_why_not(root: Path, held: list[int], target) -> str | None:
@@ -105,7 +105,7 @@ def _stages_why_not(root: Path, held: list[int], target) -> str | None:
     if not held:
         return "the weights hold no mtp.{k}. tensor"
     try:
-        problems = dspark_stages.problems(target or target_hf.load(root))
+        problems = release_dspark.problems(target or target_hf.load(root))
     except (InputError, UnsupportedError) as exc:
         return f"the target does not build: {exc.message}"
     if not problems:

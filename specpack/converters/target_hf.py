@@ -116,6 +116,12 @@ def load(path: Path, source: Source | None = None) -> Target:
     return Target(root=root, files=files, info=info, tensors=tensors, checked=checked)
 
 
+def weight_headers(root: Path) -> tuple[list[str], dict[str, tuple[str, TensorMeta]]]:
+    """(the files under `root`, name -> (file, header entry) of its safetensors weights): headers only."""
+    files = [f for f in walk_files(root) if not f.endswith(PICKLE_SUFFIXES)]
+    return files, _read_tensors(root, _weight_files(root, files))
+
+
 def read_json(path: Path, what: str) -> dict:
     if not path.is_file():
         raise InputError(f"{what} not found: {path}", hint="is this the right directory?")

@@ -111,8 +111,10 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         return problems
     if d.kind == "block":
         return _block_limits(d)
-    if d.kind == "dspark_stages":
-        return []
+    if d.kind == "release_dspark":
+        return [] if d.source_layout == "deepseek-v4-dspark" else [
+            "SGLang's DSpark path loads Qwen3DSparkModel drafts and the dspark_* stages a target config declares "
+            f"({CHECKED}); DSparkMiniMaxDraftModel is in a fork's patch set (models/minimax_m3_dspark.py), not there"]
     if d.kind != "eagle3":
         return [f"SGLang export of {d.kind} drafters is not implemented"]
     problems = capture_problems(manifest, "sglang", "SGLang") + aux_problems(manifest)
@@ -244,14 +246,14 @@ def _flat(flags: dict) -> dict:
     return {k: "" if v is None else str(v) for k, v in flags.items()}
 
 
-def write_dspark_stages(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
+def write_release_dspark(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
     """SGLang's bundled-DSpark rule (dspark_config.py `checkpoint_bundles_dspark_draft`, speculative_hook.py
     `_handle_dspark`): a target config with dspark_* markers is its own draft; a different draft path is
     refused, and the hook sets the draft tokens to block + 1 itself."""
     d = ctx.manifest.drafter
     flags = {"--speculative-algorithm": "DSPARK"}
     write_json(ctx.out / "launch_flags.json", _flat(flags))
-    notes = [f"No weights and no --speculative-draft-model-path: SGLang reads the {d.stages} DSpark stages from the "
+    notes = [f"No weights and no --speculative-draft-model-path: SGLang reads the {d.layers} DSpark stages from the "
              "target itself (a different draft path is refused) and drafts blocks of dspark_block_size "
              f"{d.block_size} (--speculative-num-draft-tokens becomes {d.block_size + 1}).",
              "SGLang refuses bundled DSpark with decode PP > 1 and context parallelism."]
@@ -265,4 +267,4 @@ def _serve(ctx: ExportContext, flags: dict) -> str:
 
 
 KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp, "block": write_block,
-         "dspark_stages": write_dspark_stages}
+         "release_dspark": write_release_dspark}

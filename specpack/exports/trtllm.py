@@ -85,9 +85,10 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         return problems
     if d.kind == "block":
         return _block_limits(d)
-    if d.kind == "dspark_stages":
-        return ["TensorRT-LLM has no DeepSeek-V4 DSpark draft: it picks DFlash, LiLiCorr or DFlash2 drafters from a "
-                "separate checkpoint's markers and loads no DSpark stages from a target (export to vLLM or SGLang)"]
+    if d.kind == "release_dspark":
+        return [f"TensorRT-LLM has no {d.source_layout} draft: it picks DFlash, LiLiCorr or DFlash2 drafters from a "
+                "checkpoint's markers (dflash_config, architectures) and loads neither DeepSeek-V4's DSpark stages nor "
+                "DSparkMiniMaxDraftModel"]
     if d.kind != "eagle3":
         return [f"TensorRT-LLM export of {d.kind} drafters is not implemented"]
     problems = capture_problems(manifest, "trtllm", "TensorRT-LLM") + aux_problems(manifest, n_aux_fixed=False)

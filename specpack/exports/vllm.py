@@ -88,7 +88,9 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         return _mtp.problems("vLLM", MTP, manifest, draft_len) + _deepseek_copies(manifest)[1]
     if d.kind == "block":
         return _block_limits(d)
-    if d.kind in ("draft_model", "dspark_stages"):
+    if d.kind == "release_dspark":
+        return [] if d.source_layout == "deepseek-v4-dspark" else [NO_MINIMAX_DSPARK]
+    if d.kind == "draft_model":
         return []
     return [] if d.kind in KINDS else [f"vLLM export of {d.kind} drafters is not implemented"]
 
@@ -213,14 +215,19 @@ def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
                         bindings=_mtp.bindings(ctx, "vLLM", MTP[d.source_layout], reads), schedule=schedule)
 
 
-def write_dspark_stages(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
+NO_MINIMAX_DSPARK = ("vLLM registers no DSparkMiniMaxDraftModel: speculative.py @ 002e77c1 runs method dspark with "
+                     "Qwen3DSparkModel, Qwen3OmniDSparkModel, Gemma4DSparkModel or DSparkDraftModel drafts, and "
+                     "DeepSeek-V4's stages from the target")
+
+
+def write_release_dspark(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
     """The release's own DSpark stages: `method: dspark` with no `model` (speculative.py @ 002e77c1: "DeepSeek
     DSpark can ship the weights inside the target checkpoint"; the draft config is rewritten to
     DSparkDraftModel and models/deepseek_v4/dspark.py loads the `mtp.{k}.` stages)."""
     d = ctx.manifest.drafter
     spec = {"method": "dspark", "num_speculative_tokens": ctx.draft_len}
     write_json(ctx.out / "speculative_config.json", spec)
-    notes = [f"No weights are written: with no `model` vLLM reads the {d.stages} DSpark stages (mtp.0..{d.stages - 1}) "
+    notes = [f"No weights are written: with no `model` vLLM reads the {d.layers} DSpark stages (mtp.0..{d.layers - 1}) "
              f"from the target ({ctx.artifact}) and shares its embed.weight and head.weight.",
              f"num_speculative_tokens = dspark_block_size {d.block_size}: vLLM's DSpark draft proposes one block a "
              "step; DSpark runs on vLLM's Model Runner V2 (GPU; not the CPU runner).",
@@ -314,4 +321,4 @@ def _serve(ctx: ExportContext, spec: dict, trust_remote_code: bool = False) -> s
 
 
 KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "mtp": write_mtp, "block": write_block,
-         "draft_model": write_draft_model, "dspark_stages": write_dspark_stages}
+         "draft_model": write_draft_model, "release_dspark": write_release_dspark}

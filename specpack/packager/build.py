@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specpack import __version__
 from specpack._atomic import staging_dir
-from specpack.converters import (DRAFTER_FAMILIES, bundled, detect_drafter, dspark_stages, mtp, ngram, remote_code,
+from specpack.converters import (DRAFTER_FAMILIES, bundled, detect_drafter, mtp, ngram, release_dspark, remote_code,
                                  target_hf)
 from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter
 from specpack.packager import card
@@ -103,12 +103,12 @@ def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDr
         return ngram.convert(opts.ngram.min_n, opts.ngram.max_n, opts.ngram.draft_len, opts.ngram.match)
     if layout == mtp.IN_TARGET:
         return mtp.convert_in_target(target, allow_reuse=opts.mtp_allow_reuse)
-    if family == dspark_stages.KIND:
-        return dspark_stages.convert_in_target(target)
+    if family == release_dspark.KIND and layout == release_dspark.deepseek_v4.LAYOUT:
+        return release_dspark.convert_in_target(target)
     module, path = DRAFTER_FAMILIES[family], Path(opts.drafter)
     if family == "mtp":
         return module.convert(path, target, allow_reuse=opts.mtp_allow_reuse)
-    if family == "draft_model":
+    if family in ("draft_model", release_dspark.KIND):
         return module.convert(path, target)
     if family == "block":
         return module.convert(path, target, aux=opts.aux, block=opts.block, allow_mismatch=opts.allow_target_mismatch)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from specpack.schemas import BlockDrafter, DraftModelDrafter, DSparkStagesDrafter, Eagle3Drafter, Manifest, MtpDrafter
+from specpack.schemas import BlockDrafter, DraftModelDrafter, ReleaseDSparkDrafter, Eagle3Drafter, Manifest, MtpDrafter
 
 TARGET_CARD = "README.target.md"
 
@@ -86,15 +86,18 @@ def made_for_text(made_for: list[dict], allowed: bool) -> str:
     return text + (" — built with --allow-target-mismatch: expect low acceptance" if allowed else "")
 
 
-def stages_rows(d: dict) -> list[tuple[str, str]]:
-    """DSpark stages bound inside the target (the manifest's drafter, as JSON data), as rows."""
-    q = d.get("quantization")
-    return [("stages", f"{d['stages']} under mtp.{{k}}. in the target's own weight files, each a {d['stage_layer']} "
-                       f"layer (count: {d['stages_from']})"),
-            ("block", f"{d['block_size']} draft tokens, noise token {d['noise_token_id']}"),
-            ("target layers", f"{d['target_layer_ids']} ({d['target_layer_convention']}) -> main_proj"),
-            ("heads", f"markov rank {d['markov']['rank']} ({d['markov']['type']}), confidence"
-                      f"{' +markov' if d['confidence']['with_markov'] else ''}"),
+def release_dspark_rows(d: dict) -> list[tuple[str, str]]:
+    """A DSpark drafter bound as its release ships it (the manifest's drafter, as JSON data), as rows."""
+    q, conf = d.get("quantization"), d.get("confidence")
+    where = ("the target's own weight files" if d["location"] == "target" else
+             f"drafter/ ({len(d['files'])} files, byte for byte)")
+    return [("layers", f"{d['layers']} {d['layer_kind']} in {where} (count: {d['layers_from']})"),
+            ("decoder", d["decoder"]),
+            ("block", f"{d['block_size']} draft tokens, noise token {d['noise_token_id']}, "
+                      f"{'causal' if d['query_causal'] else 'non-causal'} within the block, window {d['sliding_window']}"),
+            ("target layers", f"{d['target_layer_ids']} ({d['target_layer_convention']})"),
+            ("heads", f"markov rank {d['markov']['rank']} ({d['markov']['type']})"
+                      + (f", confidence{' +markov' if conf['with_markov'] else ''}" if conf else ", no confidence head")),
             ("shared with the target", ", ".join(d["shared_tensors"])),
             ("tensors / parameters", f"{d['tensors']} checked / {d['parameters']:,}"),
             ("quantization", quantization_text(q) if q else "none")]
@@ -102,10 +105,10 @@ def stages_rows(d: dict) -> list[tuple[str, str]]:
 
 def _drafter(m: Manifest) -> str:
     d = m.drafter
-    if isinstance(d, DSparkStagesDrafter):
-        return "\n".join(["## Drafter: DSpark stages in the target", "", "| binding | value |", "|---|---|",
-                          f"| converted from | `{d.source_layout}` |",
-                          *(f"| {k} | {v} |" for k, v in stages_rows(d.model_dump()))])
+    if isinstance(d, ReleaseDSparkDrafter):
+        return "\n".join([f"## Drafter: DSpark, as the release ships it (`{d.source_layout}`)", "",
+                          "| binding | value |", "|---|---|",
+                          *(f"| {k} | {v} |" for k, v in release_dspark_rows(d.model_dump()))])
     if isinstance(d, MtpDrafter):
         return _mtp(d)
     if isinstance(d, DraftModelDrafter):

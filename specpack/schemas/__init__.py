@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from specpack.schemas.manifest import (BLOCK_LAYOUTS, MANIFEST_NAME, SIGNATURE_NAME, AuxLayers, BlockConfidence,
-                                       BlockDrafter, BlockMarkov, DraftModelDrafter, DSparkStagesDrafter, LiLiCorrGeometry,
+                                       BlockDrafter, BlockMarkov, DraftModelDrafter, ReleaseDSparkDrafter, LiLiCorrGeometry,
                                        Eagle3Drafter, FileEntry, MadeFor, Manifest, MemoryInfo, MtpDrafter,
                                        NgramDrafter, RemoteCode, Source, TargetArch, TargetExperts, TargetInfo,
                                        TargetMtp, TargetQuantization, TokenizerEvidence)
@@ -14,7 +14,7 @@ from specpack.schemas.manifest import (BLOCK_LAYOUTS, MANIFEST_NAME, SIGNATURE_N
 SCHEMA_PATH = Path(__file__).with_name("manifest.v1.json")
 
 __all__ = ["BLOCK_LAYOUTS", "MANIFEST_NAME", "SIGNATURE_NAME", "AuxLayers", "BlockConfidence", "BlockDrafter",
-           "BlockMarkov", "LiLiCorrGeometry", "DraftModelDrafter", "DSparkStagesDrafter", "Eagle3Drafter", "FileEntry",
+           "BlockMarkov", "LiLiCorrGeometry", "DraftModelDrafter", "ReleaseDSparkDrafter", "Eagle3Drafter", "FileEntry",
            "MadeFor", "Manifest", "MemoryInfo", "MtpDrafter", "NgramDrafter", "RemoteCode", "Source", "TargetArch",
            "TargetExperts", "TargetInfo", "TargetMtp", "TargetQuantization", "TokenizerEvidence",
            "SCHEMA_PATH", "manifest_schema"]

@@ -381,37 +381,45 @@ class BlockDrafter(_CheckedDrafter):
                     "layout's own definition, or a `specpack build` flag.")
 
 
-class DSparkStagesDrafter(_Strict):
-    kind: Literal["dspark_stages"] = "dspark_stages"
-    source_layout: Literal["deepseek-v4-dspark"] = Field(
-        description="DSpark stages inside a DeepSeek-V4 / V4-Pro release's own weights (RELEASES.md layout B), "
-                    "named and shaped as vLLM's DeepSeek-V4 DSpark draft module loads them.")
-    source: Source = Field(description="Where the stages were read from (the target itself).")
-    location: Literal["target"] = Field("target", description="The stage tensors stay in the target's weight files: "
-                                                              "nothing is copied.")
-    stages: int = Field(gt=0, description="DSpark stages (`mtp.{k}.`, k < stages), each one DeepSeek-V4 decoder layer.")
-    stages_from: str = Field(description="What settled the stage count: `inference/config.json n_mtp_layers` or the "
-                                         "weights' `mtp.{k}.` prefixes (as vLLM's _read_dspark_num_layers reads it).")
-    stage_layer: str = Field(description="Each stage's layer kind, as target.arch.layer_kinds names it.")
+class ReleaseDSparkDrafter(_Strict):
+    kind: Literal["release_dspark"] = "release_dspark"
+    source_layout: Literal["deepseek-v4-dspark", "minimax-m31-dspark"] = Field(
+        description="A DSpark drafter as a release ships it, in its engine's own architecture: DeepSeek-V4's stages "
+                    "inside the target's weights (`mtp.{k}.`, RELEASES.md layout B, as vLLM's DeepSeek-V4 DSpark "
+                    "draft loads them) or MiniMax-M3.1's `dspark/` folder (DSparkMiniMaxDraftModel, layout C). "
+                    "Engines run it; specpack checks and binds it.")
+    source: Source = Field(description="Where it was read from (the target itself, or its subfolder).")
+    location: Literal["target", "drafter"] = Field(
+        description="`target`: its tensors stay in the target's weight files (nothing copied); `drafter`: its files, "
+                    "byte for byte, under drafter/ (and not again in the target's files).")
+    files: list[str] = Field(default_factory=list, description="Its files under drafter/ (location `drafter`).")
+    decoder: str = Field(description="The draft layers' architecture, in words (norms, attention, MLP).")
+    layers: int = Field(gt=0, description="Draft layers (DeepSeek-V4: stages `mtp.{k}.`, k < layers).")
+    layers_from: str = Field(description="What settled the layer count (a config key, or the weights' prefixes as "
+                                         "vLLM's _read_dspark_num_layers reads them).")
+    layer_kind: str = Field(description="Each draft layer's kind, as target.arch.layer_kinds names it.")
+    sliding_window: int = Field(gt=0, description="Context the draft layers attend to (tokens).")
+    query_causal: bool = Field(description="Whether a block's query tokens attend causally among themselves (false: "
+                                           "every block row sees the whole block).")
     block_size: int = Field(gt=0, description="dspark_block_size: draft tokens one block proposes.")
     noise_token_id: int = Field(ge=0, description="dspark_noise_token_id: the token filling the block's draft slots "
                                                   "(below the target vocab).")
     target_layer_ids: list[int] = Field(description="dspark_target_layer_ids: target layers whose outputs, "
-                                                    "concatenated, feed stage 0's main_proj.")
+                                                    "concatenated, feed the drafter (main_proj / fc).")
     target_layer_convention: Literal["output_of_layer"] = Field(
         description="How the ids count: id i is the hidden state leaving target layer i (i < num_hidden_layers).")
-    markov: BlockMarkov = Field(description="The last stage's Markov head (markov_w1 / markov_w2, rank dspark_markov_rank).")
-    confidence: BlockConfidence = Field(description="The last stage's confidence head (proj over [hidden, markov]).")
+    markov: BlockMarkov = Field(description="The Markov head (markov_w1 / markov_w2, rank dspark_markov_rank).")
+    confidence: Optional[BlockConfidence] = Field(None, description="The confidence head, when it ships one.")
     quantization: Optional[TargetQuantization] = Field(
-        None, description="How the stage weights are quantized: the target's scheme, checked tensor by tensor.")
-    tensors: int = Field(gt=0, description="Stage tensors checked (scales included).")
-    parameters: int = Field(ge=0, description="Weights of the stages in logical (unpacked) count.")
-    shared_tensors: list[str] = Field(description="Target tensors the stages use (embedding, lm_head).")
+        None, description="How its weights are quantized, checked tensor by tensor.")
+    tensors: int = Field(gt=0, description="Tensors checked (scales included).")
+    parameters: int = Field(ge=0, description="Weights in logical (unpacked) count.")
+    shared_tensors: list[str] = Field(description="Target tensors it uses (embedding, lm_head).")
     resolved_from: dict[str, str] = Field(description="Where each binding was read: a config key or a source's rule.")
 
 
 Drafter = Annotated[Union[Eagle3Drafter, NgramDrafter, MtpDrafter, DraftModelDrafter, BlockDrafter,
-                          DSparkStagesDrafter], Field(discriminator="kind")]
+                          ReleaseDSparkDrafter], Field(discriminator="kind")]
 
 
 class MemoryInfo(_Strict):
@@ -447,7 +455,7 @@ def default_draft_len(manifest: Manifest) -> int:
     length = getattr(drafter, "draft_len", None) or 4
     if drafter.kind == "block":  # a block drafts its trained slots in one forward
         return drafter.draft_slots
-    if drafter.kind == "dspark_stages":
+    if drafter.kind == "release_dspark":
         return drafter.block_size
     if drafter.kind == "mtp" and not drafter.allow_layer_reuse:
         length = min(length, drafter.num_layers)
@@ -466,8 +474,8 @@ def check_draft_len(manifest: Manifest, draft_len: int) -> None:
         raise InputError(f"{draft_len} draft tokens asked for, but this {d.algorithm} drafter's block of "
                          f"{d.block_size} ({d.query_layout}) has {d.draft_slots} trained draft slots",
                          hint=f"use --draft-len {d.draft_slots} (or fewer)")
-    if d.kind == "dspark_stages" and draft_len != d.block_size:
-        raise InputError(f"{draft_len} draft tokens asked for, but the DSpark stages draft one block of "
+    if d.kind == "release_dspark" and draft_len != d.block_size:
+        raise InputError(f"{draft_len} draft tokens asked for, but this DSpark drafter drafts one block of "
                          f"{d.block_size} (dspark_block_size); engines run them at that length",
                          hint=f"use --draft-len {d.block_size}")
     if d.kind == "mtp" and draft_len > d.num_layers and not d.allow_layer_reuse:

@@ -1,5 +1,5 @@
 """DSpark stages inside a DeepSeek-V4 / V4-Pro release's own weights (shared/RELEASES.md layout B,
-DeepSeek-V4-Flash-DSpark) -> drafter kind `dspark_stages`, bound where they are: nothing is copied.
+DeepSeek-V4-Flash-DSpark), bound where they are: nothing is copied.
 
     convert_in_target(target) -> ConvertedDrafter    # `--drafter dspark-stages` (what `bundled` binds)
     problems(target)          -> every defect, or []  # the same check, for `inspect`
@@ -17,9 +17,11 @@ names and weight loading matching the DSpark checkpoint"):
   target's own fp8-block form (families/quant.py), so the same check applies;
 - the stage count is `inference/config.json` `n_mtp_layers`, else the index's `mtp.{k}.` prefixes
   (`_read_dspark_num_layers`); the legacy `num_nextn_predict_layers: 1` is not it;
-- dspark_block_size and dspark_noise_token_id are required; dspark_markov_rank defaults to 256;
-  main_proj reads the target's hidden states at dspark_target_layer_ids, each the output of layer i
-  (the public DeepSeek-V4 DSpark ports record `h` after layers [40, 41, 42] of 43).
+- dspark_block_size and dspark_noise_token_id are required; dspark_markov_rank defaults to 256; the
+  stages keep a rolling window of the target's sliding_window; every block row attends the window and
+  the whole block (`_build_dspark_topk_idxs`); main_proj reads the target's hidden states at
+  dspark_target_layer_ids, each the output of layer i (the public DeepSeek-V4 DSpark ports record `h`
+  after layers [40, 41, 42] of 43).
 embed.weight and head.weight are the target's (`attach_target_modules`).
 """
 
@@ -31,19 +33,20 @@ from dataclasses import replace
 from pathlib import Path
 
 from specpack.converters.base import ConvertedDrafter
-from specpack.converters.target_hf import Target, _dtype_bytes, _numel, quantization_entry
+from specpack.converters.release_dspark.common import entry, markers
+from specpack.converters.target_hf import Target, read_json
 from specpack.errors import InputError, UnsupportedError
 from specpack.families import quant
 from specpack.families.base import Layer, Tensor, linear, vector
-from specpack.schemas import BlockConfidence, BlockMarkov, DSparkStagesDrafter
 
-KIND = "dspark_stages"
 SPEC = "dspark-stages"  # the `--drafter` value that binds a release's own DSpark stages
 LAYOUT = "deepseek-v4-dspark"
 SOURCE = "vLLM models/deepseek_v4/dspark.py"
 STAGE = re.compile(r"^mtp\.(\d+)\.")
 DEFAULT_RANK = 256  # DSparkMarkovHead: getattr(config, "dspark_markov_rank", 256)
 STAGE_LAYER = Layer("sliding", "moe")
+DECODER = ("DeepSeek-V4 decoder layers: sliding-window attention over one shared K=V head with a grouped low-rank "
+           "output, hyper-connections, top-k MoE with one shared expert")
 
 
 def convert_in_target(target: Target) -> ConvertedDrafter:
@@ -53,20 +56,13 @@ def convert_in_target(target: Target) -> ConvertedDrafter:
         raise InputError(f"the DSpark stages in '{target.root}' cannot be bound ({len(problems)} problems)",
                          problems=problems, hint="the stages, their dspark_* keys and the target must come from "
                                                  "the same DeepSeek-V4 DSpark release")
-    arch, found = target.checked.arch, _found(target)
-    tensors = plan["tensors"]
-    q = target.checked.quant
-    names = {n for name, t in tensors.items() for n in quant.stored_names(name, t, q) if n in found}
-    stage_bytes = sum(found[n].numel * _dtype_bytes(found[n].dtype) for n in names)
-    entry = DSparkStagesDrafter(
-        source_layout=LAYOUT, source=target.info.source, stages=plan["stages"], stages_from=plan["stages_from"],
-        stage_layer=f"{STAGE_LAYER.attention}+{STAGE_LAYER.mlp}", block_size=plan["block_size"], noise_token_id=plan["noise_token_id"],
-        target_layer_ids=plan["ids"], target_layer_convention="output_of_layer",
-        markov=BlockMarkov(rank=plan["rank"], type="vanilla"), confidence=BlockConfidence(with_markov=True),
-        quantization=quantization_entry(q, plan["counts"]), tensors=len(names),
-        parameters=sum(_numel(t.shape) for t in tensors.values()), shared_tensors=[arch.embed, arch.lm_head or arch.embed],
-        resolved_from=plan["resolved_from"])
-    return ConvertedDrafter(entry=entry, extra_weight_bytes=stage_bytes)
+    arch = target.checked.arch
+    drafter, extra = entry(
+        target, _found(target), plan["tensors"], target.checked.quant, plan["counts"], plan,
+        source_layout=LAYOUT, source=target.info.source, location="target", decoder=DECODER, layers=plan["stages"],
+        layers_from=plan["stages_from"], layer_kind=f"{STAGE_LAYER.attention}+{STAGE_LAYER.mlp}",
+        sliding_window=arch.layers[0].window, query_causal=False)
+    return ConvertedDrafter(entry=drafter, extra_weight_bytes=extra)
 
 
 def problems(target: Target) -> list[str]:
@@ -86,15 +82,22 @@ def _plan(target: Target) -> tuple[dict, list[str]]:
                                f"this target is {family}", hint="pass the drafter's directory, 'mtp' or 'ngram'")
     arch, found = checked.arch, _found(target)
     text = _text(target.root)
-    out, bad = _markers(text, arch)
-    out["stages"], out["stages_from"], stage_bad = _stages(target.root, found)
+    plan, bad = markers(text, target, "config.json", f"vLLM's DSpark draft ({SOURCE})")
+    rank = text.get("dspark_markov_rank")
+    plan.update(rank=rank or DEFAULT_RANK, confidence=True, confidence_with_markov=True)
+    plan["resolved_from"].update(
+        markov_rank="config.json dspark_markov_rank" if rank else f"{SOURCE} default {DEFAULT_RANK}",
+        target_layer_convention="output of layer i: the DeepSeek-V4 DSpark ports record h after each id",
+        query_causal=f"{SOURCE} _build_dspark_topk_idxs: every block row attends the window and the whole block",
+        sliding_window="the target's sliding_window (the stages' rolling KV window)")
+    plan["stages"], plan["stages_from"], stage_bad = _stages(target.root, found)
+    plan["resolved_from"]["layers"] = plan["stages_from"]
     bad += stage_bad
-    out["resolved_from"]["stages"] = out["stages_from"]
     if bad:
-        return out, bad
-    out["tensors"] = expected(arch, found, out["stages"], len(out["ids"]), out["rank"])
-    tensor_bad, out["counts"] = quant.check_all(out["tensors"], found, checked.quant)
-    return out, bad + tensor_bad
+        return plan, bad
+    plan["tensors"] = expected(arch, found, plan["stages"], len(plan["ids"]), plan["rank"])
+    tensor_bad, plan["counts"] = quant.check_all(plan["tensors"], found, checked.quant)
+    return plan, bad + tensor_bad
 
 
 def expected(arch, found: dict, stages: int, features: int, rank: int) -> dict[str, Tensor]:
@@ -119,38 +122,6 @@ def expected(arch, found: dict, stages: int, features: int, rank: int) -> dict[s
     return out
 
 
-def _markers(text: dict, arch) -> tuple[dict, list[str]]:
-    """dspark_block_size, dspark_noise_token_id, dspark_target_layer_ids and dspark_markov_rank, each
-    checked against the target (config.json's types are checked before: families/fields.py)."""
-    bad, resolved = [], {}
-    block, noise, ids = (text.get(k) for k in ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids"))
-    rank = text.get("dspark_markov_rank")
-    for key, value in (("dspark_block_size", block), ("dspark_noise_token_id", noise), ("dspark_target_layer_ids", ids)):
-        if value is None:
-            bad.append(f"config.json states no {key}: vLLM's DSpark draft requires it ({SOURCE})")
-        else:
-            resolved[key.removeprefix("dspark_")] = f"config.json {key}"
-    if isinstance(noise, int) and noise >= arch.vocab_size:
-        bad.append(f"dspark_noise_token_id {noise} is outside the target's vocabulary (0..{arch.vocab_size - 1})")
-    if ids is not None:
-        bad += _id_problems(ids, arch.num_layers)
-    resolved["markov_rank"] = "config.json dspark_markov_rank" if rank else f"{SOURCE} default {DEFAULT_RANK}"
-    resolved["target_layer_convention"] = "output of layer i: the DeepSeek-V4 DSpark ports record h after each id"
-    resolved["query_block"] = f"{SOURCE} forward_embed: [last token, noise x (block - 1)], one block a step"
-    return {"block_size": block, "noise_token_id": noise, "ids": list(ids or []), "rank": rank or DEFAULT_RANK,
-            "resolved_from": resolved}, bad
-
-
-def _id_problems(ids: list[int], layers: int) -> list[str]:
-    bad = [f"dspark_target_layer_ids[{i}] = {v}: not a target layer (0..{layers - 1}, output of layer i)"
-           for i, v in enumerate(ids[:64]) if not 0 <= v < layers]
-    if not ids:
-        bad.append("dspark_target_layer_ids is empty: main_proj reads at least one target layer")
-    elif len(set(ids)) != len(ids):
-        bad.append(f"dspark_target_layer_ids {ids[:16]} names a layer twice")
-    return bad
-
-
 def _stages(root: Path, found: dict) -> tuple[int, str, list[str]]:
     """The stage count as vLLM takes it, and the held stages that contradict it."""
     held = sorted({int(m.group(1)) for n in found if (m := STAGE.match(n)) and len(m.group(1)) <= 6})
@@ -160,8 +131,8 @@ def _stages(root: Path, found: dict) -> tuple[int, str, list[str]]:
             return 0, "none", ["the weights hold no mtp.{k}. tensor: the config declares DSpark stages the release "
                                "does not ship (a re-upload that dropped them?)"]
         return held[-1] + 1, "the weights' mtp.{k}. prefixes", []
-    extra = [k for k in held if k >= stated]
-    bad = [f"{where} states {stated} stages, but the weights hold mtp.{k}.* (vLLM would load {stated})" for k in extra]
+    bad = [f"{where} states {stated} stages, but the weights hold mtp.{k}.* (vLLM would load {stated})"
+           for k in held if k >= stated]
     return stated, where, bad
 
 
@@ -183,12 +154,9 @@ def _inference_count(root: Path) -> tuple[int | None, str]:
 
 
 def _text(root: Path) -> dict:
-    from specpack.converters.target_hf import read_json
-
     config = read_json(root / "config.json", "target config")
     return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
 def _found(target: Target) -> dict:
     return {name: meta for name, (_, meta) in target.tensors.items()}
-

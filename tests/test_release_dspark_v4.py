@@ -32,8 +32,9 @@ def _copy(release, tmp_path):
 def test_bundled_binds_the_stages_in_place_with_every_fact_stated(release, artifact):
     m = json.loads((artifact / "specpack.json").read_text())
     d = m["drafter"]
-    assert d["kind"] == "dspark_stages" and d["source_layout"] == "deepseek-v4-dspark" and d["location"] == "target"
-    assert (d["stages"], d["stages_from"], d["stage_layer"]) == (3, "inference/config.json n_mtp_layers", "sliding+moe")
+    assert d["kind"] == "release_dspark" and d["source_layout"] == "deepseek-v4-dspark" and d["location"] == "target"
+    assert (d["layers"], d["layers_from"], d["layer_kind"]) == (3, "inference/config.json n_mtp_layers", "sliding+moe")
+    assert (d["sliding_window"], d["query_causal"], d["files"]) == (8, False, [])  # the fixture's sliding_window
     assert (d["block_size"], d["noise_token_id"], d["target_layer_ids"]) == (5, 7, [1, 2, 3])
     assert d["target_layer_convention"] == "output_of_layer" and d["markov"] == {"rank": 8, "type": "vanilla"}
     assert d["shared_tensors"] == ["embed.weight", "head.weight"] and "quantization" not in d
@@ -54,17 +55,18 @@ def test_the_artifact_holds_no_byte_twice(release, artifact):
 def test_verify_and_inspect_state_the_stages(release, artifact, cli):
     assert cli("verify", artifact)[0] == 0
     code, out, _ = cli("inspect", artifact)
-    assert code == 0 and "3 under mtp.{k}." in out and "5 draft tokens, noise token 7" in out, out
+    assert code == 0 and "3 sliding+moe in the target's own weight files" in out, out
+    assert "5 draft tokens, noise token 7, non-causal within the block" in out
     assert "[1, 2, 3] (output_of_layer)" in out and "markov rank 8" in out
     code, out, _ = cli("inspect", release, "--json")
     shown = json.loads(out)
     assert code == 0 and shown["drafter_bundled"] == "dspark-stages", out
-    assert [(b["layout"], b["kind"]) for b in shown["bundled"]] == [("B", "dspark_stages")]
+    assert [(b["layout"], b["kind"]) for b in shown["bundled"]] == [("B", "release_dspark")]
 
 
 def test_the_card_states_the_stages(artifact):
     card = (artifact / "README.md").read_text()
-    assert "## Drafter: DSpark stages in the target" in card and "deepseek-v4-dspark" in card
+    assert "## Drafter: DSpark, as the release ships it (`deepseek-v4-dspark`)" in card
 
 
 def test_vllm_reads_the_stages_from_the_target(artifact, tmp_path, cli):
@@ -84,7 +86,7 @@ def test_sglang_follows_its_bundled_rule(artifact, tmp_path, cli):
 
 def test_tensorrt_llm_is_refused_saying_why(artifact, tmp_path, cli):
     code, _, err = cli("export", artifact, "--to", "trtllm", "-o", tmp_path / "t")
-    assert code != 0 and "no DeepSeek-V4 DSpark draft" in err and not (tmp_path / "t").exists(), err
+    assert code != 0 and "no deepseek-v4-dspark draft" in err and not (tmp_path / "t").exists(), err
 
 
 def test_a_draft_length_other_than_the_block_is_refused(artifact, tmp_path, cli):
@@ -102,7 +104,7 @@ def test_the_fp8_release_form_binds_its_scaled_stages(tmp_path):
     experts with their `.scale`, the Markov and confidence heads float."""
     r = ff.deepseek_v4_fp8(ff.deepseek_v4_dspark(ff.make("deepseek_v4", tmp_path / "t")))
     d = ff.build_ngram(r, tmp_path / "art", drafter="bundled").drafter
-    assert d.kind == "dspark_stages" and d.quantization.scheme == "fp8-block" and d.quantization.expert_dtype == "fp4"
+    assert d.kind == "release_dspark" and d.quantization.scheme == "fp8-block" and d.quantization.expert_dtype == "fp4"
     assert d.quantization.quantized_linear > 0
 
 
@@ -110,7 +112,7 @@ def test_the_stage_count_comes_from_the_index_without_inference_config(tmp_path)
     """DeepSeek-V4-Pro-DSpark as a variant: other layer ids, two stages, no inference/ folder."""
     r = ff.deepseek_v4_dspark(ff.make("deepseek_v4", tmp_path / "pro"), stages=2, ids=(0, 3), inference=False)
     d = ff.build_ngram(r, tmp_path / "art", drafter="bundled").drafter
-    assert (d.stages, d.stages_from, d.target_layer_ids) == (2, "the weights' mtp.{k}. prefixes", [0, 3])
+    assert (d.layers, d.layers_from, d.target_layer_ids) == (2, "the weights' mtp.{k}. prefixes", [0, 3])
 
 
 def test_deepseek_v41_is_refused_naming_what_is_unsourced(tmp_path, cli):
