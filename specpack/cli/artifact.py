@@ -14,8 +14,9 @@ from specpack.cli._common import JSON, PUBKEY, cli
 @click.argument("target", type=click.Path(path_type=Path))
 @click.option("--drafter", required=True,
               help="Drafter: a directory (EAGLE-3 official/SGLang/ModelOpt/vLLM speculators head, DFlash/DSpark/"
-                   "LiLiCorr block drafter, MTP head, or a draft model), 'mtp' (the target's own MTP layers), "
-                   "'bundled' (the one drafter the release ships: MTP in its weights or a subfolder such as "
+                   "LiLiCorr block drafter, MTP head, MiniMax-M3.1's dspark/, or a draft model), 'mtp' (the "
+                   "target's own MTP layers), 'dspark-stages' (DeepSeek-V4's own DSpark stages), 'bundled' (the "
+                   "one drafter the release ships: MTP or DSpark stages in its weights, or a subfolder such as "
                    "dspark/; `specpack inspect TARGET` lists them) or 'ngram'.")
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
 @click.option("--key", type=click.Path(path_type=Path), envvar="SPECPACK_SIGNING_KEY",
@@ -62,6 +63,7 @@ def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block
       specpack build ./target --drafter ./eagle3-head -o my-artifact --key signer.pem
       specpack build ./target --drafter ngram --ngram-max 3 --draft-len 6 -o my-artifact
       specpack build ./release --drafter bundled -o my-artifact   # the drafter the release ships
+      specpack build ./DeepSeek-V4-Flash-DSpark --drafter bundled -o v4-dspark   # its mtp.* stages, in place
       specpack build ./deepseek-v3 --drafter mtp -o deepseek-mtp --key signer.pem
       specpack build ./qwen3-8b --drafter ./dspark-head --block-layout anchor_first -o qwen3-dspark
     """

@@ -56,7 +56,7 @@ def find(root: Path, target=None) -> list[Bundled]:
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     stages = _release_stages(root, config, text, target)
     found = [stages] if stages else [m for m in [_mtp(root, config, text)] if m]
-    return found + _subfolders(root)
+    return found + _subfolders(root, target)
 
 
 def choose(root: Path, found: list[Bundled] | None = None, target=None) -> str:
@@ -108,9 +108,7 @@ def _stages_why_not(root: Path, held: list[int], target) -> str | None:
         problems = release_dspark.problems(target or target_hf.load(root))
     except (InputError, UnsupportedError) as exc:
         return f"the target does not build: {exc.message}"
-    if not problems:
-        return None
-    return f"{len(problems)} problem(s): " + "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "")
+    return _summary(f"{len(problems)} problem(s)", problems) if problems else None
 
 
 def _short(value) -> str:
@@ -143,8 +141,9 @@ def _mtp(root: Path, config: dict, text: dict) -> Bundled | None:
     return Bundled("mtp", "A", "target weights", detail, "mtp")
 
 
-def _subfolders(root: Path) -> list[Bundled]:
-    """Drafters in an immediate subfolder of the release (config.json + weights in a known layout)."""
+def _subfolders(root: Path, target=None) -> list[Bundled]:
+    """Drafters in an immediate subfolder of the release (config.json + weights in a known layout); a
+    release DSpark folder is checked as `build` checks it (headers only), so what is listed as bound binds."""
     from specpack.converters import detect_drafter
     from specpack.converters.block.common import has_weights
 
@@ -158,8 +157,25 @@ def _subfolders(root: Path) -> list[Bundled]:
             out.append(Bundled("unknown", "C", f"{sub.name}/", "a config.json that is no drafter layout specpack "
                                "reads", None, exc.message))
             continue
-        out.append(Bundled(family, "C", f"{sub.name}/", f"{family} drafter, {layout} layout", str(sub)))
+        why = _release_why_not(root, sub, target) if family == release_dspark.KIND else None
+        out.append(Bundled(family, "C", f"{sub.name}/", f"{family} drafter, {layout} layout", None if why else str(sub),
+                           why))
     return out
+
+
+def _release_why_not(root: Path, sub: Path, target) -> str | None:
+    """Why `build --drafter SUB` refuses a release DSpark folder, or None when it binds it."""
+    from specpack.converters import target_hf
+
+    try:
+        release_dspark.convert(sub, target or target_hf.load(root))
+    except (InputError, UnsupportedError) as exc:
+        return _summary(exc.message, exc.problems)
+    return None
+
+
+def _summary(message: str, problems: list[str]) -> str:
+    return message + (": " + "; ".join(problems[:3]) + ("; ..." if len(problems) > 3 else "") if problems else "")
 
 
 def subfolder_of(target_root: Path, drafter: str) -> str | None:

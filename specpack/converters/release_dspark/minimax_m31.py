@@ -72,7 +72,7 @@ def convert(path: Path, target: Target) -> ConvertedDrafter:
     found = {n: meta for n, (_, meta) in tensors.items()}
     q = _scheme(config, path)
     bind, bad = _bindings(text, target)
-    if not bad:
+    if "rank" in bind:  # the sizes are there: check every tensor too, whatever else is wrong
         expected = _expected(text, target, bind)
         tensor_bad, counts = quant.check_all(expected, found, q)
         bad += tensor_bad + _unclaimed(expected, found, q)
@@ -111,10 +111,10 @@ def _bindings(text: dict, target: Target) -> tuple[dict, list[str]]:
     """Every key the drafter is read for, checked against the released schema and the target."""
     bind, bad = markers(text, target, "dspark/config.json text_config", f"the {ARCHITECTURE} loaders")
     t = target.info
-    bad += [f"dspark/config.json text_config.{k} is missing or not a positive integer" for k in SIZES
-            if not (isinstance(text.get(k), int) and not isinstance(text.get(k), bool) and text[k] > 0)]
-    if bad:
-        return bind, bad
+    missing = [f"dspark/config.json text_config.{k} is missing or not a positive integer" for k in SIZES
+               if not (isinstance(text.get(k), int) and not isinstance(text.get(k), bool) and text[k] > 0)]
+    if missing:
+        return bind, bad + missing
     bad += [f"text_config.{k} = {text[k]} but the target's is {v}" for k, v in
             (("hidden_size", t.hidden_size), ("vocab_size", t.vocab_size)) if text[k] != v]
     bad += [f"text_config.{k} = {text.get(k)!r}: {why} ({VALIDATOR} expects {want!r})"
@@ -160,7 +160,8 @@ def _expected(text: dict, target: Target, bind: dict) -> dict[str, Tensor]:
     q, kv = text["num_attention_heads"] * text["head_dim"], text["num_key_value_heads"] * text["head_dim"]
     ffn = text.get("dspark_ffn_hidden_size", text.get("dense_intermediate_size"))
     p = PREFIX
-    out = {p + "fc.weight": linear(H, H * len(bind["ids"])), p + "hidden_norm.weight": vector(H),
+    # fc stays BF16 in the release (the validator; rtp-llm loads it with disable_quantization)
+    out = {p + "fc.weight": Tensor((H, H * len(bind["ids"]))), p + "hidden_norm.weight": vector(H),
            p + "final_norm.weight": vector(H), p + "markov_head.markov_w1.weight": Tensor((V, r)),
            p + "markov_head.markov_w2.weight": Tensor((V, r))}
     if bind["confidence"]:
