@@ -33,6 +33,22 @@ JOURNAL = "journal.json"
 DONE = "done"
 
 
+def umask_mode(base: int = 0o666) -> int:
+    """`base` as the process umask leaves it: the mode any new file (0o666) or directory (0o777) gets."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return base & ~umask
+
+
+def save_safetensors(tensors: dict, path: Path, metadata: dict | None = None) -> None:
+    """safetensors' `save_file`, with the mode the umask gives any other file (save_file writes 0600, which a
+    service account or a container running as another user cannot read)."""
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(path), metadata=metadata)
+    Path(path).chmod(umask_mode())
+
+
 def pid_alive(pid: int) -> bool:
     """Whether process `pid` exists on this machine (one we may not signal counts as alive)."""
     if pid <= 0:
@@ -120,9 +136,7 @@ def staging_dir(out: Path, force: bool = False):
         raise OutputError(f"cannot write to '{parent}': {exc.strerror}",
                           hint="choose a writable location") from None
     try:
-        umask = os.umask(0)
-        os.umask(umask)
-        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary directory
+        tmp.chmod(umask_mode(0o777))  # mkdtemp makes it private; the result is an ordinary directory
         yield tmp
         _replace(tmp, out)
     except OSError as exc:

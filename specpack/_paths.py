@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path, PurePosixPath
 
 from specpack.errors import InputError
@@ -61,3 +62,24 @@ def walk_files(root: Path) -> list[str]:
         raise InputError(f"{root}: unsafe entries", problems=problems,
                          hint="replace links that leave the directory with the files themselves")
     return files
+
+
+def others_can_write(paths) -> list[str]:
+    """Each of `paths` (and every directory above it, up to /) that someone other than this user or root
+    owns or may write: a file there could be swapped for another between a check and its use, as
+    sshd's StrictModes refuses. A sticky directory owned by this user or root (/tmp) only lets each
+    user replace their own entries, so it passes."""
+    me, seen, problems = os.geteuid(), set(), []
+    for path in paths:
+        for p in [Path(path), *Path(path).parents]:
+            if p in seen:
+                continue
+            seen.add(p)
+            st = os.stat(p)
+            sticky = stat.S_ISDIR(st.st_mode) and st.st_mode & stat.S_ISVTX
+            if st.st_uid not in (me, 0):
+                problems.append(f"{p}: owned by uid {st.st_uid}, not this user ({me}) or root")
+            elif st.st_mode & 0o022 and not sticky:
+                who = " and ".join(w for w, bit in (("its group", 0o020), ("everyone", 0o002)) if st.st_mode & bit)
+                problems.append(f"{p}: writable by {who} (mode {stat.S_IMODE(st.st_mode):o})")
+    return problems

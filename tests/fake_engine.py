@@ -1,7 +1,8 @@
 """A stand-in for an engine's OpenAI server (vLLM's api_server module, SGLang's launch_server,
 trtllm-serve): it records how it was started (its argv as the process sees it, the command line `ps`
 shows, the environment's key variables) into $FAKE_ENGINE_RECORD, optionally changes a file first
-($FAKE_ENGINE_TAMPER: a change between specpack's verify and the engine's load), answers /health on
+($FAKE_ENGINE_TAMPER: a change between specpack's verify and the engine's load; $FAKE_ENGINE_SWAP: a file
+changed while the engine loads it and put back), answers /health on
 its --host/--port for $FAKE_ENGINE_SERVE_S seconds and exits 0; on SIGTERM it records that it was
 stopped."""
 
@@ -37,6 +38,15 @@ def main() -> None:
     if os.environ.get("FAKE_ENGINE_TAMPER"):
         with open(os.environ["FAKE_ENGINE_TAMPER"], "ab") as f:
             f.write(b" ")
+    if os.environ.get("FAKE_ENGINE_SWAP"):  # another user's swap: changed while "loaded", then put back
+        path = os.environ["FAKE_ENGINE_SWAP"]
+        with open(path, "rb") as f:
+            original = f.read()
+        with open(path, "wb") as f:
+            f.write(original + b" swapped")
+        _record({"loaded_swapped": True})
+        with open(path, "wb") as f:
+            f.write(original)
 
     def stopped(signum, frame):
         _record({"stopped": "SIGTERM"})

@@ -151,3 +151,58 @@ def test_an_unchanged_artifact_passes_the_recheck(artifact, fake):
     engines.recheck(engines.prepare(artifact, "vllm", port=_port()))
     with pytest.raises(UnsupportedError):
         engines.prepare(artifact, "trtllm", api_key=KEY)
+
+
+@pytest.mark.parametrize("extra, option", [
+    (("--host", "0.0.0.0"), "--host: set by specpack; use --host"),
+    (("--api-key", KEY), "--api-key: set by specpack; use --api-key (or SPECPACK_API_KEY)"),
+    ((f"--api_key={KEY}",), "--api-key: set by specpack"),
+    (("--served-model-name", "other"), "use --model-name"),
+    (("--model", "/somewhere/else"), "use the ARTIFACT argument"),
+    (("--speculative-config", "{}"), "use the artifact's drafter"),
+])
+def test_engine_flags_specpack_sets_are_refused_after_the_separator(artifact, fake, cli, extra, option):
+    """`-- --host 0.0.0.0` would listen everywhere with no key and no warning; `-- --api-key K` would put
+    the key on the engine's command line and in specpack's `starting:` line (issue 63 item 5)."""
+    code, out, err = _serve(cli, artifact, "vllm", "--host", "127.0.0.1", "--", *extra)
+    assert code == 2 and option in err and KEY not in out + err and "Traceback" not in err, err
+    assert not fake.exists(), "the engine was started"
+
+
+def test_other_engine_flags_pass_through(artifact, fake, cli):
+    code, _, err = _serve(cli, artifact, "vllm", "--", "--max-model-len", "512")
+    assert code == 0, err
+    assert json.loads(fake.read_text())["argv"][-2:] == ["--max-model-len", "512"]
+
+
+def test_a_swap_put_back_after_the_load_passes_the_recheck_so_others_must_not_be_able_to_write(
+        artifact, fake, cli, tmp_path, monkeypatch):
+    """The hole (issue 63 item 1): a weight changed while the engine loads it and put back afterwards passes
+    the re-hash. Only someone who can write the files can do that, so an artifact anyone else could write
+    (a group-writable file or directory, up to /) is refused before the engine starts (StrictModes)."""
+    import shutil
+
+    art = shutil.copytree(artifact, tmp_path / "shared" / "art")
+    monkeypatch.setenv("FAKE_ENGINE_SWAP", str(art / "model.safetensors"))
+    (art / "model.safetensors").chmod(0o664)
+    code, _, err = _serve(cli, art, "vllm")
+    assert code == 3 and "could be changed by another user" in err and "model.safetensors: writable by its group" in err
+    assert not fake.exists(), "the engine was started"
+    (art / "model.safetensors").chmod(0o644)
+    (tmp_path / "shared").chmod(0o777)
+    code, _, err = _serve(cli, art, "vllm")
+    assert code == 3 and "shared: writable by its group and everyone" in err and not fake.exists(), err
+    (tmp_path / "shared").chmod(0o755)
+    code, _, err = _serve(cli, art, "vllm")  # yours alone: it starts (a swap by you is yours to make)
+    assert code == 0 and json.loads(fake.read_text())["loaded_swapped"], err
+
+
+def test_a_file_owned_by_another_user_is_refused(artifact, fake, cli, tmp_path):
+    import shutil
+
+    if os.geteuid() != 0:
+        pytest.skip("changing a file's owner needs root")
+    art = shutil.copytree(artifact, tmp_path / "art")
+    os.chown(art / "config.json", 4242, -1)
+    code, _, err = _serve(cli, art, "vllm")
+    assert code == 3 and "config.json: owned by uid 4242" in err and not fake.exists(), err

@@ -19,3 +19,8 @@ def test_a_huge_problem_is_cut_short():
     err = InputError("bad", problems=["x" * 10**6])
     assert len(str(err)) < MAX_PROBLEM_CHARS + 100 and "(1000000 chars)" in str(err)
     assert len(json.dumps(err.to_dict())) < MAX_PROBLEM_CHARS + 200
+
+
+def test_import_gguf_on_a_missing_file_says_what_to_pass(tmp_path, cli):
+    code, _, err = cli("import-gguf", tmp_path / "nope.gguf", "-o", tmp_path / "out")
+    assert code == 2 and "does not exist" in err and "hint: pass a .gguf file" in err and not (tmp_path / "out").exists()

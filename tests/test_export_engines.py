@@ -353,3 +353,21 @@ def test_cli_export_with_a_profile(artifact, tmp_path, cli):
     assert json.loads(out)["config"]["speculative_config"]["draft_len_schedule"] == {"8": 3}
     code, out, err = cli("export", art, "--to", "vllm", "-o", tmp_path / "v", "--profile", "nope")
     assert code == 2 and "error: the artifact has no profile named 'nope'" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("tp", [2, 3, 4, 8])
+def test_a_tensor_parallel_size_that_does_not_split_the_target_is_refused(tmp_path, tiny_target, cli, tp):
+    """SmolLM2 (9 heads, 3 KV heads) exported with --tensor-parallel-size 4 is refused by vLLM at start;
+    the export refuses it first and names the sizes that work (issue 63 item 7)."""
+    from specpack.packager import read_manifest
+
+    art = tmp_path / "art"
+    assert cli("build", tiny_target, "--drafter", "ngram", "-o", art)[0] == 0
+    t = read_manifest(art).target
+    code, _, err = cli("export", art, "--to", "vllm", "--tp", tp, "-o", tmp_path / "v")
+    splits = t.num_attention_heads % tp == 0 and t.intermediate_size % tp == 0 and \
+        (t.num_key_value_heads % tp == 0 or tp % t.num_key_value_heads == 0)
+    assert (code == 0) == splits, err
+    assert not (splits and tp == 3)  # the tiny target's 4 heads never split three ways
+    if not splits:
+        assert code == 2 and f"--tp {tp} does not split this target" in err and "valid tensor-parallel sizes: 1" in err

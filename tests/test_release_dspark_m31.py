@@ -160,3 +160,19 @@ def test_a_deepseek_target_is_not_a_minimax_draft_target(tmp_path, release, cli)
     t = ff.make("deepseek_v4", tmp_path / "v4")
     code, _, err = cli("build", t, "--drafter", str(release / "dspark"), "-o", tmp_path / "art")
     assert code == 2 and "MiniMax-M3.1's DSpark draft" in err, err
+
+
+def test_a_dspark_link_out_of_the_release_is_not_bundled(release, tmp_path, cli):
+    """Its bytes come from outside the release: `bundled` refuses it, saying so; passed by path it binds,
+    and the manifest records the folder it came from, not the release (issue 63 item 4)."""
+    elsewhere = shutil.copytree(release / "dspark", tmp_path / "elsewhere-dspark")
+    r = shutil.copytree(release, tmp_path / "r", ignore=shutil.ignore_patterns("dspark"))
+    (r / "dspark").symlink_to(elsewhere, target_is_directory=True)
+    code, out, _ = cli("inspect", r, "--json")
+    shown = json.loads(out)
+    assert code == 0 and shown["drafter_bundled"] is None and "outside the release" in shown["bundled"][0]["detail"]
+    code, _, err = cli("build", r, "--drafter", "bundled", "-o", tmp_path / "art")
+    assert code != 0 and "resolves outside the release" in err and not (tmp_path / "art").exists(), err
+    assert cli("build", r, "--drafter", r / "dspark", "-o", tmp_path / "by-path")[0] == 0
+    source = _manifest(tmp_path / "by-path")["drafter"]["source"]
+    assert source["path"] == "elsewhere-dspark" and "subfolder" not in source

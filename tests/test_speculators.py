@@ -127,3 +127,38 @@ def test_unsupported_heads_and_bad_tensors_listed_together(tmp_path, tiny_target
     _fails(cli, tmp_path, tiny_target, "--drafter", src,
            text=["unsupported: transformer_layer_config.model_type 'qwen3'", "unsupported: 2 decoder layers",
                  "missing tensor 'norm.weight'"])
+
+
+# what a head states about its target is type-checked and compared exactly (issue 63 item 2)
+MADE_FOR = [
+    ({"architectures": "XXLlamaForCausalLMXX"}, "verifier.architectures = XXLlamaForCausalLMXX: not a list"),
+    ({"architectures": 5}, "verifier.architectures = 5: not a list of architecture names"),
+    ({"architectures": ["XXLlamaForCausalLMXX"]}, "verifier.architectures = ['XXLlamaForCausalLMXX'], this target's"),
+    ({"architectures": ["LlamaForCausalLM"], "name_or_path": 7}, "verifier.name_or_path = 7: not a string"),
+]
+
+
+@pytest.mark.parametrize("verifier, text", MADE_FOR, ids=["substring", "number", "another name", "name a number"])
+def test_a_verifier_of_the_wrong_type_or_name_is_refused(tmp_path, tiny_target, tiny_cfg, head, cli, verifier, text):
+    src = write_speculators(tmp_path / "spec", head, tiny_cfg, verifier=verifier)
+    _fails(cli, tmp_path, tiny_target, "--drafter", src, text=[text])
+
+
+def test_a_hub_name_the_target_cannot_confirm_is_recorded_unchecked(tmp_path, tiny_target, tiny_cfg, head, cli):
+    """A local target names no hub id: the verifier's name is stated as unchecked, never as matching."""
+    src = write_speculators(tmp_path / "spec", head, tiny_cfg,
+                            verifier={"name_or_path": "some-org/another-model", "architectures": ["LlamaForCausalLM"]})
+    assert cli("build", tiny_target, "--drafter", src, "-o", tmp_path / "art")[0] == 0
+    made_for = {m["stated_in"]: m.get("matches") for m in read_json(tmp_path / "art/specpack.json")["drafter"]["made_for"]}
+    assert made_for["speculators_config.verifier.name_or_path"] is None
+    assert "unchecked: the target states none" in cli("inspect", tmp_path / "art")[1]
+
+
+@pytest.mark.parametrize("value", ["6", 6.0, True, 0])
+def test_num_target_layers_of_the_wrong_type_is_refused(tmp_path, tiny_target, value, cli):
+    import block_layouts as bl
+
+    head = bl.write("zlab-dflash", tmp_path / "head", tiny_target)
+    bl.edit_config(head, update={"num_target_layers": value})
+    code, _, err = cli("build", tiny_target, "--drafter", head, "-o", tmp_path / "art")
+    assert code == 2 and "num_target_layers" in err and not (tmp_path / "art").exists(), err

@@ -79,9 +79,12 @@ def test_unsigned_artifact_with_key_is_refused(tmp_path, tiny_target, keypair, c
     assert code == 3 and "not signed" in err
 
 
-def test_not_an_artifact(tmp_path, cli):
-    code, _, err = cli("verify", tmp_path)
-    assert code == 3 and "not a specpack artifact" in err
+@pytest.mark.parametrize("command", [("verify",), ("inspect",), ("run", "--prompt", "hi")])
+def test_a_path_that_is_no_artifact_is_a_user_error_not_a_failed_verification(tmp_path, tiny_target, cli, command):
+    """Exit 3 means an artifact failed verification; a missing path or a plain model directory is exit 2."""
+    for path in (tmp_path / "missing", tiny_target if command[0] == "run" else tmp_path):
+        code, _, err = cli(command[0], path, *command[1:])
+        assert code == 2 and err.startswith("error: ") and "hint:" in err, err
 
 
 # ---- every file is listed: nothing rides along (issue 13, item 1) ----

@@ -80,4 +80,4 @@ def mismatch_problems(made_for: list, allowed: bool) -> list[str]:
         return []
     return [f"the drafter was made for another target: {m.stated_in} = {m.value!r}, this target's is {m.target!r} "
             f"(a drafter trained on another revision can collapse acceptance; {ALLOW_MISMATCH_FLAG} builds it "
-            "anyway, stated in the manifest)" for m in made_for if not m.matches]
+            "anyway, stated in the manifest)" for m in made_for if m.matches is False]

@@ -151,13 +151,19 @@ def _subfolders(root: Path, target=None) -> list[Bundled]:
     for sub in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
         if not (sub / "config.json").is_file() or not has_weights(sub):
             continue
+        if subfolder_of(root, str(sub)) is None:  # a link out of the release: its bytes are not the release's
+            out.append(Bundled("unknown", "C", f"{sub.name}/", f"a link to {sub.resolve()}, outside the release", None,
+                               "a subfolder that resolves outside the release is not bundled with it: pass that "
+                               "folder by path to bind it (the manifest then records it as its source)"))
+            continue
         try:
             family, layout = detect_drafter(str(sub))
         except InputError as exc:
             out.append(Bundled("unknown", "C", f"{sub.name}/", "a config.json that is no drafter layout specpack "
                                "reads", None, exc.message))
             continue
-        why = _release_why_not(root, sub, target) if family == release_dspark.KIND else None
+        why = _release_why_not(root, sub, target) if family == release_dspark.KIND else \
+            _copy_why_not(root, sub) if family == "draft_model" else None
         out.append(Bundled(family, "C", f"{sub.name}/", f"{family} drafter, {layout} layout", None if why else str(sub),
                            why))
     return out
@@ -171,6 +177,21 @@ def _release_why_not(root: Path, sub: Path, target) -> str | None:
         release_dspark.convert(sub, target or target_hf.load(root))
     except (InputError, UnsupportedError) as exc:
         return _summary(exc.message, exc.problems)
+    return None
+
+
+SAME_SIZES = ("hidden_size", "num_hidden_layers", "vocab_size")  # a draft model shares none of them all
+
+
+def _copy_why_not(root: Path, sub: Path) -> str | None:
+    """A draft model folder that is the target again (a release's `original/` copy), named as such."""
+    from specpack.converters.target_hf import read_config
+
+    mine, theirs = (read_config(p / "config.json", "config") for p in (root, sub))
+    mine, theirs = (c.get("text_config", c) if isinstance(c.get("text_config"), dict) else c for c in (mine, theirs))
+    if all(mine.get(k) == theirs.get(k) for k in SAME_SIZES):
+        return "a copy of the target (its architecture and sizes), not a drafter: releases ship the target again " \
+               "in original/ or another precision"
     return None
 
 

@@ -124,7 +124,7 @@ def convert_tensors(layout: str, config: dict, raw: dict, target: Target, aux: A
         converted.config["quantization_config"] = stated
     return replace(converted, entry=converted.entry.model_copy(update={
         "quantization": quantization_entry(q, checked.counts), "made_for": made_for,
-        "target_mismatch_allowed": any(not m.matches for m in made_for)}))
+        "target_mismatch_allowed": any(m.matches is False for m in made_for)}))
 
 
 def _tensor_names(path: Path) -> set[str]:

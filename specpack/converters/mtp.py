@@ -32,7 +32,7 @@ from pathlib import Path
 from specpack.converters.base import ConvertedDrafter
 from specpack.converters.safetensors_header import TORCH_NAMES, TensorMeta, read_header
 from specpack.converters.safetensors_header import data_start as _data_start
-from specpack.converters.target_hf import INDEX_NAME, Target, _dtype_bytes, read_config, read_json
+from specpack.converters.target_hf import INDEX_NAME, Target, _dtype_bytes, read_config, read_json, read_weight_map
 from specpack.errors import ConversionError, InputError, UnsupportedError
 from specpack.schemas import MtpDrafter, Source
 
@@ -372,7 +372,7 @@ def _read(src: _Source, mapping: dict) -> dict:
 def _head_files(path: Path) -> dict[str, Path]:
     """tensor name -> file, for a head directory (an index, else every *.safetensors in it)."""
     if (path / INDEX_NAME).is_file():
-        weight_map = read_json(path / INDEX_NAME, "weight index").get("weight_map") or {}
+        weight_map = read_weight_map(path)
         return {n: path / f for n, f in weight_map.items()}
     files = {}
     for file in sorted(path.glob("*.safetensors")):

@@ -82,19 +82,26 @@ def _unsupported(config: dict) -> list[str]:
 
 def verifier_statements(config: dict, target: Target) -> tuple[list[MadeFor], list[str]]:
     """What the head's `speculators_config.verifier` states about the target it was trained for, each
-    against this target (architecture; hub id when both name one: the target's hub source, else its
-    config's `_name_or_path`), and the problem of a head that states none."""
+    against this target (architectures: a list of names, compared exactly; hub id when it names one:
+    the target's hub source, else its config's `_name_or_path`, else unchecked), and the problems of a
+    head that states none or states them with the wrong types."""
     verifier = (config.get("speculators_config") or {}).get("verifier")
     if not isinstance(verifier, dict):
         return [], ["speculators_config.verifier is missing: nothing says which target the head was trained for"]
     where = "speculators_config.verifier."
-    archs = verifier.get("architectures") or []
+    archs, name = verifier.get("architectures"), verifier.get("name_or_path")
+    bad = [f"{where}architectures = {str(archs)[:80]}: not a list of architecture names"] \
+        if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)) else []
+    bad += [f"{where}name_or_path = {str(name)[:80]}: not a string"] if name is not None and not isinstance(name, str) \
+        else []
+    if bad:
+        return [], bad
     out = [MadeFor(stated_in=where + "architectures", value=archs, target=target.info.architecture,
                    matches=target.info.architecture in archs)]
-    name, mine = verifier.get("name_or_path"), _target_name(target)
-    if name and _HUB_ID.match(str(name)):
+    mine = _target_name(target)
+    if name and _HUB_ID.match(name):
         out.append(MadeFor(stated_in=where + "name_or_path", value=name, target=mine,
-                           matches=mine is None or str(name).lower() == mine.lower()))
+                           matches=None if mine is None else name.lower() == mine.lower()))
     return out, []
 
 

@@ -171,14 +171,23 @@ def _weight_files(root: Path, files: list[str]) -> list[str]:
                           "`save_pretrained(dir, safe_serialization=True)` first")
 
 
+def read_weight_map(root: Path) -> dict[str, str]:
+    """`root`'s safetensors index as tensor name -> shard file, checked: a JSON object of strings."""
+    weight_map = read_json(root / INDEX_NAME, "weight index").get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise InputError(f"{root / INDEX_NAME}: 'weight_map' is {'missing' if weight_map is None else 'not an object'}"
+                         f" ({str(weight_map)[:40]})", hint="the index is corrupt; restore the release's own")
+    bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
+    if bad:
+        raise InputError(f"{root / INDEX_NAME}: weight_map entries that name no file", problems=[
+            f"{k[:80]} -> {str(weight_map[k])[:40]}" for k in bad[:10]], hint="the index is corrupt")
+    return weight_map
+
+
 def _indexed_files(root: Path, files: list[str]) -> list[str]:
     """The shards the index names: each a plain relative path to a file that is carried."""
-    index = read_json(root / INDEX_NAME, "weight index")
-    weight_map = index.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise InputError(f"{root / INDEX_NAME}: no 'weight_map'", hint="the index is corrupt")
-    names = sorted({check_relpath(v if isinstance(v, str) else "", str(root / INDEX_NAME))
-                    for v in weight_map.values()})
+    weight_map = read_weight_map(root)
+    names = sorted({check_relpath(v, str(root / INDEX_NAME)) for v in weight_map.values()})
     problems = [f"{n} is named by the index but missing" for n in names if not (root / n).is_file()]
     problems += [f"{n} is named by the index but not carried (inside a skipped folder such as .git/ or "
                  ".cache/, or not safetensors)" for n in names if (root / n).is_file() and n not in files]
@@ -206,7 +215,7 @@ def _read_tensors(root: Path, weight_files: list[str]) -> dict[str, tuple[str, T
                 problems.append(f"{name} is in both {tensors[name][0]} and {rel}")
             tensors[name] = (rel, meta)
     if (root / INDEX_NAME).is_file():
-        weight_map = read_json(root / INDEX_NAME, "weight index")["weight_map"]
+        weight_map = read_weight_map(root)
         problems += [f"{name}: the index says {file}, but its header does not hold it"
                      for name, file in weight_map.items() if tensors.get(name, ("",))[0] != file]
     if problems:

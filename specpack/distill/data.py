@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from specpack._atomic import save_safetensors
 from specpack.errors import InputError
 from specpack.runtime.engine import Engine, Generation, Request, SamplingParams
 
@@ -314,10 +315,8 @@ class Features:
         return slice(int(self.offsets[i]), int(self.offsets[i + 1]))
 
     def save(self, path: Path) -> None:
-        from safetensors.torch import save_file
-
         tmp = path.with_suffix(".tmp")
-        save_file({k: getattr(self, k).contiguous() for k in FIELDS}, str(tmp))
+        save_safetensors({k: getattr(self, k).contiguous() for k in FIELDS}, tmp)
         tmp.replace(path)
 
     @classmethod

@@ -17,11 +17,11 @@ Both: training.json     how it was trained: target, data, vocab, options, time, 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
+from specpack._atomic import save_safetensors
 from specpack.distill.dspark import DSparkConfig
 from specpack.distill.head import HeadConfig
 from specpack.distill.vocab import DraftVocab
@@ -85,22 +85,13 @@ def write_dspark(out: Path, c: DSparkConfig, state: dict, vocab: DraftVocab, rec
 
 def _write(out: Path, tensors: dict, config: dict, record: dict) -> None:
     """Weights, config and record; each lands by rename, so a reader never sees a half-written one."""
-    from safetensors.torch import save_file
 
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / (WEIGHTS + ".tmp")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    _readable(tmp)
+    save_safetensors(tensors, tmp, metadata={"format": "pt"})
     tmp.replace(out / WEIGHTS)
     _write_json(out / CONFIG, config)
     _write_json(out / RECORD, record)
-
-
-def _readable(path: Path) -> None:
-    """An ordinary file (the umask's mode), as a shipped head should be."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
 
 
 def _write_json(path: Path, data: dict) -> None:

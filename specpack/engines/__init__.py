@@ -35,7 +35,7 @@ from pathlib import Path
 from specpack._machine import ENGINES, Engine, MissingEngineError, find
 from specpack._net import is_loopback, warn_without_key
 from specpack.engines.server import base_url, healthy
-from specpack.errors import UnsupportedError, VerificationError
+from specpack.errors import InputError, UnsupportedError, VerificationError
 
 __all__ = ["ENGINES", "Engine", "EngineLaunch", "MissingEngineError", "find", "prepare", "recheck", "run"]
 
@@ -78,9 +78,14 @@ def prepare(artifact, engine: str, host: str = "127.0.0.1", port: int = 8000, mo
     from specpack.schemas import MANIFEST_NAME
 
     _check_key(engine, host, api_key)
+    _check_extra(engine, extra)
     exe, artifact = find(engine), Path(artifact).absolute()
     manifest_sha256 = sha256_file(artifact / MANIFEST_NAME) if (artifact / MANIFEST_NAME).is_file() else ""
     manifest = verify(artifact, public_key=public_key).manifest
+    from specpack.exports import check_tensor_parallel
+
+    check_tensor_parallel(manifest, tensor_parallel)
+    _check_writers(artifact, manifest)
     name, env = model_name or artifact.name, _engine_env(engine)
     if chosen is not None and not chosen.settings.speculative and draft_len is None:
         # the profile found speculation never paid: follow it (an explicit length overrides)
@@ -117,6 +122,40 @@ def _speculative_launch(engine, exe, artifact, manifest, host, port, name, extra
 KEY_ENV = "SPECPACK_ENGINE_API_KEY"
 SGLANG_WITH_KEY = (f"import os, runpy, sys; sys.argv += ['--api-key', os.environ.pop('{KEY_ENV}')]; "
                    "runpy.run_module('sglang.launch_server', run_name='__main__', alter_sys=True)")
+
+
+# engine flags specpack sets itself (what it guards: the address, the key, the model it verified) -> its option
+OWNED = {"host": "--host", "port": "--port", "served-model-name": "--model-name", "api-key": "--api-key (or "
+         "SPECPACK_API_KEY)", "model": "the ARTIFACT argument", "model-path": "the ARTIFACT argument",
+         "tensor-parallel-size": "--tp", "tp-size": "--tp", "tp": "--tp", "speculative-config": "the artifact's drafter "
+         "(--draft-len, --profile, --no-spec)", "speculative-algorithm": "the artifact's drafter (--no-spec)",
+         "speculative-draft-model-path": "the artifact's drafter", "extra-llm-api-options": "the artifact's drafter"}
+
+
+def _check_extra(engine: str, extra: tuple[str, ...]) -> None:
+    """Refuse engine flags after `--` that would override what specpack guards (listening on every
+    interface with no key, a key on the command line, another model than the one verified)."""
+    given = {word.lstrip("-").split("=", 1)[0].replace("_", "-") for word in extra if word.startswith("-")}
+    clash = [f"--{flag}: set by specpack; use {OWNED[flag]}" for flag in sorted(given) if flag in OWNED]
+    if clash:
+        raise InputError(f"engine flags after -- that specpack sets for {ENGINES[engine].label}", problems=clash,
+                         hint="pass them as specpack options: they are checked (a key never reaches a command line, a "
+                              "public address needs a key, the engine loads the files verified)")
+
+
+def _check_writers(artifact: Path, manifest) -> None:
+    """Refuse an artifact someone other than this user or root could change after the verify: the engine
+    reads the files itself, later, and a file swapped and put back in between would be served unverified
+    and pass the re-hash (README: the engine's files)."""
+    from specpack._paths import others_can_write
+    from specpack.schemas import MANIFEST_NAME
+
+    problems = others_can_write([artifact / MANIFEST_NAME, *(artifact / f.path for f in manifest.files)])
+    if problems:
+        raise VerificationError(f"'{artifact}' could be changed by another user between specpack's verify and the "
+                                "engine's load", problems=problems,
+                                hint="make the artifact and the directories above it writable by you (or root) "
+                                     "alone: chmod go-w, or copy it to a directory of your own")
 
 
 def _check_key(engine: str, host: str, api_key: str | None) -> None:

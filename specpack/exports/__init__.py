@@ -64,6 +64,7 @@ def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None 
     module = _engine(engine)
     _check_positive(draft_len=draft_len, tensor_parallel=tensor_parallel)
     manifest = verify(artifact, public_key=public_key, progress=progress).manifest
+    check_tensor_parallel(manifest, tensor_parallel)
     draft_len, crossover, notes = _draft_len_and_crossover(module, manifest, draft_len, profile)
     check_draft_len(manifest, draft_len)
     _check_representable(module, manifest, draft_len)
@@ -141,6 +142,31 @@ def _check_positive(**values) -> None:
     bad = [f"{k} must be at least 1, got {v}" for k, v in values.items() if v is not None and v < 1]
     if bad:
         raise InputError("invalid export options", problems=bad)
+
+
+def check_tensor_parallel(manifest, tp: int) -> None:
+    """Refuse a tensor-parallel size the engines refuse at start: query heads must divide by it, KV heads
+    divide by it or it by them (replicated), and every column-split width (MLP, experts) divide by it
+    (vLLM linear.py `divide`, its attention's KV replication rule); the valid sizes are named."""
+    if tp == 1:
+        return
+    problems = _tp_problems(manifest, tp)
+    if problems:
+        valid = [n for n in range(1, 129) if not _tp_problems(manifest, n)]
+        raise InputError(f"--tp {tp} does not split this target", problems=problems,
+                         hint=f"valid tensor-parallel sizes: {', '.join(map(str, valid[:12]))}")
+
+
+def _tp_problems(manifest, tp: int) -> list[str]:
+    t, a = manifest.target, manifest.target.arch
+    widths = {"num_attention_heads": t.num_attention_heads, "intermediate_size": t.intermediate_size}
+    if a is not None and a.experts is not None:
+        widths["the experts' width"] = a.experts.size
+    out = [f"{k} {v} is not divisible by {tp}" for k, v in widths.items() if v % tp]
+    kv = t.num_key_value_heads
+    if kv % tp and tp % kv:
+        out.append(f"num_key_value_heads {kv}: neither divisible by {tp} nor dividing it (KV heads split or replicate)")
+    return out
 
 
 def _check_target(module, artifact: Path) -> None:

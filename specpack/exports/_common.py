@@ -8,6 +8,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specpack._atomic import save_safetensors
 from specpack.exports._schedule import Crossover
 from specpack.schemas import Manifest
 
@@ -143,9 +144,7 @@ def midlayer_names(tensors: dict) -> dict:
 
 
 def save_tensors(path: Path, tensors: dict) -> None:
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
+    save_safetensors({k: v.contiguous() for k, v in tensors.items()}, path, metadata={"format": "pt"})
 
 
 def write_json(path: Path, data: dict) -> None:

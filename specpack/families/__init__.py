@@ -43,7 +43,12 @@ def family_of(config: dict):
 def describe(config: dict) -> Arch:
     """The target's decoder as `config` states it (InputError / UnsupportedError listing what is wrong)."""
     text, _ = text_config(config)
-    return family_of(config).describe(config, text)
+    arch = family_of(config).describe(config, text)
+    e = arch.experts
+    if e and e.routed and e.active > e.routed:
+        raise InputError(f"config.json: {e.active} experts per token (num_experts_per_tok) but {e.routed} routed "
+                         "experts: no router can pick them", hint="is this the release's own config.json?")
+    return arch
 
 
 @dataclass(frozen=True)
@@ -75,7 +80,7 @@ def check(arch: Arch, found: dict, q: quant.Quant | None) -> Checked:
     fused = _fused(found)
     expected = module.tensors(arch, fused)
     problems, counts = quant.check_all(expected, found, q)
-    problems += _scheme_problems(arch, expected, found, q, counts)
+    problems += _scheme_problems(arch, expected, found, q, counts) + quant.scale_format_problems(q, found)
     if problems:
         raise InputError(f"the checkpoint does not match its config ({len(problems)} problems)", problems=problems,
                          hint="the checkpoint and config.json must come from the same model" +

@@ -97,7 +97,7 @@ FIELDS: dict[str, Kind] = {
     **dict.fromkeys(_STRS, STR), **dict.fromkeys(_POSITIVE, POSITIVE),
     "intermediate_size": SIZES, "partial_rotary_factor": FRACTION,
     "architectures": STRS, "layer_types": STRS, "layers_block_type": STRS, "mtp_layers_block_type": STR_OR_STRS,
-    "mlp_only_layers": INTS, "no_rope_layers": INTS, "compress_ratios": INTS, "compress_rates": OBJECT,
+    "mlp_only_layers": INTS, "no_rope_layers": INTS, "moe_layers": INTS, "compress_ratios": INTS, "compress_rates": OBJECT,
     "mlp_layer_types": STRS, "dspark_target_layer_ids": LAYER_IDS, "sparse_attention_config": OBJECT,
     "moe_layer_freq": Kind("a positive integer (every k-th layer) or one 0 / 1 per layer",
                            lambda v: SIZE.ok(v) or INTS.ok(v)), "eos_token_id": IDS, "bos_token_id": COUNT,

@@ -53,6 +53,9 @@ def describe(config: dict, text: dict) -> Arch:
     mlps = _listed(text, "mlp_layer_types", n, MLP, problems,
                    legacy=[("sparse" if f else "dense") for f in freq] if isinstance(freq, list) else None,
                    default="sparse")
+    rotary = text.get("rotary_dim")
+    if isinstance(rotary, int) and rotary > g["head_dim"]:
+        problems.append(f"rotary_dim {rotary} > head_dim {g['head_dim']}: RoPE rotates part of a head, never more")
     if problems:
         raise InputError("MiniMax-M3 config.json states what this family cannot check", problems=problems,
                          hint="is this the release's own config.json?")

@@ -26,7 +26,7 @@ def pattern(text: dict, n: int | None = None) -> str:
     stated = text.get("hybrid_override_pattern") or text.get("layers_block_type")
     if isinstance(stated, list):
         stated = "".join(V5_NAMES.get(k, "?") for k in stated)
-    if not isinstance(stated, str) or set(stated) - set(KINDS) or (n is not None and len(stated) != n):
+    if not isinstance(stated, str) or not stated or set(stated) - set(KINDS) or (n is not None and len(stated) != n):
         raise InputError("config.json hybrid_override_pattern must give one of M * - E per layer",
                          problems=[f"hybrid_override_pattern = {str(stated)[:120]} for {n} layers"])
     return stated

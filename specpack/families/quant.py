@@ -149,6 +149,19 @@ def _fp8(qc: dict) -> Quant:
     return Quant("fp8-block", "fp8", block=_pair(block, "weight_block_size"), scale_fmt=scale_fmt, expert_dtype=experts)
 
 
+def _kv_cache_scheme(qc: dict) -> str | None:
+    """compressed-tensors `kv_cache_scheme`: an FP8 cache ({num_bits: 8, type: float}) or none; anything
+    else is refused rather than stated as fp8 (vLLM's compressed_tensors.py reads the same fields)."""
+    kv = qc.get("kv_cache_scheme")
+    if kv is None:
+        return None
+    if not isinstance(kv, dict) or (kv.get("num_bits"), kv.get("type")) != (8, "float"):
+        raise InputError(f"quantization_config.kv_cache_scheme = {str(kv)[:80]}: not an FP8 cache scheme "
+                         "({num_bits: 8, type: float}), the one KV cache compressed-tensors engines run",
+                         hint="drop kv_cache_scheme for a bf16 cache")
+    return "fp8"
+
+
 def _compressed(qc: dict) -> Quant:
     groups = field(qc, "config_groups", OBJECT, W, {})
     stated = [_ct_group(groups, name) for name in groups]  # (where, weights, num_bits, type) each
@@ -157,7 +170,7 @@ def _compressed(qc: dict) -> Quant:
         raise InputError("compressed-tensors quantization_config must state one weight scheme in config_groups",
                          problems=[f"config_groups weights: {sorted(map(str, kinds))}"])
     where, w, bits, kind = stated[0]
-    kv = "fp8" if qc.get("kv_cache_scheme") else None
+    kv = _kv_cache_scheme(qc)
     ignore = tuple(field(qc, "ignore", STRS, W, []))
     _patterns(ignore, "ignore")
     if (bits, kind) == (8, "float"):
@@ -310,6 +323,17 @@ def check_all(expected: dict, found: dict, q: Quant | None) -> tuple[list[str], 
         if t.linear and not bad:
             counts[quantized] += 1
     return problems, counts
+
+
+def scale_format_problems(q: Quant | None, found: dict) -> list[str]:
+    """fp8-block scales stored E8M0 / U8 under a config that states no `scale_fmt: ue8m0` (DeepSeek-V4's
+    form with the key removed): engines would read them as float scales."""
+    if q is None or q.scheme != "fp8-block" or q.scale_fmt == "ue8m0":
+        return []
+    one_byte = sorted(n for n, m in found.items() if n.endswith((".weight_scale_inv", ".scale"))
+                      and m.dtype in ("F8_E8M0", "U8"))
+    return [f"quantization_config states no scale_fmt (float scales), but {len(one_byte)} scales are one-byte "
+            f"E8M0 (e.g. {one_byte[0]}): restore scale_fmt: ue8m0"] if one_byte else []
 
 
 def none_quantized(q: Quant | None, counts: dict[bool, int]) -> list[str]:

@@ -18,11 +18,14 @@ from specpack.schemas.exports import ONNX_DIR, ONNX_INDEX_NAME, OnnxExport
 def read_manifest(artifact: Path) -> Manifest:
     """Parse and validate `ARTIFACT/specpack.json`."""
     path = Path(artifact) / MANIFEST_NAME
+    # a path that is no artifact is the user's mistake (exit 2); exit 3 is kept for an artifact that fails
     if not Path(artifact).is_dir():
-        raise VerificationError(f"'{artifact}' is not a directory", hint="pass an artifact directory")
+        raise InputError(f"'{artifact}' is not a directory", hint="pass an artifact directory (`specpack build` "
+                                                                 "makes one)")
     if not path.is_file():
-        raise VerificationError(f"'{artifact}' has no {MANIFEST_NAME}: not a specpack artifact",
-                                hint="build one with `specpack build`")
+        raise InputError(f"'{artifact}' has no {MANIFEST_NAME}: not a specpack artifact",
+                         hint="build one with `specpack build TARGET --drafter ... -o ART`; `specpack inspect DIR` "
+                              "lists what a model directory bundles")
     try:
         return Manifest.model_validate(json.loads(path.read_text()))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

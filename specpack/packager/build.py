@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specpack import __version__
-from specpack._atomic import staging_dir
+from specpack._atomic import save_safetensors, staging_dir
 from specpack.converters import (DRAFTER_FAMILIES, bundled, detect_drafter, mtp, ngram, release_dspark, remote_code,
                                  target_hf)
 from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter
@@ -153,14 +153,12 @@ def _write_drafter(drafter: ConvertedDrafter, tmp: Path, link: bool = True) -> d
         return {}
     import json
 
-    from safetensors.torch import save_file
-
     (tmp / "drafter").mkdir()
     digests = {f"drafter/{rel}": place_file(src, tmp / "drafter" / rel, None, link)
                for rel, src in drafter.files.items()}
     if drafter.tensors:
-        save_file({k: v.contiguous() for k, v in drafter.tensors.items()},
-                  tmp / "drafter/model.safetensors", metadata={"format": "pt", "specpack": drafter.entry.kind})
+        save_safetensors({k: v.contiguous() for k, v in drafter.tensors.items()}, tmp / "drafter/model.safetensors",
+                         metadata={"format": "pt", "specpack": drafter.entry.kind})
         digests["drafter/model.safetensors"] = sha256_file(tmp / "drafter/model.safetensors")
     if drafter.config is not None:
         digests["drafter/config.json"] = _write_text(tmp / "drafter/config.json",

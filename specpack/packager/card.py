@@ -80,9 +80,12 @@ def quantization_text(q: dict) -> str:
 
 def made_for_text(made_for: list[dict], allowed: bool) -> str:
     """A drafter's statements about its target (the manifest's `made_for`, as JSON data) in one line."""
-    text = "; ".join(f"{m['stated_in']} {m['value']!r}" + ("" if m["matches"] else f" (MISMATCH: target "
-                                                                                    f"{m.get('target')!r})")
-                     for m in made_for)
+    def verdict(m: dict) -> str:
+        if m.get("matches") is None:
+            return " (unchecked: the target states none)"
+        return "" if m["matches"] else f" (MISMATCH: target {m.get('target')!r})"
+
+    text = "; ".join(f"{m['stated_in']} {m['value']!r}{verdict(m)}" for m in made_for)
     return text + (" — built with --allow-target-mismatch: expect low acceptance" if allowed else "")
 
 

@@ -98,8 +98,10 @@ class MadeFor(_Strict):
                                        "`speculators_config.verifier.architectures`, `num_target_layers`.")
     value: Any = Field(description="What it states.")
     target: Any = Field(None, description="This target's value for the same thing (null: the target states none).")
-    matches: bool = Field(description="The statement agrees with this target (a mismatch builds only with "
-                                      "`--allow-target-mismatch`, stated in `target_mismatch_allowed`).")
+    matches: Optional[bool] = Field(None, description="The statement agrees with this target (a mismatch builds only with "
+                                                "`--allow-target-mismatch`, stated in `target_mismatch_allowed`); null: "
+                                                "the target states nothing to compare it with (a local directory with "
+                                                "no hub id).")
 
 
 class _CheckedDrafter(_Strict):

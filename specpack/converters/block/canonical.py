@@ -108,7 +108,9 @@ def _geometry_problems(r: Reading, geo: Geometry, target: Target) -> list[str]:
     if geo.draft_vocab > geo.target_vocab:
         out.append(f"draft vocab {geo.draft_vocab} is larger than the target vocab {geo.target_vocab}")
     declared = r.raw.get("num_target_layers", dflash_config(r.raw).get("num_target_layers"))
-    if isinstance(declared, int):
+    if declared is not None and not (isinstance(declared, int) and not isinstance(declared, bool) and declared > 0):
+        out.append(f"num_target_layers = {str(declared)[:40]!s}: not a positive integer (a layer count)")
+    elif declared is not None:
         r.made_for.append(MadeFor(stated_in="num_target_layers", value=declared, target=t.num_hidden_layers,
                                   matches=declared == t.num_hidden_layers))
     if cfg.get("hidden_act", "silu") != "silu":
@@ -327,7 +329,7 @@ def _canonical(r: Reading, geo: Geometry, bind: dict, source, q, stated: dict | 
         source_layout=r.layout, source=source, dtype=dtype,
         parameters=drafter_tensors.parameters(checked.held, r.tensors, _INTEGER),
         quantization=quantization_entry(q, checked.counts), made_for=r.made_for,
-        target_mismatch_allowed=any(not m.matches for m in r.made_for),
+        target_mismatch_allowed=any(m.matches is False for m in r.made_for),
         algorithm=bind["algorithm"], query_layout=bind["query_layout"], block_size=bind["block_size"],
         draft_slots=slots, hidden_size=geo.hidden, num_layers=geo.layers,
         target_features=AuxLayers(layer_ids=ids_in, source_ids=src_ids, source_convention=src_conv),

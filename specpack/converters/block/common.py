@@ -32,7 +32,7 @@ from pathlib import Path
 
 from specpack.converters.base import (BLOCK_ALGORITHM_FLAG, BLOCK_LAYOUT_FLAG, MASK_TOKEN_FLAG,
                                       TARGET_LAYERS_FLAG, AuxOverride, BlockOverrides)
-from specpack.converters.target_hf import INDEX_NAME, Target, read_json
+from specpack.converters.target_hf import INDEX_NAME, Target, read_json, read_weight_map
 from specpack.converters.target_hf import read_config as _checked_config
 from specpack.errors import InputError
 
@@ -87,7 +87,7 @@ def tensor_names(path: Path) -> set[str]:
     from specpack.converters.safetensors_header import read_header
 
     if (path / INDEX_NAME).is_file():
-        return set((read_json(path / INDEX_NAME, "weight index").get("weight_map") or {}))
+        return set(read_weight_map(path))
     if (path / "model.safetensors").is_file():
         return set(read_header(path / "model.safetensors"))
     return set(load_tensors(path))
@@ -102,7 +102,7 @@ def load_tensors(path: Path) -> dict:
         return eagle3.load_tensors(path)
     from safetensors.torch import load_file
 
-    weight_map = read_json(path / INDEX_NAME, "weight index").get("weight_map") or {}
+    weight_map = read_weight_map(path)
     tensors = {}
     for shard in sorted(set(weight_map.values())):
         if not isinstance(shard, str) or "/" in shard or shard.startswith(".") or not (path / shard).is_file():

@@ -33,6 +33,7 @@ from specpack.errors import InputError, UnsupportedError
 from specpack.families import quant
 from specpack.families.base import Tensor, linear, vector
 from specpack.families.fields import check_config
+from specpack.schemas import Source
 
 ARCHITECTURE = "DSparkMiniMaxDraftModel"
 LAYOUT = "minimax-m31-dspark"
@@ -80,12 +81,23 @@ def convert(path: Path, target: Target) -> ConvertedDrafter:
         raise InputError(f"'{path}' ({ARCHITECTURE}) cannot be bound to target '{target.root}' ({len(bad)} problems)",
                          problems=bad, hint="the dspark/ folder and the target must come from the same MiniMax-M3.1 "
                                             "release")
+    inside = _inside(path, target.root)
     drafter, extra = entry(
-        target, found, expected, q, counts, bind, source_layout=LAYOUT, source=target.info.source, location="drafter",
+        target, found, expected, q, counts, bind, source_layout=LAYOUT,
+        source=target.info.source if inside else Source.local(path.resolve()), location="drafter",
         files=files, decoder=_decoder(text), layers=text["num_hidden_layers"],
         layers_from="dspark/config.json text_config.num_hidden_layers", layer_kind="sliding+dense",
         sliding_window=text["sliding_window"], query_causal=bind["query_causal"])
     return ConvertedDrafter(entry=drafter, files={f: path / f for f in files}, extra_weight_bytes=extra)
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """The folder is the release's own (it resolves inside the target's directory)."""
+    try:
+        path.resolve().relative_to(Path(root).resolve())
+    except ValueError:
+        return False
+    return True
 
 
 def _text(config: dict, path: Path) -> dict:
