@@ -17,7 +17,7 @@ import time
 import torch
 
 from specpack.runtime.kernels import _lib
-from specpack.runtime.kernels.linear import pack
+from specpack.runtime.kernels.tuning import pack
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # SmolLM2-135M: 30 layers
 ISA = {"avx2": 0, "avx512": 3}  # linear.c's isa bits: 1-2 row slabs | 3+ row slabs

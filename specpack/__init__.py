@@ -1,9 +1,8 @@
 """specpack: an LLM and its speculative-decoding drafter as one signed artifact."""
 
-__version__ = "0.1.0"
+from specpack._version import FORMAT_NAME, FORMAT_VERSION, __version__
 
-FORMAT_NAME = "specpack"
-FORMAT_VERSION = 1
+__all__ = ["FORMAT_NAME", "FORMAT_VERSION", "__version__", "load"]
 
 
 def load(path, **kwargs):

@@ -123,12 +123,12 @@ def test_sglang_command(artifact, tmp_path):
 
 
 def test_trtllm_config_and_command(artifact, tmp_path):
-    r = export_engine(artifact, "trtllm", tmp_path / "trt", tensor_parallel=8, draft_len=3)
+    r = export_engine(artifact, "trtllm", tmp_path / "trt", tensor_parallel=4, draft_len=3)
     spec = yaml.safe_load((tmp_path / "trt/extra-llm-api-config.yml").read_text())["speculative_config"]
     assert spec == {"decoding_type": "Eagle3", "max_draft_len": 3,
                     "speculative_model_dir": str(tmp_path / "trt/draft"), "eagle3_one_model": True,
                     "eagle3_layers_to_capture": AUX_OUT}
-    assert "--tp_size 8" in r.command and "--backend pytorch" in r.command
+    assert "--tp_size 4" in r.command and "--backend pytorch" in r.command
     assert f"--extra_llm_api_options {tmp_path / 'trt/extra-llm-api-config.yml'}" in r.command
 
 

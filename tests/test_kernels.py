@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from specpack.runtime.kernels import linear as kl
+from specpack.runtime.kernels.tuning import pack
 
 
 @pytest.fixture(autouse=True)
@@ -25,9 +26,12 @@ def _fresh_state(monkeypatch):
 
 @pytest.fixture
 def kernel():
+    """kernels/linear.py with the tuned `pack` (kernels/tuning.py lays weights out with this machine's settings)."""
+    import types
+
     if not kl.available():
         pytest.skip(f"fast linear kernel unavailable: {kl.unavailable_reason()}")
-    return kl
+    return types.SimpleNamespace(**vars(kl), pack=pack)
 
 
 def within_tolerance(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b=None) -> bool:
@@ -240,7 +244,7 @@ def test_disabled_falls_back_to_torch(monkeypatch):
     assert not kl.available()
     assert "SPECPACK_KERNELS" in kl.unavailable_reason()
     w, b, x = torch.randn(30, 20), torch.randn(30), torch.randn(5, 20)
-    packed = kl.pack(w, b)
+    packed = pack(w, b)
     assert packed.backend == "torch"
     assert torch.equal(packed(x), F.linear(x, w, b))
     out = torch.empty(5, 30)
@@ -251,9 +255,9 @@ def test_w8a8_fallback_is_the_kernel_arithmetic(monkeypatch):
     """Without the kernel, w8a8 keeps its packed blocks and runs the same integer arithmetic in torch."""
     torch.manual_seed(8)
     w, b, x, r = torch.randn(30, 40), torch.randn(30), torch.randn(5, 40), torch.randn(5, 30)
-    want = kl.pack(w, b, weights="w8a8")(x) if kl.available() else None
+    want = pack(w, b, weights="w8a8")(x) if kl.available() else None
     monkeypatch.setenv("SPECPACK_KERNELS", "0")
-    packed = kl.pack(w, b, weights="w8a8")
+    packed = pack(w, b, weights="w8a8")
     assert packed.backend == "torch" and packed.weight.dtype == torch.uint8
     y = packed(x)
     assert torch.equal(y, kl.w8a8_linear(x, *kl.q8_values(packed.weight, "w8a8"), b, 30))
@@ -267,7 +271,7 @@ def test_fallback_keeps_the_precision(monkeypatch, weights):
     """Without the kernel, F.linear runs on an fp32 copy of the weight as the kernel would round it."""
     monkeypatch.setenv("SPECPACK_KERNELS", "0")
     w, b, x, r = torch.randn(30, 40), torch.randn(30), torch.randn(5, 40), torch.randn(5, 30)
-    packed = kl.pack(w, b, weights=weights)
+    packed = pack(w, b, weights=weights)
     assert packed.backend == "torch" and packed.weight.dtype == torch.float32
     dense = kl.unpack(kl._packed(w, weights), weights, 30, 40)
     assert torch.equal(packed.weight, dense) and not torch.equal(dense, w)
@@ -285,7 +289,7 @@ def test_build_failure_is_logged_and_falls_back(monkeypatch, tmp_path, caplog):
         assert not kl.available()
     assert "building the kernel failed" in kl.unavailable_reason()
     assert "unavailable" in caplog.text
-    assert kl.pack(torch.randn(4, 4)).backend == "torch"
+    assert pack(torch.randn(4, 4)).backend == "torch"
     assert not list(tmp_path.rglob("*.so"))  # no half-written library left behind
 
 
@@ -338,7 +342,7 @@ def test_concurrent_first_builds_agree(kernel, tmp_path, monkeypatch):
     kl._library.cache_clear()
     torch.manual_seed(0)
     w, x = torch.randn(70, 30), torch.randn(3, 30)
-    assert within_tolerance(kl.pack(w)(x), x, w)  # the library they built works here too
+    assert within_tolerance(pack(w)(x), x, w)  # the library they built works here too
 
 
 def test_settings_are_measured_once_per_cpu_model_and_cached(kernel, tmp_path, monkeypatch):
@@ -513,7 +517,7 @@ import torch
 from specpack.runtime.kernels import linear as kl
 torch.manual_seed(0)
 w, x = torch.randn(256, 512), torch.randn(8, 512)
-products = [kl.pack(w, weights=f) for f in ("w8a8", kl.BF16_TILES if kl.bf16_tiles() else "w8a8")]
+products = [pack(w, weights=f) for f in ("w8a8", kl.BF16_TILES if kl.bf16_tiles() else "w8a8")]
 before = [p(x) for p in products]
 torch.randn(64, 512, dtype=torch.bfloat16) @ torch.randn(512, 512, dtype=torch.bfloat16)  # oneDNN
 assert all(torch.equal(p(x), y) for p, y in zip(products, before))

@@ -11,6 +11,7 @@ from conftest import assert_decodes_incrementally
 from eagle_fixtures import one_thread, target_dir  # noqa: F401
 from specpack.errors import InputError
 from specpack.families.dense import target_spec_from_config
+from specpack.runtime.models.dense import MLP
 from specpack.runtime.models.moe import SparseMoE
 from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
 
@@ -98,7 +99,7 @@ def test_a_config_without_its_routing_is_refused():
 def test_the_router_keeps_the_top_k_of_the_softmax_renormalized_or_not():
     x = torch.randn(5, 8)
     for renormalize in (True, False):
-        moe = SparseMoE(8, 4, 6, 2, renormalize)
+        moe = SparseMoE(8, 4, 6, 2, renormalize, MLP)
         torch.nn.init.normal_(moe.gate.weight)
         ids, weights = moe.gate(x)
         probs = (x @ moe.gate.weight.T).softmax(-1)

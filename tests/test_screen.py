@@ -11,7 +11,7 @@ import torch
 from specpack.runtime import kernels
 from specpack.runtime.engine import Engine
 from specpack.runtime.kernels import screen as ks
-from specpack.runtime.kernels.linear import pack
+from specpack.runtime.kernels.tuning import pack
 from test_engine import alone, artifact, drive, requests
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=f"CPU kernel: {kernels.unavailable_reason()}")

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import click
 
-from specpack import __version__
-from specpack.runtime.api import KV_CACHES, WEIGHTS as WEIGHT_CHOICES
+from specpack._version import __version__
+from specpack.runtime.options import KV_CACHES, WEIGHTS as WEIGHT_CHOICES
 
 JSON = click.option("--json", "json_mode", is_flag=True, help="Print one JSON object for scripts.")
 PUBKEY = click.option("--key", "public_key", type=click.Path(path_type=Path),

@@ -236,6 +236,6 @@ def _finished_record(out_dir: Path, fp: str) -> dict | None:
 
 
 def _version() -> str:
-    from specpack import __version__
+    from specpack._version import __version__
 
     return __version__

@@ -34,6 +34,7 @@ from pathlib import Path
 
 from specpack._machine import ENGINES, Engine, MissingEngineError, find
 from specpack._net import is_loopback, warn_without_key
+from specpack.engines.recheck import file_digests, recheck
 from specpack.engines.server import base_url, healthy
 from specpack.errors import InputError, UnsupportedError, VerificationError
 
@@ -114,7 +115,7 @@ def _speculative_launch(engine, exe, artifact, manifest, host, port, name, extra
                f"{out}" + (f", following validated profile {chosen.name} ({chosen.id})" if chosen else
                            ", no validated profile measured through it: the artifact's defaults"))
     return EngineLaunch(engine, _addressed(engine, argv, host, port, name, extra), out, spec, result.draft_len,
-                        chosen.name if chosen else None, message, env, export_digests=_digests(out))
+                        chosen.name if chosen else None, message, env, export_digests=file_digests(out))
 
 
 # SGLang's launcher with `--api-key` appended inside the process, the key read from (and removed
@@ -181,41 +182,6 @@ def _with_key(launch: EngineLaunch, host: str, api_key: str | None) -> EngineLau
     i = launch.argv.index("-m")  # [python, -m, sglang.launch_server, ...]
     return replace(launch, argv=[launch.argv[0], "-c", SGLANG_WITH_KEY, *launch.argv[i + 2:]],
                    env={**launch.env, KEY_ENV: api_key})
-
-
-def _digests(folder: Path) -> tuple[tuple[str, str], ...]:
-    from specpack.packager.hashing import sha256_file
-
-    return tuple((str(p.relative_to(folder)), sha256_file(p)) for p in sorted(Path(folder).rglob("*")) if p.is_file())
-
-
-def recheck(launch: EngineLaunch) -> None:
-    """Raise VerificationError (naming each file) when what the engine may have loaded differs from what
-    `prepare` verified: the artifact verified again (its signature too when a key was given), its
-    manifest the one verified then, the export's files as the export wrote them."""
-    from specpack.packager.hashing import sha256_file
-    from specpack.packager.verify import verify
-    from specpack.schemas import MANIFEST_NAME
-
-    if launch.artifact is None:
-        return
-    problems = []
-    manifest = launch.artifact / MANIFEST_NAME
-    if not manifest.is_file() or sha256_file(manifest) != launch.manifest_sha256:
-        problems.append(f"{MANIFEST_NAME}: changed since it was verified")
-    try:
-        verify(launch.artifact, public_key=launch.public_key)
-    except VerificationError as exc:
-        problems += exc.problems
-    if launch.export_digests:
-        was, now = dict(launch.export_digests), dict(_digests(launch.export_dir))
-        problems += [f"{launch.export_dir / p}: changed since the export wrote it" for p in sorted(was.keys() | now.keys())
-                     if was.get(p) != now.get(p)]
-    if problems:
-        raise VerificationError(f"the files {ENGINES[launch.engine].label} loaded from '{launch.artifact}' are not the "
-                                "files verified before it started: it was stopped", problems=problems,
-                                hint="find what changed the artifact; `specpack verify` it, or pull or rebuild it, "
-                                     "then serve again")
 
 
 def _plain_launch(engine: str, exe: Path, artifact: Path, host, port, name, extra, env, chosen) -> EngineLaunch:

@@ -89,7 +89,7 @@ class EngineServer:
 
     def _recheck(self) -> None:
         """The files it loaded are the files verified (engines.recheck), else it is stopped."""
-        from specpack.engines import recheck
+        from specpack.engines.recheck import recheck
 
         try:
             recheck(self.launch)

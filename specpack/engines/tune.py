@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from specpack import __version__
+from specpack._version import __version__
 from specpack.errors import InputError
 
 log = logging.getLogger(__name__)

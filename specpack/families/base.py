@@ -281,3 +281,10 @@ def geometry(text: dict, required: Iterable[str] = (), optional: Iterable[str] =
 def architecture_of(config: dict) -> str:
     archs = config.get("architectures")
     return str(archs[0]) if isinstance(archs, list) and archs else "unknown"
+
+
+def is_moe(text: dict, i: int, experts: int) -> bool:
+    """Whether Qwen-family MoE layer i routes experts (dense.py and qwen3_moe.py read it): transformers' and
+    vLLM's rule: not in mlp_only_layers, and (i + 1) % decoder_sparse_step == 0."""
+    step = text.get("decoder_sparse_step") or 1
+    return experts > 0 and i not in (text.get("mlp_only_layers") or []) and (i + 1) % step == 0

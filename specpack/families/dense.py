@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 
 from specpack.errors import InputError, UnsupportedError
 from specpack.families.base import (Arch, Layer, Mtp, Tensor, architecture_of, attention_tensors, embedding_tensors,
-                                    geometry, layer_types, mlp_tensors, size_problems, vector)
+                                    geometry, is_moe, layer_types, mlp_tensors, size_problems, vector)
 from specpack.families.checks import read_config
 
 # architecture -> the model_type transformers writes for it
@@ -182,8 +182,6 @@ def target_spec_from_config(cfg: dict, generation_config: dict | None = None) ->
 
 def _experts(cfg: dict) -> dict:
     """Qwen3-MoE's routing as the spec states it (transformers Qwen3MoeSparseMoeBlock)."""
-    from specpack.families.qwen3_moe import is_moe
-
     routed = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
     bad = size_problems({**cfg, "num_experts": routed}, ("num_experts", "num_experts_per_tok", "moe_intermediate_size"),
                         ())

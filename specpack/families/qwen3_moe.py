@@ -7,16 +7,10 @@ from __future__ import annotations
 
 from specpack.families import dense
 from specpack.families.base import (Arch, Experts, Layer, Tensor, architecture_of, attention_tensors,
-                                    embedding_tensors, expert_tensors, geometry, mlp_tensors, vector)
+                                    embedding_tensors, expert_tensors, geometry, is_moe, mlp_tensors, vector)
 
 MODEL_TYPES = ("qwen3_moe",)
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
-
-
-def is_moe(text: dict, i: int, experts: int) -> bool:
-    """transformers' and vLLM's rule: not in mlp_only_layers, and (i + 1) % decoder_sparse_step == 0."""
-    step = text.get("decoder_sparse_step") or 1
-    return experts > 0 and i not in (text.get("mlp_only_layers") or []) and (i + 1) % step == 0
 
 
 def describe(config: dict, text: dict) -> Arch:

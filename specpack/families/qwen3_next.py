@@ -15,9 +15,8 @@ models/qwen3_next (configuration :88-133, modeling :241-302, :643-741, :936-975)
 from __future__ import annotations
 
 from specpack.families.base import (Arch, Experts, Layer, Mtp, Tensor, architecture_of, attention_tensors,
-                                    check_sizes, embedding_tensors, expert_tensors, geometry, layer_types,
+                                    check_sizes, embedding_tensors, expert_tensors, geometry, is_moe, layer_types,
                                     mlp_tensors, vector)
-from specpack.families.qwen3_moe import is_moe
 
 MODEL_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text")
 ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration",

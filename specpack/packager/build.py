@@ -8,7 +8,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specpack import __version__
+from specpack._version import __version__
 from specpack._atomic import save_safetensors, staging_dir
 from specpack.converters import (DRAFTER_FAMILIES, bundled, detect_drafter, mtp, ngram, release_dspark, remote_code,
                                  target_hf)

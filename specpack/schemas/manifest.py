@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from specpack import FORMAT_NAME, FORMAT_VERSION
+from specpack._version import FORMAT_NAME, FORMAT_VERSION
 from specpack.schemas.exports import Exports
 from specpack.schemas.profile import Profile
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from specpack import __version__
+from specpack._version import __version__
 from specpack.errors import InputError, SpecpackError
 from specpack.packager.update import recover
 from specpack.runtime.drafters.base import TreeShape

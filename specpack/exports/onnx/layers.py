@@ -2,7 +2,7 @@
 the cache passed in and the new slots returned, and how a graph declares itself (`Graph`).
 
 A family module (dense, deepseek) gives `block(layer, spec, seen)`, `cache(spec)` and `rope(spec)`;
-`family(spec)` picks it. `seen` maps a weight's storage to its parameter, so a tensor used twice
+`family.of(spec)` picks it. `seen` maps a weight's storage to its parameter, so a tensor used twice
 (tied embeddings) becomes one initializer.
 """
 
@@ -65,14 +65,6 @@ class Batch(NamedTuple):
     row_place: Tensor
     cache_rows: Tensor
     mask: Tensor
-
-
-def family(spec):
-    """The graph module family of a target spec: `deepseek` (MLA + MoE) or `dense` (Llama and kin)."""
-    from specpack.exports.onnx import deepseek, dense
-    from specpack.runtime.models.deepseek import DeepseekSpec
-
-    return deepseek if isinstance(spec, DeepseekSpec) else dense
 
 
 # ---- weights ----

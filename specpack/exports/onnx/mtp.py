@@ -15,15 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpack.exports.onnx.layers import Batch, Graph, Rope, batch_inputs, cache_io, family, linear_params, \
-    param, rms
+from specpack.exports.onnx import family as graph_family
+from specpack.exports.onnx.layers import Batch, Graph, Rope, batch_inputs, cache_io, linear_params, param, rms
 
 
 class MtpStep(nn.Module):
     def __init__(self, drafter, k: int):
         super().__init__()
         layer, target, seen = drafter.layers[k], drafter.target, {}
-        ts, fam = target.spec, family(target.spec)
+        ts, fam = target.spec, graph_family.of(target.spec)
         self.eps, self.embedding_first, self.chain_pre_norm = (layer.embed_norm.eps, layer.embedding_first,
                                                                layer.chain_pre_norm)
         self.embed = param(target.embed_tokens.weight, seen)
@@ -48,7 +48,7 @@ class MtpStep(nn.Module):
 
 
 def mtp_io(target_spec) -> tuple[list[tuple], list[tuple]]:
-    H, slot = target_spec.hidden_size, family(target_spec).cache(target_spec)
+    H, slot = target_spec.hidden_size, graph_family.of(target_spec).cache(target_spec)
     inputs = [("hidden", "float32", ["T", H])] + batch_inputs() + cache_io("past", 1, slot, "N", True)
     outputs = [("hidden_out", "float32", ["T", H]), ("logits", "float32", ["K", target_spec.vocab_size])]
     return inputs, outputs + cache_io("new", 1, slot, "T", True)

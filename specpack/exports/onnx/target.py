@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specpack.exports.onnx.layers import Batch, Graph, Rope, batch_inputs, cache_io, family, linear_params, \
-    param, rms
+from specpack.exports.onnx import family as graph_family
+from specpack.exports.onnx.layers import Batch, Graph, Rope, batch_inputs, cache_io, linear_params, param, rms
 
 
 class TargetStep(nn.Module):
@@ -22,7 +22,7 @@ class TargetStep(nn.Module):
 
     def __init__(self, model, capture: Sequence[int] = (), hidden: str | None = None):
         super().__init__()
-        s, seen, fam = model.spec, {}, family(model.spec)
+        s, seen, fam = model.spec, {}, graph_family.of(model.spec)
         self.capture, self.hidden, self.eps = tuple(capture), hidden, s.rms_norm_eps
         self.per_layer = len(fam.cache(s).names)
         self.embed = param(model.embed_tokens.weight, seen)
@@ -50,7 +50,7 @@ class TargetStep(nn.Module):
 
 def target_io(s, aux: Sequence[int] = (), hidden: str | None = None) -> tuple[list[tuple], list[tuple]]:
     """(inputs, outputs) of the target step graph as (name, dtype, shape) with symbolic dims."""
-    slot = family(s).cache(s)
+    slot = graph_family.of(s).cache(s)
     outputs = [("logits", "float32", ["K", s.vocab_size])]
     if aux:
         outputs.append(("aux", "float32", ["T", len(aux) * s.hidden_size]))

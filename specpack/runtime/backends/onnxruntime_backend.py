@@ -83,7 +83,7 @@ def session(path: Path, threads: int = DEFAULT_THREADS, spin: bool = True):
     """An ONNX Runtime CPU session over `path` with `threads` intra-op threads and full graph
     optimisation. `spin`: its idle threads spin before they sleep (ONNX Runtime's default); the
     drafter's sessions do not, see the module docstring."""
-    from specpack.runtime.api import require
+    from specpack.runtime.options import require
 
     ort = require("onnxruntime", "onnx")
     opts = ort.SessionOptions()

@@ -21,7 +21,7 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", cpu_ke
     `kv_cache` fp16 keeps the target's KV cache in fp16 (a float32 dense target: half the bytes
     each step reads per cached position; the drafter's own cache stays in the model's dtype)."""
     from specpack.runtime.kernels.accelerate import use_cpu_kernels
-    from specpack.runtime.api import _device, _dtype
+    from specpack.runtime.options import device as _device, dtype as _dtype
     from specpack.runtime.spec_model import load_drafter, load_target
 
     as_stored = (weights != "fp32" and dtype == "float32" and device == "cpu"

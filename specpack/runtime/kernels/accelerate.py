@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 
 from specpack.runtime.kernels.linear import BF16_TILES, bf16_tiles
-from specpack.runtime.api import WEIGHTS
+from specpack.runtime.options import WEIGHTS
 
 HEAD = "lm_head"  # the vocabulary head's name in every model here (screened for greedy rows)
 

@@ -17,11 +17,14 @@
 void sp_parallel(void (*fn)(const void *job, int64_t item, float *scratch), const void *job,
                  int64_t n_items, int64_t chunk, int nthreads);
 
-/* Whether the CPU and OS run AVX-512F/BW/VL (linear.c). */
+/* Whether the CPU and OS run AVX-512F/BW/VL (panels.c). */
 int sp_avx512(void);
 
-/* What the panel kernels share (linear.c; w8a8.c and bf16_tiles.c use them): a partial panel's rows
- * from scratch into y, residual added; */
+/* What the panel kernels share (panels.c; linear.c, w8a8.c and bf16_tiles.c use them, panels.c none of
+ * them): a panel's output columns, the weight bytes one work item holds at most (~10 us of work, the most
+ * a caller waits for), a partial panel's rows from scratch into y, residual added; */
+#define SP_PANEL_COLS 16
+#define SP_CHUNK_BYTES (128 * 1024)
 void sp_store_partial(const float *scratch, int64_t m0, int64_t ms, int64_t n0, int64_t cols, const float *res,
                       int64_t ldr, float *y, int64_t ldy);
 /* a call's activation scratch (quantized or split rows), per thread, grown as needed (NULL: no memory); */

@@ -33,9 +33,9 @@
 
 #include "kernels.h"
 
-#define NR 16          /* output columns per panel: two ymm registers */
+#define NR SP_PANEL_COLS /* output columns per panel: two ymm registers */
 #define MR_MAX 6       /* rows per register tile: 12 accumulators + 2 weights + 1 broadcast */
-#define CHUNK_BYTES (128 * 1024) /* of weights: ~10 us of work, the most a caller waits for */
+#define CHUNK_BYTES SP_CHUNK_BYTES
 
 enum { SP_F32 = 0, SP_F16 = 1, SP_BF16 = 2, SP_Q8 = 3, SP_W8A8 = 4 /* w8a8.c */, SP_BF16T = 7 /* bf16_tiles.c */ };
 #define Q8_BLOCK 32                                  /* k per int8 scale block */
@@ -413,20 +413,6 @@ static AVX512 void widen_block(int fmt, const char *w, int64_t n, float *out, in
     }
 }
 
-/* Whether this CPU and its OS run AVX-512F (libgcc checks the OS saves the zmm state). */
-static int avx512_ok(void)
-{
-    static int ok = -1;
-    if (ok < 0) {
-        __builtin_cpu_init();
-        ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
-             && __builtin_cpu_supports("avx512vl");
-    }
-    return ok;
-}
-
-int sp_avx512(void) { return avx512_ok(); }
-
 typedef struct {
     const float *x, *bias, *res;
     const char *w;
@@ -467,74 +453,6 @@ static const char *block_at(int fmt, const char *w, int64_t k0, const float **sc
     const char *blk = w + k0 / Q8_BLOCK * Q8_BLOCK_BYTES;
     *scale = (const float *)blk;
     return blk + NR * 4;
-}
-
-/* A partial panel's rows [m0, m0 + ms) from scratch [ms][16] into y's columns [n0, n0 + cols), the
- * residual (row stride ldr; NULL: none) added as the full panels add it: res + sum. */
-void sp_store_partial(const float *scratch, int64_t m0, int64_t ms, int64_t n0, int64_t cols, const float *res,
-                      int64_t ldr, float *y, int64_t ldy)
-{
-    for (int64_t i = m0; i < m0 + ms; i++) {
-        float *yi = y + i * ldy + n0;
-        const float *si = scratch + (i - m0) * NR;
-        if (res)
-            for (int64_t c = 0; c < cols; c++) yi[c] = res[i * ldr + n0 + c] + si[c];
-        else
-            memcpy(yi, si, cols * sizeof(float));
-    }
-}
-
-/* The activation scratch of one call, kept per thread and grown as needed (no allocation per call). */
-static __thread struct { void *mem; int64_t bytes; } rows_buf;
-
-void *sp_rows_memory(int64_t bytes)
-{
-    if (bytes > rows_buf.bytes) {
-        free(rows_buf.mem);
-        rows_buf.bytes = 0;
-        rows_buf.mem = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (!rows_buf.mem) return 0;
-        rows_buf.bytes = bytes;
-    }
-    return rows_buf.mem;
-}
-
-void sp_empty_product(int64_t M, int64_t N, const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy)
-{
-    for (int64_t i = 0; i < M; i++)
-        for (int64_t n = 0; n < N; n++) {
-            const float v = bias ? 0.0f + bias[n] : 0.0f;
-            y[i * ldy + n] = res ? res[i * ldr + n] + v : v;
-        }
-}
-
-typedef struct {
-    sp_slab_fn slab;
-    const void *job;
-    int64_t M, N;
-} slabs_t;
-
-/* Work item g of sp_parallel_slabs: panels [4g, 4g + 4). */
-static void slab_group(const void *arg, int64_t g, float *scratch)
-{
-    const slabs_t *s = arg;
-    const int64_t P = (s->N + NR - 1) / NR, p0 = 4 * g, p1 = p0 + 4 < P ? p0 + 4 : P;
-    for (int64_t m0 = 0; m0 < s->M; m0 += 16) {
-        const int64_t ms = s->M - m0 < 16 ? s->M - m0 : 16;
-        for (int64_t p = p0; p < p1;) {
-            const int np = (p + 4) * NR <= s->N && p + 4 <= p1 ? 4 : (p + 2) * NR <= s->N && p + 2 <= p1 ? 2 : 1;
-            s->slab(s->job, p, np, m0, ms, scratch);
-            p += np;
-        }
-    }
-}
-
-void sp_parallel_slabs(sp_slab_fn slab, const void *job, int64_t M, int64_t N, int64_t group_bytes, int nthreads)
-{
-    const slabs_t s = {slab, job, M, N};
-    const int64_t items = (N + 4 * NR - 1) / (4 * NR), by_bytes = CHUNK_BYTES / (group_bytes > 0 ? group_bytes : 1);
-    const int64_t balanced = items / (4 * (nthreads > 1 ? nthreads : 1));
-    sp_parallel(slab_group, &s, items, by_bytes < balanced ? by_bytes : balanced, nthreads);
 }
 
 /* Rows [m0, m0 + ms) (ms <= 16) times panel p. Rows go in ceil(ms/6) balanced tiles (8 rows: 4 +
@@ -706,7 +624,7 @@ void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w,
     }
     if (fmt < SP_F32 || fmt > SP_Q8) return;
     const int64_t pb = sp_panel_bytes(fmt, K);
-    const int few = (isa & 1) && avx512_ok(), many = (isa & 2) && avx512_ok();
+    const int few = (isa & 1) && sp_avx512(), many = (isa & 2) && sp_avx512();
     /* AVX-512 takes panels at least in pairs (pair_rows) */
     const int64_t G = group == 4 ? 4 : few || many ? 2 : 1, P = (N + NR - 1) / NR;
     const job_t job = {x, bias, res, w, y, M, N, K, ldx, ldy, ldr, pb > 0 ? pb : 0, G,

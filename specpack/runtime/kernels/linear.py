@@ -209,16 +209,16 @@ class PackedLinear:
     """`y = x @ W.T + bias` for fp32 CPU x of shape [..., K], for inference (no autograd); made by
     `pack`.
 
-    `weights` is the format the weight is kept in (fp32, fp16, bf16, int8, w8a8); `threads` is the
-    kernel's thread count (default: the machine's tuned count, kernels/tuning.py), `group` and
-    `prefetch` the panel grouping and prefetch distance (tuned alike); they change speed only,
-    never results.
+    `weights` is the format the weight is kept in (fp32, fp16, bf16, int8, w8a8); `tuned` the settings
+    kernels/tuning.py measured for it (`tuning.pack` passes them): the thread count (`threads`
+    overrides it), the panel grouping and the prefetch distance; they change speed only, never
+    results.
     `backend` is "avx2" or "torch" (the fallback, which keeps an fp32 weight). Any number of rows
     works; the kernel is built for 1..16 (speculative verification).
     """
 
     def __init__(self, weight: Tensor, bias: Tensor | None = None, threads: int | None = None,
-                 weights: str = "fp32"):
+                 weights: str = "fp32", tuned: dict | None = None):
         if weight.dim() != 2 or not weight.is_floating_point() or weight.device.type != "cpu":
             raise TypeError(f"pack() needs a 2-D floating-point CPU weight, got {tuple(weight.shape)} "
                             f"{weight.dtype} on {weight.device}")
@@ -232,7 +232,7 @@ class PackedLinear:
         if weights == BF16_TILES and not bf16_tiles():
             raise TypeError(f"{BF16_TILES} weights need AMX-BF16 tiles, which do not run here: use bf16")
         self.backend = "avx2" if available() else "torch"
-        tuned = _settings("bf16" if weights == BF16_TILES else weights) if self.backend == "avx2" else {}
+        tuned = (tuned or {}) if self.backend == "avx2" else {}
         self.threads = threads or tuned.get("threads") or default_threads()
         self.group, self.prefetch = tuned.get("group", 1), tuned.get("prefetch", 128)
         self.isa = isa_bits(tuned)
@@ -300,21 +300,3 @@ class PackedLinear:
     def __repr__(self) -> str:
         return (f"PackedLinear(in={self.in_features}, out={self.out_features}, weights={self.weights}, "
                 f"backend={self.backend}, threads={self.threads})")
-
-
-def _settings(weights: str) -> dict:
-    from specpack.runtime.kernels import tuning
-
-    return tuning.settings(weights)
-
-
-def pack(weight: Tensor, bias: Tensor | None = None, threads: int | None = None,
-         weights: str = "fp32") -> PackedLinear:
-    """Lay out `weight` [N, K] for the kernel, once, at load time, in format `weights` (fp32,
-    fp16, bf16, int8 or w8a8; see the module docstring).
-
-    The packed copy is ~1x the weight's bytes in that format (N rounded up to 16); drop your
-    reference to `weight` afterwards to release it. Falls back to `F.linear` on an fp32 copy of
-    the same (rounded) weight when `available()` is False.
-    """
-    return PackedLinear(weight, bias, threads, weights)

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from specpack.runtime.kernels._lib import _library
-from specpack.runtime.kernels.linear import FORMATS, PackedLinear, pack, q8_values
+from specpack.runtime.kernels.linear import FORMATS, PackedLinear, q8_values
+from specpack.runtime.kernels.tuning import pack
 
 CAP = 256  # candidates per row before the row is computed in full (screen.c keeps at most 256)
 SCREENED = ("fp32", "fp16", "bf16", "int8")  # the head's formats screen.c recomputes columns of

@@ -29,7 +29,7 @@ import torch
 
 from specpack._machine import cpu_model
 from specpack.runtime.kernels import _lib
-from specpack.runtime.kernels.linear import ISAS, QUANTIZED, isa_bits
+from specpack.runtime.kernels.linear import BF16_TILES, ISAS, QUANTIZED, PackedLinear, isa_bits
 
 log = logging.getLogger(__name__)
 DEFAULTS = {"group": 1, "prefetch": 128, "isa": "avx2", "isa_few": "avx2"}
@@ -88,6 +88,18 @@ def _write_cache(key: str, entry: dict) -> None:
 
 
 _measuring = False  # packing the measurement's own stream uses the defaults
+
+
+def pack(weight, bias=None, threads: int | None = None, weights: str = "fp32") -> PackedLinear:
+    """Lay out `weight` [N, K] for the kernel, once, at load time, in format `weights` (fp32, fp16,
+    bf16, int8 or w8a8; kernels/linear.py), with this machine's tuned settings.
+
+    The packed copy is ~1x the weight's bytes in that format (N rounded up to 16); drop your
+    reference to `weight` afterwards to release it. Falls back to `F.linear` on an fp32 copy of
+    the same (rounded) weight when the kernels are not available.
+    """
+    tuned = settings("bf16" if weights == BF16_TILES else weights) if _lib.available() else {}
+    return PackedLinear(weight, bias, threads, weights, tuned)
 
 
 def settings(weights: str = "fp32") -> dict:
@@ -182,7 +194,6 @@ def _random_stream(weights: str, total: int) -> list:
     """Packed layers of SHAPE holding `total` bytes of small random weights in format `weights`,
     written straight into the packed layout (their values do not matter to the timing)."""
     global _measuring
-    from specpack.runtime.kernels.linear import pack
 
     N, K = SHAPE
     _measuring = True

@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpack.families.deepseek import DeepseekSpec, load_deepseek_spec, target_tensor_shapes
+from specpack.families.deepseek import DeepseekSpec
 from specpack.runtime.models.dense import MLP, Decoder, KVCache, RMSNorm, apply_rope
-from specpack.runtime.models.moe import dispatch, keep_routers_fp32
+from specpack.runtime.models.moe import Fp32Router, dispatch
 from specpack.runtime.models.rows import Rows, attend
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: fixed eps in DeepSeek's code and transformers'
@@ -146,7 +146,7 @@ class MLA(nn.Module):
         return self.o_proj(out.reshape(R, n * v))
 
 
-class Router(nn.Module):
+class Router(Fp32Router):
     """V3 router: sigmoid scores; top-2-sum group scores pick `topk_group` groups; the bias-corrected
     scores pick experts inside them; the uncorrected scores weight them. Runs in fp32."""
 
@@ -254,12 +254,3 @@ def layer_state(t: dict[str, Tensor], src: str, dst: str) -> dict[str, Tensor]:
         else:
             out[dst + rel] = value
     return out
-
-
-def load_deepseek(model_dir, device="cpu", dtype=torch.float32) -> DeepseekTransformer:
-    """Build a `DeepseekTransformer` from a transformers model directory (config.json + safetensors)."""
-    from specpack.runtime.models.weights import build_decoder
-
-    spec = load_deepseek_spec(model_dir)
-    return keep_routers_fp32(build_decoder(model_dir, spec, target_tensor_shapes, layer_state, DeepseekTransformer,
-                                          device, dtype))

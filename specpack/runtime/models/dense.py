@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from specpack.errors import InputError
 from specpack.families.dense import RopeScaling, TargetSpec
+from specpack.runtime.models.moe import SparseMoE
 from specpack.runtime.models.rows import Rows, Segment, attend
 
 
@@ -287,13 +288,11 @@ class Transformer(Decoder):
     before `forward`."""
 
     def __init__(self, spec: TargetSpec):
-        from specpack.runtime.models.moe import SparseMoE
-
         super().__init__(spec)
         s = spec
         self.layers = nn.ModuleList(
-            Block(s, SparseMoE(s.hidden_size, s.moe_intermediate_size, s.experts, s.experts_per_tok, s.norm_topk_prob)
-                  if s.is_moe(i) else None) for i in range(s.num_layers))
+            Block(s, SparseMoE(s.hidden_size, s.moe_intermediate_size, s.experts, s.experts_per_tok, s.norm_topk_prob,
+                               MLP) if s.is_moe(i) else None) for i in range(s.num_layers))
 
     def fuse_layers(self) -> bool:
         """Run each layer as a few C calls (kernels/layers.py) when every linear layer of the model

@@ -7,11 +7,16 @@ transformers Qwen3MoeTopKRouter); DeepSeek's grouped sigmoid router lives with i
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from specpack.runtime.models.dense import MLP
+
+
+class Fp32Router(nn.Module):
+    """A router (this module's and DeepSeek's grouped sigmoid one): kept in fp32 by `keep_routers_fp32`."""
 
 
 def dispatch(x: Tensor, ids: Tensor, weights: Tensor, experts: nn.ModuleList) -> Tensor:
@@ -23,7 +28,7 @@ def dispatch(x: Tensor, ids: Tensor, weights: Tensor, experts: nn.ModuleList) ->
     return out
 
 
-class SoftmaxRouter(nn.Module):
+class SoftmaxRouter(Fp32Router):
     """Softmax over the experts' logits, the top k kept (renormalized to sum 1 with `renormalize`)."""
 
     def __init__(self, experts: int, hidden: int, k: int, renormalize: bool):
@@ -51,10 +56,10 @@ class SoftmaxRouter(nn.Module):
 class SparseMoE(nn.Module):
     """Qwen3-MoE's MLP: `gate` (the router) and `experts.{e}` (gate and up fused, as every MLP here)."""
 
-    def __init__(self, hidden: int, inter: int, experts: int, k: int, renormalize: bool):
+    def __init__(self, hidden: int, inter: int, experts: int, k: int, renormalize: bool, expert: Callable):
         super().__init__()
         self.gate = SoftmaxRouter(experts, hidden, k, renormalize)
-        self.experts = nn.ModuleList(MLP(hidden, inter) for _ in range(experts))
+        self.experts = nn.ModuleList(expert(hidden, inter) for _ in range(experts))  # `expert`: dense.MLP
 
     def forward(self, x: Tensor) -> Tensor:
         return dispatch(x, *self.gate(x), self.experts)
@@ -62,9 +67,7 @@ class SparseMoE(nn.Module):
 
 def keep_routers_fp32(model: nn.Module) -> nn.Module:
     """Every router of `model` (either kind) in fp32, whatever the model's dtype (as transformers)."""
-    from specpack.runtime.models.deepseek import Router
-
     for module in model.modules():
-        if isinstance(module, (Router, SoftmaxRouter)):
+        if isinstance(module, Fp32Router):
             module.float()
     return model

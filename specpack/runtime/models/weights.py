@@ -142,7 +142,7 @@ def architecture(model_dir) -> str | None:
 def target_spec(model_dir):
     """The spec `load_target` builds its model from (`DeepseekSpec` or `TargetSpec`), reading no weights."""
     if architecture(model_dir) in DEEPSEEK_ARCHITECTURES:
-        from specpack.runtime.models.deepseek import load_deepseek_spec
+        from specpack.families.deepseek import load_deepseek_spec
 
         return load_deepseek_spec(model_dir)
     return load_target_spec(model_dir)
@@ -152,16 +152,24 @@ def load_target(model_dir, device="cpu", dtype=torch.float32):
     """Build our decoder from a transformers model directory (config.json + safetensors): a
     `DeepseekTransformer` for DeepSeek-V3-style architectures, else our `Transformer`."""
     from specpack.runtime.models.dense import Transformer
-
-    if architecture(model_dir) in DEEPSEEK_ARCHITECTURES:
-        from specpack.runtime.models.deepseek import load_deepseek
-
-        return load_deepseek(model_dir, device, dtype)
     from specpack.runtime.models.moe import keep_routers_fp32
 
+    if architecture(model_dir) in DEEPSEEK_ARCHITECTURES:
+        return load_deepseek(model_dir, device, dtype)
     spec = load_target_spec(model_dir)
     return keep_routers_fp32(build_decoder(model_dir, spec, target_tensor_shapes, fuse_layer, Transformer, device,
                                            dtype))
+
+
+def load_deepseek(model_dir, device="cpu", dtype=torch.float32):
+    """Build a `DeepseekTransformer` from a transformers model directory (config.json + safetensors)."""
+    from specpack.families import deepseek as family
+    from specpack.runtime.models.deepseek import DeepseekTransformer, layer_state
+    from specpack.runtime.models.moe import keep_routers_fp32
+
+    spec = family.load_deepseek_spec(model_dir)
+    return keep_routers_fp32(build_decoder(model_dir, spec, family.target_tensor_shapes, layer_state,
+                                           DeepseekTransformer, device, dtype))
 
 
 # where a checkpoint keeps its decoder and head: causal LMs; multimodal wrappers as published
