@@ -158,3 +158,11 @@ def test_the_c_kernels_call_no_file_back():
     edges = {(name, defined[c]) for name, text in code.items() for c in set(re.findall(r"\b(sp_\w+)\s*\(", text))
              if c in defined and defined[c] != name}
     assert _cycles(edges) == [], edges
+
+
+def test_package_init_files_only_hand_names_on():
+    """A package's code lives in its modules; its __init__.py imports and re-exports (the root's lazy
+    `specpack.load`, which keeps `import specpack` cheap, aside)."""
+    defining = [str(p.relative_to(ROOT)) for p in ROOT.rglob("__init__.py") if p.parent != ROOT and any(
+        isinstance(n, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) for n in ast.parse(p.read_text()).body)]
+    assert defining == []

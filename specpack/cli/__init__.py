@@ -1,39 +1,11 @@
 """The `specpack` command line: thin commands that parse, call one library function, print.
 
 Commands live in one module per family (artifact, runtime, publish, train); each registers on `cli`.
-"""
+The package hands on `cli` and `main` (main.py)."""
 
 from __future__ import annotations
 
-import os
-import sys
-
-import click
-
-from specpack._output import error
-from specpack.cli import artifact, publish, runtime, train  # noqa: F401  (register the commands)
 from specpack.cli._common import cli
-from specpack.errors import SpecpackError
+from specpack.cli.main import main
 
 __all__ = ["cli", "main"]
-
-
-def main() -> None:
-    json_mode = "--json" in sys.argv
-    try:
-        cli.main(standalone_mode=False)
-    except SpecpackError as exc:
-        if os.environ.get("SPECPACK_TRACEBACK"):
-            raise
-        error(exc, json_mode)
-        sys.exit(exc.exit_code)
-    except (click.exceptions.Abort, KeyboardInterrupt):
-        click.echo("interrupted: nothing was left behind", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-
-
-if __name__ == "__main__":
-    main()

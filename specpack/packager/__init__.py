@@ -9,35 +9,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
+from specpack.packager.artifacts import describe, sign_artifact
 from specpack.packager.artifact import read_manifest
 from specpack.packager.build import BuildOptions, BuildResult, NgramParams, build
 from specpack.packager.signing import keygen
 from specpack.packager.verify import VerifyReport, verify
-from specpack.schemas import SIGNATURE_NAME
 
 __all__ = ["BuildOptions", "BuildResult", "NgramParams", "VerifyReport", "build", "describe",
-           "keygen", "sign_artifact", "verify"]
-
-
-def sign_artifact(artifact: Path, key: Path, progress: bool = False) -> VerifyReport:
-    """Check every digest of `artifact`, then write (or replace) its signature with `key`, in one
-    step: a bad key or an interruption leaves the artifact as it was."""
-    from specpack.packager.update import check_update_options, recover, update_artifact
-
-    check_update_options(artifact, key)
-    recover(artifact)
-    report = verify(artifact, progress=progress)
-    with update_artifact(artifact, key=key):
-        pass  # nothing but the signature changes
-    return report
-
-
-def describe(artifact: Path) -> dict:
-    """What `specpack inspect` shows: the manifest plus signature presence, as plain data."""
-    m = read_manifest(artifact)
-    data = m.model_dump(mode="json", exclude_none=True)
-    data["signed"] = (Path(artifact) / SIGNATURE_NAME).is_file()
-    data["total_bytes"] = sum(f.size for f in m.files)
-    return data
+           "keygen", "read_manifest", "sign_artifact", "verify"]

@@ -13,24 +13,11 @@ these targets). One module per layout:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from specpack.converters.release_dspark import deepseek_v4, minimax_m31
 from specpack.converters.release_dspark.common import KIND
+from specpack.converters.release_dspark.deepseek_v4 import SPEC, convert_in_target, problems
+from specpack.converters.release_dspark.minimax_m31 import convert, detect
 
-SPEC = deepseek_v4.SPEC
 LAYOUTS = (deepseek_v4.LAYOUT, minimax_m31.LAYOUT)
-
-
-def detect(path: Path) -> str | None:
-    return minimax_m31.detect(path)
-
-
-def convert(path: Path, target):
-    return minimax_m31.convert(path, target)
-
-
-convert_in_target = deepseek_v4.convert_in_target
-problems = deepseek_v4.problems
 
 __all__ = ["KIND", "LAYOUTS", "SPEC", "convert", "convert_in_target", "detect", "problems"]

@@ -1,22 +1,10 @@
-"""The drafters, one module per kind, and their registry (see base.py for what each implements)."""
+"""The drafters, one module per kind, and their registry (see base.py for what each implements).
+
+The package hands on the names of registry.py."""
 
 from __future__ import annotations
 
-from specpack.errors import UnsupportedError
-from specpack.runtime.drafters.block import load_block
-from specpack.runtime.drafters.draft_model import load_draft_model
-from specpack.runtime.drafters.eagle3 import load_eagle3
-from specpack.runtime.drafters.mtp import load_mtp
-from specpack.runtime.drafters.ngram import load_ngram
+from specpack.runtime.drafters.registry import (
+    DRAFTERS, load_drafter)
 
-# kind -> loader(params: dict | None, drafter_dir: path | None, target) -> drafter module
-DRAFTERS = {"eagle3": load_eagle3, "ngram": load_ngram, "mtp": load_mtp, "draft_model": load_draft_model,
-            "block": load_block}
-
-
-def load_drafter(kind: str, params: dict | None, drafter_dir, target):
-    """The drafter of `kind` for `target`, from a canonical drafter dir (None for n-gram defaults)."""
-    if kind not in DRAFTERS:
-        raise UnsupportedError(f"drafter kind {kind!r} is not supported by the torch runtime",
-                               hint="supported: " + ", ".join(DRAFTERS))
-    return DRAFTERS[kind](params, drafter_dir, target)
+__all__ = ["DRAFTERS", "load_drafter"]
