@@ -160,3 +160,68 @@ def write_llama_gguf(path: Path, model, tokenizer_dir: Path | None = None, types
     writer.write_tensors_to_file()
     writer.close()
     return Path(path)
+
+
+# llama.cpp's EAGLE-3 drafter GGUF (convert_hf_to_gguf.py / conversion/llama.py `is_eagle3` in the llama.cpp the
+# llama-cpp-python 0.3.36 sdist vendors): canonical head name -> GGUF name
+EAGLE3_NAMES = {"fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+                "embed_tokens.weight": "token_embd.weight",
+                "layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
+                "layers.0.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+                "layers.0.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+                "layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+                "layers.0.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+                "layers.0.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+                "layers.0.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+                "layers.0.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+                "layers.0.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+                "layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight"}
+
+
+def write_eagle3_gguf(path: Path, head: dict, cfg, target_layers: list[int], target_vocab: int, arch: str = "eagle3",
+                      metadata: dict | None = None, extra_tensors=(), drop=()) -> Path:
+    """An EAGLE-3 head (canonical names, `head`) written as llama.cpp's converter writes it: `eagle3.*`
+    metadata (target_layers as the converter copies them, counted as input of layer i by
+    common/speculative.cpp), q/k rows permuted (LlamaModel.permute), d2t as absolute target ids (I64)."""
+    from gguf import GGMLQuantizationType as T
+    from gguf import GGUFWriter
+
+    heads, kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    writer = GGUFWriter(str(path), arch)
+    fields = {"block_count": 1, "context_length": cfg.max_position_embeddings, "embedding_length": cfg.hidden_size,
+              "feed_forward_length": cfg.intermediate_size, "attention.head_count": heads,
+              "attention.head_count_kv": kv, "attention.layer_norm_rms_epsilon": float(cfg.rms_norm_eps),
+              "rope.freq_base": float(cfg.rope_parameters["rope_theta"]), "rope.dimension_count": head_dim,
+              "vocab_size": target_vocab, "target_hidden_size": cfg.hidden_size, "target_layers": target_layers,
+              "norm_before_residual": False, "norm_before_fc": False, **(metadata or {})}
+    for key, value in fields.items():
+        name = f"{arch}.{key}"
+        if isinstance(value, bool):
+            writer.add_bool(name, value)
+        elif isinstance(value, list):
+            writer.add_array(name, value)
+        elif isinstance(value, float):
+            writer.add_float32(name, value)
+        else:
+            writer.add_uint32(name, value)
+    for name, tensor in head.items():
+        if name in drop or name == "t2d":
+            continue
+        if name == "d2t":
+            ids = tensor.numpy().astype(np.int64)
+            writer.add_tensor("d2t", ids + np.arange(ids.size, dtype=np.int64), raw_dtype=T.I64)
+            continue
+        w = tensor.detach().float().numpy()
+        if name.endswith("q_proj.weight"):
+            w = llama_cpp_permute(w, heads, heads)
+        elif name.endswith("k_proj.weight"):
+            w = llama_cpp_permute(w, heads, kv)
+        writer.add_tensor(EAGLE3_NAMES[name], np.ascontiguousarray(w))
+    for name, data, qtype in extra_tensors:
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -16,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specpack.converters import block, draft_model, eagle3, mtp, ngram, release_dspark, speculators
-from specpack.errors import InputError
+from specpack.errors import InputError, UnsupportedError
 
 # family -> module, in detection order (the first whose `detect` names a layout wins); block drafters
 # first: they hold `fc` and `layers.0.*` like a ModelOpt EAGLE-3 head, and speculators configs of them
@@ -35,6 +35,8 @@ def detect_drafter(spec: str) -> tuple[str, str]:
     if str(spec) == release_dspark.SPEC:
         return release_dspark.KIND, release_dspark.deepseek_v4.LAYOUT
     path = Path(spec)
+    if path.is_file() and path.suffix == ".gguf":
+        return _gguf_drafter(path)
     if not path.is_dir():
         raise InputError(f"drafter '{spec}' is neither 'ngram', 'mtp', '{release_dspark.SPEC}' nor a directory",
                          hint="pass a drafter directory (config.json + weights), 'mtp', 'ngram' or 'bundled'")
@@ -47,3 +49,15 @@ def detect_drafter(spec: str) -> tuple[str, str]:
                           ", ".join(block.LAYOUTS) + "), MTP heads (" + ", ".join(mtp.LAYOUTS) +
                           "), MiniMax-M3.1's dspark/, draft models (Hugging Face causal LMs), 'mtp', 'dspark-stages' and "
                           "'ngram'")
+
+
+def _gguf_drafter(path: Path) -> tuple[str, str]:
+    """A llama.cpp drafter GGUF: EAGLE-3 is read; another architecture is refused, naming it."""
+    from specpack.converters import eagle3_gguf
+
+    layout = eagle3_gguf.detect(path)
+    if layout is None:
+        raise UnsupportedError(f"'{path}' is not a drafter GGUF specpack reads",
+                               hint="llama.cpp EAGLE-3 drafter GGUFs (general.architecture eagle3) are read; a target "
+                                    "GGUF goes through `specpack import-gguf`")
+    return "eagle3", layout

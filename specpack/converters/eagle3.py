@@ -48,6 +48,8 @@ LAYOUTS = {
     "eagle3-modelopt": (_MODELOPT, "output_of_layer"),
     # vLLM speculators (converters/speculators.py reads its nested config): canonical names already
     "eagle3-speculators": ({k: k for k in REQUIRED + OPTIONAL}, "input_of_layer"),
+    # llama.cpp's drafter GGUF (converters/eagle3_gguf.py renames to canonical; speculative.cpp: input of layer i)
+    "eagle3-llamacpp": ({k: k for k in REQUIRED + OPTIONAL}, "input_of_layer"),
 }
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from specpack._version import __version__
 from specpack._atomic import save_safetensors, staging_dir
-from specpack.converters import (DRAFTER_FAMILIES, bundled, detect_drafter, mtp, ngram, release_dspark, remote_code,
-                                 target_hf)
+from specpack.converters import (DRAFTER_FAMILIES, bundled, detect_drafter, eagle3_gguf, mtp, ngram, release_dspark,
+                                 remote_code, target_hf)
 from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter
 from specpack.packager import card
 from specpack.errors import ConversionError, InputError
@@ -103,6 +103,8 @@ def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDr
         return ngram.convert(opts.ngram.min_n, opts.ngram.max_n, opts.ngram.draft_len, opts.ngram.match)
     if layout == mtp.IN_TARGET:
         return mtp.convert_in_target(target, allow_reuse=opts.mtp_allow_reuse)
+    if layout == eagle3_gguf.LAYOUT:
+        return eagle3_gguf.convert(Path(opts.drafter), target, aux=opts.aux, allow_mismatch=opts.allow_target_mismatch)
     if family == release_dspark.KIND and layout == release_dspark.deepseek_v4.LAYOUT:
         return release_dspark.convert_in_target(target)
     module, path = DRAFTER_FAMILIES[family], Path(opts.drafter)

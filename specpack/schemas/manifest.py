@@ -197,7 +197,8 @@ class AuxLayers(_Strict):
 
 class Eagle3Drafter(_CheckedDrafter):
     kind: Literal["eagle3"] = "eagle3"
-    source_layout: Literal["eagle3-official", "eagle3-sglang", "eagle3-modelopt", "eagle3-speculators"] = \
+    source_layout: Literal["eagle3-official", "eagle3-sglang", "eagle3-modelopt", "eagle3-speculators",
+                           "eagle3-llamacpp"] = \
         Field(description="The published layout the head was converted from.")
     source: Source = Field(description="Where the head was read from.")
     config: str = Field("drafter/config.json", description="Canonical drafter config.")
