@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import re
+import sys
 from pathlib import Path
 
 import click
@@ -11,14 +13,59 @@ from specpack._version import __version__
 from specpack.runtime.options import KV_CACHES, WEIGHTS as WEIGHT_CHOICES
 
 JSON = click.option("--json", "json_mode", is_flag=True, help="Print one JSON object for scripts.")
-PUBKEY = click.option("--key", "public_key", type=click.Path(path_type=Path),
-                      envvar="SPECPACK_PUBLIC_KEY",
-                      help="Public key (PEM) to check the signature with [env: SPECPACK_PUBLIC_KEY].")
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def renamed(old: str, new: str):
+    """An option callback: the value as given, with a warning when it came under its old spelling (every
+    command names a private key `--signing-key` and a public one `--trust-key`; issue 62)."""
+    def warn(ctx, param, value):
+        if value is not None and any(a == old or a.startswith(old + "=") for a in sys.argv[1:]):
+            click.echo(f"warning: {old} is deprecated for this command; use {new}", err=True)
+        return value
+    return warn
+
+
+PUBKEY = click.option("--trust-key", "--key", "public_key", type=click.Path(path_type=Path),
+                      envvar="SPECPACK_PUBLIC_KEY", callback=renamed("--key", "--trust-key"),
+                      help="Public key (PEM) to check the signature with [env: SPECPACK_PUBLIC_KEY]; "
+                           "`--key` is its old name.")
+
+
+def signing_key(required: bool = False, help: str = "EC private key (PEM) to sign with"):
+    """`--signing-key` (old name `--key`) [env: SPECPACK_SIGNING_KEY]."""
+    return click.option("--signing-key", "--key", "key", required=required, type=click.Path(path_type=Path),
+                        envvar="SPECPACK_SIGNING_KEY", callback=renamed("--key", "--signing-key"),
+                        help=f"{help} [env: SPECPACK_SIGNING_KEY]; `--key` is its old name.")
+
+
+VERBOSE = re.compile(r"-v+|--verbose")
+
+
+def hoist_verbose(args: list[str]) -> list[str]:
+    """`-v` / `-vv` / `--verbose` given after the command name moved before it, where the group reads
+    them (`specpack run ART -v` works as `specpack -v run ART`); what follows `--` is an engine's and
+    stays where it is."""
+    out, hoisted, command_seen = [], [], False
+    for i, arg in enumerate(args):
+        if arg == "--":
+            out += args[i:]
+            break
+        if command_seen and VERBOSE.fullmatch(arg):
+            hoisted.append(arg)
+            continue
+        command_seen = command_seen or not arg.startswith("-")
+        out.append(arg)
+    return hoisted + out
+
+
+class _Group(click.Group):
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        return super().parse_args(ctx, hoist_verbose(list(args)))
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="specpack")
-@click.option("-v", "--verbose", count=True, help="Log more (-v info, -vv debug).")
+@click.option("-v", "--verbose", count=True, help="Log more (-v info, -vv debug); before or after the command.")
 def cli(verbose: int) -> None:
     """Ship an LLM and its speculative-decoding drafter as one signed artifact, and run it.
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from specpack._output import emit, progress_enabled, table
-from specpack.cli._common import JSON, PUBKEY, cli
+from specpack.cli._common import JSON, PUBKEY, cli, signing_key
 
 
 @cli.command()
@@ -19,9 +19,8 @@ from specpack.cli._common import JSON, PUBKEY, cli
                    "one drafter the release ships: MTP or DSpark stages in its weights, or a subfolder such as "
                    "dspark/; `specpack inspect TARGET` lists them) or 'ngram'.")
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")
-@click.option("--key", type=click.Path(path_type=Path), envvar="SPECPACK_SIGNING_KEY",
-              help="EC private key (PEM) to sign with [env: SPECPACK_SIGNING_KEY]. Without it the "
-                   "artifact is unsigned: digests still guard integrity; sign later with `specpack sign`.")
+@signing_key(help="EC private key (PEM) to sign with. Without it the artifact is unsigned: digests still guard "
+                  "integrity; sign later with `specpack sign`")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @click.option("--aux-layer-ids", "--target-layer-ids", "aux_layer_ids",
               help="Target layers whose hidden states feed the drafter's fc, e.g. 2,16,29: overrides an EAGLE-3 "
@@ -105,8 +104,7 @@ def keygen(prefix, force, json_mode):
 
 @cli.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--key", required=True, type=click.Path(path_type=Path), envvar="SPECPACK_SIGNING_KEY",
-              help="EC private key (PEM) [env: SPECPACK_SIGNING_KEY].")
+@signing_key(required=True, help="EC private key (PEM)")
 @JSON
 def sign(artifact, key, json_mode):
     """Check ARTIFACT's digests, then sign it (replacing any old signature).

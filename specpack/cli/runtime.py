@@ -7,8 +7,8 @@ from pathlib import Path
 import click
 
 from specpack._output import emit, progress_enabled
-from specpack.cli._common import (BACKEND, DEVICE, DTYPE, JSON, KV_CACHE, PUBKEY, WEIGHTS, cli, int_list,
-                                  tree_shape)
+from specpack.cli._common import (BACKEND, DEVICE, DTYPE, JSON, KV_CACHE, PUBKEY, WEIGHTS, cli, int_list, renamed,
+                                  signing_key, tree_shape)
 from specpack.cli._common import tree_shapes as parse_tree_shapes
 
 
@@ -112,12 +112,13 @@ def _run_summary(r: dict) -> str:
 @click.option("--max-new-tokens", default=128, show_default=True, type=int,
               help="New tokens per prompt when a workload line sets no max_tokens.")
 @click.option("--repeats", default=2, show_default=True, type=int, help="Passes per setting; the fastest is kept.")
-@click.option("--key", type=click.Path(path_type=Path), envvar="SPECPACK_SIGNING_KEY",
-              help="EC private key (PEM) to re-sign with [env: SPECPACK_SIGNING_KEY]; needed if ARTIFACT is signed.")
+@signing_key(help="EC private key (PEM) to re-sign with; needed if ARTIFACT is signed")
 @click.option("--plot", "plot_dir", type=click.Path(path_type=Path),
               help="Save PNG charts (tokens/s vs draft length, acceptance per position) here; needs matplotlib.")
-@click.option("--public-key", type=click.Path(path_type=Path), envvar="SPECPACK_PUBLIC_KEY",
-              help="Public key (PEM) to check the signature with before tuning [env: SPECPACK_PUBLIC_KEY].")
+@click.option("--trust-key", "--public-key", "public_key", type=click.Path(path_type=Path), envvar="SPECPACK_PUBLIC_KEY",
+              callback=renamed("--public-key", "--trust-key"),
+              help="Public key (PEM) to check the signature with before tuning [env: SPECPACK_PUBLIC_KEY]; "
+                   "`--public-key` is its old name.")
 @click.option("--engine", type=click.Choice(["specpack", "vllm"]), default="specpack", show_default=True,
               help="Measure through specpack's own engine, or through vLLM's server started on the verified artifact "
                    "(SPECPACK_VLLM or PATH); the profile is then for `serve --engine vllm`. Flags after `--` go to vLLM.")
