@@ -601,3 +601,15 @@ def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, caplog, host, 
     monkeypatch.setattr("uvicorn.run", lambda *a, **k: None)
     serve_module.run(serve_module.ServerPlan(None, "m", None, needs_key=key is not None), host=host)
     assert ("no API key" in caplog.text) == warned
+
+
+def test_serve_says_each_start_phase_and_when_it_is_ready(artifact, cli, monkeypatch):
+    """A start that takes half a minute says what it is doing, timed (issue 62 item 2)."""
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: None)
+    code, _, err = cli("serve", artifact, "--port", "8123")
+    assert code == 0, err
+    lines = err.splitlines()
+    verifying = next(i for i, line in enumerate(lines) if "verifying and loading" in line)
+    measuring = next(i for i, line in enumerate(lines) if "measuring this machine's cost curve" in line)
+    ready = next(i for i, line in enumerate(lines) if line.endswith("] ready"))
+    assert verifying < measuring < ready and lines[ready].startswith("[") and "serving 'tiny-ngram'" in err

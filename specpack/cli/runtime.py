@@ -269,14 +269,23 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
                              public_key, api_key)
     if engine_args or no_spec or tp != 1:
         raise click.UsageError("--tp, --no-spec and engine flags after `--` are for --engine vllm|sglang|trtllm")
+    import time
+
     from specpack.serving.serve import prepare, run as run_server
+
+    start = time.perf_counter()
+
+    def phase(words: str) -> None:
+        click.echo(f"[{time.perf_counter() - start:5.1f}s] {words}", err=True)
 
     plan = prepare(artifact, profile=profile, backend=backend, device=device, dtype=dtype, weights=weights,
                    kv_cache=kv_cache, public_key=public_key, model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
                    draft_tree=tree_shape(draft_tree, "--draft-tree"), lookup=lookup,
                    progress=progress_enabled(False), api_key=api_key, max_body_bytes=max_body_bytes,
-                   max_seqs=max_seqs, max_model_len=max_model_len, max_queue=max_queue, prefill_chunk=prefill_chunk)
+                   max_seqs=max_seqs, max_model_len=max_model_len, max_queue=max_queue, prefill_chunk=prefill_chunk,
+                   phase=phase)
     click.echo(plan.selection.message, err=True)
+    phase("ready")
     click.echo(f"serving '{plan.model_name}' at http://{host}:{port}/v1 (OpenAI-compatible; also /health, "
                "/metrics)", err=True)
     run_server(plan, host, port)

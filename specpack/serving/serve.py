@@ -74,13 +74,15 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
             draft_len: Optional[int] = None, progress: bool = False, api_key: Optional[str] = None,
             draft_tree=None, lookup: int | None = None,
             max_body_bytes: int = MAX_BODY_BYTES, max_seqs: int = MAX_SEQS, max_model_len: Optional[int] = None,
-            max_queue: Optional[int] = None, prefill_chunk: int = 64, measure_cost: bool = True) -> ServerPlan:
+            max_queue: Optional[int] = None, prefill_chunk: int = 64, measure_cost: bool = True,
+            phase=None) -> ServerPlan:
     """Verify and load `artifact` on `backend`, pick its best runnable profile (or `profile`), plan the
     KV cache (`max_seqs` slots of `max_model_len` positions, fewer when memory is short), build the app.
     `max_concurrency` / `draft_len` / `draft_tree` (a TreeShape; top-k 1: chains) override what the
     profile says, and so does `lookup` N: drafts copies of the context where it repeats (engine Request.lookup);
     `api_key` is required from clients on every route but /health; with `measure_cost` the engine's
-    cost curve is measured at start when the profile has none."""
+    cost curve is measured at start when the profile has none. `phase(words)` is told each step as it
+    starts (the CLI prints them: a start that takes half a minute says what it is doing)."""
     from specpack.runtime.api import load, require
     from specpack.runtime.engine.engine import check_tree
     from specpack.schemas.manifest import check_draft_len
@@ -90,7 +92,9 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     require("fastapi", "serve")
     _check_options(max_concurrency, draft_len, api_key, max_body_bytes, max_seqs, max_model_len, max_queue,
                    prefill_chunk, lookup)
+    say = phase or (lambda words: None)
     engines = {"max_sequences": max_seqs} if backend == "tensorrt" else {}  # the engines' sequence dimension
+    say(f"verifying and loading {artifact} ({backend}, {weights} weights)")
     model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress, weights=weights,
                  kv_cache=kv_cache, backend=backend, **engines)
     selection = select_profile(model.manifest, device, dtype, wanted=profile, backend=backend, weights=weights,
@@ -105,6 +109,8 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
     if selection.speculative and hasattr(model.drafter, "check_draft_len"):  # MTP: refuse at start, not per request
         model.drafter.check_draft_len(draft_len)
     slots, max_len = plan_kv(model, dtype, max_seqs, max_model_len)
+    if measure_cost and selection.speculative:
+        say("measuring this machine's cost curve (what drafting and verifying cost per step)")
     scheduler = Scheduler(model, slots, max_len, draft_len, speculative=selection.speculative,
                           max_queue=max_queue if max_queue is not None else 4 * slots, prefill_chunk=prefill_chunk,
                           max_concurrency=max_concurrency if max_concurrency is not None else selection.max_concurrency,
