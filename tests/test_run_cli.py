@@ -84,6 +84,20 @@ def test_run_without_a_profile_measures_a_cost_curve_once_per_model(ngram_artifa
         assert spec["token_ids"] == plain["token_ids"] and spec["cost_curve"]["rows"] == [1, 2, 4, 8]
     assert len(calls) == 1 and isinstance(model, spec_model.SpecModel)
 
+def test_run_says_each_start_phase_before_the_first_token(ngram_artifact):
+    """Startup that says what it does: loading, then measuring the cost curve (only when one is
+    measured), then generating; nothing is said for an already loaded model's load."""
+    from specpack.serving.generate import GenerateRequest, generate_text
+
+    said = []
+    generate_text(ngram_artifact, GenerateRequest(PROMPT, max_new_tokens=4), phase=said.append)
+    assert said[0].startswith(f"verifying and loading {ngram_artifact}") and "torch, fp32 weights" in said[0]
+    assert said[1].startswith("measuring this machine's cost curve") and said[2:] == ["generating"]
+    fixed = []
+    generate_text(ngram_artifact, GenerateRequest(PROMPT, max_new_tokens=4, draft_len=2), phase=fixed.append)
+    assert len(fixed) == 2 and fixed[1] == "generating"  # drafted as given: nothing measured
+
+
 def test_run_with_draft_trees_equals_no_spec(ngram_artifact, cli):
     tree = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "40", "--draft-tree", "3x8")
     plain = _run_json(cli, ngram_artifact, "--prompt", PROMPT, "--max-new-tokens", "40", "--no-spec")

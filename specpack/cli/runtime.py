@@ -68,14 +68,23 @@ def run(artifact, prompt, prompt_file, chat, max_new_tokens, temperature, top_k,
                               draft_len=draft_len, speculative=not no_spec, stop=list(stop),
                               profile=profile, draft_tree=tree_shape(draft_tree, "--draft-tree"), lookup=lookup)
     writer = None if json_mode else (lambda s: click.echo(s, nl=False))
+    chatty = progress_enabled(json_mode)
     result = generate_text(artifact, request, public_key=public_key, device=device, dtype=dtype,
-                           write=writer, progress=progress_enabled(json_mode), backend=backend, weights=weights,
-                           kv_cache=kv_cache)
+                           write=writer, progress=chatty, backend=backend, weights=weights,
+                           kv_cache=kv_cache, phase=_phase_printer() if chatty else None)
     if json_mode:
         emit(result, True)
     else:
         click.echo()
         click.echo(_run_summary(result), err=True)
+
+
+def _phase_printer():
+    """Print each start phase on stderr with the seconds since the command began."""
+    import time
+
+    start = time.perf_counter()
+    return lambda words: click.echo(f"[{time.perf_counter() - start:5.1f}s] {words}", err=True)
 
 
 def _run_summary(r: dict) -> str:
@@ -269,15 +278,9 @@ def serve(artifact, host, port, profile, model_name, max_concurrency, draft_len,
                              public_key, api_key)
     if engine_args or no_spec or tp != 1:
         raise click.UsageError("--tp, --no-spec and engine flags after `--` are for --engine vllm|sglang|trtllm")
-    import time
-
     from specpack.serving.serve import prepare, run as run_server
 
-    start = time.perf_counter()
-
-    def phase(words: str) -> None:
-        click.echo(f"[{time.perf_counter() - start:5.1f}s] {words}", err=True)
-
+    phase = _phase_printer()
     plan = prepare(artifact, profile=profile, backend=backend, device=device, dtype=dtype, weights=weights,
                    kv_cache=kv_cache, public_key=public_key, model_name=model_name, max_concurrency=max_concurrency, draft_len=draft_len,
                    draft_tree=tree_shape(draft_tree, "--draft-tree"), lookup=lookup,

@@ -52,9 +52,10 @@ def engine_settings(model, selection, slots: int = 1, measure: bool = False, dra
 def generate_text(artifact, req: GenerateRequest, public_key=None, device: str = "cpu",
                   dtype: str = "float32", write: Callable[[str], None] | None = None,
                   progress: bool = False, model=None, backend: str = "torch", weights: str = "fp32",
-                  kv_cache: str = "model") -> dict:
+                  kv_cache: str = "model", phase: Callable[[str], None] | None = None) -> dict:
     """Generate for `req` from the artifact (or an already loaded `model`) and return the text,
-    token ids and figures as plain data (the `--json` shape of `specpack run`)."""
+    token ids and figures as plain data (the `--json` shape of `specpack run`); `phase(words)` is told
+    each step before the first token (loading, measuring) as it starts."""
     from specpack.errors import InputError
     from specpack.runtime.api import load
     from specpack.runtime.text import TextStream, encode_prompt, stop_sequences
@@ -63,8 +64,11 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
 
     if req.temperature < 0:
         raise InputError(f"temperature {req.temperature} is negative", hint="use 0 (greedy) or more")
-    model = model or load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress,
-                          backend=backend, weights=weights, kv_cache=kv_cache)
+    say = phase or (lambda words: None)
+    if model is None:
+        say(f"verifying and loading {artifact} ({backend}, {weights} weights)")
+        model = load(artifact, public_key=public_key, device=device, dtype=dtype, progress=progress,
+                     backend=backend, weights=weights, kv_cache=kv_cache)
     tok = model.tokenizer
     ids = encode_prompt(tok, req.prompt, req.chat)
     stream = TextStream(tok, write or (lambda s: None), stops=list(req.stop))
@@ -78,7 +82,10 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     tree = tree if tree is not None and tree.topk > 1 else None
     lookup = req.lookup if req.lookup is not None else chosen.lookup
     fixed = req.draft_len is not None  # drafted as given: no cost model (not a profile's either), no adaptation
+    if speculative and not fixed:
+        say("measuring this machine's cost curve (what drafting and verifying cost per step)")
     settings = {} if fixed else engine_settings(model, chosen, measure=speculative)
+    say("generating")
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,
                             temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
                             seed=req.seed, stop=stop_sequences(tok, req.stop), speculative=speculative,
