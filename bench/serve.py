@@ -27,7 +27,7 @@ server have read up to 3.5% apart here: to judge a few-% goal, use --restart, 8+
 Prints aggregate completion tokens/s, mean time to first token, p50/p95 request latency, errors, and
 whether every output equals the same server's 1-client output, plus the ratios the issue's goals name
 (per level, on / off over the rounds with its 95% interval). Never part of CI (it starts servers and
-takes minutes). Build llama.cpp as ../shared/PERF-NOTES.md says, then:
+takes minutes). Build llama.cpp as docs/development.md says, then:
 
     python bench/serve.py --llama-cpp /path/to/llama.cpp [--clients 1,4,8,16] [--requests 16] [--weights w8a8]
                           [--kv-cache fp16]

@@ -1,4 +1,4 @@
-"""Canonical block drafter dirs (BLOCK-CANONICAL.md) with random weights, built in code."""
+"""Canonical block drafter dirs (docs/format.md) with random weights, built in code."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Canonical EAGLE-3 drafter dirs for tiny targets, and an independent reference forward of the head.
 
-The reference follows the published description (FORMATS.md, EAGLE `cnets.py`) with plain tensor
+The reference follows the published description (EAGLE `cnets.py`) with plain tensor
 ops and no KV cache: every draft step recomputes the whole sequence.
 """
 

@@ -173,7 +173,7 @@ def edit(path: Path, add: dict | None = None, drop=(), rename: dict | None = Non
 
 def deepseek_v4_dspark(path: Path, stages: int = 3, ids=(1, 2, 3), rank: int = 8, block: int = 5, noise: int = 7,
                        inference: bool = True) -> Path:
-    """DeepSeek-V4-Flash-DSpark (shared/RELEASES.md pair 1) from a DeepSeek-V4 fixture, written from vLLM's
+    """DeepSeek-V4-Flash-DSpark (layout B, docs/families.md) from a DeepSeek-V4 fixture, written from vLLM's
     DeepSeek-V4 DSpark draft module (models/deepseek_v4/dspark.py, "parameter names and weight loading
     matching the DSpark checkpoint"): stage k under `mtp.{k}.` is a DeepseekV4DecoderLayer (sliding-window
     attention `attn.{wq_a,q_norm,wq_b,wkv,kv_norm,wo_a,wo_b,attn_sink}`, `ffn.{gate.weight,gate.bias,
@@ -210,7 +210,7 @@ DSPARK_M31 = "language_model.model.dspark."
 
 def minimax_m31_dspark(path: Path, layers: int = 2, ids=(0, 2, 3), rank: int = 8, block: int = 7, noise: int = 380,
                        mxfp8: bool = True) -> Path:
-    """MiniMax-M3.1 with its published `dspark/` draft (RELEASES.md pair 2) beside a MiniMax-M3 fixture,
+    """MiniMax-M3.1 with its published `dspark/` draft (layout C, docs/families.md) beside a MiniMax-M3 fixture,
     written from the public schema validator of the released checkpoint (minimax_m31_dspark_checkpoint.py
     `validate_schema`, schema `minimax_m31_dspark_preview2`) at tiny sizes: `dspark/config.json` with
     architectures ["DSparkMiniMaxDraftModel"], quantization_config mxfp8 [1, 32] and the DSpark keys in
@@ -466,7 +466,7 @@ def modelopt_nvfp4(path: Path, hf_quant_file: bool = False, skip: tuple = ()) ->
 def mxfp8(path: Path, skip: tuple = (), scale: str = "weight_scale") -> Path:
     """MiniMax-style MXFP8 (vLLM modelopt.py ModelOptMxFp8Config.from_config): quant_method mxfp8,
     weight F8_E4M3 [o, i], weight_scale E8M0 [o, i/32] (one scale per 32 inputs of a row); MiniMax-M3's
-    releases and M3.1's dspark/ write the scales as `weight_scale_inv` U8 (RELEASES.md pair 2)."""
+    releases and M3.1's dspark/ write the scales as `weight_scale_inv` U8 (their published indexes)."""
     t = load_file(str(path / "model.safetensors"))
     add = {}
     for k in _linear_names(t, UNQUANTIZED + skip):

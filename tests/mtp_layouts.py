@@ -4,7 +4,7 @@ A tiny target with L layers and n MTP layers is cut from one transformers model 
 the first L layers are the target, layer L + k is the decoder block of MTP layer k (so its tensors have
 the published per-layer names, per-expert ones for MoE). The fusion tensors are added around it. The
 reference runs the published forward with transformers' own decoder layers, no cache, every row
-recomputed at every step (FORMATS.md; vLLM deepseek_mtp.py / mimo_mtp.py / qwen3_next_mtp.py).
+recomputed at every step (vLLM deepseek_mtp.py / mimo_mtp.py / qwen3_next_mtp.py).
 """
 
 from __future__ import annotations

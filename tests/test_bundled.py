@@ -77,7 +77,7 @@ def test_mtp_modules_in_the_weights_are_layout_a(tmp_path, cli):
 
 def test_dspark_markers_win_over_the_legacy_mtp_key_and_without_stages_bind_nothing(tmp_path, tiny_target, cli):
     """SGLang's checkpoint_bundles_dspark_draft rule: any dspark_* marker means DSpark stages, even where
-    the config keeps num_nextn_predict_layers (DeepSeek-V4-Flash-DSpark's config, RELEASES.md pair 1)."""
+    the config keeps num_nextn_predict_layers (DeepSeek-V4-Flash-DSpark's config)"""
     root = shutil.copytree(tiny_target, tmp_path / "v4like")
     cfg = read_json(root / "config.json")
     cfg.update(num_nextn_predict_layers=1, dspark_block_size=5, dspark_noise_token_id=7,
@@ -95,7 +95,7 @@ def test_dspark_markers_win_over_the_legacy_mtp_key_and_without_stages_bind_noth
 
 
 def test_dspark_stages_held_under_mtp_are_counted(tmp_path, tiny_target, cli):
-    """DeepSeek-V4-Flash-DSpark keeps its three stages under mtp.{0,1,2}.* (RELEASES.md pair 1: main_proj
+    """DeepSeek-V4-Flash-DSpark keeps its three stages under mtp.{0,1,2}.* (its published index: main_proj
     in mtp.0, the heads in mtp.2); inspect counts the stages the weights hold."""
     import torch
 

@@ -242,7 +242,7 @@ def test_mtp_modules_in_the_target_are_counted(made, family, add, layout, tmp_pa
 
 
 def test_a_config_that_states_mtp_its_weights_do_not_hold_says_so(made, tmp_path):
-    """A quantized re-upload keeps num_nextn_predict_layers and drops the layers (RELEASES.md pain 12)."""
+    """A quantized re-upload keeps num_nextn_predict_layers and drops the layers."""
     t = ff.edit(_copy(made, "deepseek_v3", tmp_path), config={"num_nextn_predict_layers": 1})
     mtp = _build(t, tmp_path / "art").target.arch.mtp
     assert (mtp.stated, mtp.held) == (1, 0)

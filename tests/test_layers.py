@@ -1,4 +1,4 @@
-"""The rooms import one way down the pipeline (DESIGN.md, issue 44): a lower room never imports a higher
+"""The rooms import one way down the pipeline (docs/development.md, issue 44): a lower room never imports a higher
 one, lazily inside a function or not, so no two rooms import each other. Read from the source with
 `ast`: every `import specpack.X` / `from specpack.X import ...` is an edge from its module's room."""
 

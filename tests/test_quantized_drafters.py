@@ -209,7 +209,7 @@ def test_an_8bit_eagle3_weight_without_a_scheme_is_refused(tmp_path, tiny_target
 
 
 def test_mxfp8_scales_named_weight_scale_inv_are_carried_as_weight_scale(tmp_path, tiny_target):
-    """MiniMax's releases name MXFP8 scales `weight_scale_inv` (RELEASES.md pair 2); the canonical drafter
+    """MiniMax's releases name MXFP8 scales `weight_scale_inv` (their published indexes); the canonical drafter
     carries them, bytes unchanged, as `weight_scale`, the name vLLM's MXFP8 linear reads."""
     head = _quantized(tmp_path, tiny_target, "mxfp8")
     before = load_file(head / "model.safetensors")["fc.weight_scale"]

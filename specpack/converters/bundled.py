@@ -1,4 +1,4 @@
-"""What a release bundles with its target (shared/RELEASES.md §0): MTP modules in the target's weights
+"""What a release bundles with its target (docs/families.md, the release layouts): MTP modules in the target's weights
 (layout A), DSpark stages declared by `dspark_*` keys on the target config (layout B), and drafters in
 a subfolder of the model repo with their own config and weights (layout C, MiniMax-M3.1's `dspark/`).
 
@@ -36,7 +36,7 @@ class Bundled:
     """One drafter a release bundles."""
 
     kind: str  # mtp | release_dspark | block | eagle3 | draft_model
-    layout: str  # the RELEASES.md layout: A (MTP in the target), B (DSpark stages in the target), C (subfolder)
+    layout: str  # the release layout (docs/families.md): A (MTP in the target), B (DSpark stages in the target), C (subfolder)
     where: str  # what holds it: "target weights" or the subfolder
     detail: str  # what it is, in a line
     drafter: str | None  # the `--drafter` spec `build` binds it with; None: specpack cannot bind it yet
@@ -81,7 +81,7 @@ def choose(root: Path, found: list[Bundled] | None = None, target=None) -> str:
 
 def _release_stages(root: Path, config: dict, text: dict, target=None) -> Bundled | None:
     """DSpark stages the config declares, and the stages the weights hold under `mtp.{k}.` (where
-    vLLM and DeepSeek-V4-Flash-DSpark keep them: RELEASES.md pair 1)."""
+    vLLM and DeepSeek-V4-Flash-DSpark keep them: the published config and index)."""
     from specpack.converters.block.common import tensor_names
 
     stated = {k: c[k] for c in (config, text) for k in DSPARK_MARKERS if c.get(k) is not None}

@@ -45,7 +45,7 @@ class SpecCounts:
     @property
     def acceptance_length(self) -> float:
         """1 + accepted / drafts: vLLM counts a draft per verification that carried one, as specpack's
-        drafted steps (specpack's definition, FORMATS.md)."""
+        drafted steps (specpack's definition, docs/running.md)."""
         return 1 + self.accepted / self.drafts if self.drafts else 1.0
 
 

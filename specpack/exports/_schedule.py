@@ -23,7 +23,7 @@ Sources followed (read with the search tool):
   (`support_dynamic_draft_len`: MTP one-model, MTP-Eagle, EAGLE-3 one-model, PARD, DFlash,
   draft-target one-model and SA; not DSpark); the two-model n-gram drafter reads it too
   (tests/unittest/_torch/speculative/hw_agnostic/test_min_runtime_draft_len.py @ 011d0933).
-- SGLang has no batch-size draft-length setting (BLOCK-DRAFTERS.md section 6).
+- SGLang has no batch-size draft-length setting (its server arguments).
 """
 
 from __future__ import annotations

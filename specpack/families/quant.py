@@ -36,7 +36,7 @@ schemes, transformers integrations/{finegrained_fp8,mxfp4}.py, DeepSeek-V3 READM
 vLLM modelopt.py `ModelOptMxFp8Config.from_config` reads MiniMax-style `quant_method: "mxfp8"` (with
 `ignored_layers`) as ModelOpt MXFP8, whose linear holds `weight` E4M3 [n, k] and `weight_scale`
 E8M0 [n, k/32] (MXFP8_BLOCK_SIZE 32). MiniMax-M3's MXFP8 releases and MiniMax-M3.1's dspark/ name
-the U8 scales `weight_scale_inv` (shared/RELEASES.md pair 2); engines' loaders rename
+the U8 scales `weight_scale_inv` (the published index); engines' loaders rename
 `.weight_scale_inv` to `.weight_scale` before matching parameters (vLLM minimax_m3, SGLang llama.py
 `load_weights`), so both names are read.
 """

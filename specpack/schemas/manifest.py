@@ -388,7 +388,7 @@ class ReleaseDSparkDrafter(_Strict):
     kind: Literal["release_dspark"] = "release_dspark"
     source_layout: Literal["deepseek-v4-dspark", "minimax-m31-dspark"] = Field(
         description="A DSpark drafter as a release ships it, in its engine's own architecture: DeepSeek-V4's stages "
-                    "inside the target's weights (`mtp.{k}.`, RELEASES.md layout B, as vLLM's DeepSeek-V4 DSpark "
+                    "inside the target's weights (`mtp.{k}.`, layout B, as vLLM's DeepSeek-V4 DSpark "
                     "draft loads them) or MiniMax-M3.1's `dspark/` folder (DSparkMiniMaxDraftModel, layout C). "
                     "Engines run it; specpack checks and binds it.")
     source: Source = Field(description="Where it was read from (the target itself, or its subfolder).")

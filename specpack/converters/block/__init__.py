@@ -1,5 +1,5 @@
 """Block drafters — DFlash, DSpark and LiLiCorr — in every published layout → one canonical drafter
-(kind `block`; BLOCK-CANONICAL.md).
+(kind `block`; docs/format.md).
 
 The package hands on the names of convert.py: `detect(path)`, `convert(path, target, ...)`, `LAYOUTS`."""
 

@@ -1,6 +1,6 @@
 """From a `Reading` to the canonical block drafter: settle every binding, check everything against
 the target (all problems at once), and write the canonical config and manifest entry
-(BLOCK-CANONICAL.md). Tensors are only renamed; a shipped copy of a target tensor is compared
+(docs/format.md). Tensors are only renamed; a shipped copy of a target tensor is compared
 bit for bit and, when equal, not stored twice (its SHA-256 is recorded instead).
 """
 

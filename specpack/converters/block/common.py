@@ -1,6 +1,6 @@
 """What every block-drafter layout shares: reading the files, settling each binding from what the
 checkpoint states (or a `specpack build` flag), the checks against the target, and the canonical
-drafter (BLOCK-CANONICAL: drafter/config.json + model.safetensors, tensors renamed, never changed).
+drafter (docs/format.md: drafter/config.json + model.safetensors, tensors renamed, never changed).
 
 A family module (dflash, dspark, lilicorr) turns one published layout into a `Reading`: tensors under
 canonical names, the drafter's decoder config flattened, and *statements* — every place its config
@@ -9,7 +9,7 @@ or target layers it uses. `build` settles each binding from the statements: they
 flag may only supply a binding nobody states or pick one of two the checkpoint states. Then every
 check runs and all problems are reported at once.
 
-Sources (read with the search tool; see also shared/BLOCK-DRAFTERS.md):
+Sources (read with the search tool):
 - z-lab/dflash dflash/model.py @ 44947fbf7111: `hidden_states[layer_id + 1]` (target ids count output
   of layer i), fc over len(ids) x hidden, context K/V = k_proj/v_proj of hidden_norm(fc(ctx)) with no
   input_layernorm, q/k RMSNorm, o_proj bias = attention_bias, queries [anchor, mask...] with slot k

@@ -1,5 +1,5 @@
 """Block drafters — DFlash, DSpark and LiLiCorr — in every published layout → one canonical drafter
-(kind `block`; BLOCK-CANONICAL.md).
+(kind `block`; docs/format.md).
 
     detect(path)  -> the layout name, or None
     convert(path, target, aux=None, block=None, source=None, allow_mismatch=False) -> ConvertedDrafter

@@ -1,4 +1,4 @@
-"""DSpark stages inside a DeepSeek-V4 / V4-Pro release's own weights (shared/RELEASES.md layout B,
+"""DSpark stages inside a DeepSeek-V4 / V4-Pro release's own weights (layout B in docs/families.md,
 DeepSeek-V4-Flash-DSpark), bound where they are: nothing is copied.
 
     convert_in_target(target) -> ConvertedDrafter    # `--drafter dspark-stages` (what `bundled` binds)

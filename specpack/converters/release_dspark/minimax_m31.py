@@ -1,4 +1,4 @@
-"""MiniMax-M3.1's published `dspark/` draft (shared/RELEASES.md layout C, `DSparkMiniMaxDraftModel`):
+"""MiniMax-M3.1's published `dspark/` draft (layout C in docs/families.md, `DSparkMiniMaxDraftModel`):
 read with its nested keys, prefix and MXFP8 scales, checked tensor by tensor, bound to the target's
 embedding and lm_head, and carried byte for byte (once: build.py takes its folder out of the target).
 

@@ -7,7 +7,7 @@ sequence and returns the new rows, which go into the buffer in one indexed copy.
 
 Threads: ONNX Runtime gets `threads` intra-op threads (default 2: the machine class this targets has
 two cores), and torch's own pool, which runs the loop's small host ops between graph calls, is set
-to `torch_threads` (default 1) process-wide: two spinning pools on two cores fight (PERF-NOTES;
+to `torch_threads` (default 1) process-wide: two spinning pools on two cores fight (
 measured on SmolLM2: 27.6 -> 34-39 tokens/s plain when torch drops from 2 threads to 1). For the same
 reason only the target's session spins: each session has its own pool, and a drafter's pool spinning
 after its call took the cores from the target's verification (SmolLM2 + EAGLE-3, HumanEval, one

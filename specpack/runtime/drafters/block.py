@@ -1,4 +1,4 @@
-"""Block drafters (kind "block": DFlash, DSpark, LiLiCorr; BLOCK-CANONICAL.md), run single-model.
+"""Block drafters (kind "block": DFlash, DSpark, LiLiCorr; docs/format.md), run single-model.
 
 Per sequence (cache slot) the drafter keeps, for each of its layers, the keys and values of the
 target context it has seen: ctx = hidden_norm(fc(target features)) of every committed position,

@@ -1,8 +1,8 @@
-"""The canonical block drafter's config (BLOCK-CANONICAL.md): read, checked, and the tensors it implies.
+"""The canonical block drafter's config (docs/format.md): read, checked, and the tensors it implies.
 
 One spec covers DFlash, DSpark and LiLiCorr. Every field that binds the head to its target is
 required: a default here would be exactly the silent mis-binding the canonical form exists to
-prevent (BLOCK-DRAFTERS.md §7). Pure Python (no torch), like models/config.py.
+prevent. Pure Python (no torch), like models/config.py.
 """
 
 from __future__ import annotations
@@ -250,7 +250,7 @@ def _number(value) -> bool:
 # ---- the tensors a spec implies --------------------------------------------------------------
 
 def block_tensor_shapes(s: BlockSpec) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the canonical model.safetensors for `s` (BLOCK-CANONICAL.md)."""
+    """Every tensor of the canonical model.safetensors for `s` (docs/format.md)."""
     H, V, Vd = s.hidden_size, s.vocab_size, s.draft_vocab_size
     shapes = {"fc.weight": (H, len(s.target_layer_ids) * s.target_hidden_size), "hidden_norm.weight": (H,),
               "norm.weight": (H,)}

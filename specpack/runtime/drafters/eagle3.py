@@ -1,4 +1,4 @@
-"""EAGLE-3 head in specpack's canonical layout (FORMATS.md), with its own one-layer KV cache.
+"""EAGLE-3 head in specpack's canonical layout (docs/format.md), with its own one-layer KV cache.
 
 Alignment (EAGLE reference): at position p the head reads f_p = fc(cat(aux features of target
 position p)) and the embedding of token x_{p+1}, and predicts x_{p+2}. Later draft steps feed the

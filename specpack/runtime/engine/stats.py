@@ -11,7 +11,7 @@ MAX_TREE_NODES = 64  # nodes in one draft tree
 
 @dataclass
 class GenerationStats:
-    """Counters of one `generate` call (definitions as in FORMATS.md 'Metrics').
+    """Counters of one `generate` call (definitions as in docs/running.md, 'What the figures mean').
 
     The drafter's figures count only the verifications that carried its drafts: a step that drafted
     nothing (the cost model said drafts would not pay, a request's last token, speculation turned off

@@ -64,7 +64,7 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
     kernel, the layers run torch's `F.linear` on fp32 copies of the rounded weights: the same
     numbers up to summation order, without the memory or speed gain (a warning says so). Torch's
     own pool drops to one thread: the kernel's threads have the cores during the matmuls, and two
-    pools spinning on two cores fight (PERF-NOTES).
+    pools spinning on two cores fight.
     """
     from specpack.runtime.kernels import available, unavailable_reason
     from specpack.runtime.kernels._lib import _library
