@@ -139,11 +139,12 @@ def test_inspect_and_card_show_the_bindings(tmp_path, tiny_target, cli):
     code, out, _ = cli("inspect", art)
     assert code == 0
     for text in ("block from speculators-dspark", "dspark, anchor_first layout, block 4 → 4 draft slots",
-                 "[2, 5, 7] (input_of_layer; source [2, 5, 7] input_of_layer)", "markov rank 8 (vanilla)"):
+                 "[2, 5, 7] (input_of_layer; source [2, 5, 7] input_of_layer)", "markov rank 8 (vanilla)",
+                 "  draft length ", "4 (this drafter's default; the target alone: 63 on a GPU: (D + 1) x G"):
         assert text in out, out
     card = (art / "README.md").read_text()
     for text in ("## Drafter: block drafter", "| query layout | anchor_first", "| mask token | 5 |",
-                 "Settled by: algorithm:"):
+                 "Settled by: algorithm:", "| draft length | 4 (this drafter's default; the target alone: 63 on"):
         assert text in card, card
 
 
@@ -356,12 +357,17 @@ def test_cli_flags_reach_the_converter(tmp_path, tiny_target, cli):
     assert json.loads(out)["drafter"] == "block"
 
 
-def test_reduced_vocab_keeps_its_lm_head_and_d2t(tmp_path, tiny_target):
+def test_reduced_vocab_keeps_its_lm_head_and_d2t(tmp_path, tiny_target, caplog):
     ids = torch.randperm(384, generator=torch.Generator().manual_seed(1))[:256].sort().values
     head = bl.edit_tensors(bl.write("zlab-dflash", tmp_path / "head", tiny_target),
                            {"lm_head.weight": torch.randn(256, 64), "d2t": ids - torch.arange(256)})
-    d = read_json(_build(tmp_path, tiny_target, head) / "specpack.json")["drafter"]
+    with caplog.at_level("INFO", logger="specpack"):
+        d = read_json(_build(tmp_path, tiny_target, head) / "specpack.json")["drafter"]
     assert (d["vocab_map"], d["draft_vocab_size"], d["lm_head_source"]) == ("d2t", 256, "drafter")
+    said = [(r.levelname, r.getMessage()) for r in caplog.records if "lm_head" in r.getMessage()]
+    # a draft vocabulary is the head's design: said once, at info level, with why (issue 62 point 5)
+    assert said == [("INFO", "the drafter's lm_head.weight covers its own 256-token draft vocabulary (the "
+                             "target's 384): kept, by design")]
     bl.edit_tensors(head, drop=("d2t",))
     _refused(tmp_path, tiny_target, head, "no d2t map")
 

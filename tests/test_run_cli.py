@@ -252,3 +252,16 @@ def test_serve_and_tune_start_from_a_draft_length_the_drafter_runs(every_kind):
     assert prepare(art).selection.draft_len == 1
     with pytest.raises(InputError, match="4 draft tokens asked for, but the MTP drafter has 1 layer"):
         prepare(art, draft_len=4)  # an explicit override it cannot run is refused at start, not per request
+
+
+def test_the_demo_counts_what_it_shows_the_same_way(ngram_artifact):
+    """The demo's speed sits beside tokens per step, which every step counts (lookup copies too), and the
+    drafter's acceptance length is named for what it counts (issue 62 point 5)."""
+    from specpack import demo
+    from specpack.runtime.api import load
+
+    model, said = load(ngram_artifact), []
+    demo.compare({"n-gram": (model, 0), "n-gram + lookup": (model, 8)}, "add", PROMPT, 24, said.append, text=False)
+    rows = [line for line in "\n".join(said).splitlines() if "tokens/s" in line]
+    assert len(rows) == 3 and all("tokens/step" in row for row in rows)
+    assert "drafter's acceptance length" in rows[1] and "drafted steps" in rows[2]

@@ -207,7 +207,7 @@ def _inspect_text(d: dict) -> str:
             ("drafter", dr["kind"] + (f" from {dr['source_layout']}" if "source_layout" in dr else ""))]
     from specpack.packager.card import arch_rows
 
-    rows[2:2] = [(f"  {k}", v) for k, v in arch_rows(t.get("arch"))]
+    rows[2:2] = [(f"  {k}", v) for k, v in arch_rows(t.get("arch"), d.get("default_draft_len"))]
     if "remote_code" in t:
         rows.insert(2, ("  remote code", _remote_code_text(t["remote_code"])))
     if dr["kind"] == "eagle3":

@@ -7,6 +7,7 @@ from pathlib import Path
 from specpack.packager.artifact import read_manifest
 from specpack.packager.verify import VerifyReport, verify
 from specpack.schemas import SIGNATURE_NAME
+from specpack.schemas.manifest import default_draft_len
 
 
 def sign_artifact(artifact: Path, key: Path, progress: bool = False) -> VerifyReport:
@@ -28,4 +29,5 @@ def describe(artifact: Path) -> dict:
     data = m.model_dump(mode="json", exclude_none=True)
     data["signed"] = (Path(artifact) / SIGNATURE_NAME).is_file()
     data["total_bytes"] = sum(f.size for f in m.files)
+    data["default_draft_len"] = default_draft_len(m)
     return data

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from specpack.schemas import BlockDrafter, DraftModelDrafter, ReleaseDSparkDrafter, Eagle3Drafter, Manifest, MtpDrafter
+from specpack.schemas.manifest import default_draft_len
 
 TARGET_CARD = "README.target.md"
 
@@ -39,10 +40,13 @@ def _target(m: Manifest) -> str:
         f"| heads / KV heads / head dim | {t.num_attention_heads} / {t.num_key_value_heads} / {t.head_dim} |",
         f"| vocab | {t.vocab_size} |", f"| dtype | {t.dtype} |",
         f"| parameters | {t.parameters:,} |"]
-        + [f"| {k} | {v} |" for k, v in arch_rows(t.arch.model_dump() if t.arch else None)])
+        + [f"| {k} | {v} |" for k, v in arch_rows(t.arch.model_dump() if t.arch else None,
+                                                         default_draft_len(m))])
 
 
-def arch_rows(a: dict | None) -> list[tuple[str, str]]:
+def arch_rows(a: dict | None, draft_len: int | None = None) -> list[tuple[str, str]]:
+    """The target's architecture as (field, value) rows; `draft_len`: the artifact's default, which the
+    draft-length row puts beside the target's GPU hint (a model directory has no drafter)."""
     """The decoder as its family reads it, as (field, value) rows (the card and `inspect` show them)."""
     if not a:
         return []
@@ -65,10 +69,19 @@ def arch_rows(a: dict | None) -> list[tuple[str, str]]:
         rows.append(("MTP modules", f"{m['held']} held of {m['stated'] or 'unstated'} ({m['layout']}, {m['count_key']})"))
     if a.get("quantization"):
         rows.append(("quantization", quantization_text(a["quantization"])))
-    rows.append(("draft length to start from (GPU)", f"{a['draft_len_start']} (128 / G - 1)"))
+    rows.append(_draft_len_row(a["draft_len_start"], draft_len))
     rows.append(("runs on", "specpack's runtime and the engines" if a["runs"] else
                  "the engines only (`specpack serve --engine vllm`, `specpack export`)"))
     return rows
+
+
+def _draft_len_row(hint: int, default: int | None) -> tuple[str, str]:
+    """(D + 1) x G query rows fill one 128-row GPU tile (G query heads per cached KV head), so a verify of
+    up to D + 1 tokens costs about one token's: a start to measure on a GPU, capped by the drafter."""
+    why = f"{hint} on a GPU: (D + 1) x G query rows fill one 128-row tile, G query heads per KV head"
+    if default is None:
+        return "draft length to start from", why
+    return "draft length", f"{default} (this drafter's default; the target alone: {why})"
 
 
 def quantization_text(q: dict) -> str:

@@ -55,8 +55,21 @@ def _shared(r: Reading, name: str, target: Target, target_name: str, geo, role: 
     if entry is not None and _same(mine, target.root / entry[0], target_name):
         del r.tensors[name]
         return "target", tensor_sha256(target.root / entry[0], entry[1])
-    log.warning("the drafter's %s differs from the target's: keeping the drafter's own", name)
+    _say_kept(name, role, tuple(mine.shape), geo)
     return "drafter", None
+
+
+def _say_kept(name: str, role: str, shape: tuple[int, ...], geo) -> None:
+    """A drafter's own output layer is its design (trained, often over a reduced draft vocabulary): said at
+    info level. An input embedding of the target's shape that differs was trained apart: a warning."""
+    if role == "lm_head" and geo.draft_vocab < geo.target_vocab:
+        log.info("the drafter's %s covers its own %d-token draft vocabulary (the target's %d): kept, by design",
+                 name, geo.draft_vocab, geo.target_vocab)
+    elif role == "lm_head":
+        log.info("the drafter's %s %s was trained with the drafter: kept as its own", name, list(shape))
+    else:
+        log.warning("the drafter's %s differs from the target's embedding: keeping the drafter's own (was it "
+                    "trained on another revision of the target?)", name)
 
 
 def _same(tensor, file, name: str) -> bool:
