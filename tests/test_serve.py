@@ -384,7 +384,12 @@ def test_request_that_can_never_fit_gets_400_naming_the_limit(slow):
 
 
 @pytest.mark.parametrize("stream", [True, False])
-def test_client_that_disconnects_frees_its_slot(slow, stream):
+def test_client_that_disconnects_frees_its_slot(slow, stream, monkeypatch):
+    import dataclasses
+
+    # the tiny model's random weights may say end-of-text at once: this client must still be mid-answer
+    spec = slow.model.target.spec
+    monkeypatch.setattr(slow.model.target, "spec", dataclasses.replace(spec, eos_token_ids=()))
     slow.gate.set()
     sch = slow.scheduler()
     with ServerThread(slow.app(sch)) as srv:
@@ -395,8 +400,10 @@ def test_client_that_disconnects_frees_its_slot(slow, stream):
             resp = conn.getresponse()
             assert resp.status == 200 and resp.readline().startswith(b"data: ")
         else:
-            while slow.steps < 3:
+            deadline = time.monotonic() + 10
+            while slow.steps < 3 and time.monotonic() < deadline:
                 time.sleep(0.01)
+            assert slow.steps >= 3, "the request ended before the client left"
         conn.sock.shutdown(2)
         conn.close()
         deadline = time.monotonic() + 10
@@ -601,6 +608,23 @@ def test_serving_beyond_loopback_without_a_key_warns(monkeypatch, caplog, host, 
     monkeypatch.setattr("uvicorn.run", lambda *a, **k: None)
     serve_module.run(serve_module.ServerPlan(None, "m", None, needs_key=key is not None), host=host)
     assert ("no API key" in caplog.text) == warned
+
+
+def test_serve_logs_each_finished_request_at_the_default_level(monkeypatch, caplog):
+    """The README's per-request line shows without -v (issue 62 point 4)."""
+    import logging
+
+    import specpack.serving.serve as serve_module
+    from specpack.serving import metrics
+
+    monkeypatch.setattr(metrics.log, "level", logging.NOTSET)
+    monkeypatch.setattr("uvicorn.run", lambda *a, **k: None)
+    caplog.set_level(logging.WARNING)  # the CLI's default: the root at WARNING, its handler open (basicConfig)
+    caplog.handler.setLevel(logging.NOTSET)
+    assert not metrics.log.isEnabledFor(logging.INFO)
+    serve_module.run(serve_module.ServerPlan(None, "m", None, needs_key=False))
+    metrics.log.info("request done: prompt 3, new 5")
+    assert "request done: prompt 3, new 5" in caplog.text
 
 
 def test_serve_says_each_start_phase_and_when_it_is_ready(artifact, cli, monkeypatch):

@@ -178,7 +178,17 @@ def run(plan: ServerPlan, host: str = "127.0.0.1", port: int = 8000, log_level: 
 
     if not plan.needs_key and not is_loopback(host):
         warn_without_key(log, host)
+    log_each_request()
     uvicorn.run(plan.app, host=host, port=port, log_level=log_level)
+
+
+def log_each_request() -> None:
+    """The server's one line per finished request (tokens, TTFT, ms/token, acceptance) at the default
+    level, beside uvicorn's access line: a server says what it served without -v."""
+    from specpack.serving import metrics
+
+    if not metrics.log.isEnabledFor(logging.INFO):
+        metrics.log.setLevel(logging.INFO)
 
 
 def create_app(model, worker: Scheduler, model_name: str, api_key: Optional[str] = None,
