@@ -1,0 +1,152 @@
+"""Startup and memory, side by side in one run: time to first token and peak RSS of `specpack run`, time
+to ready, first-request latency and peak RSS of `specpack serve` (one sequence of 2048 positions, as
+`llama-server -np 1 -c 2048`), on SmolLM2-135M-Instruct (the embedded
+GGUF imported to fp32; `--weights fp32` and `w8a8`), beside llama.cpp on the same model (F32 GGUF:
+`llama-completion`, `llama-server`).
+
+  .venv/bin/python bench/startup.py --llama-cpp <sdist>/vendor/llama.cpp       # docs/development.md builds it
+  .venv/bin/python bench/startup.py                                            # specpack only
+
+Each command starts as a user starts it (a fresh process: Python, verification, loading, the cost-curve
+measurement, the first token). Peak RSS is the child's own high-water mark (`wait4` rusage for `run`,
+/proc VmHWM for a server, read before it is stopped). The weight bytes beside it are the stored fp32 tensors,
+and for w8a8 one byte per linear weight (its int8 panels; the scales are a rounding error).
+Never asserted in a test; figures in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from serve import _stop, free_port, wait_ready  # noqa: E402
+
+PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+SPECPACK = [sys.executable, "-m", "specpack"]
+MiB = 2 ** 20
+
+
+def timed_run(args: list[str], env: dict | None = None) -> dict:
+    """Start `args`, time its first byte on stdout and its end; its peak RSS from wait4."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
+    first = proc.stdout.read(1)
+    ttft = time.perf_counter() - start if first else float("nan")
+    proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise RuntimeError(f"{' '.join(args[:4])} ... exited with {proc.returncode}")
+    return {"first_output_s": ttft, "total_s": time.perf_counter() - start, "peak_rss_mib": usage.ru_maxrss / 1024}
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def first_token_s(url: str, model: str, max_tokens: int) -> float:
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": max_tokens, "stream": True,
+                       "temperature": 0}).encode()
+    req = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+    start = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=600) as r:
+        first = None
+        for line in r:
+            if first is None and line.startswith(b"data: {"):
+                first = time.perf_counter() - start
+    return first
+
+
+def timed_server(args: list[str], model: str, port: int, max_tokens: int) -> dict:
+    """Time to /health answering 200, then one streamed request's first token; peak RSS after it."""
+    url = f"http://127.0.0.1:{port}"
+    start = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_ready(url, proc)
+        ready = time.perf_counter() - start
+        ttft = first_token_s(url, model, max_tokens)
+        return {"ready_s": ready, "first_token_s": ttft, "peak_rss_mib": peak_rss_mib(proc.pid)}
+    finally:
+        _stop(proc)
+        proc.wait(30)
+
+
+def specpack_rows(artifact: Path, pub: Path, max_new: int) -> dict:
+    rows = {}
+    for weights in ("fp32", "w8a8"):
+        for spec in (False, True):
+            name = f"specpack run {weights}" + ("" if spec else " --no-spec")
+            args = [*SPECPACK, "run", str(artifact), "--trust-key", str(pub), "--prompt", PROMPT, "--chat",
+                    "--max-new-tokens", str(max_new), "--weights", weights] + ([] if spec else ["--no-spec"])
+            rows[name] = timed_run(args)
+        port = free_port()
+        rows[f"specpack serve {weights}"] = timed_server(
+            [*SPECPACK, "serve", str(artifact), "--trust-key", str(pub), "--weights", weights, "--port", str(port),
+             "--model-name", "smollm2", "--max-seqs", "1", "--max-model-len", "2048"], "smollm2", port, max_new)
+    return rows
+
+
+def llama_rows(llama: Path, gguf: Path, max_new: int) -> dict:
+    binary = llama / "build/bin/llama-completion"
+    run = timed_run([str(binary), "-m", str(gguf), "-p", PROMPT, "-n", str(max_new), "-t", "2", "--temp", "0",
+                     "-no-cnv", "--no-display-prompt", "-c", "2048"])
+    port = free_port()
+    serve = timed_server([str(llama / "build/bin/llama-server"), "-m", str(gguf), "-t", "2", "-np", "1", "-c", "2048",
+                          "--host", "127.0.0.1", "--port", str(port), "--no-webui"], "smollm2", port, max_new)
+    return {"llama-completion F32": run, "llama-server F32": serve}
+
+
+def weight_bytes(artifact: Path) -> dict:
+    manifest = json.loads((artifact / "specpack.json").read_text())
+    fp32 = manifest["memory"]["target_weight_bytes"]
+    t = manifest["target"]
+    embed = t["vocab_size"] * t["hidden_size"] * 4  # tied embedding: kept fp32 in w8a8
+    return {"fp32": fp32, "w8a8": embed + (fp32 - embed) // 4}
+
+
+def report(rows: dict, weights: dict, kv_mib: float) -> None:
+    print(f"\n{'':28s}{'ready s':>9s}{'1st token s':>13s}{'peak RSS MiB':>14s}{'RSS / (weights + KV)':>22s}")
+    for name, r in rows.items():
+        w = next((b for k, b in weights.items() if f" {k}" in name), weights["fp32"])
+        ratio = r["peak_rss_mib"] / (w / MiB + kv_mib)
+        first = r.get("first_token_s", r.get("first_output_s"))
+        print(f"{name:28s}{r.get('ready_s', float('nan')):9.1f}{first:13.2f}{r['peak_rss_mib']:14.0f}{ratio:22.2f}")
+    print(f"(weights: fp32 {weights["fp32"] / MiB:.0f} MiB, w8a8 {weights["w8a8"] / MiB:.0f} MiB estimated (int8 linears, fp32 embedding); KV at 2048 "
+          f"positions fp32 {kv_mib:.0f} MiB; `run` has no ready time: its first token is its start)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-cpp", type=Path, help="a built llama.cpp tree (build/bin/llama-completion, llama-server)")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args()
+    from decode import f32_gguf
+    from specpack.demo import cache_dir, find_gguf, prepare
+
+    artifact, pub = prepare(cache_dir(), lambda s: print(s, file=sys.stderr))
+    rows = specpack_rows(artifact, pub, args.max_new_tokens)
+    if args.llama_cpp:
+        gguf = f32_gguf(find_gguf(), cache_dir() / "SmolLM2-135M-Instruct.F32.gguf")
+        rows.update(llama_rows(args.llama_cpp, gguf, args.max_new_tokens))
+    manifest = json.loads((artifact / "specpack.json").read_text())
+    kv_mib = manifest["memory"]["target_kv_bytes_per_token"] * 2048 / MiB  # one 2048-position sequence, fp32
+    report(rows, weight_bytes(artifact), kv_mib)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
