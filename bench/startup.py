@@ -122,7 +122,7 @@ def report(rows: dict, weights: dict, kv_mib: float) -> None:
         ratio = r["peak_rss_mib"] / (w / MiB + kv_mib)
         first = r.get("first_token_s", r.get("first_output_s"))
         print(f"{name:28s}{r.get('ready_s', float('nan')):9.1f}{first:13.2f}{r['peak_rss_mib']:14.0f}{ratio:22.2f}")
-    print(f"(weights: fp32 {weights["fp32"] / MiB:.0f} MiB, w8a8 {weights["w8a8"] / MiB:.0f} MiB estimated (int8 linears, fp32 embedding); KV at 2048 "
+    print(f"(weights: fp32 {weights['fp32'] / MiB:.0f} MiB, w8a8 {weights['w8a8'] / MiB:.0f} MiB estimated (int8 linears, fp32 embedding); KV at 2048 "
           f"positions fp32 {kv_mib:.0f} MiB; `run` has no ready time: its first token is its start)")
 
 
