@@ -10,6 +10,8 @@ import tiny
 # Kernel settings stay at their defaults (they change speed, never results): no half-second
 # measurement per weight format in a test run. tests/test_kernels.py measures on its own.
 os.environ.setdefault("SPECPACK_KERNEL_TUNE", "0")
+# Cost curves are measured fresh in every test (tests count the measurements); test_cost_store.py keeps them.
+os.environ.setdefault("SPECPACK_COST_CACHE", "0")
 
 
 @pytest.fixture(scope="session")

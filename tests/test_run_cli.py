@@ -92,7 +92,7 @@ def test_run_says_each_start_phase_before_the_first_token(ngram_artifact):
     said = []
     generate_text(ngram_artifact, GenerateRequest(PROMPT, max_new_tokens=4), phase=said.append)
     assert said[0].startswith(f"verifying and loading {ngram_artifact}") and "torch, fp32 weights" in said[0]
-    assert said[1].startswith("measuring this machine's cost curve") and said[2:] == ["generating"]
+    assert said[1].startswith("pricing drafts with this machine's cost curve") and said[2:] == ["generating"]
     fixed = []
     generate_text(ngram_artifact, GenerateRequest(PROMPT, max_new_tokens=4, draft_len=2), phase=fixed.append)
     assert len(fixed) == 2 and fixed[1] == "generating"  # drafted as given: nothing measured

@@ -634,6 +634,6 @@ def test_serve_says_each_start_phase_and_when_it_is_ready(artifact, cli, monkeyp
     assert code == 0, err
     lines = err.splitlines()
     verifying = next(i for i, line in enumerate(lines) if "verifying and loading" in line)
-    measuring = next(i for i, line in enumerate(lines) if "measuring this machine's cost curve" in line)
+    measuring = next(i for i, line in enumerate(lines) if "pricing drafts with this machine's cost curve" in line)
     ready = next(i for i, line in enumerate(lines) if line.endswith("] ready"))
     assert verifying < measuring < ready and lines[ready].startswith("[") and "serving 'tiny-ngram'" in err

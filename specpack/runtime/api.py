@@ -43,6 +43,7 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
     from specpack.packager.verify import check_paths
     from specpack.runtime import backends
     from specpack.runtime.spec_model import SpecModel
+    from specpack.schemas import MANIFEST_NAME
 
     path = Path(path)
     if require_signature is None:
@@ -62,9 +63,20 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
     target, drafter = backends.load(backend, path, manifest, device, dtype, **backend_options)
     model = SpecModel(target, drafter).eval()
     model.manifest, model.verification, model.tokenizer = manifest, report, load_tokenizer(path)
+    model.identity = {"artifact": _digest(path / MANIFEST_NAME), "backend": backend, "device": device, "dtype": dtype,
+                      "weights": weights, "kv_cache": kv_cache,
+                      "options": sorted((k, str(v)) for k, v in backend_options.items())}
     log.info("loaded %s (%s drafter) on %s %s/%s, %s weights, %s KV cache", path, manifest.drafter.kind, backend,
              device, dtype, weights, kv_cache)
     return model
+
+
+def _digest(file: Path) -> str:
+    """What names the artifact in measurements kept on this machine: its manifest's SHA-256 (the manifest
+    holds every file's digest)."""
+    import hashlib
+
+    return hashlib.sha256(file.read_bytes()).hexdigest()
 
 
 def check_runnable(manifest) -> None:

@@ -28,14 +28,19 @@ class SpecModel(nn.Module):
 
     def measure_cost(self, rows: Sequence[int] = (1, 2, 4, 8)):
         """The target's cost curve on this machine (engine.cost.measure: step time for each row count
-        in `rows`, and the cost per attended key), measured once per loaded model and kept: what the
+        in `rows`, and the cost per attended key), measured once per loaded model and kept (and, for a
+        loaded artifact, once per machine: engine.cost_store): what the
         engine chooses draft lengths with when no profile brings a curve. Uses the target's cache."""
+        from specpack.runtime.engine import cost_store
         from specpack.runtime.engine.cost import KEY_PROBE, measure
+
+        def fresh():
+            self.target.setup_cache(max(64, max(rows), sum(KEY_PROBE)), 1)
+            return measure(self.target, rows)
 
         rows = tuple(rows)
         if rows not in self._costs:
-            self.target.setup_cache(max(64, max(rows), sum(KEY_PROBE)), 1)
-            self._costs[rows] = measure(self.target, rows)
+            self._costs[rows] = cost_store.recall(getattr(self, "identity", None), rows, fresh)
         return self._costs[rows]
 
     def price(self, cost, draft_len: int):

@@ -83,7 +83,7 @@ def generate_text(artifact, req: GenerateRequest, public_key=None, device: str =
     lookup = req.lookup if req.lookup is not None else chosen.lookup
     fixed = req.draft_len is not None  # drafted as given: no cost model (not a profile's either), no adaptation
     if speculative and not fixed:
-        say("measuring this machine's cost curve (what drafting and verifying cost per step)")
+        say("pricing drafts with this machine's cost curve (measured on the first start, then kept)")
     settings = {} if fixed else engine_settings(model, chosen, measure=speculative)
     say("generating")
     result = model.generate(ids, max_new_tokens=req.max_new_tokens, draft_len=draft_len,

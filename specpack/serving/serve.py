@@ -110,7 +110,7 @@ def prepare(artifact, profile: Optional[str] = None, device: str = "cpu", dtype:
         model.drafter.check_draft_len(draft_len)
     slots, max_len = plan_kv(model, dtype, max_seqs, max_model_len)
     if measure_cost and selection.speculative:
-        say("measuring this machine's cost curve (what drafting and verifying cost per step)")
+        say("pricing drafts with this machine's cost curve (measured on the first start, then kept)")
     scheduler = Scheduler(model, slots, max_len, draft_len, speculative=selection.speculative,
                           max_queue=max_queue if max_queue is not None else 4 * slots, prefill_chunk=prefill_chunk,
                           max_concurrency=max_concurrency if max_concurrency is not None else selection.max_concurrency,
