@@ -1,6 +1,6 @@
 """Startup and memory, side by side in one run: time to first token and peak RSS of `specpack run`, time
-to ready, first-request latency and peak RSS of `specpack serve` (one sequence of 2048 positions, as
-`llama-server -np 1 -c 2048`), on SmolLM2-135M-Instruct (the embedded
+to ready, first-request latency and peak RSS of `specpack serve` (16 sequences of 2048 positions, as
+`llama-server -np 16 -c 32768`; `--slots`), on SmolLM2-135M-Instruct (the embedded
 GGUF imported to fp32; `--weights fp32` and `w8a8`), beside llama.cpp on the same model (F32 GGUF:
 `llama-completion`, `llama-server`).
 
@@ -67,11 +67,12 @@ def first_token_s(url: str, model: str, max_tokens: int) -> float:
     return first
 
 
-def timed_server(args: list[str], model: str, port: int, max_tokens: int) -> dict:
+def timed_server(args: list[str], model: str, port: int, max_tokens: int, env: dict | None = None) -> dict:
     """Time to /health answering 200, then one streamed request's first token; peak RSS after it."""
     url = f"http://127.0.0.1:{port}"
     start = time.perf_counter()
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            env=env)
     try:
         wait_ready(url, proc)
         ready = time.perf_counter() - start
@@ -82,27 +83,32 @@ def timed_server(args: list[str], model: str, port: int, max_tokens: int) -> dic
         proc.wait(30)
 
 
-def specpack_rows(artifact: Path, pub: Path, max_new: int) -> dict:
+def specpack_rows(artifact: Path, pub: Path, max_new: int, slots: int) -> dict:
+    """Each command twice: a first start (SPECPACK_COST_CACHE=0: the cost curve measured, as on a machine
+    that never ran this artifact) and a next start (the curve kept by an earlier start)."""
     rows = {}
+    first = {**os.environ, "SPECPACK_COST_CACHE": "0"}
     for weights in ("fp32", "w8a8"):
-        for spec in (False, True):
-            name = f"specpack run {weights}" + ("" if spec else " --no-spec")
-            args = [*SPECPACK, "run", str(artifact), "--trust-key", str(pub), "--prompt", PROMPT, "--chat",
-                    "--max-new-tokens", str(max_new), "--weights", weights] + ([] if spec else ["--no-spec"])
-            rows[name] = timed_run(args)
+        run = [*SPECPACK, "run", str(artifact), "--trust-key", str(pub), "--prompt", PROMPT, "--chat",
+               "--max-new-tokens", str(max_new), "--weights", weights]
         port = free_port()
-        rows[f"specpack serve {weights}"] = timed_server(
-            [*SPECPACK, "serve", str(artifact), "--trust-key", str(pub), "--weights", weights, "--port", str(port),
-             "--model-name", "smollm2", "--max-seqs", "1", "--max-model-len", "2048"], "smollm2", port, max_new)
+        serve = [*SPECPACK, "serve", str(artifact), "--trust-key", str(pub), "--weights", weights, "--port", str(port),
+                 "--model-name", "smollm2", "--max-seqs", str(slots), "--max-model-len", "2048"]
+        rows[f"run {weights} --no-spec"] = timed_run(run + ["--no-spec"])
+        rows[f"run {weights}, first start"] = timed_run(run, first)
+        rows[f"serve {weights}, first start"] = timed_server(serve, "smollm2", port, max_new, first)
+        timed_run(run)  # keeps the curve
+        rows[f"run {weights}, next start"] = timed_run(run)
+        rows[f"serve {weights}, next start"] = timed_server(serve, "smollm2", port, max_new)
     return rows
 
 
-def llama_rows(llama: Path, gguf: Path, max_new: int) -> dict:
+def llama_rows(llama: Path, gguf: Path, max_new: int, slots: int) -> dict:
     binary = llama / "build/bin/llama-completion"
     run = timed_run([str(binary), "-m", str(gguf), "-p", PROMPT, "-n", str(max_new), "-t", "2", "--temp", "0",
                      "-no-cnv", "--no-display-prompt", "-c", "2048"])
     port = free_port()
-    serve = timed_server([str(llama / "build/bin/llama-server"), "-m", str(gguf), "-t", "2", "-np", "1", "-c", "2048",
+    serve = timed_server([str(llama / "build/bin/llama-server"), "-m", str(gguf), "-t", "2", "-np", str(slots), "-c", str(2048 * slots),
                           "--host", "127.0.0.1", "--port", str(port), "--no-webui"], "smollm2", port, max_new)
     return {"llama-completion F32": run, "llama-server F32": serve}
 
@@ -115,34 +121,36 @@ def weight_bytes(artifact: Path) -> dict:
     return {"fp32": fp32, "w8a8": embed + (fp32 - embed) // 4}
 
 
-def report(rows: dict, weights: dict, kv_mib: float) -> None:
-    print(f"\n{'':28s}{'ready s':>9s}{'1st token s':>13s}{'peak RSS MiB':>14s}{'RSS / (weights + KV)':>22s}")
+def report(rows: dict, weights: dict, kv_mib: float, slots: int) -> None:
+    print(f"\n{'':30s}{'ready s':>9s}{'1st token s':>13s}{'peak RSS MiB':>14s}{'RSS / (weights + KV)':>22s}")
     for name, r in rows.items():
-        w = next((b for k, b in weights.items() if f" {k}" in name), weights["fp32"])
-        ratio = r["peak_rss_mib"] / (w / MiB + kv_mib)
+        w = weights["w8a8" if "w8a8" in name else "fp32"]
+        ratio = r["peak_rss_mib"] / (w / MiB + kv_mib * (slots if "serve" in name else 1))
         first = r.get("first_token_s", r.get("first_output_s"))
-        print(f"{name:28s}{r.get('ready_s', float('nan')):9.1f}{first:13.2f}{r['peak_rss_mib']:14.0f}{ratio:22.2f}")
-    print(f"(weights: fp32 {weights['fp32'] / MiB:.0f} MiB, w8a8 {weights['w8a8'] / MiB:.0f} MiB estimated (int8 linears, fp32 embedding); KV at 2048 "
-          f"positions fp32 {kv_mib:.0f} MiB; `run` has no ready time: its first token is its start)")
+        print(f"{name:30s}{r.get('ready_s', float('nan')):9.1f}{first:13.2f}{r['peak_rss_mib']:14.0f}{ratio:22.2f}")
+    print(f"(weights: fp32 {weights['fp32'] / MiB:.0f} MiB, w8a8 {weights['w8a8'] / MiB:.0f} MiB estimated (int8 linears, fp32 embedding); KV: 2048 "
+          f"positions fp32 {kv_mib:.0f} MiB a sequence, {slots} sequences for the servers; `run` has no ready time: "
+          "its first token is its start)")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp", type=Path, help="a built llama.cpp tree (build/bin/llama-completion, llama-server)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--slots", type=int, default=16, help="the servers' sequences (serve --max-seqs, llama-server -np)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
     from decode import f32_gguf
     from specpack.demo import cache_dir, find_gguf, prepare
 
     artifact, pub = prepare(cache_dir(), lambda s: print(s, file=sys.stderr))
-    rows = specpack_rows(artifact, pub, args.max_new_tokens)
+    rows = specpack_rows(artifact, pub, args.max_new_tokens, args.slots)
     if args.llama_cpp:
         gguf = f32_gguf(find_gguf(), cache_dir() / "SmolLM2-135M-Instruct.F32.gguf")
-        rows.update(llama_rows(args.llama_cpp, gguf, args.max_new_tokens))
+        rows.update(llama_rows(args.llama_cpp, gguf, args.max_new_tokens, args.slots))
     manifest = json.loads((artifact / "specpack.json").read_text())
     kv_mib = manifest["memory"]["target_kv_bytes_per_token"] * 2048 / MiB  # one 2048-position sequence, fp32
-    report(rows, weight_bytes(artifact), kv_mib)
+    report(rows, weight_bytes(artifact), kv_mib, args.slots)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
