@@ -97,7 +97,8 @@ def specpack_rows(artifact: Path, pub: Path, max_new: int, slots: int) -> dict:
         rows[f"run {weights} --no-spec"] = timed_run(run + ["--no-spec"])
         rows[f"run {weights}, first start"] = timed_run(run, first)
         rows[f"serve {weights}, first start"] = timed_server(serve, "smollm2", port, max_new, first)
-        timed_run(run)  # keeps the curve
+        timed_run(run)  # keep the curves (run prices drafts for one sequence, serve for --slots)
+        timed_server(serve, "smollm2", port, max_new)
         rows[f"run {weights}, next start"] = timed_run(run)
         rows[f"serve {weights}, next start"] = timed_server(serve, "smollm2", port, max_new)
     return rows
