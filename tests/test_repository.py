@@ -50,6 +50,14 @@ def test_every_named_document_is_in_the_repository():
     assert not missing, "documents named but not in the repository:\n" + "\n".join(sorted(set(missing)))
 
 
+@pytest.mark.parametrize("doc, most", [("README.md", 300), ("BENCHMARKS.md", 500)])
+def test_the_front_pages_stay_short(doc, most):
+    """README is the front door and BENCHMARKS today's results (issue 52): the rest lives in docs/ and
+    bench/HISTORY.md."""
+    lines = len((ROOT / doc).read_text().splitlines())
+    assert lines <= most, f"{doc} has {lines} lines (at most {most}): move detail to docs/ or bench/HISTORY.md"
+
+
 def test_package_metadata_has_no_deprecated_fields():
     from setuptools.config.pyprojecttoml import apply_configuration
     from setuptools.dist import Distribution
