@@ -42,6 +42,19 @@ def test_the_second_start_reuses_the_curve(artifact, store):
     assert _curve(artifact) == first and calls == [1]  # a fresh load, nothing measured
 
 
+def test_a_kept_curve_prices_drafts_and_output_stays_lossless(artifact, store):
+    from specpack.runtime.api import load
+    from specpack.serving.generate import GenerateRequest, generate_text
+
+    folder, calls = store
+    prompt = "def add(a, b):\n    return a + b\n\ndef add(a, b):"
+    generate_text(artifact, GenerateRequest(prompt, max_new_tokens=4))  # measures and keeps
+    model = load(artifact)
+    spec = generate_text(None, GenerateRequest(prompt, max_new_tokens=24), model=model)
+    plain = generate_text(None, GenerateRequest(prompt, max_new_tokens=24, speculative=False), model=model)
+    assert calls == [1] and spec["cost_curve"]["rows"] == [1, 2, 4, 8] and spec["token_ids"] == plain["token_ids"]
+
+
 def test_another_load_or_machine_setting_measures_again(artifact, store, monkeypatch):
     import torch
 
