@@ -114,8 +114,7 @@ def llama_rows(llama: Path, gguf: Path, max_new: int, slots: int) -> dict:
     return {"llama-completion F32": run, "llama-server F32": serve}
 
 
-def weight_bytes(artifact: Path) -> dict:
-    manifest = json.loads((artifact / "specpack.json").read_text())
+def weight_bytes(manifest: dict) -> dict:
     fp32 = manifest["memory"]["target_weight_bytes"]
     t = manifest["target"]
     embed = t["vocab_size"] * t["hidden_size"] * 4  # tied embedding: kept fp32 in w8a8
@@ -151,7 +150,7 @@ def main() -> int:
         rows.update(llama_rows(args.llama_cpp, gguf, args.max_new_tokens, args.slots))
     manifest = json.loads((artifact / "specpack.json").read_text())
     kv_mib = manifest["memory"]["target_kv_bytes_per_token"] * 2048 / MiB  # one 2048-position sequence, fp32
-    report(rows, weight_bytes(artifact), kv_mib, args.slots)
+    report(rows, weight_bytes(manifest), kv_mib, args.slots)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0

@@ -152,14 +152,7 @@ def write_llama_gguf(path: Path, model, tokenizer_dir: Path | None = None, types
             qtype = T.F32  # llama.cpp keeps norms in f32
         data = encode(weights, qtype)
         writer.add_tensor(name, data, raw_dtype=None if qtype in (T.F32, T.F16) else qtype)
-    for name, data, qtype in extra_tensors:
-        writer.add_tensor(name, data, raw_dtype=qtype)
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return Path(path)
+    return _finish(writer, extra_tensors, Path(path))
 
 
 # llama.cpp's EAGLE-3 drafter GGUF (convert_hf_to_gguf.py / conversion/llama.py `is_eagle3` in the llama.cpp the
@@ -218,6 +211,11 @@ def write_eagle3_gguf(path: Path, head: dict, cfg, target_layers: list[int], tar
         elif name.endswith("k_proj.weight"):
             w = llama_cpp_permute(w, heads, kv)
         writer.add_tensor(EAGLE3_NAMES[name], np.ascontiguousarray(w))
+    return _finish(writer, extra_tensors, path)
+
+
+def _finish(writer, extra_tensors, path):
+    """Add the raw `extra_tensors` (name, data, GGML type), write the file and return its path."""
     for name, data, qtype in extra_tensors:
         writer.add_tensor(name, data, raw_dtype=qtype)
     writer.write_header_to_file()

@@ -43,7 +43,7 @@ def engine_settings(model, selection, slots: int = 1, measure: bool = False, dra
         out["cost"] = CostModel.from_dict(curve)
     elif measure and selection.speculative and model.drafter is not None:
         out["cost"] = model.measure_cost(tuple(r for r in (1, 2, 4, 8, 16, 32, 64) if r <= 8 * slots))
-        log.info("cost curve measured: %s", out["cost"].to_dict())
+        log.info("cost curve (measured here, now or at an earlier start): %s", out["cost"].to_dict())
     if "cost" in out:
         out["cost"] = model.price(out["cost"], draft_len or selection.draft_len)
     return out
