@@ -75,6 +75,10 @@ def test_a_damaged_curve_is_measured_again_and_replaced(artifact, store):
     path.write_text('{"rows": [1, 2], "ms": [')
     again = _curve(artifact)
     assert len(calls) == 2 and json.loads(path.read_text()) == again
+    for hostile in ('{"rows": [1, 2, 4], "ms": ["x", 1, 1]}', '{"rows": [1, 2, 4], "ms": [-1, 1, 1e999]}'):
+        path.write_text(hostile)  # times that would break or skew the pricing: measured again
+        assert _curve(artifact) == json.loads(path.read_text())
+    assert len(calls) == 4
 
 
 def test_a_store_that_cannot_be_written_costs_only_the_measurement(artifact, store, caplog):

@@ -56,7 +56,8 @@ def recall(identity: dict | None, rows: tuple[int, ...], measure: Callable[[], C
     path = path_for(identity, rows)
     try:
         cost = CostModel.from_dict(json.loads(path.read_text()))
-        if tuple(cost.rows) == rows and len(cost.ms) == len(rows):
+        if tuple(cost.rows) == rows and len(cost.ms) == len(rows) and all(map(_positive, cost.ms)) \
+                and (cost.key_ms == 0 or _positive(cost.key_ms)):
             log.info("cost curve from %s (measured here before)", path)
             return cost
     except (OSError, ValueError, KeyError, TypeError):
@@ -64,6 +65,11 @@ def recall(identity: dict | None, rows: tuple[int, ...], measure: Callable[[], C
     cost = measure()
     _write(path, cost)
     return cost
+
+
+def _positive(value) -> bool:
+    """A stored time: a finite positive number (a file edited by hand or damaged is measured again)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")
 
 
 def _write(path: Path, cost: CostModel) -> None:
