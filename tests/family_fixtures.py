@@ -205,6 +205,101 @@ def deepseek_v4_dspark(path: Path, stages: int = 3, ids=(1, 2, 3), rank: int = 8
                                        "dspark_markov_rank": rank})
 
 
+V41_TEXT = dict(vocab_size=V, hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=1,
+                head_dim=32, q_lora_rank=32, qk_rope_head_dim=16, o_groups=2, o_lora_rank=16, moe_intermediate_size=32,
+                n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, scoring_func="sqrtsoftplus", hc_mult=4,
+                hc_sinkhorn_iters=20, hc_eps=1e-6, sliding_window=8, compress_ratios=[0, 0, 2, 2, 1, 1, 0, 0, 0],
+                kv_source_layer_ids=[2, 4], index_source_layer_ids=[2, 4, 5], candidate_source_layer_id=4,
+                index_n_heads=2, index_head_dim=16, index_topk=4, engram_layer_ids=[1], engram_num_embeddings=[97],
+                engram_max_ngram_size=3, engram_n_heads=2, engram_head_dim=32, engram_vocab_size=50,
+                num_nextn_predict_layers=3, dspark_block_size=5, dspark_noise_token_id=7,
+                dspark_target_layer_ids=[3, 4, 5], dspark_markov_rank=8, dspark_n_routed_experts=2,
+                dspark_num_experts_per_tok=1, rms_norm_eps=1e-20, max_position_embeddings=4096, eos_token_id=1)
+
+
+def deepseek_v41(path: Path, vision: bool = True, stages: int = 3, confidence: bool = True, **text) -> Path:
+    """DeepSeek-V4.1-Flash (`DeepseekV41ForCausalLM`, layout B) at tiny sizes, every tensor written here from
+    the public sources, not from specpack's rules: config.json with `text_config` (transformers
+    configuration_deepseek_v41.py DeepseekV41TextConfig: the CSA2 schedule `compress_ratios` with the 3
+    DSpark entries, `kv_source_layer_ids`, `index_source_layer_ids`, engram and dspark_* keys) and
+    `vision_config` (DeepseekV41VisionConfig); release names (vLLM deepseek_v41/nvidia/model.py
+    `_make_deepseek_v4_weights_mapper`: no `model.` prefix, `embed.weight`, `head.weight`, `norm.weight`,
+    `layers.{i}.`; no `hc_head`: "v4.1 has no learned hc_head"). Each layer, from transformers
+    modeling_deepseek_v41.py: DeepseekV41DecoderLayer (`attn_norm`, `ffn_norm`, `hc_{attn,ffn}_{fn,base,
+    scale}`), DeepseekV41Attention (`wq_a`, `q_norm`, `wq_b`, `wkv`, `kv_norm`, `wo_a` [g x o, n x hd / g],
+    `wo_b`, `attn_sink`), DeepseekV41Compressor on KV sources (`wkv`, `wgate` above ratio 1, `norm`),
+    DeepseekV41Indexer on index sources (`wq_b`, `weights_proj`; `wk`, `k_norm` on a KV source),
+    DeepseekV41TopKRouter (`weight`, `bias`, `bias_vl`), DeepseekV41Expert (`w1`, `w2`, `w3`), the engram
+    at `engram_layer_ids` (DeepseekV41EngramEmbedding `embed.weight` + `embed.scale` [rows, hd / 32],
+    DeepseekV41Engram `wkv`, `q_weight`, `k_weight`). The vision part: `image_{start,end,newline}` [H] and
+    the aligner's `w1` (vl_model.py), carried untouched. The DSpark stages (vLLM deepseek_v41/nvidia/dspark.py
+    `load_weights`, `_remap_dspark_name`): `mtp.{k}.` sliding-only V4.1 layers with dspark_n_routed_experts,
+    `mtp.0.main_proj` [H, H x 3] + `main_norm`; the last stage `norm`, `markov_head.embed` / `markov_head.head`
+    [V, rank], `confidence_head.proj` [1, H + rank]."""
+    cfg = {**V41_TEXT, **text}
+    H, hd, n, hc, q = cfg["hidden_size"], cfg["head_dim"], cfg["num_hidden_layers"], cfg["hc_mult"], cfg["q_lora_rank"]
+    g = torch.Generator().manual_seed(0)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * 0.02
+
+    def layer(p, i, experts):
+        heads, mix = cfg["num_attention_heads"], (2 + hc) * hc
+        t = {p + "attn_norm.weight": torch.ones(H), p + "ffn_norm.weight": torch.ones(H)}
+        for b in ("attn", "ffn"):
+            t.update({f"{p}hc_{b}_fn": w(mix, hc * H), f"{p}hc_{b}_base": torch.zeros(mix), f"{p}hc_{b}_scale": torch.ones(3)})
+        a = p + "attn."
+        t.update({a + "wq_a.weight": w(q, H), a + "q_norm.weight": torch.ones(q), a + "wq_b.weight": w(heads * hd, q),
+                  a + "wkv.weight": w(hd, H), a + "kv_norm.weight": torch.ones(hd),
+                  a + "wo_a.weight": w(cfg["o_groups"] * cfg["o_lora_rank"], heads * hd // cfg["o_groups"]),
+                  a + "wo_b.weight": w(H, cfg["o_groups"] * cfg["o_lora_rank"]), a + "attn_sink": torch.zeros(heads)})
+        ih, ihd = cfg["index_n_heads"], cfg["index_head_dim"]
+        if i in cfg["kv_source_layer_ids"]:
+            t.update({a + "compressor.wkv.weight": w(hd, H), a + "compressor.norm.weight": torch.ones(hd)})
+            if cfg["compress_ratios"][i] > 1:
+                t[a + "compressor.wgate.weight"] = w(hd, H)
+        if i in cfg["index_source_layer_ids"]:
+            t.update({a + "indexer.wq_b.weight": w(ih * ihd, q), a + "indexer.weights_proj.weight": w(ih, H)})
+            if i in cfg["kv_source_layer_ids"]:
+                t.update({a + "indexer.wk.weight": w(ihd, hd), a + "indexer.k_norm.weight": torch.ones(ihd)})
+        if i in cfg["engram_layer_ids"]:
+            e, rows, ehd = p + "engram.", cfg["engram_num_embeddings"][cfg["engram_layer_ids"].index(i)], cfg["engram_head_dim"]
+            cols = (cfg["engram_max_ngram_size"] - 1) * cfg["engram_n_heads"] * ehd
+            t.update({e + "embed.weight": w(rows, ehd).to(torch.float8_e4m3fn),
+                      e + "embed.scale": torch.full((rows, ehd // 32), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu),
+                      e + "wkv.weight": w(H * (hc + 1), cols), e + "q_weight": torch.ones(hc, H),
+                      e + "k_weight": torch.ones(hc, H)})
+        f, inter = p + "ffn.", cfg["moe_intermediate_size"]
+        t.update({f + "gate.weight": w(experts, H), f + "gate.bias": torch.zeros(experts)})
+        if vision:
+            t[f + "gate.bias_vl"] = torch.zeros(experts)
+        for m in [f"experts.{k}." for k in range(experts)] + ["shared_experts."]:
+            t.update({f + m + "w1.weight": w(inter, H), f + m + "w3.weight": w(inter, H), f + m + "w2.weight": w(H, inter)})
+        return t
+
+    t = {"embed.weight": w(V, H), "head.weight": w(V, H), "norm.weight": torch.ones(H)}
+    for i in range(n):
+        t.update(layer(f"layers.{i}.", i, cfg["n_routed_experts"]))
+    rank, last = cfg["dspark_markov_rank"], f"mtp.{stages - 1}."
+    for k in range(stages):
+        t.update(layer(f"mtp.{k}.", None, cfg["dspark_n_routed_experts"]))
+    t.update({"mtp.0.main_proj.weight": w(H, H * len(cfg["dspark_target_layer_ids"])), "mtp.0.main_norm.weight": torch.ones(H),
+              last + "norm.weight": torch.ones(H), last + "markov_head.embed.weight": w(V, rank),
+              last + "markov_head.head.weight": w(V, rank)})
+    if confidence:
+        t[last + "confidence_head.proj.weight"] = w(1, H + rank)
+    if vision:
+        t.update({"image_start": w(H), "image_end": w(H), "image_newline": w(H), "aligner.w1.weight": w(H, 16)})
+    path.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in t.items()}, str(path / "model.safetensors"))
+    config = {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41", "text_config": cfg,
+              "vision_config": {"num_hidden_layers": 1 if vision else 0, "hidden_size": 16, "num_attention_heads": 2,
+                                "patch_size": 14}, "image_token_id": 129264, "tie_word_embeddings": False}
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    tiny.make_tokenizer(path)
+    return path
+
+
 DSPARK_M31 = "language_model.model.dspark."
 
 

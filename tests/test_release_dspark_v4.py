@@ -115,13 +115,6 @@ def test_the_stage_count_comes_from_the_index_without_inference_config(tmp_path)
     assert (d.layers, d.layers_from, d.target_layer_ids) == (2, "the weights' mtp.{k}. prefixes", [0, 3])
 
 
-def test_deepseek_v41_is_refused_naming_what_is_unsourced(tmp_path, cli):
-    r = ff.deepseek_v4_dspark(ff.make("deepseek_v4", tmp_path / "v41"))
-    ff.edit(r, config={"model_type": "deepseek_v41"})
-    code, _, err = cli("build", r, "--drafter", "bundled", "-o", tmp_path / "art")
-    assert code == 2 and "DeepSeek-V4.1" in err and not (tmp_path / "art").exists(), err
-
-
 def _drop(name):
     return lambda r: ff.edit(r, drop=(name,))
 

@@ -15,7 +15,7 @@ from specpack.cli._common import JSON, PUBKEY, cli, signing_key
 @click.option("--drafter", required=True,
               help="Drafter: a directory (EAGLE-3 official/SGLang/ModelOpt/vLLM speculators head, DFlash/DSpark/"
                    "LiLiCorr block drafter, MTP head, MiniMax-M3.1's dspark/, or a draft model), 'mtp' (the "
-                   "target's own MTP layers), 'dspark-stages' (DeepSeek-V4's own DSpark stages), 'bundled' (the "
+                   "target's own MTP layers), 'dspark-stages' (DeepSeek-V4 / V4.1's own DSpark stages), 'bundled' (the "
                    "one drafter the release ships: MTP or DSpark stages in its weights, or a subfolder such as "
                    "dspark/; `specpack inspect TARGET` lists them) or 'ngram'.")
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Artifact directory to create.")

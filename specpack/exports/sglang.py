@@ -112,6 +112,11 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
     if d.kind == "block":
         return _block_limits(d)
     if d.kind == "release_dspark":
+        if d.source_layout == "deepseek-v41-dspark":
+            return ["SGLang has no DeepSeek-V4.1 model in the sources read here: upstream registers no "
+                    "DeepseekV41ForCausalLM (a fork's models/deepseek_v41.py does), and its bundled-DSpark rule "
+                    "(checkpoint_bundles_dspark_draft) reads dspark_* keys at the config's top level, where V4.1 "
+                    "keeps them in text_config"]
         return [] if d.source_layout == "deepseek-v4-dspark" else [
             "SGLang's DSpark path loads Qwen3DSparkModel drafts and the dspark_* stages a target config declares "
             f"({CHECKED}); DSparkMiniMaxDraftModel is in a fork's patch set (models/minimax_m3_dspark.py), not there"]

@@ -87,8 +87,8 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         return _block_limits(d)
     if d.kind == "release_dspark":
         return [f"TensorRT-LLM has no {d.source_layout} draft: it picks DFlash, LiLiCorr or DFlash2 drafters from a "
-                "checkpoint's markers (dflash_config, architectures) and loads neither DeepSeek-V4's DSpark stages nor "
-                "DSparkMiniMaxDraftModel"]
+                "checkpoint's markers (dflash_config, architectures) and loads neither DeepSeek-V4 / V4.1's DSpark stages "
+                "nor DSparkMiniMaxDraftModel"]
     if d.kind != "eagle3":
         return [f"TensorRT-LLM export of {d.kind} drafters is not implemented"]
     problems = capture_problems(manifest, "trtllm", "TensorRT-LLM") + aux_problems(manifest, n_aux_fixed=False)

@@ -89,7 +89,7 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
     if d.kind == "block":
         return _block_limits(d)
     if d.kind == "release_dspark":
-        return [] if d.source_layout == "deepseek-v4-dspark" else [NO_MINIMAX_DSPARK]
+        return [] if d.source_layout in ("deepseek-v4-dspark", "deepseek-v41-dspark") else [NO_MINIMAX_DSPARK]
     if d.kind == "draft_model":
         return []
     return [] if d.kind in KINDS else [f"vLLM export of {d.kind} drafters is not implemented"]
@@ -223,12 +223,14 @@ NO_MINIMAX_DSPARK = ("vLLM registers no DSparkMiniMaxDraftModel: speculative.py 
 def write_release_dspark(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
     """The release's own DSpark stages: `method: dspark` with no `model` (speculative.py @ 002e77c1: "DeepSeek
     DSpark can ship the weights inside the target checkpoint"; the draft config is rewritten to
-    DSparkDraftModel and models/deepseek_v4/dspark.py loads the `mtp.{k}.` stages)."""
+    DSparkDraftModel / DSparkV41DraftModel, and models/deepseek_v4/dspark.py or
+    models/deepseek_v41/nvidia/dspark.py loads the `mtp.{k}.` stages)."""
     d = ctx.manifest.drafter
+    draft = "DSparkV41DraftModel" if d.source_layout == "deepseek-v41-dspark" else "DSparkDraftModel"
     spec = {"method": "dspark", "num_speculative_tokens": ctx.draft_len}
     write_json(ctx.out / "speculative_config.json", spec)
     notes = [f"No weights are written: with no `model` vLLM reads the {d.layers} DSpark stages (mtp.0..{d.layers - 1}) "
-             f"from the target ({ctx.artifact}) and shares its embed.weight and head.weight.",
+             f"from the target ({ctx.artifact}) as {draft} and shares its embed.weight and head.weight.",
              f"num_speculative_tokens = dspark_block_size {d.block_size}: vLLM's DSpark draft proposes one block a "
              "step; DSpark runs on vLLM's Model Runner V2 (GPU; not the CPU runner).",
              "Never pass `method: mtp` for these stages: they are not the serial MTP module (vLLM refuses it for "

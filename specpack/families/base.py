@@ -21,12 +21,13 @@ from specpack.errors import InputError
 MTP_ROLES = ("embed_norm", "hidden_norm", "proj", "final_norm")
 # csa / hca: DeepSeek-V4's compressed sparse and heavily compressed attention (a sliding window beside
 # entries that each compress 4 or 128 tokens); block_sparse: MiniMax-M3's (an indexer picks key blocks)
-ATTENTION_KINDS = ("full", "sliding", "chunked", "mla", "mla_sparse", "csa", "hca", "block_sparse", "linear", "mamba",
-                   "none")
+# csa2: DeepSeek-V4.1's (a sliding window beside its group's shared compressed KV)
+ATTENTION_KINDS = ("full", "sliding", "chunked", "mla", "mla_sparse", "csa", "hca", "csa2", "block_sparse", "linear",
+                   "mamba", "none")
 MLP_KINDS = ("dense", "moe", "hash_moe", "none")  # hash_moe: experts chosen by token id (DeepSeek-V4)
 # attention kinds whose cache grows with the context (per token); linear attention and Mamba carry a
 # fixed recurrent state per sequence instead
-CACHED = ("full", "sliding", "chunked", "mla", "mla_sparse", "csa", "hca", "block_sparse")
+CACHED = ("full", "sliding", "chunked", "mla", "mla_sparse", "csa", "hca", "csa2", "block_sparse")
 RECURRENT = ("linear", "mamba")
 
 
@@ -74,6 +75,9 @@ class Tensor:
     linear: bool = False
     stored_in_out: bool = False
     integer: bool = False  # a table of ids, not weights (DeepSeek-V4's hash router `tid2eid`)
+    # a lookup table that may be stored F8_E4M3 with `<stem>.scale` beside it, one scale per row per
+    # `row_block` columns (DeepSeek-V4.1's engram tables), or as floats
+    row_block: int = 0
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from specpack.errors import InputError, UnsupportedError
 from specpack.families.base import (Arch, Experts, Layer, Tensor, architecture_of, check_sizes, linear,
                                     mlp_tensors, vector)
 
-MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
+MODEL_TYPES = ("deepseek_v4",)
 ARCHITECTURES = ("DeepseekV4ForCausalLM",)
 ATTENTION = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
              "heavily_compressed_attention": "hca"}
@@ -43,10 +43,9 @@ OPTIONAL = ("hc_mult", "index_n_heads", "index_head_dim", "index_topk", "sliding
 
 
 def describe(config: dict, text: dict) -> Arch:
-    if config.get("model_type") == "deepseek_v41" or "text_config" in config:
-        raise UnsupportedError("DeepSeek-V4.1's vision wrapper (deepseek_v41) is not a layout specpack can check: no "
-                               "public source states its tensor names", hint="its text decoder is DeepSeek-V4's; "
-                               "open an issue with the checkpoint's weight index")
+    if "text_config" in config:
+        raise UnsupportedError("a DeepSeek-V4 config.json with a text_config is not a layout specpack knows",
+                               hint="DeepSeek-V4.1 releases state model_type deepseek_v41 (families/deepseek_v41.py)")
     check_sizes(text, REQUIRED, OPTIONAL, "DeepSeek-V4")
     n, H, heads, hd = (text[k] for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "head_dim"))
     problems = _problems(text)

@@ -77,12 +77,15 @@ _SIZES = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_va
           # DeepSeek-V4
           "hc_mult", "hc_sinkhorn_iters", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim", "index_topk",
           "compress_rate_csa", "compress_rate_hca", "dspark_block_size", "dspark_markov_rank",
+          # DeepSeek-V4.1
+          "engram_head_dim", "engram_n_heads", "engram_max_ngram_size", "engram_vocab_size", "candidate_topk_blocks",
+          "candidate_block_size", "dspark_n_routed_experts",
           # MiniMax-M3
           "dense_intermediate_size", "rotary_dim", "index_block_size", "index_topk_blocks",
           "index_local_blocks")
 _COUNTS = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "num_mtp_modules",
            "mtp_num_hidden_layers", "num_hash_layers", "dspark_noise_token_id",
-           "shared_intermediate_size")  # MiniMax-M2 / M1 publish 0: no shared expert
+           "shared_intermediate_size", "dspark_num_experts_per_tok", "n_mtp_layers", "engram_pad_id")  # MiniMax-M2 / M1 publish 0: no shared expert
 _BOOLS = ("attention_bias", "mlp_bias", "tie_word_embeddings", "use_sliding_window", "norm_topk_prob",
           "rope_interleave", "use_conv_bias", "use_mtp", "use_qk_norm", "truncate")
 _STRS = ("model_type", "hidden_act", "dtype", "torch_dtype", "scoring_func", "topk_method", "hybrid_override_pattern",
@@ -98,6 +101,8 @@ FIELDS: dict[str, Kind] = {
     "intermediate_size": SIZES, "partial_rotary_factor": FRACTION,
     "architectures": STRS, "layer_types": STRS, "layers_block_type": STRS, "mtp_layers_block_type": STR_OR_STRS,
     "mlp_only_layers": INTS, "no_rope_layers": INTS, "moe_layers": INTS, "compress_ratios": INTS, "compress_rates": OBJECT,
+    "kv_source_layer_ids": INTS, "index_source_layer_ids": INTS, "engram_layer_ids": INTS,
+    "engram_num_embeddings": INTS, "vision_config": OBJECT,
     "mlp_layer_types": STRS, "dspark_target_layer_ids": LAYER_IDS, "sparse_attention_config": OBJECT,
     "moe_layer_freq": Kind("a positive integer (every k-th layer) or one 0 / 1 per layer",
                            lambda v: SIZE.ok(v) or INTS.ok(v)), "eos_token_id": IDS, "bos_token_id": COUNT,

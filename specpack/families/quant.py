@@ -353,6 +353,8 @@ ACTIVATION_SCALE = {"fp8": "input_scale", "modelopt-fp8": "input_scale", "ct-fp8
 def stored_names(name: str, t: Tensor, q: Quant | None) -> set[str]:
     """Every tensor name the linear weight `name` may be stored as under `q`: the weight, its scales
     and a static activation scale."""
+    if t.row_block:
+        return {name, _row_scale(name)}
     if q is None or not t.linear:
         return {name}
     names = {name, *(n for layout in _layouts(name, t, q) for n in layout)}
@@ -368,6 +370,8 @@ def check(name: str, t: Tensor, found: dict, q: Quant | None, ignored_by: str | 
     leaves its module unquantized."""
     if t.integer:
         return _plain(name, t, found) or _int_problems(name, found), False
+    if t.row_block:
+        return _plain(name, t, found) or _row_scaled_problems(name, t, found), False
     if not t.linear or q is None:
         return _plain(name, t, found) or _float_problems(name, found, q), False
     if ignored_by is not None:
@@ -420,6 +424,27 @@ def _int_problems(name: str, found: dict) -> list[str]:
     """A table of ids (DeepSeek-V4's hash router `tid2eid`) is stored as integers."""
     dtype = found[name].dtype
     return [] if dtype in ("I64", "I32") else [f"tensor {name} is {dtype}, expected an integer table (I64 or I32)"]
+
+
+def _row_scale(name: str) -> str:
+    return name.removesuffix("weight") + "scale"
+
+
+def _row_scaled_problems(name: str, t: Tensor, found: dict) -> list[str]:
+    """A lookup table stored as floats, or F8_E4M3 with `X.scale` [rows, cols / row_block] beside it
+    (E8M0 / U8 exponents, or floats)."""
+    dtype, scale = found[name].dtype, found.get(_row_scale(name))
+    if dtype in FLOATS:
+        return []
+    if dtype not in E4M3:
+        return [f"tensor {name} is {dtype}, expected F8_E4M3 (with its scale) or {' or '.join(FLOATS)}"]
+    rows, cols = t.shape
+    shape = [rows, math.ceil(cols / t.row_block)]
+    if scale is None:
+        return [f"missing tensor {_row_scale(name)} (expected F8_E8M0 {shape}: {name} is F8_E4M3)"]
+    if scale.dtype not in ("F8_E8M0", "U8", *FLOATS) or list(scale.shape) != shape:
+        return [f"tensor {_row_scale(name)} is {scale.dtype} {list(scale.shape)}, expected F8_E8M0 {shape}"]
+    return []
 
 
 def _unlisted(name: str, t: Tensor, found: dict) -> list[str]:

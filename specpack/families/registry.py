@@ -16,12 +16,12 @@ import re
 from dataclasses import dataclass, replace
 
 from specpack.errors import InputError, UnsupportedError
-from specpack.families import (deepseek, deepseek_v4, dense, gemma3, glm4_moe, gpt_oss, llama4, minimax_m2, minimax_m3, nemotron_h, qwen3_moe,
+from specpack.families import (deepseek, deepseek_v4, deepseek_v41, dense, gemma3, glm4_moe, gpt_oss, llama4, minimax_m2, minimax_m3, nemotron_h, qwen3_moe,
                                qwen3_next, quant)
 from specpack.families.base import Arch, Tensor, architecture_of, text_config
 from specpack.families.fields import check_config
 
-FAMILIES = {m.__name__.rsplit(".", 1)[1]: m for m in (dense, deepseek, deepseek_v4, glm4_moe, qwen3_moe, qwen3_next, minimax_m2, minimax_m3,
+FAMILIES = {m.__name__.rsplit(".", 1)[1]: m for m in (dense, deepseek, deepseek_v4, deepseek_v41, glm4_moe, qwen3_moe, qwen3_next, minimax_m2, minimax_m3,
                                                        gpt_oss, nemotron_h, llama4, gemma3)}
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _EXPERT = re.compile(r"^(.*)\.experts\.(\d+)\.")

@@ -386,10 +386,10 @@ class BlockDrafter(_CheckedDrafter):
 
 class ReleaseDSparkDrafter(_Strict):
     kind: Literal["release_dspark"] = "release_dspark"
-    source_layout: Literal["deepseek-v4-dspark", "minimax-m31-dspark"] = Field(
-        description="A DSpark drafter as a release ships it, in its engine's own architecture: DeepSeek-V4's stages "
-                    "inside the target's weights (`mtp.{k}.`, layout B, as vLLM's DeepSeek-V4 DSpark "
-                    "draft loads them) or MiniMax-M3.1's `dspark/` folder (DSparkMiniMaxDraftModel, layout C). "
+    source_layout: Literal["deepseek-v4-dspark", "deepseek-v41-dspark", "minimax-m31-dspark"] = Field(
+        description="A DSpark drafter as a release ships it, in its engine's own architecture: DeepSeek-V4's or "
+                    "V4.1's stages inside the target's weights (`mtp.{k}.`, layout B, as vLLM's DeepSeek-V4 / "
+                    "V4.1 DSpark drafts load them) or MiniMax-M3.1's `dspark/` folder (DSparkMiniMaxDraftModel, layout C). "
                     "Engines run it; specpack checks and binds it.")
     source: Source = Field(description="Where it was read from (the target itself, or its subfolder).")
     location: Literal["target", "drafter"] = Field(
@@ -409,8 +409,9 @@ class ReleaseDSparkDrafter(_Strict):
                                                   "(below the target vocab).")
     target_layer_ids: list[int] = Field(description="dspark_target_layer_ids: target layers whose outputs, "
                                                     "concatenated, feed the drafter (main_proj / fc).")
-    target_layer_convention: Literal["output_of_layer"] = Field(
-        description="How the ids count: id i is the hidden state leaving target layer i (i < num_hidden_layers).")
+    target_layer_convention: Literal["output_of_layer", "input_of_layer"] = Field(
+        description="How the ids count: id i is the hidden state leaving target layer i (output_of_layer: "
+                    "DeepSeek-V4, MiniMax-M3.1) or entering it (input_of_layer: DeepSeek-V4.1), i < num_hidden_layers.")
     markov: BlockMarkov = Field(description="The Markov head (markov_w1 / markov_w2, rank dspark_markov_rank).")
     confidence: Optional[BlockConfidence] = Field(None, description="The confidence head, when it ships one.")
     quantization: Optional[TargetQuantization] = Field(

@@ -11,9 +11,11 @@ KIND = "release_dspark"
 MARKERS = ("dspark_block_size", "dspark_noise_token_id", "dspark_target_layer_ids")
 
 
-def markers(text: dict, target: Target, where: str, source: str) -> tuple[dict, list[str]]:
+def markers(text: dict, target: Target, where: str, source: str, convention: str = "output_of_layer"
+            ) -> tuple[dict, list[str]]:
     """dspark_block_size, dspark_noise_token_id and dspark_target_layer_ids as `text` (read from
-    `where`) states them, each checked against the target; (bindings, problems)."""
+    `where`) states them, each checked against the target (ids counted by `convention`); (bindings,
+    problems)."""
     bad, resolved = [], {}
     for key in MARKERS:
         if text.get(key) is None:
@@ -24,13 +26,13 @@ def markers(text: dict, target: Target, where: str, source: str) -> tuple[dict, 
     if isinstance(noise, int) and not 0 <= noise < vocab:
         bad.append(f"dspark_noise_token_id {noise} is outside the target's vocabulary (0..{vocab - 1})")
     if ids is not None:
-        bad += id_problems(ids, target.info.num_hidden_layers)
+        bad += id_problems(ids, target.info.num_hidden_layers, convention.replace("_", " ").replace("layer", "layer i"))
     return {"block_size": text.get("dspark_block_size"), "noise_token_id": noise, "ids": list(ids or []),
             "resolved_from": resolved}, bad
 
 
-def id_problems(ids: list, layers: int) -> list[str]:
-    bad = [f"dspark_target_layer_ids[{i}] = {v}: not a target layer (0..{layers - 1}, output of layer i)"
+def id_problems(ids: list, layers: int, counted: str = "output of layer i") -> list[str]:
+    bad = [f"dspark_target_layer_ids[{i}] = {v}: not a target layer (0..{layers - 1}, {counted})"
            for i, v in enumerate(ids[:64]) if not (isinstance(v, int) and 0 <= v < layers)]
     if not ids:
         bad.append("dspark_target_layer_ids is empty: the drafter reads at least one target layer")
@@ -48,7 +50,7 @@ def entry(target: Target, found: dict, expected: dict, q, counts: dict, bind: di
     arch = target.checked.arch
     drafter = ReleaseDSparkDrafter(
         block_size=bind["block_size"], noise_token_id=bind["noise_token_id"], target_layer_ids=bind["ids"],
-        target_layer_convention="output_of_layer", markov=BlockMarkov(rank=bind["rank"], type="vanilla"),
+        target_layer_convention=bind.get("convention", "output_of_layer"), markov=BlockMarkov(rank=bind["rank"], type="vanilla"),
         confidence=BlockConfidence(with_markov=bind["confidence_with_markov"]) if bind["confidence"] else None,
         quantization=quantization_entry(q, counts), tensors=len(names),
         parameters=sum(_numel(t.shape) for t in expected.values()),
