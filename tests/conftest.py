@@ -117,5 +117,5 @@ def pytest_terminal_summary(terminalreporter):
     """The engine suite's table (tests/engines), when this run recorded rows."""
     report = sys.modules.get("engine_report")
     if report is not None and report.ROWS:
-        terminalreporter.write_sep("=", f"vLLM rows (also in {report.REPORT})")
+        terminalreporter.write_sep("=", f"engine rows: vLLM and llama.cpp (also in {report.REPORT})")
         terminalreporter.write_line(report.table(report.ROWS))

@@ -15,7 +15,8 @@ from specpack.errors import InputError, UnsupportedError
 
 DRAFT_DIR = {"vllm": ".", "sglang": ".", "trtllm": "draft"}
 # (layout, engine) pairs each engine represents (the others are refused: test_refusals_name_who_can)
-ROUND_TRIPS = [("zlab-dflash", e) for e in ENGINES] + [("deepspec-dspark", e) for e in ENGINES] + \
+SERVING = [e for e in ENGINES if e != "llama.cpp"]  # llama.cpp refuses block drafters (test_llamacpp_export)
+ROUND_TRIPS = [("zlab-dflash", e) for e in SERVING] + [("deepspec-dspark", e) for e in SERVING] + \
     [("lilicorr", "vllm"), ("lilicorr-sequential", "trtllm"), ("deepseek-dflash", "trtllm"),
      ("nemotron35-dspark", "vllm"), ("speculators-dflash", "sglang")]
 

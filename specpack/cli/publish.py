@@ -97,9 +97,10 @@ def pull(source, out, revision, public_key, allow_unsigned, force, endpoint, pla
 @cli.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--to", "engine", required=True,
-              type=click.Choice(["vllm", "sglang", "trtllm", "onnx", "tensorrt"]),
+              type=click.Choice(["vllm", "sglang", "trtllm", "llama.cpp", "onnx", "tensorrt"]),
               help="Serving engine to export for, or onnx / tensorrt: graphs or engines stored inside ARTIFACT.")
-@click.option("-o", "--out", type=click.Path(path_type=Path), help="Directory to create (vllm, sglang, trtllm).")
+@click.option("-o", "--out", type=click.Path(path_type=Path),
+              help="Directory to create (vllm, sglang, trtllm, llama.cpp).")
 @click.option("--tp", "tensor_parallel", default=1, show_default=True,
               help="Tensor-parallel size written into the serve command.")
 @click.option("--draft-len", type=int, help="Draft tokens per step [default: the profile's, else the artifact's].")
@@ -112,10 +113,14 @@ def pull(source, out, revision, public_key, allow_unsigned, force, endpoint, pla
 @click.option("--drop-signature", is_flag=True, help="onnx: leave a signed ARTIFACT unsigned instead.")
 @click.option("--engine-dtype", default="float16", show_default=True,
               type=click.Choice(["float16", "bfloat16", "float32"]), help="tensorrt: engine precision.")
+@click.option("--gguf-type", default="f32", show_default=True, type=click.Choice(["f32", "f16", "bf16", "q8_0"]),
+              help="llama.cpp: the target GGUF's precision (norms stay f32, as llama.cpp's converter writes them).")
+@click.option("--gguf-pre", help="llama.cpp: the tokenizer's pre-tokenizer (gpt-2, llama-bpe, qwen2, smollm, "
+                                 "default) when llama.cpp's converter does not know its hash.")
 @PUBKEY
 @JSON
 def export(artifact, engine, out, tensor_parallel, draft_len, profile, force, signing_key, drop_signature,
-           engine_dtype, public_key, json_mode):
+           engine_dtype, gguf_type, gguf_pre, public_key, json_mode):
     """Write ARTIFACT's drafter in the layout ENGINE loads (with its config and serve command), or
     store ONNX graphs / TensorRT engines of the whole model inside ARTIFACT.
 
@@ -129,6 +134,7 @@ def export(artifact, engine, out, tensor_parallel, draft_len, profile, force, si
       specpack export llama-eagle3 --to vllm -o llama-eagle3-vllm --tp 4
       specpack export llama-eagle3 --to trtllm -o llama-eagle3-trtllm --tp 8 --draft-len 3
       specpack export llama-eagle3 --to vllm -o llama-eagle3-vllm --profile tensorrt-cuda-float16-eagle3-d4
+      specpack export llama-eagle3 --to llama.cpp -o llama-eagle3-gguf --gguf-type q8_0
       specpack export llama-eagle3 --to onnx --signing-key signer.pem
     """
     if engine in ("onnx", "tensorrt"):
@@ -140,7 +146,8 @@ def export(artifact, engine, out, tensor_parallel, draft_len, profile, force, si
     from specpack.exports import export_engine
 
     r = export_engine(artifact, engine, out, draft_len=draft_len, tensor_parallel=tensor_parallel,
-                      force=force, public_key=public_key, progress=progress_enabled(json_mode), profile=profile)
+                      force=force, public_key=public_key, progress=progress_enabled(json_mode), profile=profile,
+                      gguf_type=gguf_type, gguf_pre=gguf_pre)
     data = {"out": str(r.out), "engine": r.engine, "drafter": r.kind, "files": r.files,
             "aux_layer_ids": r.aux_layer_ids, "aux_convention": r.aux_convention,
             "config": r.config, "command": r.command}

@@ -251,7 +251,7 @@ def _plan(reader, config, path: Path) -> list[_Step]:
             problems.append(f"{tensor.name}: shape {list(shape)}, expected {list(want)}")
             continue
         steps.append(_Step(tensor, hf_name, shape, _rotary_heads(tensor.name, config)))
-    problems += [f"{name}: missing (GGUF name {_gguf_name(name)})" for name in expected]
+    problems += [f"{name}: missing (GGUF name {gguf_name(name)})" for name in expected]
     if problems:
         raise ConversionError(f"{path}: tensors do not match the model its metadata describes",
                               problems=problems)
@@ -271,27 +271,27 @@ def _expected_shapes(config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name):
+def _hf_name(name: str) -> str | None:
+    if m := re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", name):
         leaf = _BLOCK_NAMES.get(m[2])
         return f"model.layers.{m[1]}.{leaf}.{m[3]}" if leaf else None
-    if m := re.fullmatch(r"(\w+)\.(weight|bias)", gguf_name):
+    if m := re.fullmatch(r"(\w+)\.(weight|bias)", name):
         leaf = _GLOBAL_NAMES.get(m[1])
         return f"{leaf}.{m[2]}" if leaf else None
     return None
 
 
-def _gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str) -> str:
     module, kind = hf_name.rsplit(".", 1)
     if m := re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module):
         return f"blk.{m[1]}.{_BLOCK_LEAVES[m[2]]}.{kind}"
     return f"{_GLOBAL_LEAVES[module]}.{kind}"
 
 
-def _rotary_heads(gguf_name: str, config) -> int | None:
-    if ".attn_q." in gguf_name:
+def _rotary_heads(name: str, config) -> int | None:
+    if ".attn_q." in name:
         return config.num_attention_heads
-    if ".attn_k." in gguf_name:
+    if ".attn_k." in name:
         return config.num_key_value_heads
     return None
 

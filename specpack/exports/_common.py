@@ -25,6 +25,8 @@ class ExportContext:
     tensor_parallel: int
     crossover: Crossover | None = None  # a validated profile's draft length up to its max concurrency
     schedule_notes: tuple[str, ...] = ()  # README lines on a profile found but not written
+    gguf_type: str = "f32"  # llama.cpp: the target GGUF's file type (_gguf.GGUF_TYPES)
+    gguf_pre: str | None = None  # llama.cpp: the tokenizer's pre-tokenizer, where its hash does not name it
 
 
 @dataclass(frozen=True)

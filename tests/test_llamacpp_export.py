@@ -1,0 +1,119 @@
+"""`specpack export ART --to llama.cpp` (issue 64 item 1): the target as a llama.cpp GGUF at the precision
+asked and an EAGLE-3 head as llama.cpp's drafter GGUF, each read back by specpack's own GGUF readers bit
+for bit (the head also against gguf_fixtures.write_eagle3_gguf, written from the vendored converter); the
+tokenizer's pre-tokenizer named by llama.cpp's hash rule or stated; what llama.cpp cannot load is refused.
+tests/engines/test_llamacpp.py runs the exports in a real llama-server."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import eagle_layouts
+import gguf_fixtures as gf
+
+AUX_IN = [1, 3, 6]
+
+
+@pytest.fixture
+def artifact(tmp_path, tiny_target, tiny_cfg, cli):
+    head = eagle_layouts.random_head(tiny_cfg, draft_vocab=256)
+    drafter = gf.write_eagle3_gguf(tmp_path / "head.gguf", head, tiny_cfg, AUX_IN, tiny_cfg.vocab_size)
+    code, _, err = cli("build", tiny_target, "--drafter", drafter, "-o", tmp_path / "art")
+    assert code == 0, err
+    return tmp_path / "art"
+
+
+def _export(cli, artifact, out, *args):
+    return cli("export", artifact, "--to", "llama.cpp", "-o", out, "--gguf-pre", "gpt-2", *args, "--json")
+
+
+def _types(path):
+    return {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(path)).tensors}
+
+
+def test_the_head_reads_back_as_the_same_canonical_head(artifact, tmp_path, tiny_target, cli):
+    code, out, err = _export(cli, artifact, tmp_path / "lc")
+    assert code == 0, err
+    files = json.loads(out)["files"]
+    assert {"target-f32.gguf", "draft-eagle3-f32.gguf", "llama_server.json", "README.md"} <= set(files)
+    assert "--spec-type draft-eagle3" in json.loads(out)["command"]
+    code, _, err = cli("build", tiny_target, "--drafter", tmp_path / "lc/draft-eagle3-f32.gguf", "-o", tmp_path / "again")
+    assert code == 0, err
+    mine, source = (load_file(a / "drafter/model.safetensors") for a in (tmp_path / "again", artifact))
+    assert set(mine) == set(source)
+    for name in source:
+        assert torch.equal(mine[name], source[name]), name
+    back = json.loads((tmp_path / "again/specpack.json").read_text())["drafter"]["aux_hidden_states"]["layer_ids"]
+    assert back == AUX_IN  # input of layer i, in llama.cpp and in specpack
+
+
+def test_the_head_carries_the_keys_llamacpps_converter_writes(artifact, tmp_path, tiny_cfg, cli):
+    assert _export(cli, artifact, tmp_path / "lc")[0] == 0
+    ours = gguf.GGUFReader(str(tmp_path / "lc/draft-eagle3-f32.gguf"))
+    ref = gguf.GGUFReader(str(gf.write_eagle3_gguf(tmp_path / "ref.gguf", eagle_layouts.random_head(tiny_cfg, 256),
+                                                   tiny_cfg, AUX_IN, tiny_cfg.vocab_size)))
+    keys = {k for k in ref.fields if k.startswith("eagle3.")}
+    assert keys <= set(ours.fields), keys - set(ours.fields)
+    for k in ("eagle3.target_layers", "eagle3.target_hidden_size", "eagle3.attention.head_count", "eagle3.block_count"):
+        assert ours.fields[k].contents() == ref.fields[k].contents(), k
+    assert {t.name for t in ref.tensors} == {t.name for t in ours.tensors}
+    assert "tokenizer.ggml.tokens" in ours.fields  # llama.cpp sizes the draft vocabulary from it
+
+
+def test_the_target_imports_back_bit_for_bit(artifact, tmp_path, tiny_target, cli):
+    assert _export(cli, artifact, tmp_path / "lc")[0] == 0
+    code, _, err = cli("import-gguf", tmp_path / "lc/target-f32.gguf", "-o", tmp_path / "back")
+    assert code == 0, err
+    mine, source = load_file(tmp_path / "back/model.safetensors"), load_file(tiny_target / "model.safetensors")
+    assert set(mine) == set(source)
+    for name in source:
+        assert torch.equal(mine[name], source[name]), name  # q/k permuted out and back
+    from transformers import AutoTokenizer
+
+    text = "The quick brown fox <|im_start|> jumps"
+    a, b = (AutoTokenizer.from_pretrained(p) for p in (tmp_path / "back", tiny_target))
+    assert a(text).input_ids == b(text).input_ids
+
+
+@pytest.mark.parametrize("kind, weight", [("f16", "F16"), ("bf16", "BF16"), ("q8_0", "Q8_0")])
+def test_each_precision_follows_the_converters_type_rule(artifact, tmp_path, cli, kind, weight):
+    assert _export(cli, artifact, tmp_path / "lc", "--gguf-type", kind)[0] == 0
+    target = _types(tmp_path / f"lc/target-{kind}.gguf")
+    assert target["blk.0.attn_q.weight"] == weight and target["token_embd.weight"] == weight
+    assert target["blk.0.attn_norm.weight"] == "F32" and target["output_norm.weight"] == "F32"
+    head = _types(tmp_path / f"lc/draft-eagle3-{kind}.gguf")
+    assert head["fc.weight"] == weight and head["d2t"] == "I64" and head["blk.0.attn_norm_2.weight"] == "F32"
+
+
+def test_q8_0_reads_back_within_its_block_rounding(artifact, tmp_path, tiny_target, cli):
+    assert _export(cli, artifact, tmp_path / "lc", "--gguf-type", "q8_0")[0] == 0
+    r = gguf.GGUFReader(str(tmp_path / "lc/target-q8_0.gguf"))
+    t = next(t for t in r.tensors if t.name == "blk.0.ffn_up.weight")
+    w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
+    src = load_file(tiny_target / "model.safetensors")["model.layers.0.mlp.up_proj.weight"].numpy()
+    amax = np.abs(src).reshape(src.shape[0], -1, 32).max(-1)  # one Q8_0 block: 32 values, one f16 scale amax / 127
+    bound = amax / 127 * 0.5 + amax * 2.0**-10  # half a step, plus the scale's own f16 rounding over 127 steps
+    assert np.all(np.abs(w - src).reshape(src.shape[0], -1, 32).max(-1) <= bound)
+
+
+def test_an_unknown_pre_tokenizer_is_refused_naming_the_flag(artifact, tmp_path, cli):
+    code, _, err = cli("export", artifact, "--to", "llama.cpp", "-o", tmp_path / "lc")
+    assert code != 0 and "--gguf-pre" in err and "pre-tokenizer" in err and not (tmp_path / "lc").exists(), err
+
+
+def test_options_of_another_engine_are_refused(artifact, tmp_path, cli):
+    code, _, err = cli("export", artifact, "--to", "vllm", "-o", tmp_path / "v", "--gguf-type", "q8_0")
+    assert code == 2 and "llama.cpp's" in err and not (tmp_path / "v").exists(), err
+    code, _, err = cli("export", artifact, "--to", "llama.cpp", "-o", tmp_path / "lc", "--tp", "2")
+    assert code == 2 and "llama-server runs one process" in err, err
+
+
+def test_ngram_uses_llamacpps_own_lookup(tmp_path, tiny_target, cli):
+    assert cli("build", tiny_target, "--drafter", "ngram", "-o", tmp_path / "art")[0] == 0
+    code, out, err = _export(cli, tmp_path / "art", tmp_path / "lc")
+    assert code == 0 and "--spec-type ngram-simple" in json.loads(out)["command"], err
+    assert "llama.cpp's own" in (tmp_path / "lc/README.md").read_text()
