@@ -117,3 +117,11 @@ def test_ngram_uses_llamacpps_own_lookup(tmp_path, tiny_target, cli):
     code, out, err = _export(cli, tmp_path / "art", tmp_path / "lc")
     assert code == 0 and "--spec-type ngram-simple" in json.loads(out)["command"], err
     assert "llama.cpp's own" in (tmp_path / "lc/README.md").read_text()
+
+
+def test_inspect_states_which_engines_serve_the_artifact(artifact, cli):
+    code, out, _ = cli("inspect", artifact, "--json")
+    engines = json.loads(out)["engines"]
+    assert code == 0 and engines["llama.cpp"] == [] and set(engines) == {"vllm", "sglang", "trtllm", "llama.cpp"}
+    code, out, _ = cli("inspect", artifact)
+    assert code == 0 and "export engines" in out and "llama.cpp" in out.split("export engines")[1].splitlines()[0]

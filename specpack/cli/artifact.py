@@ -165,9 +165,22 @@ def inspect(artifact, json_mode):
     if not (artifact / MANIFEST_NAME).is_file() and (artifact / "config.json").is_file():
         emit(_release(artifact), json_mode, _release_text)
         return
-    from specpack.packager import describe
+    from specpack.exports import engine_limits
+    from specpack.packager import describe, read_manifest
 
-    emit(describe(artifact), json_mode, _inspect_text)
+    data = describe(artifact)
+    data["engines"] = engine_limits(read_manifest(artifact))
+    emit(data, json_mode, _inspect_text)
+
+
+def _engine_rows(engines: dict) -> list[tuple[str, str]]:
+    """Which export engines serve the drafter (`specpack export --to NAME`), and why the others do not."""
+    if not engines:
+        return []
+    can = [name for name, why in engines.items() if not why]
+    rows = [("export engines", ", ".join(can) if can else "none")]
+    return rows + [(f"  not {name}", why[0] + (f" (+{len(why) - 1} more)" if len(why) > 1 else ""))
+                   for name, why in engines.items() if why]
 
 
 def _release(root: Path) -> dict:
@@ -220,6 +233,7 @@ def _inspect_text(d: dict) -> str:
     else:
         rows += _drafter_rows(dr)
     rows += _made_for_rows(dr)
+    rows += _engine_rows(d.get("engines", {}))
     rows += [("memory", f"target {mem['target_weight_bytes'] / 2**20:,.1f} MiB + drafter "
                         f"{mem['drafter_weight_bytes'] / 2**20:,.1f} MiB; KV/token "
                         f"{mem['target_kv_bytes_per_token']:,} + {mem['drafter_kv_bytes_per_token']:,} B"),

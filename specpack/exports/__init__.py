@@ -5,6 +5,6 @@ The package hands on the names of writer.py."""
 from __future__ import annotations
 
 from specpack.exports.writer import (
-    ENGINES, export_engine, check_tensor_parallel)
+    ENGINES, export_engine, check_tensor_parallel, engine_limits)
 
-__all__ = ["ENGINES", "export_engine", "check_tensor_parallel"]
+__all__ = ["ENGINES", "export_engine", "check_tensor_parallel", "engine_limits"]

@@ -47,6 +47,14 @@ class ExportResult:
     draft_len: int = 0  # draft tokens a step the engine is told (before any batch-size schedule)
 
 
+def engine_limits(manifest) -> dict[str, list[str]]:
+    """Each export engine and why it cannot serve this artifact's drafter at its default draft length
+    ([] where it can): what `inspect` states."""
+    from specpack.schemas.manifest import default_draft_len
+
+    return {name: module.limits(manifest, default_draft_len(manifest)) for name, module in ENGINES.items()}
+
+
 def capable_engines(manifest, draft_len: int = 1) -> list[str]:
     """Engines that can represent this artifact's drafter at `draft_len` tokens per step."""
     return [name for name, module in ENGINES.items() if not module.limits(manifest, draft_len)]
