@@ -125,3 +125,48 @@ def test_inspect_states_which_engines_serve_the_artifact(artifact, cli):
     assert code == 0 and engines["llama.cpp"] == [] and set(engines) == {"vllm", "sglang", "trtllm", "llama.cpp"}
     code, out, _ = cli("inspect", artifact)
     assert code == 0 and "export engines" in out and "llama.cpp" in out.split("export engines")[1].splitlines()[0]
+
+
+@pytest.fixture(scope="module")
+def block_arts(tmp_path_factory, tiny_target):
+    import block_layouts as bl
+    from test_block_convert import _build
+
+    tmp = tmp_path_factory.mktemp("block-llamacpp")
+    return {lay: _build(tmp, tiny_target, bl.write(lay, tmp / f"head-{lay}", tiny_target), f"art-{lay}")
+            for lay in ("deepspec-dspark", "zlab-dflash", "lilicorr", "nemotron35-dspark")}
+
+
+@pytest.mark.parametrize("layout, algorithm, anchor", [("deepspec-dspark", "dspark", True),
+                                                       ("zlab-dflash", "dflash", False)])
+def test_a_block_head_is_written_as_llamacpps_dflash_draft(block_arts, tmp_path, cli, layout, algorithm, anchor):
+    art = block_arts[layout]
+    code, out, err = _export(cli, art, tmp_path / "lc")
+    assert code == 0, err
+    assert f"--spec-type draft-{algorithm}" in json.loads(out)["command"]
+    r = gguf.GGUFReader(str(tmp_path / f"lc/draft-{algorithm}-f32.gguf"))
+    fields = {k: f.contents() for k, f in r.fields.items() if k.startswith("dflash.") or k.endswith("mask_token_id")}
+    m = json.loads((art / "specpack.json").read_text())["drafter"]
+    assert fields["dflash.target_layers"] == m["target_features"]["layer_ids"]  # input of layer i, as llama.cpp reads
+    assert (fields["dflash.block_size"], fields["dflash.sample_from_anchor"]) == (m["block_size"], anchor)
+    assert fields["tokenizer.ggml.mask_token_id"] == m["mask_token_id"] and fields["dflash.attention.causal"] is False
+    assert fields["dflash.has_confidence_head"] == ("confidence" in m)
+    held = {t.name: t for t in r.tensors}
+    assert "output.weight" not in held and "token_embd.weight" not in held  # the target's, through ctx_other
+    canonical = load_file(art / "drafter/model.safetensors")
+    pairs = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
+             "layers.0.self_attn.q_norm.weight": "blk.0.attn_q_norm.weight",
+             "layers.1.mlp.down_proj.weight": "blk.1.ffn_down.weight"}
+    if algorithm == "dspark":
+        pairs["markov_head.markov_w1.weight"] = "markov_w1.weight"
+    for name, g in pairs.items():
+        t = held[g]
+        w = gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed([int(d) for d in t.shape])))
+        assert np.array_equal(w, canonical[name].float().numpy()), name
+
+
+@pytest.mark.parametrize("layout, says", [("lilicorr", "LiLiCorr correlator has no llama.cpp draft type"),
+                                          ("nemotron35-dspark", "an own embedding with the target's lm_head")])
+def test_what_llamacpps_draft_cannot_hold_is_refused(block_arts, tmp_path, cli, layout, says):
+    code, _, err = cli("export", block_arts[layout], "--to", "llama.cpp", "-o", tmp_path / "lc", "--gguf-pre", "gpt-2")
+    assert code != 0 and says in err and not (tmp_path / "lc").exists(), err

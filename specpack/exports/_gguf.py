@@ -56,8 +56,10 @@ def file_type(gguf_type: str):
     return {"f32": F.ALL_F32, "f16": F.MOSTLY_F16, "bf16": F.MOSTLY_BF16, "q8_0": F.MOSTLY_Q8_0}[gguf_type]
 
 
-def add_llama_hparams(writer, arch: str, cfg: dict, gguf_type: str, layers: int | None = None) -> None:
-    """The sizes llama.cpp's TextModel.set_gguf_parameters and LlamaModel write, under `arch`."""
+def add_llama_hparams(writer, arch: str, cfg: dict, gguf_type: str, layers: int | None = None,
+                      key_length: bool = False) -> None:
+    """The sizes llama.cpp's TextModel.set_gguf_parameters and LlamaModel write, under `arch` (`key_length`:
+    state the head width always, as Qwen3Model does)."""
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     kv = {"context_length": cfg.get("max_position_embeddings") or 4096, "embedding_length": cfg["hidden_size"],
@@ -67,7 +69,7 @@ def add_llama_hparams(writer, arch: str, cfg: dict, gguf_type: str, layers: int 
           "rope.freq_base": float(cfg.get("rope_theta", 10000.0)),
           "attention.layer_norm_rms_epsilon": float(cfg.get("rms_norm_eps", 1e-6)),
           "vocab_size": cfg["vocab_size"], "rope.dimension_count": head_dim}
-    if head_dim != cfg["hidden_size"] // heads:
+    if key_length or head_dim != cfg["hidden_size"] // heads:
         kv.update({"attention.key_length": head_dim, "attention.value_length": head_dim})
     for key, value in kv.items():
         if isinstance(value, float):

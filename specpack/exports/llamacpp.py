@@ -63,15 +63,35 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         if getattr(d, "norm_before_residual", False):
             problems.append("a head with norm_before_residual: not written by this export yet")
         problems += embedding_problems(manifest)  # (llama.cpp concatenates the states in the order listed)
+    elif d.kind == "block":
+        problems += _block_problems(d)
     elif d.kind != "ngram":
         problems.append(WHY_NOT.get(d.kind, f"llama.cpp export of {d.kind} drafters is not implemented"))
     return problems
 
 
+def _block_problems(d) -> list[str]:
+    """What llama.cpp's `dflash` draft (src/models/dflash.cpp, common/speculative.cpp) cannot hold of a
+    canonical block drafter, or what this export has not verified in llama-server."""
+    checks = [(d.algorithm == "lilicorr", "a LiLiCorr correlator has no llama.cpp draft type"),
+              (d.algorithm == "dflash" and d.query_layout == "anchor_first",
+               "llama.cpp drafts anchor-first blocks only as DSpark (sample_from_anchor with a Markov head)"),
+              (d.markov is not None and d.markov.type != "vanilla",
+               f"llama.cpp's DSpark reads the vanilla Markov head only, not {d.markov.type if d.markov else ''}"),
+              (len(set(d.layer_causal)) > 1, f"per-layer causality {d.layer_causal}: llama.cpp sets one for the draft"),
+              (any(w is not None for w in d.sliding_window), "sliding-window draft layers: not written by this "
+                                                             "export yet"),
+              (d.mask_embedding, "a trained mask embedding: not written by this export yet"),
+              (d.rope_style != "neox", "interleaved RoPE: not written by this export yet"),
+              (d.attention_sinks, "attention sinks: not written by this export yet"),
+              (d.lm_head_source == "target" and d.embedding_source == "drafter",
+               "an own embedding with the target's lm_head: llama.cpp scores a draft without `output` with its "
+               "token_embd (src/models/dflash.cpp), which would be the drafter's")]
+    return [why for bad, why in checks if bad]
+
+
 WHY_NOT = {"mtp": "MTP heads go into the target GGUF's nextn blocks (`{arch}.nextn_predict_layers`): not written by "
                   "this export yet",
-           "block": "DFlash / DSpark / LiLiCorr heads: llama.cpp's drafter GGUFs for them are not written by this "
-                    "export yet (and a LiLiCorr correlator has no llama.cpp draft type)",
            "release_dspark": "a release's DSpark stages run in the release's own architecture, which llama.cpp's "
                              "DSpark drafter GGUF does not hold",
            "draft_model": "a draft model: convert it with llama.cpp's convert_hf_to_gguf.py and pass it as -md "
@@ -168,4 +188,86 @@ def _export(ctx: ExportContext, target: Path, flags: dict, notes: list[str]) -> 
     return EngineExport(command, config, notes)
 
 
-KINDS = {"eagle3": write_eagle3, "ngram": write_ngram}
+# canonical block-drafter name -> llama.cpp name (gguf-py tensor_mapping.py: DFlash / DSpark)
+BLOCK_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
+               "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+               "embed_tokens.weight": "token_embd.weight", "d2t": "d2t",
+               "markov_head.markov_w1.weight": "markov_w1.weight", "markov_head.markov_w2.weight": "markov_w2.weight",
+               "confidence_head.proj.weight": "conf_proj.weight", "confidence_head.proj.bias": "conf_proj.bias"}
+LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
+               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
+               "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
+               "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
+               "mlp.down_proj.weight": "ffn_down.weight"}
+BLOCK_DRAFT = "draft-{algorithm}-{type}.gguf"
+
+
+def write_block(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
+    """The target GGUF and a DFlash / DSpark head as llama.cpp's `dflash` drafter GGUF (conversion/qwen.py
+    DFlashModel, DSparkModel): Qwen3-style layers, `fc`, `hidden_norm` as `enc.output_norm`, the Markov
+    and confidence heads, `d2t` as absolute ids; `dflash.target_layers` = layer i's input (the converter
+    writes the source's output ids + 1), `dflash.block_size`, `dflash.sample_from_anchor`, causality."""
+    from specpack.errors import UnsupportedError
+
+    d, cfg = ctx.manifest.drafter, head
+    missing = [f"layers.{i}.self_attn.{n}_norm.weight" for i in range(cfg["num_layers"]) for n in ("q", "k")
+               if f"layers.{i}.self_attn.{n}_norm.weight" not in tensors]
+    unknown = sorted(n for n in tensors if n not in BLOCK_NAMES and n != "t2d" and _layer_name(n) is None)
+    if missing or unknown:
+        raise UnsupportedError("llama.cpp's DFlash draft layers are Qwen3 layers (q/k norms required; "
+                               "src/models/dflash.cpp)", problems=[f"missing {n}" for n in missing[:4]] +
+                               [f"tensor {n}: no llama.cpp name" for n in unknown[:4]])
+    target, pre = write_target(ctx)
+    path = ctx.out / BLOCK_DRAFT.format(algorithm=d.algorithm, type=ctx.gguf_type)
+    writer = _gguf.open_writer(path, "dflash", f"{ctx.artifact.name} {d.algorithm} head")
+    sizes = {k: cfg[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                 "intermediate_size", "rms_norm_eps", "rope_theta")}
+    sizes.update(max_position_embeddings=ctx.manifest.target.max_position_embeddings, vocab_size=cfg["vocab_size"],
+                 num_hidden_layers=cfg["num_layers"])
+    _gguf.add_llama_hparams(writer, "dflash", sizes, ctx.gguf_type, key_length=True)
+    writer.add_array("dflash.target_layers", [int(i) for i in cfg["target_layer_ids"]])
+    writer.add_uint32("dflash.block_size", int(d.block_size))
+    writer.add_bool("dflash.sample_from_anchor", d.query_layout == "anchor_first")
+    writer.add_bool("dflash.has_confidence_head", "confidence_head.proj.weight" in tensors)
+    writer.add_bool("dflash.attention.causal", bool(d.layer_causal[0]))
+    if d.logit_scale is not None:
+        writer.add_float32("dflash.logit_scale", float(d.logit_scale))
+    _gguf.add_tokenizer(writer, ctx.artifact, pre)
+    writer.add_uint32("tokenizer.ggml.mask_token_id", int(d.mask_token_id))
+    for name, t in sorted(tensors.items()):
+        g = BLOCK_NAMES.get(name) or _layer_name(name)
+        if g is None:
+            continue  # t2d: not used at runtime (the converter's filter_tensors)
+        w = t.numpy() if not t.dtype.is_floating_point else t.float().numpy()
+        if name == "d2t":
+            w = w.reshape(-1).astype(np.int64) + np.arange(w.size, dtype=np.int64)  # offsets -> absolute ids
+        _gguf.add_tensor(writer, g, w, ctx.gguf_type)
+    _gguf.finish(writer)
+    spec_type = "draft-dspark" if d.markov is not None else "draft-dflash"
+    flags = {"--spec-draft-model": path.name, "--spec-type": spec_type, "--spec-draft-n-max": ctx.draft_len,
+             "--spec-draft-n-min": 0}
+    shared = ("shares the target's embedding and lm_head (no token_embd / output in the draft: llama.cpp's ctx_other)"
+              if d.lm_head_source == "target" else "scores with its own lm_head" +
+              (" over a reduced vocabulary, mapped back by d2t" if "d2t" in tensors else ""))
+    notes = [f"the head {shared}",
+             f"target layers {cfg['target_layer_ids']} as the input of layer i (`dflash.target_layers`; llama.cpp's "
+             "converter writes a source's output-of-layer ids + 1)",
+             f"block {d.block_size} ({d.query_layout.replace('_', '-')}: sample_from_anchor "
+             f"{d.query_layout == 'anchor_first'}), mask token {d.mask_token_id}, "
+             f"{'causal' if d.layer_causal[0] else 'non-causal'} within the block",
+             "with --spec-draft-p-min P > 0 llama.cpp cuts a DSpark draft where its confidence head falls under P "
+             "(default 0: the whole block, as specpack's figures count it)" if d.confidence is not None else
+             "no confidence head: keep --spec-draft-p-min 0 (llama.cpp refuses a DSpark draft without one otherwise)"]
+    return _export(ctx, target, flags, notes)
+
+
+def _layer_name(name: str) -> str | None:
+    head, _, rest = name.partition(".")
+    if head != "layers":
+        return None
+    i, _, leaf = rest.partition(".")
+    return f"blk.{i}.{LAYER_NAMES[leaf]}" if leaf in LAYER_NAMES and i.isdigit() else None
+
+
+KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "block": write_block}

@@ -1,8 +1,9 @@
 """llama.cpp (`llama-server`, built by `make llama-server` from the pinned llama-cpp-python sdist) on
-specpack's `export --to llama.cpp`, for SmolLM2 with the shipped EAGLE-3 head and n-gram:
+specpack's `export --to llama.cpp`, for SmolLM2 with the shipped EAGLE-3 and DSpark heads and n-gram, and
+for the trained EAGLE-3, DFlash and DSpark heads of the wide tiny Llama:
 
 (a) greedy tokens through llama-server with speculation == llama-server without == specpack's own;
-(b) the EAGLE-3 head's acceptance in llama.cpp (its `timings`: draft_n_accepted / draft_n) within 5% of
+(b) each head's acceptance in llama.cpp (its `timings`: draft_n_accepted / draft_n) within 5% of
     specpack's at the same draft length. llama.cpp cuts a draft whose token probability falls under
     --spec-draft-p-min; the comparison runs at p-min 0, so both draft D tokens at every step.
 llama.cpp's n-gram lookup is its own rule, so only its tokens are compared."""
@@ -19,7 +20,7 @@ import pytest
 import torch
 
 from engine_report import record
-from smollm2_case import smollm2  # noqa: F401  (the fixture)
+from cases import root, smollm2, wide  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.engines
 TOLERANCE = 0.05
@@ -40,7 +41,8 @@ def exports(smollm2, tmp_path_factory):
 
     _, arts, prompts = smollm2
     out = tmp_path_factory.mktemp("llamacpp")
-    made = {kind: export_engine(arts[kind], "llama.cpp", out / kind, draft_len=D) for kind in ("eagle3", "ngram")}
+    made = {kind: export_engine(arts[kind], "llama.cpp", out / kind, draft_len=5 if kind == "dspark" else D)
+            for kind in ("eagle3", "dspark", "ngram")}
     return made, arts, prompts
 
 
@@ -91,12 +93,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(binary, export, prompts, speculative=True, extra=()):
+def _serve(binary, export, prompts, speculative=True, extra=(), new: int = NEW):
     with Server(binary, export, speculative, extra) as srv:
-        return [srv.complete(p, NEW) for p in prompts]
+        return [srv.complete(p, new) for p in prompts]
 
 
-def _specpack(artifact, prompts):
+def _specpack(artifact, prompts, D: int = D):
     """(speculative tokens, plain tokens, draft tokens proposed, accepted) of specpack at draft length D,
     each stopping at the end-of-sequence token as llama-server does."""
     import specpack
@@ -109,17 +111,18 @@ def _specpack(artifact, prompts):
     return [r.tokens for r in spec], plain, drafted, sum(r.stats.accepted for r in spec)
 
 
-def test_smollm2_eagle3(llama_server, exports):
+@pytest.mark.parametrize("kind", ["eagle3", "dspark"])
+def test_smollm2_shipped_heads(llama_server, exports, kind):
     made, arts, prompts = exports
-    out = made["eagle3"].out
+    out, D = made[kind].out, made[kind].draft_len
     spec = _serve(llama_server, out, prompts, extra=("--spec-draft-p-min", "0"))
     plain = _serve(llama_server, out, prompts, speculative=False)
-    mine, mine_plain, drafted, accepted = _specpack(arts["eagle3"], prompts)
+    mine, mine_plain, drafted, accepted = _specpack(arts[kind], prompts, D)
     tokens = [s[0] for s in spec]
     rate_llama = sum(s[2] for s in spec) / sum(s[1] for s in spec)
     rate_mine = accepted / drafted
     equal = tokens == [p[0] for p in plain] == mine == mine_plain
-    record(target="SmolLM2-135M (llama.cpp f32 GGUF)", drafter="eagle3 (llama-server)", D=D, loads=True,
+    record(target="SmolLM2-135M (llama.cpp f32 GGUF)", drafter=f"{kind} (llama-server)", D=D, loads=True,
            equal="yes" if equal else "NO", al_vllm=1 + rate_llama * D, al_specpack=1 + rate_mine * D,
            note=f"acceptance rate llama.cpp {rate_llama:.3f}, specpack {rate_mine:.3f}")
     assert equal
@@ -135,3 +138,28 @@ def test_smollm2_ngram_tokens(llama_server, exports):
            equal="yes" if [s[0] for s in spec] == mine_plain else "NO",
            note=f"llama.cpp drafted {sum(s[1] for s in spec)}, accepted {sum(s[2] for s in spec)}")
     assert [s[0] for s in spec] == mine_plain
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
+def test_tiny_trained_heads(llama_server, wide, tmp_path, kind):
+    """The trained heads on the wide tiny Llama (trained_heads.py), whose byte-level BPE llama.cpp's
+    converter does not name: its GPT-2 split is stated with --gguf-pre gpt-2."""
+    from specpack.exports import export_engine
+    from specpack.schemas.manifest import default_draft_len
+    from specpack.packager import read_manifest
+
+    arts, prompts = wide
+    D = default_draft_len(read_manifest(arts[kind]))
+    out = export_engine(arts[kind], "llama.cpp", tmp_path / kind, draft_len=D, gguf_pre="gpt-2").out
+    spec = _serve(llama_server, out, prompts, extra=("--spec-draft-p-min", "0"))
+    plain = _serve(llama_server, out, prompts, speculative=False)
+    mine, mine_plain, drafted, accepted = _specpack(arts[kind], prompts, D)
+    rate_llama = sum(s[2] for s in spec) / max(1, sum(s[1] for s in spec))
+    rate_mine = accepted / max(1, drafted)
+    tokens = [s[0] for s in spec]
+    equal = tokens == [p[0] for p in plain] == mine == mine_plain
+    record(target="tiny Llama (wide, llama.cpp f32 GGUF)", drafter=f"{kind} (llama-server)", D=D, loads=True,
+           equal="yes" if equal else "NO", al_vllm=1 + rate_llama * D, al_specpack=1 + rate_mine * D,
+           note=f"acceptance rate llama.cpp {rate_llama:.3f}, specpack {rate_mine:.3f}")
+    assert equal
+    assert abs(rate_llama / rate_mine - 1) <= TOLERANCE, (rate_llama, rate_mine)

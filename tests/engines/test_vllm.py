@@ -32,7 +32,7 @@ import eagle_fixtures as ef
 import mtp_layouts as ml
 import trained_heads as th
 from engine_report import record
-from smollm2_case import smollm2  # noqa: F401  (the fixture)
+from cases import root, smollm2, wide  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.engines
 TOLERANCE = 0.05
@@ -53,11 +53,6 @@ def vllm_python():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return path
-
-
-@pytest.fixture(scope="session")
-def root(tmp_path_factory):
-    return tmp_path_factory.mktemp("engines")
 
 
 def _port() -> int:
@@ -191,21 +186,6 @@ def test_smollm2_dspark_is_refused_by_the_cpu_runner(smollm2):
 
 
 # ---- tiny families -------------------------------------------------------------------------------
-
-@pytest.fixture(scope="session")
-def wide(root):
-    """Artifacts of the trained heads on the wide tiny Llama (trained_heads.py), and their prompts."""
-    from specpack.packager import BuildOptions, build
-
-    fam, out = "llama-wide", {}
-    target = ef.target_dir(fam)
-    out["eagle3"] = build(BuildOptions(target=target, drafter=str(th.eagle3_layout("sglang", root / "w-e3", fam)[0]),
-                                       out=root / "wide-eagle3")).out
-    for a in ("dflash", "dspark", "lilicorr"):
-        out[a] = build(BuildOptions(target=target, drafter=str(th.block_layout(a, root / f"w-{a}", fam)),
-                                    out=root / f"wide-{a}")).out
-    return out, th.prompt_ids(fam)
-
 
 @pytest.fixture(scope="session")
 def wide_plain(wide):
