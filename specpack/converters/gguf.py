@@ -296,6 +296,40 @@ def _rotary_heads(name: str, config) -> int | None:
     return None
 
 
+def drafter_tensors(reader, names, heads: dict, types: tuple[str, ...], layout: str) -> tuple[dict, list[str]]:
+    """A llama.cpp drafter GGUF's tensors in canonical names (`names`: GGUF name -> canonical name, or a
+    function returning None for an unknown one), dequantized to float32: q/k rows of `heads` (GGUF name ->
+    heads) un-permuted, `d2t` (absolute target ids) back to offsets; and every tensor the layout does not
+    know, or stores in a type other than `types`, as a problem."""
+    import torch
+    from gguf.quants import dequantize
+
+    lookup = names.get if isinstance(names, dict) else names
+    out, problems = {}, []
+    for t in reader.tensors:
+        name, kind, canonical = t.name, t.tensor_type.name, lookup(t.name)
+        if canonical is None:
+            problems.append(f"tensor {name}: not part of {layout}")
+            continue
+        shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims fastest first
+        if name == "d2t":
+            ids = np.asarray(t.data, dtype=np.int64).reshape(-1)
+            out["d2t"] = torch.from_numpy(ids - np.arange(ids.size, dtype=np.int64))  # absolute -> offsets
+            continue
+        if kind not in types:
+            problems.append(f"tensor {name} is {kind}: a drafter is read in {', '.join(types)}")
+            continue
+        try:
+            w = dequantize(t.data, t.tensor_type).reshape(shape)
+        except ValueError as exc:
+            problems.append(f"tensor {name} {list(shape)} ({kind}): its data does not fill the shape ({exc})")
+            continue
+        if name in heads:
+            w = unpermute_rotary(w, heads[name])
+        out[canonical] = torch.from_numpy(np.require(w, dtype=np.float32, requirements=["C", "W"]))
+    return out, problems
+
+
 # --- converting and writing ----------------------------------------------------------------------
 
 def unpermute_rotary(weights: np.ndarray, n_heads: int) -> np.ndarray:

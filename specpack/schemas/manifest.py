@@ -292,7 +292,7 @@ class DraftModelDrafter(_Strict):
 
 BLOCK_LAYOUTS = ("zlab-dflash", "modelopt-dflash", "speculators-dflash", "lilicorr", "lilicorr-sequential",
                  "deepspec-dspark", "deepseek-dflash", "speculators-dspark", "modelopt-dspark", "specforge-dspark",
-                 "nemotron35-dflash", "nemotron35-dspark", "vllm-dspark")
+                 "nemotron35-dflash", "nemotron35-dspark", "vllm-dspark", "llamacpp-dflash")
 
 
 class BlockMarkov(_Strict):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specpack.converters.base import AuxOverride, BlockOverrides, ConvertedDrafter
-from specpack.converters.block import dflash, dspark, lilicorr
+from specpack.converters.block import dflash, dspark, lilicorr, llamacpp
 from specpack.converters.block.canonical import build
 from specpack.converters.block.common import (has_weights, load_mask_embedding, load_tensors, read_config,
                                               source_of, tensor_names)
@@ -31,6 +31,8 @@ LAYOUTS = BLOCK_LAYOUTS
 def detect(path: Path) -> str | None:
     """The layout name of the block drafter at `path`, or None when it is not one."""
     path = Path(path)
+    if path.suffix == ".gguf":
+        return llamacpp.detect(path)
     if not (path / "config.json").is_file() or not has_weights(path):
         return None
     config, names = read_config(path), tensor_names(path)
@@ -41,6 +43,8 @@ def convert(path: Path, target: Target, aux: AuxOverride | None = None, block: B
             source: Source | None = None, allow_mismatch: bool = False) -> ConvertedDrafter:
     """Read the block drafter at `path`, settle and check its bindings against `target`, canonicalise it."""
     path = Path(path)
+    if path.suffix == ".gguf":  # llama.cpp's DFlash / DSpark drafter GGUF
+        return build(llamacpp.read(path), target, aux, block, source_of(path, source), allow_mismatch)
     config, tensors = read_config(path), _mx_scale_names(read_config(path), load_tensors(path))
     for family in FAMILIES:
         layout = family.detect(config, set(tensors))
