@@ -293,14 +293,6 @@ def llamacpp_export(artifact: Path, out: Path, gguf_type: str) -> tuple[Path, tu
     return out / spec["target"], flags
 
 
-def gguf_of(llama: Path, hf_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """The target's GGUF (F32, or `outtype`: f16, q8_0), converted once with llama.cpp's own script."""
-    if not out.is_file():
-        subprocess.run([sys.executable, str(llama / "convert_hf_to_gguf.py"), str(hf_dir), "--outtype", outtype,
-                        "--outfile", str(out)], check=True, env={**os.environ, "PYTHONPATH": str(llama / "gguf-py")})
-    return out
-
-
 def bench_servers(servers: dict, loads: dict, levels: list[int], n_requests: int, max_tokens: int,
                   rounds: int, restart: bool = False) -> list[Run]:
     """Per workload and level, `rounds` rounds in which each server takes its turn, the order rotated
@@ -515,13 +507,12 @@ def main() -> int:
         servers.update(vllm_servers(args, cache_dir() / "smollm2-135m-instruct-f32", eagle3, slots, levels, say))
     if args.llama_cpp:
         kind = GGUF_TYPES[args.weights]
-        gguf = gguf_of(args.llama_cpp, cache_dir() / "smollm2-135m-instruct-f32", cache_dir() / f"smollm2-{kind}.gguf",
-                        kind)
-        servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, gguf, p, slots), "smollm2")
         for head, art in (("eagle3", eagle3), ("dspark", dspark)):
             target, flags = llamacpp_export(art, cache_dir() / f"llamacpp-{head}-{kind}", kind)
             servers[f"llama-server-{head}"] = (lambda p, t=target, f=flags: llama_server(args.llama_cpp, t, p, slots, f),
                                                "smollm2")
+        # the plain server on the same target GGUF (specpack's export writes what llama.cpp's converter writes)
+        servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, target, p, slots), "smollm2")
     wanted = set(args.only.split(",")) if args.only else set(servers)
     if args.control:  # asked for by name or not, the control runs
         wanted.add("specpack-plain-2")
