@@ -4,7 +4,9 @@ llama-cpp-python 0.3.36 sdist vendors, `conversion/base.py` and `conversion/llam
     writer = open_writer(path, arch)                        # general.* keys
     add_llama_hparams(writer, arch, config, gguf_type)      # {arch}.* sizes, as TextModel / LlamaModel write them
     add_tokenizer(writer, target_dir, pre=None)             # tokenizer.ggml.* (BPE), SpecialVocab
-    add_tensor(writer, name, array, gguf_type)              # the converter's type rule (norms / 1-D: F32)
+    tensors = Tensors(gguf_type)                            # planned: name, shape, how to make it
+    tensors.add(name, shape, make)                          # the converter's type rule (norms / 1-D: F32)
+    tensors.write(writer)                                   # header, then one tensor at a time
 
 Rules followed: 1-D tensors and `*_norm.weight` are F32, every other weight takes the file type, a
 row that does not split into Q8_0 blocks falls back to F16 (base.py prepare_tensors); q/k rows are
@@ -15,8 +17,11 @@ the converter's check text (`get_vocab_base_pre`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from hashlib import sha256
+from math import prod
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -146,27 +151,47 @@ def permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def add_tensor(writer, name: str, w: np.ndarray, gguf_type: str) -> str:
-    """`w` (float) stored as the converter stores it at file type `gguf_type`; the GGML type written."""
-    gguf = _gguf()
-    T = gguf.GGMLQuantizationType
-    if w.dtype.kind in "iu":
-        writer.add_tensor(name, w.astype(np.int64), raw_dtype=T.I64)
-        return "I64"
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    qtype = T.F32 if w.ndim <= 1 or name.endswith("_norm.weight") else \
-        {"f32": T.F32, "f16": T.F16, "bf16": T.BF16, "q8_0": T.Q8_0}[gguf_type]
-    try:
-        data = gguf.quants.quantize(w, qtype)
-    except gguf.QuantError:
-        qtype = T.F16
-        data = gguf.quants.quantize(w, qtype)
-    writer.add_tensor(name, data, raw_dtype=qtype)
-    return qtype.name
+@dataclass
+class Tensors:
+    """The tensors of one GGUF, planned by name and shape and made one at a time while they are written:
+    memory holds one tensor, not the model (GGUFWriter.add_tensor would keep every array until the end)."""
 
+    gguf_type: str
+    planned: list = field(default_factory=list)  # (name, shape, GGML type name, make)
 
-def finish(writer) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    def add(self, name: str, shape: tuple[int, ...], make: Callable[[], np.ndarray], integer: bool = False) -> str:
+        """Plan `name` (`make()` gives its float32 array, or int64 ids when `integer`); its GGML type."""
+        qtype = "I64" if integer else self.type_of(name, shape)
+        self.planned.append((name, tuple(shape), qtype, make))
+        return qtype
+
+    def type_of(self, name: str, shape: tuple[int, ...]) -> str:
+        """base.py prepare_tensors: 1-D tensors and norms F32, the rest the file type, Q8_0 falling back
+        to F16 where a row does not split into its 32-value blocks."""
+        if len(shape) <= 1 or name.endswith("_norm.weight"):
+            return "F32"
+        kind = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}[self.gguf_type]
+        return "F16" if kind == "Q8_0" and shape[-1] % 32 else kind
+
+    def write(self, writer) -> None:
+        gguf = _gguf()
+        T = gguf.GGMLQuantizationType
+        for name, shape, qtype, _ in self.planned:
+            t = T[qtype]
+            if qtype in ("F32", "I64"):
+                writer.add_tensor_info(name, shape, np.dtype(np.float32 if qtype == "F32" else np.int64),
+                                       prod(shape) * 4 * (2 if qtype == "I64" else 1))
+            else:
+                byte_shape = gguf.quant_shape_to_byte_shape(shape, t)
+                writer.add_tensor_info(name, byte_shape, np.dtype(np.uint8), prod(byte_shape), raw_dtype=t)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for name, shape, qtype, make in self.planned:
+            w = make()
+            if tuple(w.shape) != shape:
+                raise AssertionError(f"{name}: planned {shape}, made {tuple(w.shape)}")
+            data = np.ascontiguousarray(w, dtype=np.int64) if qtype == "I64" else \
+                gguf.quants.quantize(np.ascontiguousarray(w, dtype=np.float32), T[qtype])
+            writer.write_tensor_data(data)
+        writer.close()

@@ -99,7 +99,8 @@ WHY_NOT = {"mtp": "MTP heads go into the target GGUF's nextn blocks (`{arch}.nex
 
 
 def write_target(ctx: ExportContext) -> tuple[Path, str]:
-    """The artifact's target as a llama.cpp GGUF; (its path, the tokenizer's pre-tokenizer name)."""
+    """The artifact's target as a llama.cpp GGUF, one tensor in memory at a time; (its path, the
+    tokenizer's pre-tokenizer name)."""
     from specpack.converters.gguf import gguf_name
 
     config = {**json.loads((ctx.artifact / "config.json").read_text()), "rope_theta": ctx.manifest.target.rope_theta}
@@ -108,27 +109,51 @@ def write_target(ctx: ExportContext) -> tuple[Path, str]:
     _gguf.add_llama_hparams(writer, "llama", config, ctx.gguf_type)
     pre = _gguf.add_tokenizer(writer, ctx.artifact, ctx.gguf_pre)
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
-    for name, w in _target_tensors(ctx.artifact):
+    plan = _gguf.Tensors(ctx.gguf_type)
+    for file, name, shape in _target_entries(ctx.artifact):
         if config.get("tie_word_embeddings") and name == "lm_head.weight":
             continue
         g = gguf_name(name)
-        if ".attn_q." in g or ".attn_k." in g:
-            w = _gguf.permute(w, heads if ".attn_q." in g else kv)
-        _gguf.add_tensor(writer, g, w, ctx.gguf_type)
-    _gguf.finish(writer)
+        h = heads if ".attn_q." in g else kv if ".attn_k." in g else None
+        plan.add(g, shape, lambda file=file, name=name, h=h: _load(ctx.artifact / file, name, h))
+    plan.write(writer)
     return path, pre
 
 
-def _target_tensors(artifact: Path):
-    """(HF name, float32 array) of every target tensor, shard by shard, in the index's order."""
-    from safetensors import safe_open
+def _target_entries(artifact: Path):
+    """(file, HF name, shape) of every target tensor, from the safetensors headers (nothing loaded)."""
+    from specpack.converters.safetensors_header import read_header
 
     index = artifact / "model.safetensors.index.json"
     files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
     for file in files:
-        with safe_open(artifact / file, "pt") as f:
-            for name in sorted(f.keys()):
-                yield name, f.get_tensor(name).float().numpy()
+        for name, meta in sorted(read_header(artifact / file).items()):
+            yield file, name, tuple(meta.shape)
+
+
+def _load(file: Path, name: str, heads: int | None) -> np.ndarray:
+    from safetensors import safe_open
+
+    with safe_open(file, "pt") as f:
+        w = f.get_tensor(name).float().numpy()
+    return _gguf.permute(w, heads) if heads else w
+
+
+def _plan_head(gguf_type: str, tensors: dict, rename, heads: dict | None = None) -> _gguf.Tensors:
+    """A canonical head's tensors under llama.cpp's names (`rename`: canonical name -> GGUF name, None to
+    leave out), `d2t` as absolute target ids, the q/k rows of `heads` (canonical name -> heads) permuted."""
+    plan = _gguf.Tensors(gguf_type)
+    for name, t in sorted(tensors.items()):
+        g = rename(name)
+        if g is None:
+            continue
+        if name == "d2t":
+            ids = t.numpy().reshape(-1).astype(np.int64)
+            plan.add(g, ids.shape, lambda ids=ids: ids + np.arange(ids.size, dtype=np.int64), integer=True)
+            continue
+        h = (heads or {}).get(name)
+        plan.add(g, tuple(t.shape), lambda t=t, h=h: _gguf.permute(t.float().numpy(), h) if h else t.float().numpy())
+    return plan
 
 
 def write_eagle3(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
@@ -148,16 +173,9 @@ def write_eagle3(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
     writer.add_bool("eagle3.norm_before_residual", bool(cfg.get("norm_before_residual", False)))
     writer.add_bool("eagle3.norm_before_fc", False)
     _gguf.add_tokenizer(writer, ctx.artifact, pre)
-    for name, t in sorted(tensors.items()):
-        if name not in EAGLE3_NAMES:
-            continue  # t2d: llama.cpp's converter skips it ("not used at runtime")
-        w = t.numpy() if t.dtype.is_floating_point is False else t.float().numpy()
-        if name == "d2t":
-            w = w.reshape(-1).astype(np.int64) + np.arange(w.size, dtype=np.int64)  # offsets -> absolute ids
-        elif name in ("layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight"):
-            w = _gguf.permute(w, cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"])
-        _gguf.add_tensor(writer, EAGLE3_NAMES[name], w, ctx.gguf_type)
-    _gguf.finish(writer)
+    heads = {"layers.0.self_attn.q_proj.weight": cfg["num_attention_heads"],
+             "layers.0.self_attn.k_proj.weight": cfg["num_key_value_heads"]}
+    _plan_head(ctx.gguf_type, tensors, EAGLE3_NAMES.get, heads).write(writer)  # t2d left out, as the converter does
     flags = {"--spec-draft-model": path.name, "--spec-type": "draft-eagle3", "--spec-draft-n-max": ctx.draft_len,
              "--spec-draft-n-min": 0}
     notes = [f"target layers {cfg['aux_layer_ids']} as the input of layer i (llama.cpp's convention and "
@@ -235,15 +253,7 @@ def write_block(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
         writer.add_float32("dflash.logit_scale", float(d.logit_scale))
     _gguf.add_tokenizer(writer, ctx.artifact, pre)
     writer.add_uint32("tokenizer.ggml.mask_token_id", int(d.mask_token_id))
-    for name, t in sorted(tensors.items()):
-        g = BLOCK_NAMES.get(name) or _layer_name(name)
-        if g is None:
-            continue  # t2d: not used at runtime (the converter's filter_tensors)
-        w = t.numpy() if not t.dtype.is_floating_point else t.float().numpy()
-        if name == "d2t":
-            w = w.reshape(-1).astype(np.int64) + np.arange(w.size, dtype=np.int64)  # offsets -> absolute ids
-        _gguf.add_tensor(writer, g, w, ctx.gguf_type)
-    _gguf.finish(writer)
+    _plan_head(ctx.gguf_type, tensors, lambda n: BLOCK_NAMES.get(n) or _layer_name(n)).write(writer)  # not t2d
     spec_type = "draft-dspark" if d.markov is not None else "draft-dflash"
     flags = {"--spec-draft-model": path.name, "--spec-type": spec_type, "--spec-draft-n-max": ctx.draft_len,
              "--spec-draft-n-min": 0}
