@@ -207,3 +207,19 @@ def test_a_target_gguf_passed_as_a_drafter_is_refused_naming_its_architecture(ar
     assert _export(cli, artifact, tmp_path / "lc")[0] == 0
     code, _, err = cli("build", tiny_target, "--drafter", tmp_path / "lc/target-f32.gguf", "-o", tmp_path / "no")
     assert code != 0 and "'llama' GGUF" in err and "import-gguf" in err and not (tmp_path / "no").exists(), err
+
+
+def test_inspect_says_what_a_gguf_is_made_for(artifact, block_arts, tmp_path, cli):
+    """`inspect FILE.gguf`: a drafter's target width, vocabulary and layers, a target's nextn layers."""
+    assert _export(cli, artifact, tmp_path / "e3")[0] == 0
+    code, out, _ = cli("inspect", tmp_path / "e3/draft-eagle3-f32.gguf", "--json")
+    d = json.loads(out)
+    assert code == 0 and (d["role"], d["drafter"], d["target_layers"], d["draft_vocab_size"]) == ("drafter", "EAGLE-3",
+                                                                                                 AUX_IN, 256)
+    assert d["target_hidden_size"] == json.loads((artifact / "specpack.json").read_text())["target"]["hidden_size"]
+    assert _export(cli, block_arts["deepspec-dspark"], tmp_path / "ds")[0] == 0
+    code, out, _ = cli("inspect", tmp_path / "ds/draft-dspark-f32.gguf")
+    assert code == 0 and "DSpark (llama.cpp drafter GGUF)" in out and "anchor-first" in out and "Markov rank 8" in out
+    code, out, _ = cli("inspect", tmp_path / "e3/target-f32.gguf", "--json")
+    d = json.loads(out)
+    assert code == 0 and (d["role"], d["architecture"], d["nextn_predict_layers"]) == ("target", "llama", 0)

@@ -153,15 +153,23 @@ def inspect(artifact, json_mode):
 
     On a model directory that is not an artifact (a release as downloaded), list the drafters it
     bundles: MTP modules in its weights, DSpark stages its config declares, drafters in a subfolder
-    (`dspark/`), each with its layout and what `build --drafter bundled` would bind.
+    (`dspark/`), each with its layout and what `build --drafter bundled` would bind. On a .gguf file,
+    say what it is: a target (with its nextn MTP layers) or a llama.cpp drafter and the target it was
+    made for (width, vocabulary, the layers it reads), from its metadata alone.
 
     \b
     Examples:
       specpack inspect my-artifact --json | jq .drafter
       specpack inspect ./MiniMax-M3.1        # what the release bundles
+      specpack inspect draft-eagle3.gguf     # which target a llama.cpp drafter GGUF was made for
     """
     from specpack.schemas import MANIFEST_NAME
 
+    if artifact.suffix == ".gguf" and artifact.is_file():
+        from specpack.converters.gguf import describe_gguf
+
+        emit(describe_gguf(artifact), json_mode, _gguf_text)
+        return
     if not (artifact / MANIFEST_NAME).is_file() and (artifact / "config.json").is_file():
         emit(_release(artifact), json_mode, _release_text)
         return
@@ -171,6 +179,30 @@ def inspect(artifact, json_mode):
     data = describe(artifact)
     data["engines"] = engine_limits(read_manifest(artifact))
     emit(data, json_mode, _inspect_text)
+
+
+def _gguf_text(d: dict) -> str:
+    rows = [("gguf", f"{d['file']} ({d['architecture']}, {d['tensors']} tensors, {d['bytes'] / 2**20:,.1f} MiB; "
+                     + ", ".join(f"{n} {k}" for k, n in d["tensor_types"].items()) + ")")]
+    if d["role"] == "drafter":
+        rows += [("drafter", f"{d['drafter']} (llama.cpp drafter GGUF), {d['layers']} layer(s) of width {d['hidden_size']}"),
+                 ("made for", f"a target of hidden size {d['target_hidden_size']}, vocab {d['vocab_size']}, reading "
+                              f"layers {d['target_layers']} (input of layer i: a target of at least "
+                              f"{max(d['target_layers'] or [0])} layers)"),
+                 ("draft vocab", f"{d['draft_vocab_size']}" + (" (d2t maps it to target ids)"
+                                                               if d["draft_vocab_size"] != d["vocab_size"] else "")),
+                 ("embedding / lm_head", f"{'its own' if d['own_embedding'] else 'the target' + chr(39) + 's'} / "
+                                         f"{'its own' if d['own_lm_head'] else 'the target' + chr(39) + 's'}")]
+        if d["architecture"] == "dflash":
+            rows.append(("block", f"{d['block_size']} ({'anchor-first' if d['sample_from_anchor'] else 'fill-in'}), "
+                                  f"mask token {d['mask_token_id']}, Markov rank {d['markov_rank'] or 'none'}, "
+                                  f"confidence head {'yes' if d['confidence_head'] else 'no'}"))
+        rows.append(("bind it", "specpack build TARGET --drafter " + d["file"] + " (checks the pairing)"))
+    else:
+        rows += [("target", f"{d['layers']} layers of width {d['hidden_size']}, vocab {d['vocab_size']}"),
+                 ("MTP (nextn)", f"{d['nextn_predict_layers']} layer(s) stated, {d['nextn_tensors']} nextn tensors held"),
+                 ("import it", f"specpack import-gguf {d['file']} -o DIR")]
+    return table(rows)
 
 
 def _engine_rows(engines: dict) -> list[tuple[str, str]]:

@@ -131,6 +131,45 @@ def _open(path: Path):
     return reader
 
 
+def describe_gguf(path: Path) -> dict:
+    """What a GGUF file is and what it was made for, from its metadata and tensor list (no weight read):
+    a target (architecture, sizes, nextn MTP layers) or a llama.cpp drafter (EAGLE-3, DFlash, DSpark: the
+    target layers and width it reads, its vocabularies, block and heads). What `specpack inspect FILE.gguf`
+    shows before a build pairs it with anything."""
+    path = Path(path)
+    reader = _open(path)
+    arch = str(_field(reader, "general.architecture"))
+
+    def key(name, default=None):
+        return _field(reader, f"{arch}.{name}", default)
+
+    tensors = {t.name: t for t in reader.tensors}
+    types = Counter(t.tensor_type.name for t in reader.tensors)
+    vocab = len(_field(reader, "tokenizer.ggml.tokens", []) or []) or key("vocab_size")
+    out = {"file": str(path), "architecture": arch, "name": _field(reader, "general.name"), "tensors": len(tensors),
+           "tensor_types": dict(types.most_common()), "vocab_size": vocab, "hidden_size": key("embedding_length"),
+           "layers": key("block_count"), "bytes": path.stat().st_size}
+    if arch in ("eagle3", "dflash"):
+        d2t, output = tensors.get("d2t"), tensors.get("output.weight")
+        draft_vocab = int(d2t.shape[0]) if d2t is not None else int(output.shape[-1]) if output is not None else vocab
+        out.update(role="drafter", drafter={"eagle3": "EAGLE-3", "dflash": "DSpark" if "markov_w1.weight" in tensors
+                                            else "DFlash"}[arch],
+                   target_layers=key("target_layers"), target_layer_convention="input_of_layer",
+                   target_hidden_size=key("target_hidden_size", key("embedding_length")),
+                   draft_vocab_size=draft_vocab, own_embedding="token_embd.weight" in tensors,
+                   own_lm_head=output is not None)
+        if arch == "dflash":
+            markov = tensors.get("markov_w1.weight")
+            out.update(block_size=key("block_size"), sample_from_anchor=key("sample_from_anchor"),
+                       mask_token_id=_field(reader, "tokenizer.ggml.mask_token_id"),
+                       markov_rank=int(markov.shape[0]) if markov is not None else None,
+                       confidence_head="conf_proj.weight" in tensors)
+        return out
+    out.update(role="target", nextn_predict_layers=key("nextn_predict_layers", 0),
+               nextn_tensors=sum(".nextn." in n for n in tensors))
+    return out
+
+
 def _field(reader, key: str, default=None):
     """A metadata value as a Python str/int/float/bool/list, or `default` when absent."""
     found = reader.fields.get(key)
