@@ -12,6 +12,8 @@ files go through LFS set `huggingface_hub.constants.HF_HUB_DISABLE_XET`.
 
 State lives in memory. `tamper()` rewrites a stored file as a malicious or broken server would;
 `faults` makes downloads of a path stop early ("drop_once": half the body, once; "dead": no body).
+Downloads honour `Range: bytes=a-b` and `bytes=a-` (206 with Content-Range), unless `ignore_ranges` is set
+(a server that answers 200 with the whole file); `bytes_served` counts the body bytes sent.
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ class FakeHub:
         self.lfs_threshold = lfs_threshold
         self.faults: dict[str, str] = {}
         self.requests: list[str] = []
+        self.ignore_ranges = False
+        self.bytes_served = 0
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -314,9 +318,12 @@ def _handler(hub: FakeHub):
             if path not in files:
                 raise HubError(404, f"Entry not found: {path}", "EntryNotFound")
             data, lfs = files[path]
-            start = self._range_start()
-            part = data[start:]
-            self.send_response(206 if start else 200)
+            start, end = (0, len(data)) if hub.ignore_ranges else self._range(len(data))
+            part = data[start:end]
+            ranged = "Range" in self.headers and not hub.ignore_ranges
+            self.send_response(206 if ranged or start else 200)
+            if ranged:
+                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
             self.send_header("X-Repo-Commit", sha)
             etag = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
             self.send_header("X-Linked-Etag" if lfs else "ETag", f'"{etag}"')
@@ -328,9 +335,12 @@ def _handler(hub: FakeHub):
             if self.command == "GET":
                 self._send_body(path, part)
 
-        def _range_start(self) -> int:
-            m = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
-            return int(m.group(1)) if m else 0
+        def _range(self, size: int) -> tuple[int, int]:
+            """[start, end) of `Range: bytes=a-b` or `bytes=a-` (the whole file without one)."""
+            m = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", ""))
+            if not m:
+                return 0, size
+            return int(m.group(1)), min(size, int(m.group(2)) + 1) if m.group(2) else size
 
         def _send_body(self, path: str, part: bytes) -> None:
             fault = hub.faults.get(path)
@@ -339,6 +349,7 @@ def _handler(hub: FakeHub):
                 part = part[: len(part) // 2]
             elif fault == "dead":
                 part = b""
+            hub.bytes_served += len(part)  # the handler runs under hub._lock already
             self.wfile.write(part)
             if fault:
                 self.wfile.flush()

@@ -42,25 +42,38 @@ def read_header(path: Path) -> dict[str, TensorMeta]:
     path = Path(path)
     size = path.stat().st_size
     with path.open("rb") as f:
-        raw_len = f.read(8)
-        if len(raw_len) < 8:
-            raise _bad(path, ["file is shorter than the 8-byte header length"])
-        (n,) = struct.unpack("<Q", raw_len)
-        if n > min(size - 8, MAX_HEADER_BYTES):
-            raise _bad(path, [f"header length {n} exceeds the file ({size} bytes)"])
-        try:
-            header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise _bad(path, [f"header is not valid JSON ({exc})"]) from None
-        except RecursionError:  # the parser's own depth limit: a header is 3 levels deep
-            raise _bad(path, ["header is nested too deeply to be a safetensors header"]) from None
+        n = header_length(f.read(8), size, path)
+        return parse_header(f.read(n), n, size, path)
+
+
+def header_length(raw_len: bytes, size: int, where) -> int:
+    """The header's byte length from a file's first 8 bytes, bounded by the file (`size`) and
+    MAX_HEADER_BYTES before anything trusts it."""
+    if len(raw_len) < 8:
+        raise _bad(where, ["file is shorter than the 8-byte header length"])
+    (n,) = struct.unpack("<Q", raw_len)
+    if n > min(size - 8, MAX_HEADER_BYTES):
+        raise _bad(where, [f"header length {n} exceeds the file ({size} bytes)"])
+    return n
+
+
+def parse_header(raw: bytes, n: int, size: int, where) -> dict[str, TensorMeta]:
+    """The `n` header bytes of a file of `size` bytes, every entry checked to lie inside the file."""
+    if len(raw) != n:
+        raise _bad(where, [f"header is {len(raw)} bytes, its length field says {n}"])
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise _bad(where, [f"header is not valid JSON ({exc})"]) from None
+    except RecursionError:  # the parser's own depth limit: a header is 3 levels deep
+        raise _bad(where, ["header is nested too deeply to be a safetensors header"]) from None
     if not isinstance(header, dict):
-        raise _bad(path, ["header is not a JSON object"])
+        raise _bad(where, ["header is not a JSON object"])
     header.pop("__metadata__", None)
     tensors, problems = _parse_entries(header)
     problems += _check_layout(tensors, size - 8 - n)
     if problems:
-        raise _bad(path, problems)
+        raise _bad(where, problems)
     return tensors
 
 

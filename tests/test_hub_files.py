@@ -1,0 +1,87 @@
+"""A release read on the hub by range requests (issue 61, first piece: converters/hub_files.py), against
+the local hub in fake_hub.py with the real huggingface_hub client: the revision resolved to its commit,
+configs read whole, safetensors headers by two ranges each and equal to the local reader's, the bytes
+served a sliver of the repository; a lying header length, a server that ignores ranges, a missing
+repository, revision or file: each a clear error, nothing else read."""
+
+import json
+import struct
+
+import pytest
+from huggingface_hub import HfApi
+
+from fake_hub import WRITE_TOKEN, FakeHub
+from specpack.converters.hub_files import HubFiles, parse
+from specpack.converters.safetensors_header import read_header
+from specpack.errors import ConversionError, InputError
+
+
+@pytest.fixture(autouse=True)
+def hermetic_hub_client(monkeypatch, tmp_path):
+    import huggingface_hub.constants as constants
+
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+
+
+@pytest.fixture
+def hub(tiny_target):
+    with FakeHub(lfs_threshold=4096) as h:
+        api = HfApi(endpoint=h.url, token=WRITE_TOKEN)
+        api.create_repo("org/release")
+        api.upload_folder(repo_id="org/release", folder_path=tiny_target)
+        h.bytes_served = 0
+        yield h
+
+
+def test_headers_by_range_equal_the_local_reader(hub, tiny_target):
+    files = HubFiles.open("hf://org/release", endpoint=hub.url)
+    assert files.commit == hub.repos["org/release"].refs["main"] and "model.safetensors" in files.list()
+    assert files.json("config.json", "target config") == json.loads((tiny_target / "config.json").read_text())
+    assert files.header("model.safetensors") == read_header(tiny_target / "model.safetensors")
+    size = (tiny_target / "model.safetensors").stat().st_size
+    (n,) = struct.unpack("<Q", (tiny_target / "model.safetensors").read_bytes()[:8])
+    config = (tiny_target / "config.json").stat().st_size
+    assert files.bytes_read == 8 + n + config == hub.bytes_served  # the header and the config, nothing else
+    assert hub.bytes_served < size / 20 and files.requests == 2 + 3
+
+
+def test_a_pinned_commit_and_a_branch_read_the_same(hub):
+    commit = hub.repos["org/release"].refs["main"]
+    assert HubFiles.open(f"hf://org/release@{commit}", endpoint=hub.url).commit == commit
+
+
+def test_a_header_length_past_the_file_is_refused_before_it_is_read(hub, tiny_target):
+    data = bytearray((tiny_target / "model.safetensors").read_bytes())
+    data[:8] = struct.pack("<Q", len(data) * 4)
+    hub.tamper("org/release", "model.safetensors", bytes(data))
+    files = HubFiles.open("hf://org/release", endpoint=hub.url)
+    with pytest.raises(ConversionError, match="exceeds the file"):
+        files.header("model.safetensors")
+    assert files.bytes_read == 8
+
+
+def test_a_server_that_ignores_ranges_is_refused_not_read(hub):
+    hub.ignore_ranges = True
+    files = HubFiles.open("hf://org/release", endpoint=hub.url)
+    with pytest.raises(InputError, match="does not honour byte ranges"):
+        files.header("model.safetensors")
+    assert files.bytes_read == 0
+
+
+@pytest.mark.parametrize("spec, says", [("hf://org/nothing", "not found"), ("hf://org/release@v9", "revision 'v9'"),
+                                        ("hf://org", "org/name"), ("org/release", "not a hub address")])
+def test_what_is_not_there_is_named(hub, spec, says):
+    with pytest.raises(InputError, match=says):
+        HubFiles.open(spec, endpoint=hub.url)
+
+
+def test_a_file_the_repository_lacks_is_named(hub):
+    with pytest.raises(InputError, match="no such file"):
+        HubFiles.open("hf://org/release", endpoint=hub.url).header("model-00001-of-00002.safetensors")
+
+
+def test_parse():
+    assert parse("hf://a/b@dev") == ("a/b", "dev") and parse("hf://a/b") == ("a/b", "main")
