@@ -85,3 +85,22 @@ def test_a_file_the_repository_lacks_is_named(hub):
 
 def test_parse():
     assert parse("hf://a/b@dev") == ("a/b", "dev") and parse("hf://a/b") == ("a/b", "main")
+
+
+def test_the_hub_is_a_second_reader_of_the_same_checks(hub, tiny_target, tmp_path):
+    """target_hf.headers_of takes either reader (release_files): a sharded release's index and every
+    shard's header read on the hub give what the directory gives, for the headers' bytes only."""
+    from specpack.converters.release_files import LocalFiles
+    from specpack.converters.target_hf import headers_of
+    import tiny
+
+    sharded = tiny.make_target(tmp_path / "sharded", "llama", shards=3)
+    HfApi(endpoint=hub.url, token=WRITE_TOKEN).create_repo("org/sharded")
+    HfApi(endpoint=hub.url, token=WRITE_TOKEN).upload_folder(repo_id="org/sharded", folder_path=sharded)
+    hub.bytes_served = 0
+    remote = HubFiles.open("hf://org/sharded", endpoint=hub.url)
+    files, tensors = headers_of(remote)
+    assert (files, tensors) == headers_of(LocalFiles(sharded)) and len({f for f, _ in tensors.values()}) == 3
+    weights = sum(p.stat().st_size for p in sharded.glob("*.safetensors"))
+    assert hub.bytes_served == remote.bytes_read < weights / 20
+    assert remote.sha256("config.json") == LocalFiles(sharded).sha256("config.json")

@@ -3,7 +3,8 @@ files with sizes and LFS sha256, small JSON files whole, and safetensors headers
 each (the 8-byte length, then the JSON), never a tensor's bytes (issue 61).
 
     files = HubFiles.open("hf://org/name@rev")       # resolves the revision to its commit
-    files.list() / files.size(rel) / files.json(rel, what) / files.header(rel)
+    files.list() / files.exists(rel) / files.json(rel, what) / files.header(rel) / files.sha256(rel)
+                                                      # release_files' interface, plus size(rel)
     files.requests, files.bytes_read                  # what reading cost
 
 The hub's own conventions hold: HF_TOKEN or the saved login, HF_ENDPOINT for a mirror, gated and
@@ -15,9 +16,9 @@ whole file is refused, not read.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
+from specpack.converters.release_files import json_object
 from specpack.converters.safetensors_header import TensorMeta, header_length, parse_header
 from specpack.errors import InputError
 
@@ -71,6 +72,16 @@ class HubFiles:
     def list(self) -> list[str]:
         return sorted(self.entries)
 
+    def exists(self, rel: str) -> bool:
+        return rel in self.entries
+
+    def sha256(self, rel: str) -> str:
+        """The hub's LFS sha256 (no byte read), or a small git-kept file's, read whole."""
+        import hashlib
+
+        entry = self._entry(rel)
+        return entry.sha256 or hashlib.sha256(self._get(rel, 0, entry.size)).hexdigest()
+
     def size(self, rel: str) -> int:
         return self._entry(rel).size
 
@@ -79,13 +90,7 @@ class HubFiles:
         size = self._entry(rel).size
         if size > MAX_JSON_BYTES:
             raise InputError(f"{self.label(rel)}: {what} is {size} bytes, too large to be a config")
-        try:
-            data = json.loads(self._get(rel, 0, size))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-            raise InputError(f"{what} {self.label(rel)} is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise InputError(f"{what} {self.label(rel)} is not a JSON object")
-        return data
+        return json_object(self._get(rel, 0, size), what, self.label(rel))
 
     def header(self, rel: str) -> dict[str, TensorMeta]:
         """A safetensors file's header by two ranges, checked as a local one is (every entry inside the file)."""
@@ -93,8 +98,8 @@ class HubFiles:
         n = header_length(self._get(rel, 0, min(8, size)), size, where)
         return parse_header(self._get(rel, 8, n), n, size, where)
 
-    def label(self, rel: str) -> str:
-        return f"{SCHEME}{self.repo_id}@{self.commit[:12]}/{rel}"
+    def label(self, rel: str = "") -> str:
+        return f"{SCHEME}{self.repo_id}@{self.commit[:12]}" + (f"/{rel}" if rel else "")
 
     def _entry(self, rel: str) -> Entry:
         if rel not in self.entries:

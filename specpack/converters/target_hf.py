@@ -8,7 +8,6 @@ is packaged with plain bounds only, and refused when it is quantized (nothing co
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -16,8 +15,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from specpack._paths import check_relpath, walk_files
-from specpack.converters.safetensors_header import DTYPE_BYTES, TORCH_NAMES, TensorMeta, read_header
+from specpack._paths import check_relpath
+from specpack.converters.release_files import LocalFiles, read_json
+from specpack.converters.safetensors_header import DTYPE_BYTES, TORCH_NAMES, TensorMeta
 from specpack import families
 from specpack.errors import InputError, UnsupportedError
 from specpack.families import quant
@@ -95,17 +95,19 @@ def load(path: Path, source: Source | None = None) -> Target:
     if not root.is_dir():
         raise InputError(f"target '{root}' is not a directory",
                          hint="pass a Hugging Face model directory (config.json + safetensors)")
-    config = read_json(root / "config.json", "target config")
-    files = [f for f in walk_files(root) if not f.endswith(PICKLE_SUFFIXES)]
+    reader = LocalFiles(root)
+    config = reader.json("config.json", "target config")
+    listed = reader.list()
+    files = [f for f in listed if not f.endswith(PICKLE_SUFFIXES)]
     _check_reserved(root, files)
-    weight_files = _weight_files(root, files)
-    tensors = _read_tensors(root, weight_files)
+    weight_files = _weight_files(reader, files, listed)
+    tensors = _read_tensors(reader, weight_files)
     try:
         families.check_config(config, tensors=len(tensors), weights=sum(m.numel for _, m in tensors.values()))
     except InputError as exc:
         raise InputError(f"target '{root}': {exc.message}", problems=exc.problems, hint=exc.hint) from None
-    arch, q = _describe(root, config, files)
-    info = _target_info(root, config, files, weight_files, tensors, source or Source.local(path), arch)
+    arch, q = _describe(reader, config, files)
+    info = _target_info(reader, config, files, weight_files, tensors, source or Source.local(path), arch)
     if arch is None:
         return Target(root=root, files=files, info=info, tensors=tensors)
     try:
@@ -118,22 +120,15 @@ def load(path: Path, source: Source | None = None) -> Target:
 
 def weight_headers(root: Path) -> tuple[list[str], dict[str, tuple[str, TensorMeta]]]:
     """(the files under `root`, name -> (file, header entry) of its safetensors weights): headers only."""
-    files = [f for f in walk_files(root) if not f.endswith(PICKLE_SUFFIXES)]
-    return files, _read_tensors(root, _weight_files(root, files))
+    return headers_of(LocalFiles(root))
 
 
-def read_json(path: Path, what: str) -> dict:
-    if not path.is_file():
-        raise InputError(f"{what} not found: {path}", hint="is this the right directory?")
-    try:
-        data = json.loads(path.read_text())
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise InputError(f"{what} {path} is not valid JSON: {exc}") from None
-    except RecursionError:
-        raise InputError(f"{what} {path} is nested too deeply to be a config") from None
-    if not isinstance(data, dict):
-        raise InputError(f"{what} {path} is not a JSON object")
-    return data
+def headers_of(reader) -> tuple[list[str], dict[str, tuple[str, TensorMeta]]]:
+    """weight_headers through a release reader (release_files: a directory, or a hub repository read by
+    range requests): the index and every shard's header checked the same way."""
+    listed = reader.list()
+    files = [f for f in listed if not f.endswith(PICKLE_SUFFIXES)]
+    return files, _read_tensors(reader, _weight_files(reader, files, listed))
 
 
 def read_config(path: Path, what: str = "drafter config") -> dict:
@@ -155,17 +150,18 @@ def _check_reserved(root: Path, files: list[str]) -> None:
                          problems=clashes, hint="is this already a specpack artifact?")
 
 
-def _weight_files(root: Path, files: list[str]) -> list[str]:
+def _weight_files(reader, files: list[str], listed: list[str]) -> list[str]:
+    """The safetensors files that hold the weights (`files`: the carried ones, `listed`: all)."""
     if INDEX_NAME in files:
-        return _indexed_files(root, files)
+        return _indexed_files(reader, files)
     shards = [f for f in files if SHARD_RE.match(f)]
     if shards:
-        raise InputError(f"target '{root}' has sharded weights but no {INDEX_NAME}",
+        raise InputError(f"target '{reader.label()}' has sharded weights but no {INDEX_NAME}",
                          problems=shards, hint="copy the index file that came with the shards")
     if SINGLE_NAME in files:
         return [SINGLE_NAME]
-    pickles = [p.name for p in root.iterdir() if p.suffix in PICKLE_SUFFIXES]
-    raise InputError(f"target '{root}' has no safetensors weights",
+    pickles = [f for f in listed if "/" not in f and f.endswith(PICKLE_SUFFIXES)]
+    raise InputError(f"target '{reader.label()}' has no safetensors weights",
                      problems=[f"found {', '.join(pickles)}"] if pickles else [],
                      hint="specpack ships safetensors only: save the model with "
                           "`save_pretrained(dir, safe_serialization=True)` first")
@@ -173,27 +169,33 @@ def _weight_files(root: Path, files: list[str]) -> list[str]:
 
 def read_weight_map(root: Path) -> dict[str, str]:
     """`root`'s safetensors index as tensor name -> shard file, checked: a JSON object of strings."""
-    weight_map = read_json(root / INDEX_NAME, "weight index").get("weight_map")
+    return weight_map_of(LocalFiles(root))
+
+
+def weight_map_of(reader) -> dict[str, str]:
+    """The release's safetensors index (through its reader: release_files), checked as read_weight_map."""
+    where = reader.label(INDEX_NAME)
+    weight_map = reader.json(INDEX_NAME, "weight index").get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
-        raise InputError(f"{root / INDEX_NAME}: 'weight_map' is {'missing' if weight_map is None else 'not an object'}"
+        raise InputError(f"{where}: 'weight_map' is {'missing' if weight_map is None else 'not an object'}"
                          f" ({str(weight_map)[:40]})", hint="the index is corrupt; restore the release's own")
     bad = [k for k, v in weight_map.items() if not isinstance(v, str)]
     if bad:
-        raise InputError(f"{root / INDEX_NAME}: weight_map entries that name no file", problems=[
+        raise InputError(f"{where}: weight_map entries that name no file", problems=[
             f"{k[:80]} -> {str(weight_map[k])[:40]}" for k in bad[:10]], hint="the index is corrupt")
     return weight_map
 
 
-def _indexed_files(root: Path, files: list[str]) -> list[str]:
+def _indexed_files(reader, files: list[str]) -> list[str]:
     """The shards the index names: each a plain relative path to a file that is carried."""
-    weight_map = read_weight_map(root)
-    names = sorted({check_relpath(v, str(root / INDEX_NAME)) for v in weight_map.values()})
-    problems = [f"{n} is named by the index but missing" for n in names if not (root / n).is_file()]
+    weight_map = weight_map_of(reader)
+    names = sorted({check_relpath(v, reader.label(INDEX_NAME)) for v in weight_map.values()})
+    problems = [f"{n} is named by the index but missing" for n in names if not reader.exists(n)]
     problems += [f"{n} is named by the index but not carried (inside a skipped folder such as .git/ or "
-                 ".cache/, or not safetensors)" for n in names if (root / n).is_file() and n not in files]
+                 ".cache/, or not safetensors)" for n in names if reader.exists(n) and n not in files]
     problems += _missing_shard_numbers(names)
     if problems:
-        raise InputError(f"target '{root}': weight shards are missing", problems=problems,
+        raise InputError(f"target '{reader.label()}': weight shards are missing", problems=problems,
                          hint="download every shard listed in model.safetensors.index.json")
     return names
 
@@ -207,25 +209,25 @@ def _missing_shard_numbers(names: list[str]) -> list[str]:
     return [f"shard {k} of {total} is not in the index" for k in range(1, total + 1) if k not in have]
 
 
-def _read_tensors(root: Path, weight_files: list[str]) -> dict[str, tuple[str, TensorMeta]]:
+def _read_tensors(reader, weight_files: list[str]) -> dict[str, tuple[str, TensorMeta]]:
     tensors, problems = {}, []
     for rel in weight_files:
-        for name, meta in read_header(root / rel).items():
+        for name, meta in reader.header(rel).items():
             if name in tensors:
                 problems.append(f"{name} is in both {tensors[name][0]} and {rel}")
             tensors[name] = (rel, meta)
-    if (root / INDEX_NAME).is_file():
-        weight_map = read_weight_map(root)
+    if reader.exists(INDEX_NAME):
+        weight_map = weight_map_of(reader)
         problems += [f"{name}: the index says {file}, but its header does not hold it"
                      for name, file in weight_map.items() if tensors.get(name, ("",))[0] != file]
     if problems:
-        raise InputError(f"target '{root}': weights disagree with their index", problems=problems,
+        raise InputError(f"target '{reader.label()}': weights disagree with their index", problems=problems,
                          hint="the index and the shards come from different exports")
     return tensors
 
 
-def _target_info(root, config, files, weight_files, tensors, source, arch=None) -> TargetInfo:
-    fields = _geometry(arch) if arch is not None else _text_geometry(root, config)
+def _target_info(reader, config, files, weight_files, tensors, source, arch=None) -> TargetInfo:
+    fields = _geometry(arch) if arch is not None else _text_geometry(reader.label(), config)
     text = families.text_config(config)[0]
     try:
         return TargetInfo(
@@ -236,11 +238,11 @@ def _target_info(root, config, files, weight_files, tensors, source, arch=None) 
             rope_scaling=text.get("rope_scaling"),
             tie_word_embeddings=arch.lm_head is None if arch else bool(config.get("tie_word_embeddings", False)),
             weight_files=weight_files, parameters=sum(m.numel for _, m in tensors.values()),
-            config_sha256=_sha256(root / "config.json"),
-            tokenizer_sha256=_tokenizer_digest(root, files), source=source)
+            config_sha256=reader.sha256("config.json"),
+            tokenizer_sha256=_tokenizer_digest(reader, files), source=source)
     except ValidationError as exc:
         problems = [f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors()]
-        raise InputError(f"{root / 'config.json'}: fields of unusable type or value", problems=problems,
+        raise InputError(f"{reader.label('config.json')}: fields of unusable type or value", problems=problems,
                          hint="the target config must state its decoder geometry") from None
 
 
@@ -252,7 +254,7 @@ def _geometry(a: families.Arch) -> dict:
                 vocab_size=a.vocab_size, max_position_embeddings=a.max_position_embeddings)
 
 
-def _text_geometry(root: Path, config: dict) -> dict:
+def _text_geometry(root, config: dict) -> dict:
     """A family specpack does not know: the sizes every decoder config states."""
     text = _text_config(root, config)
     hidden, heads = text["hidden_size"], text["num_attention_heads"]
@@ -273,23 +275,24 @@ def _rope_parameters(text: dict) -> dict:
     return params if isinstance(params, dict) else {}
 
 
-def _text_config(root: Path, config: dict) -> dict:
+def _text_config(root, config: dict) -> dict:
     """The decoder's config (a multimodal model's `text_config`), its sizes checked positive integers."""
     text = config.get("text_config") or config
     if not isinstance(text, dict):
-        raise InputError(f"{root / 'config.json'}: text_config is not a JSON object")
+        raise InputError(f"{Path(root) / 'config.json'}: text_config is not a JSON object")
     problems = size_problems(text, ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                     "intermediate_size", "vocab_size"), SIZE_FIELDS)
     if problems:
-        raise InputError(f"{root / 'config.json'}: missing or invalid decoder sizes", problems=problems,
+        raise InputError(f"{Path(root) / 'config.json'}: missing or invalid decoder sizes", problems=problems,
                          hint="the target config must state its decoder geometry")
     return text
 
 
-def _describe(root: Path, config: dict, files: list[str]) -> tuple[families.Arch | None, quant.Quant | None]:
+def _describe(reader, config: dict, files: list[str]) -> tuple[families.Arch | None, quant.Quant | None]:
     """(the decoder as its family reads it, the quantization scheme): (None, None) for a family specpack
     does not know, unless the target is quantized (refused: nothing could check its tensors)."""
-    hf_quant = read_json(root / HF_QUANT, "ModelOpt quantization config") if HF_QUANT in files else None
+    root, where = reader.label(), reader.label("config.json")
+    hf_quant = reader.json(HF_QUANT, "ModelOpt quantization config") if HF_QUANT in files else None
     try:
         q = quant.scheme(config, hf_quant)
         families.family_of(config)
@@ -300,11 +303,11 @@ def _describe(root: Path, config: dict, files: list[str]) -> tuple[families.Arch
         log.info("not checking every tensor of %s: %s", root, exc.message)
         return None, None
     except InputError as exc:
-        raise InputError(f"{root / 'config.json'}: {exc.message}", problems=exc.problems, hint=exc.hint) from None
+        raise InputError(f"{where}: {exc.message}", problems=exc.problems, hint=exc.hint) from None
     try:
         return families.describe(config), q
     except (InputError, UnsupportedError) as exc:
-        raise type(exc)(f"{root / 'config.json'}: {exc.message}", problems=exc.problems, hint=exc.hint) from None
+        raise type(exc)(f"{where}: {exc.message}", problems=exc.problems, hint=exc.hint) from None
 
 
 def _arch_info(c: families.Checked, tensors) -> TargetArch:
@@ -368,13 +371,9 @@ def _dtype_bytes(torch_name: str) -> int:
     return by_name.get(torch_name, 2)
 
 
-def _tokenizer_digest(root: Path, files: list[str]) -> str | None:
+def _tokenizer_digest(reader, files: list[str]) -> str | None:
     present = [f for f in TOKENIZER_FILES if f in files]
     if not present:
         return None
-    lines = "".join(f"{f} {_sha256(root / f)}\n" for f in present)
+    lines = "".join(f"{f} {reader.sha256(f)}\n" for f in present)
     return hashlib.sha256(lines.encode()).hexdigest()
-
-
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
