@@ -104,3 +104,22 @@ def test_the_hub_is_a_second_reader_of_the_same_checks(hub, tiny_target, tmp_pat
     weights = sum(p.stat().st_size for p in sharded.glob("*.safetensors"))
     assert hub.bytes_served == remote.bytes_read < weights / 20
     assert remote.sha256("config.json") == LocalFiles(sharded).sha256("config.json")
+
+
+def test_inspect_checks_a_hub_release_before_downloading_it(hub, tiny_target, cli, monkeypatch):
+    """`specpack inspect hf://org/name`: the target checked tensor by tensor from its headers, as
+    `inspect`'s local checks do, the bytes a build would download and what the check read."""
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)  # as for push and pull (or --endpoint)
+    code, out, err = cli("inspect", "hf://org/release", "--json")
+    assert code == 0, err
+    d = json.loads(out)
+    from specpack.converters import target_hf
+
+    local = target_hf.load(tiny_target).info.model_dump(mode="json", exclude_none=True)
+    assert {k: v for k, v in d["target"].items() if k != "source"} == {k: v for k, v in local.items() if k != "source"}
+    assert d["target"]["source"] == {"kind": "hub", "repo_id": "org/release", "revision": d["commit"]}
+    assert d["bytes_read"] == hub.bytes_served < d["build_would_download_bytes"] / 20
+    code, out, _ = cli("inspect", "hf://org/release")
+    assert code == 0 and "every tensor checked from its header" in out and "requests" in out
+    code, _, err = cli("inspect", "hf://org/missing")
+    assert code == 2 and "not found" in err and "Traceback" not in err, err

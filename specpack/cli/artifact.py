@@ -146,25 +146,34 @@ def verify(artifact, public_key, require_signature, json_mode):
 
 
 @cli.command()
-@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("artifact")
+@click.option("--endpoint", envvar="HF_ENDPOINT", help="hf://: the Hugging Face hub endpoint [env: HF_ENDPOINT].")
 @JSON
-def inspect(artifact, json_mode):
+def inspect(artifact, endpoint, json_mode):
     """Summarise ARTIFACT: target, drafter and its bindings, memory, signature, files.
 
     On a model directory that is not an artifact (a release as downloaded), list the drafters it
     bundles: MTP modules in its weights, DSpark stages its config declares, drafters in a subfolder
     (`dspark/`), each with its layout and what `build --drafter bundled` would bind. On a .gguf file,
     say what it is: a target (with its nextn MTP layers) or a llama.cpp drafter and the target it was
-    made for (width, vocabulary, the layers it reads), from its metadata alone.
+    made for (width, vocabulary, the layers it reads), from its metadata alone. On hf://org/name[@rev],
+    check the release's target on the hub before downloading it: configs, index and every shard's
+    safetensors header by range requests (HF_TOKEN / login, HF_ENDPOINT as the hub client reads them),
+    never a tensor's bytes; it reports the bytes and requests that took.
 
     \b
     Examples:
       specpack inspect my-artifact --json | jq .drafter
       specpack inspect ./MiniMax-M3.1        # what the release bundles
       specpack inspect draft-eagle3.gguf     # which target a llama.cpp drafter GGUF was made for
+      specpack inspect hf://deepseek-ai/DeepSeek-V4-Flash-DSpark@main   # check it before downloading
     """
     from specpack.schemas import MANIFEST_NAME
 
+    if artifact.startswith("hf://"):
+        emit(_hub_release(artifact, endpoint), json_mode, _hub_text)
+        return
+    artifact = Path(artifact)
     if artifact.suffix == ".gguf" and artifact.is_file():
         from specpack.converters.gguf import describe_gguf
 
@@ -179,6 +188,35 @@ def inspect(artifact, json_mode):
     data = describe(artifact)
     data["engines"] = engine_limits(read_manifest(artifact))
     emit(data, json_mode, _inspect_text)
+
+
+def _hub_release(spec: str, endpoint: str | None = None) -> dict:
+    """A hub release's target checked by range requests (converters/hub_files), and what that read."""
+    from specpack.converters import target_hf
+    from specpack.converters.hub_files import HubFiles
+
+    files = HubFiles.open(spec, endpoint=endpoint)
+    target = target_hf.check(files, files.source)
+    carried = sum(files.size(f) for f in target.files)
+    size = sum(files.size(f) for f in files.list())
+    return {"release": spec, "repo_id": files.repo_id, "revision": files.revision, "commit": files.commit,
+            "target": target.info.model_dump(mode="json", exclude_none=True), "files": len(files.list()),
+            "repository_bytes": size, "build_would_download_bytes": carried,
+            "bytes_read": files.bytes_read, "requests": files.requests}
+
+
+def _hub_text(d: dict) -> str:
+    from specpack.packager.card import arch_rows
+
+    t = d["target"]
+    rows = [("release", f"{d['release']} -> commit {d['commit']}"),
+            ("target", f"{t['architecture']} {t['num_hidden_layers']}L×{t['hidden_size']}, vocab {t['vocab_size']}, "
+                       f"{t['dtype']}, {t['parameters']:,} params: every tensor checked from its header")]
+    rows += [(f"  {k}", v) for k, v in arch_rows(t.get("arch"))]
+    rows += [("build would download", f"{d['build_would_download_bytes'] / 2**20:,.1f} MiB of the repository's "
+                                      f"{d['repository_bytes'] / 2**20:,.1f} MiB ({d['files']} files)"),
+             ("read to check it", f"{d['bytes_read']:,} bytes in {d['requests']} requests")]
+    return table(rows)
 
 
 def _gguf_text(d: dict) -> str:

@@ -47,10 +47,11 @@ class HubFiles:
     @classmethod
     def open(cls, spec: str, endpoint: str | None = None, token: str | bool | None = None) -> "HubFiles":
         """`hf://org/name[@revision]` at the commit its revision names now (branch, tag or commit)."""
-        from huggingface_hub import HfApi
+        from huggingface_hub import HfApi, constants
         from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
         repo_id, revision = parse(spec)
+        endpoint = endpoint or constants.ENDPOINT  # HF_ENDPOINT, as the client read it
         api = HfApi(endpoint=endpoint, token=token)
         try:
             info = api.model_info(repo_id, revision=revision)
@@ -68,6 +69,12 @@ class HubFiles:
         entries = {e.path: Entry(int(e.size), e.lfs.sha256 if getattr(e, "lfs", None) else None)
                    for e in tree if getattr(e, "size", None) is not None and hasattr(e, "blob_id")}
         return cls(repo_id, revision, info.sha, entries, endpoint, token, requests=2)
+
+    @property
+    def source(self):
+        from specpack.schemas import Source
+
+        return Source(kind="hub", repo_id=self.repo_id, revision=self.commit)
 
     def list(self) -> list[str]:
         return sorted(self.entries)

@@ -41,7 +41,7 @@ log = logging.getLogger(__name__)
 class Target:
     """A checked target directory: what to carry into the artifact and what the manifest says."""
 
-    root: Path
+    root: Path | None  # None: a release read remotely (converters/hub_files), not downloaded
     files: list[str]
     info: TargetInfo
     tensors: dict[str, tuple[str, TensorMeta]]  # name -> (file, meta)
@@ -95,25 +95,31 @@ def load(path: Path, source: Source | None = None) -> Target:
     if not root.is_dir():
         raise InputError(f"target '{root}' is not a directory",
                          hint="pass a Hugging Face model directory (config.json + safetensors)")
-    reader = LocalFiles(root)
+    return check(LocalFiles(root), source or Source.local(path), root)
+
+
+def check(reader, source: Source, root: Path | None = None) -> Target:
+    """Check the target a release reader holds (release_files: a directory, or a hub repository read by
+    range requests) and describe it; `root`: its directory (None for a remote one: nothing to carry yet)."""
+    where = reader.label()
     config = reader.json("config.json", "target config")
     listed = reader.list()
     files = [f for f in listed if not f.endswith(PICKLE_SUFFIXES)]
-    _check_reserved(root, files)
+    _check_reserved(where, files)
     weight_files = _weight_files(reader, files, listed)
     tensors = _read_tensors(reader, weight_files)
     try:
         families.check_config(config, tensors=len(tensors), weights=sum(m.numel for _, m in tensors.values()))
     except InputError as exc:
-        raise InputError(f"target '{root}': {exc.message}", problems=exc.problems, hint=exc.hint) from None
+        raise InputError(f"target '{where}': {exc.message}", problems=exc.problems, hint=exc.hint) from None
     arch, q = _describe(reader, config, files)
-    info = _target_info(reader, config, files, weight_files, tensors, source or Source.local(path), arch)
+    info = _target_info(reader, config, files, weight_files, tensors, source, arch)
     if arch is None:
         return Target(root=root, files=files, info=info, tensors=tensors)
     try:
         checked = families.check(arch, {name: m for name, (_, m) in tensors.items()}, q)
     except InputError as exc:
-        raise InputError(f"target '{root}': {exc.message}", problems=exc.problems, hint=exc.hint) from None
+        raise InputError(f"target '{where}': {exc.message}", problems=exc.problems, hint=exc.hint) from None
     info = info.model_copy(update={"arch": _arch_info(checked, tensors)})
     return Target(root=root, files=files, info=info, tensors=tensors, checked=checked)
 
