@@ -123,3 +123,28 @@ def test_inspect_checks_a_hub_release_before_downloading_it(hub, tiny_target, cl
     assert code == 0 and "every tensor checked from its header" in out and "requests" in out
     code, _, err = cli("inspect", "hf://org/missing")
     assert code == 2 and "not found" in err and "Traceback" not in err, err
+
+
+def test_inspect_hub_agrees_with_inspect_dir_on_a_dspark_release(tmp_path, cli, monkeypatch):
+    """The tiny DeepSeek-V4-Flash-DSpark release (family_fixtures, layout B) on the hub: `inspect hf://`
+    binds the same stages as `inspect DIR` on the same files (the build's own check, run on headers read
+    by range), reading a sliver of the repository."""
+    import family_fixtures as ff
+
+    release = ff.deepseek_v4_dspark(ff.make("deepseek_v4", tmp_path / "DeepSeek-V4-Flash-DSpark"))
+    with FakeHub(lfs_threshold=4096) as hub:
+        api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
+        api.create_repo("deepseek-ai/v4-dspark")
+        api.upload_folder(repo_id="deepseek-ai/v4-dspark", folder_path=release)
+        hub.bytes_served = 0
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        code, out, err = cli("inspect", "hf://deepseek-ai/v4-dspark", "--json")
+        served = hub.bytes_served
+    assert code == 0, err
+    remote = json.loads(out)
+    local = json.loads(cli("inspect", release, "--json")[1])
+    assert remote["drafter_bundled"] == local["drafter_bundled"] == "dspark-stages"
+    assert [(b["layout"], b["kind"], b.get("drafter")) for b in remote["bundled"]] == \
+        [(b["layout"], b["kind"], b.get("drafter")) for b in local["bundled"]]
+    assert remote["target"]["arch"]["family"] == "deepseek_v4" and served == remote["bytes_read"]
+    assert served < remote["repository_bytes"] / 20, (served, remote["repository_bytes"])

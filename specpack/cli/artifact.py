@@ -195,11 +195,20 @@ def _hub_release(spec: str, endpoint: str | None = None) -> dict:
     from specpack.converters import target_hf
     from specpack.converters.hub_files import HubFiles
 
+    from specpack.converters import bundled
+    from specpack.errors import InputError, UnsupportedError
+
     files = HubFiles.open(spec, endpoint=endpoint)
     target = target_hf.check(files, files.source)
+    found = bundled.find_in(files, target)
+    try:
+        binds, why = bundled.choose(files.label(), found), None
+    except (InputError, UnsupportedError) as exc:
+        binds, why = None, exc.message
     carried = sum(files.size(f) for f in target.files)
     size = sum(files.size(f) for f in files.list())
     return {"release": spec, "repo_id": files.repo_id, "revision": files.revision, "commit": files.commit,
+            "bundled": [b.to_dict() for b in found], "drafter_bundled": binds, **({"why_not": why} if why else {}),
             "target": target.info.model_dump(mode="json", exclude_none=True), "files": len(files.list()),
             "repository_bytes": size, "build_would_download_bytes": carried,
             "bytes_read": files.bytes_read, "requests": files.requests}
@@ -213,6 +222,7 @@ def _hub_text(d: dict) -> str:
             ("target", f"{t['architecture']} {t['num_hidden_layers']}L×{t['hidden_size']}, vocab {t['vocab_size']}, "
                        f"{t['dtype']}, {t['parameters']:,} params: every tensor checked from its header")]
     rows += [(f"  {k}", v) for k, v in arch_rows(t.get("arch"))]
+    rows += _bundled_rows(d)
     rows += [("build would download", f"{d['build_would_download_bytes'] / 2**20:,.1f} MiB of the repository's "
                                       f"{d['repository_bytes'] / 2**20:,.1f} MiB ({d['files']} files)"),
              ("read to check it", f"{d['bytes_read']:,} bytes in {d['requests']} requests")]
@@ -269,7 +279,11 @@ def _release(root: Path) -> dict:
 
 
 def _release_text(d: dict) -> str:
-    rows = [("release", f"{d['release']} (a model directory, not an artifact)")]
+    return table([("release", f"{d['release']} (a model directory, not an artifact)")] + _bundled_rows(d))
+
+
+def _bundled_rows(d: dict) -> list[tuple[str, str]]:
+    rows = []
     for b in d["bundled"]:
         binds = f"--drafter {b['drafter']}" if "drafter" in b else f"cannot be bound: {b['why_not']}"
         rows.append((f"  layout {b['layout']}", f"{b['kind']} in {b['where']}: {b['detail']}; {binds}"))
@@ -277,7 +291,7 @@ def _release_text(d: dict) -> str:
         rows.append(("  bundled", "no drafter"))
     rows.append(("--drafter bundled", f"binds {d['drafter_bundled']}" if d["drafter_bundled"] else
                  f"refused: {d['why_not']}"))
-    return table(rows)
+    return rows
 
 
 def _inspect_text(d: dict) -> str:

@@ -49,14 +49,50 @@ class Bundled:
 def find(root: Path, target=None) -> list[Bundled]:
     """Every drafter the release at `root` bundles (MTP modules, DSpark stages, subfolder drafters);
     `target`: the release as target_hf.load read it, when the caller has it."""
-    from specpack.converters.target_hf import read_config
+    from specpack.converters.release_files import LocalFiles
 
-    root = Path(root)
-    config = read_config(root / "config.json", "target config")
+    return find_in(LocalFiles(Path(root)), target, Path(root))
+
+
+def find_in(reader, target=None, root: Path | None = None) -> list[Bundled]:
+    """`find` through a release reader (release_files: a directory, or a hub repository read by range
+    requests; `root` None: a remote one, whose `target` the caller has checked)."""
+    from specpack.converters.target_hf import checked_config
+
+    config = checked_config(reader.json("config.json", "target config"), "target config", reader.label("config.json"))
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
-    stages = _release_stages(root, config, text, target)
-    found = [stages] if stages else [m for m in [_mtp(root, config, text)] if m]
-    return found + _subfolders(root, target)
+    names = _tensor_names(reader)
+    stages = _release_stages(config, text, names, lambda: target or _load(root))
+    found = [stages] if stages else [m for m in [_mtp(config, text, names)] if m]
+    return found + (_subfolders(root, target) if root is not None else _remote_subfolders(reader))
+
+
+def _load(root: Path):
+    from specpack.converters import target_hf
+
+    return target_hf.load(root)
+
+
+def _tensor_names(reader) -> set[str]:
+    """The weights' tensor names, from the index or the one file's header (no tensor data)."""
+    from specpack.converters.target_hf import INDEX_NAME, SINGLE_NAME, weight_map_of
+
+    if reader.exists(INDEX_NAME):
+        return set(weight_map_of(reader))
+    return set(reader.header(SINGLE_NAME)) if reader.exists(SINGLE_NAME) else set()
+
+
+def _remote_subfolders(reader) -> list[Bundled]:
+    """Drafter folders in a remote release: named, checked once downloaded (not read remotely yet)."""
+    from specpack.converters.block.common import WEIGHT_NAMES
+    from specpack.converters.target_hf import INDEX_NAME
+
+    listed = set(reader.list())
+    subs = sorted({f.split("/")[0] for f in listed if f.count("/") == 1 and f.endswith("/config.json")})
+    subs = [sub for sub in subs if any(f"{sub}/{w}" in listed for w in (*WEIGHT_NAMES, INDEX_NAME))]  # as has_weights
+    return [Bundled("unknown", "C", f"{sub}/", "a subfolder with its own config.json", None,
+                    "subfolder drafters are checked once the release is downloaded (`specpack inspect DIR`), not "
+                    "over the network yet") for sub in subs if not sub.startswith(".")]
 
 
 def choose(root: Path, found: list[Bundled] | None = None, target=None) -> str:
@@ -79,33 +115,30 @@ def choose(root: Path, found: list[Bundled] | None = None, target=None) -> str:
                      "stated", problems=listed, hint="pass the one you want as --drafter (the value shown)")
 
 
-def _release_stages(root: Path, config: dict, text: dict, target=None) -> Bundled | None:
+def _release_stages(config: dict, text: dict, names: set[str], target) -> Bundled | None:
     """DSpark stages the config declares, and the stages the weights hold under `mtp.{k}.` (where
-    vLLM and DeepSeek-V4-Flash-DSpark keep them: the published config and index)."""
-    from specpack.converters.block.common import tensor_names
-
+    vLLM and DeepSeek-V4-Flash-DSpark keep them: the published config and index); `target()`: the
+    checked target, read only when the build's own check must run."""
     stated = {k: c[k] for c in (config, text) for k in DSPARK_MARKERS if c.get(k) is not None}
     nested = text.get("dspark_config") if isinstance(text.get("dspark_config"), dict) else None
     if not stated and not nested:
         return None
     keys = ", ".join(f"{k} {_short(v)}" for k, v in stated.items()) or "dspark_config"
-    held = sorted({int(m.group(1)) for n in tensor_names(root) if (m := _STAGE.match(n)) and len(m.group(1)) <= 6})
+    held = sorted({int(m.group(1)) for n in names if (m := _STAGE.match(n)) and len(m.group(1)) <= 6})
     tensors = f"stages {held[:16]} held under mtp.*" if held else "but the weights hold no mtp.* tensor (markers " \
                                                                 "without their stages: a re-upload that dropped them?)"
     detail = f"DSpark stages declared by {keys}, {tensors}; the markers win over {_mtp_key(text) or 'any MTP count key'}"
-    why = _stages_why_not(root, held, target)
+    why = _stages_why_not(held, target)
     return Bundled("release_dspark", "B", "target weights", detail, None if why else release_dspark.SPEC, why)
 
 
-def _stages_why_not(root: Path, held: list[int], target) -> str | None:
+def _stages_why_not(held: list[int], target) -> str | None:
     """Why `build --drafter dspark-stages` cannot bind the stages: the build's own check, run on the
-    release's headers (every tensor, every dspark_* key)."""
-    from specpack.converters import target_hf
-
+    release's headers (every tensor, every dspark_* key); `target()` gives the checked target."""
     if not held:
         return "the weights hold no mtp.{k}. tensor"
     try:
-        problems = release_dspark.problems(target or target_hf.load(root))
+        problems = release_dspark.problems(target())
     except (InputError, UnsupportedError) as exc:
         return f"the target does not build: {exc.message}"
     return _summary(f"{len(problems)} problem(s)", problems) if problems else None
@@ -120,10 +153,9 @@ def _mtp_key(text: dict) -> str | None:
     return next((f"{k} {text[k]}" for k in MTP_COUNT_KEYS if isinstance(text.get(k), int) and text[k] > 0), None)
 
 
-def _mtp(root: Path, config: dict, text: dict) -> Bundled | None:
+def _mtp(config: dict, text: dict, names: set[str]) -> Bundled | None:
     """MTP modules as the target's family reads them (held = what the weights hold)."""
     from specpack import families
-    from specpack.converters.block.common import tensor_names
 
     try:
         arch = families.describe(config)
@@ -133,7 +165,7 @@ def _mtp(root: Path, config: dict, text: dict) -> Bundled | None:
                        f"the target family is not one specpack reads: {exc.message}") if key else None
     if arch.mtp is None:
         return None
-    held = families.mtp_held(arch, dict.fromkeys(tensor_names(root)))
+    held = families.mtp_held(arch, dict.fromkeys(names))
     detail = f"{held} module(s) held of {arch.mtp.layers or 'unstated'} ({arch.mtp.count_key}, {arch.mtp.layout})"
     if not held:
         return Bundled("mtp", "A", "target weights", detail, None, "the config states MTP modules but the weights "

@@ -46,6 +46,12 @@ class Target:
     info: TargetInfo
     tensors: dict[str, tuple[str, TensorMeta]]  # name -> (file, meta)
     checked: families.Checked | None = None  # None: a family specpack does not know (plain bounds only)
+    reader: object = None  # the release reader it was read through (release_files; None: LocalFiles(root))
+
+    @property
+    def files_reader(self):
+        """How its files are read: a directory, or a hub repository by range requests (release_files)."""
+        return self.reader if self.reader is not None else LocalFiles(self.root)
 
     @property
     def embed_name(self) -> str:
@@ -114,14 +120,15 @@ def check(reader, source: Source, root: Path | None = None) -> Target:
         raise InputError(f"target '{where}': {exc.message}", problems=exc.problems, hint=exc.hint) from None
     arch, q = _describe(reader, config, files)
     info = _target_info(reader, config, files, weight_files, tensors, source, arch)
+    remote = None if root is not None else reader
     if arch is None:
-        return Target(root=root, files=files, info=info, tensors=tensors)
+        return Target(root=root, files=files, info=info, tensors=tensors, reader=remote)
     try:
         checked = families.check(arch, {name: m for name, (_, m) in tensors.items()}, q)
     except InputError as exc:
         raise InputError(f"target '{where}': {exc.message}", problems=exc.problems, hint=exc.hint) from None
     info = info.model_copy(update={"arch": _arch_info(checked, tensors)})
-    return Target(root=root, files=files, info=info, tensors=tensors, checked=checked)
+    return Target(root=root, files=files, info=info, tensors=tensors, checked=checked, reader=remote)
 
 
 def weight_headers(root: Path) -> tuple[list[str], dict[str, tuple[str, TensorMeta]]]:
@@ -140,11 +147,15 @@ def headers_of(reader) -> tuple[list[str], dict[str, tuple[str, TensorMeta]]]:
 def read_config(path: Path, what: str = "drafter config") -> dict:
     """A drafter's config.json, every field a reader takes type-checked (families.fields: the same
     table the targets' configs are checked against, numbers finite)."""
-    config = read_json(path, what)
+    return checked_config(read_json(path, what), what, str(path))
+
+
+def checked_config(config: dict, what: str, where: str) -> dict:
+    """`config` with every field a reader takes type-checked (read_config, for any release reader)."""
     try:
         families.check_config(config)
     except InputError as exc:
-        raise InputError(f"{what} {path}: {exc.message.removeprefix('config.json: ')}", problems=exc.problems,
+        raise InputError(f"{what} {where}: {exc.message.removeprefix('config.json: ')}", problems=exc.problems,
                          hint=exc.hint) from None
     return config
 

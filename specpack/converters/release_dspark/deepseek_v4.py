@@ -43,14 +43,12 @@ False`, `has_own_lm_head = False`).
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 from specpack.converters.base import ConvertedDrafter
 from specpack.converters.release_dspark.common import entry, markers
-from specpack.converters.target_hf import Target, read_json
+from specpack.converters.target_hf import Target
 from specpack.errors import InputError, UnsupportedError
 from specpack.families import quant
 from specpack.families.base import Layer, Tensor, linear, vector
@@ -129,7 +127,7 @@ def _plan(target: Target) -> tuple[Release, dict, list[str]]:
                                f"({V4.source}, {V41.source}); this target is {family}",
                                hint="pass the drafter's directory, 'mtp' or 'ngram'")
     arch, found = checked.arch, _found(target)
-    text = _text(target.root)
+    text = _text(target.files_reader)
     where = "config.json" + (" text_config" if arch.text_config else "")
     plan, bad = markers(text, target, where, f"vLLM's DSpark draft ({release.source})", release.convention)
     rank = text.get("dspark_markov_rank")
@@ -140,7 +138,7 @@ def _plan(target: Target) -> tuple[Release, dict, list[str]]:
         query_causal=release.causal_why,
         sliding_window="the target's sliding_window (the stages' rolling KV window)")
     count = _stages if release is V4 else _v41_stages
-    plan["stages"], plan["stages_from"], stage_bad = count(target.root, text, found)
+    plan["stages"], plan["stages_from"], stage_bad = count(target.files_reader, text, found)
     plan["resolved_from"]["layers"] = plan["stages_from"]
     plan["confidence"] = release.confidence_required or f"mtp.{plan['stages'] - 1}.confidence_head.proj.weight" in found
     bad += stage_bad
@@ -186,10 +184,10 @@ def _stage_layer(release: Release, arch, text: dict, found: dict, p: str) -> dic
     return deepseek_v41.layer_tensors(stage_arch, p, None, deepseek_v41.stage_experts(arch, text))
 
 
-def _stages(root: Path, text: dict, found: dict) -> tuple[int, str, list[str]]:
+def _stages(reader, text: dict, found: dict) -> tuple[int, str, list[str]]:
     """DeepSeek-V4's stage count as vLLM takes it, and the held stages that contradict it."""
     held = _held(found)
-    stated, where = _inference_count(root)
+    stated, where = _inference_count(reader)
     if stated is None:
         if not held:
             return 0, "none", [NONE_HELD]
@@ -197,7 +195,7 @@ def _stages(root: Path, text: dict, found: dict) -> tuple[int, str, list[str]]:
     return stated, where, _beyond(held, stated, where)
 
 
-def _v41_stages(root: Path, text: dict, found: dict) -> tuple[int, str, list[str]]:
+def _v41_stages(reader, text: dict, found: dict) -> tuple[int, str, list[str]]:
     """DeepSeek-V4.1's: n_mtp_layers, else num_nextn_predict_layers, else 3 (vLLM num_dspark_layers)."""
     key = next((k for k in ("n_mtp_layers", "num_nextn_predict_layers") if text.get(k)), None)
     stated, where = (text[key], f"config.json text_config {key}") if key else (3, f"{V41.source} default 3")
@@ -222,15 +220,15 @@ def _beyond(held: list[int], stated: int, where: str) -> list[str]:
             for k in held if k >= stated]
 
 
-def _inference_count(root: Path) -> tuple[int | None, str]:
+def _inference_count(reader) -> tuple[int | None, str]:
     """`inference/config.json` `n_mtp_layers`, where the release ships its reference code's config."""
-    path = root / "inference" / "config.json"
-    where = "inference/config.json n_mtp_layers"
-    if not path.is_file():
+    rel, where = "inference/config.json", "inference/config.json n_mtp_layers"
+    if not reader.exists(rel):
         return None, where
+    path = reader.label(rel)
     try:
-        n = json.loads(path.read_text()).get("n_mtp_layers")
-    except (ValueError, AttributeError):
+        n = reader.json(rel, "DeepSeek's reference config").get("n_mtp_layers")
+    except InputError:
         raise InputError(f"{path} is not a JSON object", hint="it is DeepSeek's reference config; restore it") from None
     if n is None or n == 0:
         return None, where
@@ -239,8 +237,8 @@ def _inference_count(root: Path) -> tuple[int | None, str]:
     return n, where
 
 
-def _text(root: Path) -> dict:
-    config = read_json(root / "config.json", "target config")
+def _text(reader) -> dict:
+    config = reader.json("config.json", "target config")
     return config["text_config"] if isinstance(config.get("text_config"), dict) else config
 
 
