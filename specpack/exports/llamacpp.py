@@ -10,12 +10,16 @@ Follows the llama.cpp the llama-cpp-python 0.3.36 sdist vendors (_gguf.LLAMACPP)
   `eagle3.target_layers` / `target_hidden_size` / `norm_before_residual` / `norm_before_fc`;
   `src/models/eagle3.cpp` requires exactly three target layers and reads them, as `common/
   speculative.cpp` extracts them, as the *input* of layer i: specpack's own convention, kept as is;
+- a DFlash / DSpark head: `conversion/qwen.py` DFlashModel / DSparkModel write arch `dflash` (Qwen3 layers,
+  `fc`, `hidden_norm` as `enc.output_norm`, `markov_w1` / `markov_w2`, `conf_proj`, `d2t`; `dflash.
+  target_layers` = layer i's input, `dflash.block_size`, `dflash.sample_from_anchor`, causality, the mask
+  token); `src/models/dflash.cpp` shares the target's embedding and lm_head with a head that has neither;
 - n-gram: llama.cpp's own lookup (`--spec-type ngram-simple`, common/speculative.cpp), which matches
   the context by its own rule: its acceptance is llama.cpp's, not the artifact's;
 - `common/arg.cpp`: `-m`, `--spec-draft-model` (`-md`), `--spec-type`, `--spec-draft-n-max`,
   `--spec-draft-n-min`.
-Everything else (MTP nextn blocks, DFlash / DSpark drafter GGUFs, other target architectures) is
-refused, saying why.
+Everything else (MTP nextn blocks, LiLiCorr, other target architectures) is refused, saying why. The
+files are written one tensor at a time (_gguf.Tensors), so memory holds one tensor, not the model.
 """
 
 from __future__ import annotations

@@ -14,7 +14,8 @@ Every export is written atomically into OUT: the drafter in the engine's layout 
 the engine's own convention; MTP bindings checked, _mtp.py; block drafters, _block.py), the engine
 config, and a README with the exact serve command (tensor-parallel flag included). The target is the
 artifact directory itself, which every engine loads as the plain model (and, for MTP kept in the
-target, as the draft model); the artifact is verified before anything is exported.
+target, as the draft model), except llama.cpp, which loads GGUF files: its export writes the target
+too (llamacpp.py); the artifact is verified before anything is exported.
 """
 
 from __future__ import annotations
