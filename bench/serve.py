@@ -507,12 +507,14 @@ def main() -> int:
         servers.update(vllm_servers(args, cache_dir() / "smollm2-135m-instruct-f32", eagle3, slots, levels, say))
     if args.llama_cpp:
         kind = GGUF_TYPES[args.weights]
-        for head, art in (("eagle3", eagle3), ("dspark", dspark)):
-            target, flags = llamacpp_export(art, cache_dir() / f"llamacpp-{head}-{kind}", kind)
+        exported = {head: llamacpp_export(art, cache_dir() / f"llamacpp-{head}-{kind}", kind)
+                    for head, art in (("eagle3", eagle3), ("dspark", dspark))}
+        for head, (target, flags) in exported.items():
             servers[f"llama-server-{head}"] = (lambda p, t=target, f=flags: llama_server(args.llama_cpp, t, p, slots, f),
                                                "smollm2")
         # the plain server on the same target GGUF (specpack's export writes what llama.cpp's converter writes)
-        servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, target, p, slots), "smollm2")
+        plain = exported["eagle3"][0]
+        servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, plain, p, slots), "smollm2")
     wanted = set(args.only.split(",")) if args.only else set(servers)
     if args.control:  # asked for by name or not, the control runs
         wanted.add("specpack-plain-2")

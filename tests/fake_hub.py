@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlparse
 
+import pytest
+
 WRITE_TOKEN = "hf_specpack_write"
 READ_TOKEN = "hf_specpack_read"
 
@@ -356,3 +358,15 @@ def _handler(hub: FakeHub):
                 self.close_connection = True
 
     return Handler
+
+
+@pytest.fixture(autouse=True)
+def hermetic_hub_client(monkeypatch, tmp_path):
+    """No token from the environment or ~/.cache, and LFS instead of Xet (the fake has no Xet): a hub
+    test module imports it (`from fake_hub import hermetic_hub_client`) to make it autouse there."""
+    import huggingface_hub.constants as constants
+
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)

@@ -10,22 +10,11 @@ import shutil
 import pytest
 
 import eagle_layouts
-from fake_hub import READ_TOKEN, WRITE_TOKEN, FakeHub
+from fake_hub import READ_TOKEN, WRITE_TOKEN, FakeHub, hermetic_hub_client  # noqa: F401  (autouse here)
 from specpack.errors import InputError, VerificationError
 from specpack.packager import BuildOptions, build, keygen
 from specpack.packager.hub import pull, push
 from specpack.packager.transfer import TransferError
-
-
-@pytest.fixture(autouse=True)
-def hermetic_hub_client(monkeypatch, tmp_path):
-    """No token from the environment or ~/.cache, and LFS instead of Xet (the fake has no Xet)."""
-    import huggingface_hub.constants as constants
-
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
 
 
 @pytest.fixture

@@ -10,20 +10,10 @@ import struct
 import pytest
 from huggingface_hub import HfApi
 
-from fake_hub import WRITE_TOKEN, FakeHub
+from fake_hub import WRITE_TOKEN, FakeHub, hermetic_hub_client  # noqa: F401  (autouse here)
 from specpack.converters.hub_files import HubFiles, parse
 from specpack.converters.safetensors_header import read_header
 from specpack.errors import ConversionError, InputError
-
-
-@pytest.fixture(autouse=True)
-def hermetic_hub_client(monkeypatch, tmp_path):
-    import huggingface_hub.constants as constants
-
-    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
 
 
 @pytest.fixture

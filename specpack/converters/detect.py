@@ -62,7 +62,9 @@ def _gguf_drafter(path: Path) -> tuple[str, str]:
     layout = block.detect(path)
     if layout is not None:
         return "block", layout
-    arch = eagle3_gguf.gguf_architecture(eagle3_gguf.open_gguf(path))
+    from specpack.converters.gguf import gguf_architecture, open_gguf
+
+    arch = gguf_architecture(open_gguf(path))
     raise UnsupportedError(f"'{path}' is a llama.cpp '{arch}' GGUF, not a drafter GGUF specpack reads",
                            hint="llama.cpp drafter GGUFs of general.architecture eagle3 and dflash (DFlash, DSpark) "
                                 "are read; a target GGUF goes through `specpack import-gguf`")

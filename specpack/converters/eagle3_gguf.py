@@ -20,6 +20,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from specpack.converters.base import AuxOverride, ConvertedDrafter
+from specpack.converters.gguf import gguf_architecture, open_gguf
 from specpack.errors import InputError, UnsupportedError
 from specpack.schemas import Source
 
@@ -65,18 +66,6 @@ def convert(path: Path, target, aux: AuxOverride | None = None, allow_mismatch: 
     raw, tensor_problems = _tensors(reader, config)
     return eagle3.convert_tensors(LAYOUT, config, raw, target, aux, Source.local(path), path,
                                   problems=problems + tensor_problems, allow_mismatch=allow_mismatch)
-
-
-def open_gguf(path: Path):
-    from specpack.converters.gguf import _open
-
-    return _open(path)
-
-
-def gguf_architecture(reader) -> str:
-    from specpack.converters.gguf import _field
-
-    return str(_field(reader, "general.architecture", ""))
 
 
 def _config(reader, path: Path) -> tuple[dict, list[str]]:

@@ -170,6 +170,15 @@ def describe_gguf(path: Path) -> dict:
     return out
 
 
+def open_gguf(path) -> object:
+    """A GGUF file's reader (an InputError naming the file when gguf cannot read it)."""
+    return _open(Path(path))
+
+
+def gguf_architecture(reader) -> str:
+    return str(_field(reader, "general.architecture", ""))
+
+
 def _field(reader, key: str, default=None):
     """A metadata value as a Python str/int/float/bool/list, or `default` when absent."""
     found = reader.fields.get(key)

@@ -16,7 +16,7 @@ whole file is refused, not read.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specpack.converters.release_files import json_object
 from specpack.converters.safetensors_header import TensorMeta, header_length, parse_header
@@ -42,7 +42,6 @@ class HubFiles:
     token: str | bool | None = None
     requests: int = 0
     bytes_read: int = 0
-    _headers: dict = field(default_factory=dict)
 
     @classmethod
     def open(cls, spec: str, endpoint: str | None = None, token: str | bool | None = None) -> "HubFiles":

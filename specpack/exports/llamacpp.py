@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from specpack.converters import eagle3_gguf
+from specpack.converters.block import llamacpp as block_gguf
 from specpack.exports import _gguf
 from specpack.exports._common import EngineExport, ExportContext, embedding_problems, quote, write_json
 
@@ -36,19 +38,11 @@ NAME = "llama.cpp"
 ARCHITECTURES = ("LlamaForCausalLM",)  # llama.cpp's `llama` arch, as this export writes it
 TARGET = "target-{type}.gguf"
 DRAFT = "draft-eagle3-{type}.gguf"
-# canonical EAGLE-3 head name -> llama.cpp name (converters/eagle3_gguf.py reads them back)
-EAGLE3_NAMES = {"fc.weight": "fc.weight", "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
-                "embed_tokens.weight": "token_embd.weight", "d2t": "d2t",
-                "layers.0.input_layernorm.weight": "blk.0.attn_norm.weight",
-                "layers.0.hidden_norm.weight": "blk.0.attn_norm_2.weight",
-                "layers.0.post_attention_layernorm.weight": "blk.0.ffn_norm.weight",
-                "layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight",
-                "layers.0.self_attn.k_proj.weight": "blk.0.attn_k.weight",
-                "layers.0.self_attn.v_proj.weight": "blk.0.attn_v.weight",
-                "layers.0.self_attn.o_proj.weight": "blk.0.attn_output.weight",
-                "layers.0.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
-                "layers.0.mlp.up_proj.weight": "blk.0.ffn_up.weight",
-                "layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight"}
+# canonical name -> llama.cpp name: the readers' tables (converters/eagle3_gguf, converters/block/llamacpp)
+# inverted, so what is written reads back
+EAGLE3_NAMES = {canonical: name for name, canonical in eagle3_gguf.NAMES.items()}
+BLOCK_NAMES = {canonical: name for name, canonical in block_gguf.NAMES.items()}
+LAYER_NAMES = {canonical: name for name, canonical in block_gguf.LAYER.items()}
 
 
 def limits(manifest, draft_len: int = 1) -> list[str]:
@@ -210,18 +204,6 @@ def _export(ctx: ExportContext, target: Path, flags: dict, notes: list[str]) -> 
     return EngineExport(command, config, notes)
 
 
-# canonical block-drafter name -> llama.cpp name (gguf-py tensor_mapping.py: DFlash / DSpark)
-BLOCK_NAMES = {"fc.weight": "fc.weight", "hidden_norm.weight": "enc.output_norm.weight",
-               "norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
-               "embed_tokens.weight": "token_embd.weight", "d2t": "d2t",
-               "markov_head.markov_w1.weight": "markov_w1.weight", "markov_head.markov_w2.weight": "markov_w2.weight",
-               "confidence_head.proj.weight": "conf_proj.weight", "confidence_head.proj.bias": "conf_proj.bias"}
-LAYER_NAMES = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
-               "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-               "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-               "self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight",
-               "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-               "mlp.down_proj.weight": "ffn_down.weight"}
 BLOCK_DRAFT = "draft-{algorithm}-{type}.gguf"
 
 

@@ -115,18 +115,7 @@ def _specpack(artifact, prompts, D: int = D):
 def test_smollm2_shipped_heads(llama_server, exports, kind):
     made, arts, prompts = exports
     out, D = made[kind].out, made[kind].draft_len
-    spec = _serve(llama_server, out, prompts, extra=("--spec-draft-p-min", "0"))
-    plain = _serve(llama_server, out, prompts, speculative=False)
-    mine, mine_plain, drafted, accepted = _specpack(arts[kind], prompts, D)
-    tokens = [s[0] for s in spec]
-    rate_llama = sum(s[2] for s in spec) / sum(s[1] for s in spec)
-    rate_mine = accepted / drafted
-    equal = tokens == [p[0] for p in plain] == mine == mine_plain
-    record(target="SmolLM2-135M (llama.cpp f32 GGUF)", drafter=f"{kind} (llama-server)", D=D, loads=True,
-           equal="yes" if equal else "NO", al_vllm=1 + rate_llama * D, al_specpack=1 + rate_mine * D,
-           note=f"acceptance rate llama.cpp {rate_llama:.3f}, specpack {rate_mine:.3f}")
-    assert equal
-    assert abs(rate_llama / rate_mine - 1) <= TOLERANCE, (rate_llama, rate_mine)
+    _check_head(llama_server, out, arts[kind], prompts, D, "SmolLM2-135M (llama.cpp f32 GGUF)", kind)
 
 
 def test_smollm2_ngram_tokens(llama_server, exports):
@@ -151,15 +140,20 @@ def test_tiny_trained_heads(llama_server, wide, tmp_path, kind):
     arts, prompts = wide
     D = default_draft_len(read_manifest(arts[kind]))
     out = export_engine(arts[kind], "llama.cpp", tmp_path / kind, draft_len=D, gguf_pre="gpt-2").out
-    spec = _serve(llama_server, out, prompts, extra=("--spec-draft-p-min", "0"))
-    plain = _serve(llama_server, out, prompts, speculative=False)
-    mine, mine_plain, drafted, accepted = _specpack(arts[kind], prompts, D)
+    _check_head(llama_server, out, arts[kind], prompts, D, "tiny Llama (wide, llama.cpp f32 GGUF)", kind)
+
+
+def _check_head(binary, out, artifact, prompts, D: int, target: str, kind: str) -> None:
+    """llama-server on the export (at p-min 0, then plain) against specpack on the artifact at draft length
+    D: the row recorded, tokens equal everywhere, acceptance rates within TOLERANCE."""
+    spec = _serve(binary, out, prompts, extra=("--spec-draft-p-min", "0"))
+    plain = _serve(binary, out, prompts, speculative=False)
+    mine, mine_plain, drafted, accepted = _specpack(artifact, prompts, D)
     rate_llama = sum(s[2] for s in spec) / max(1, sum(s[1] for s in spec))
     rate_mine = accepted / max(1, drafted)
-    tokens = [s[0] for s in spec]
-    equal = tokens == [p[0] for p in plain] == mine == mine_plain
-    record(target="tiny Llama (wide, llama.cpp f32 GGUF)", drafter=f"{kind} (llama-server)", D=D, loads=True,
-           equal="yes" if equal else "NO", al_vllm=1 + rate_llama * D, al_specpack=1 + rate_mine * D,
+    equal = [s[0] for s in spec] == [p[0] for p in plain] == mine == mine_plain
+    record(target=target, drafter=f"{kind} (llama-server)", D=D, loads=True, equal="yes" if equal else "NO",
+           al_vllm=1 + rate_llama * D, al_specpack=1 + rate_mine * D,
            note=f"acceptance rate llama.cpp {rate_llama:.3f}, specpack {rate_mine:.3f}")
     assert equal
     assert abs(rate_llama / rate_mine - 1) <= TOLERANCE, (rate_llama, rate_mine)

@@ -19,7 +19,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from specpack.converters.block.common import Reading
-from specpack.converters.eagle3_gguf import FLOAT_TYPES, LLAMACPP, gguf_architecture, open_gguf
+from specpack.converters.eagle3_gguf import FLOAT_TYPES, LLAMACPP
+from specpack.converters.gguf import gguf_architecture, open_gguf
 from specpack.errors import InputError
 
 ARCH = "dflash"
