@@ -146,6 +146,26 @@ def add_tokenizer(writer, target: Path, pre: str | None = None) -> str:
     return name
 
 
+def target_entries(artifact: Path):
+    """(file, HF name, shape) of every target tensor, from the safetensors headers (nothing loaded)."""
+    import json
+
+    from specpack.converters.safetensors_header import read_header
+
+    index = artifact / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
+    for file in files:
+        for name, meta in sorted(read_header(artifact / file).items()):
+            yield file, name, tuple(meta.shape)
+
+
+def load_f32(file: Path, name: str) -> np.ndarray:
+    from safetensors import safe_open
+
+    with safe_open(file, "pt") as f:
+        return f.get_tensor(name).float().numpy()
+
+
 def permute(w: np.ndarray, heads: int) -> np.ndarray:
     """q/k rows in llama.cpp's rotary pairing (LlamaModel.permute; converters/gguf.py undoes it)."""
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -168,8 +188,8 @@ class Tensors:
     def type_of(self, name: str, shape: tuple[int, ...]) -> str:
         """base.py prepare_tensors: 1-D tensors and norms F32, the rest the file type, Q8_0 falling back
         to F16 where a row does not split into its 32-value blocks."""
-        if len(shape) <= 1 or name.endswith("_norm.weight"):
-            return "F32"
+        if len(shape) <= 1 or name.endswith(("_norm.weight", ".ffn_gate_inp.weight")) or not name.endswith(".weight"):
+            return "F32"  # (routers too: in base.py's list of tensors always kept in float32)
         kind = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}[self.gguf_type]
         return "F16" if kind == "Q8_0" and shape[-1] % 32 else kind
 

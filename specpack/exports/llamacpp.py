@@ -14,28 +14,32 @@ Follows the llama.cpp the llama-cpp-python 0.3.36 sdist vendors (_gguf.LLAMACPP)
   `fc`, `hidden_norm` as `enc.output_norm`, `markov_w1` / `markov_w2`, `conf_proj`, `d2t`; `dflash.
   target_layers` = layer i's input, `dflash.block_size`, `dflash.sample_from_anchor`, causality, the mask
   token); `src/models/dflash.cpp` shares the target's embedding and lm_head with a head that has neither;
+- an MTP layer: a DeepSeek-V3 target as arch `deepseek2` with the layer as its nextn block, drafted by
+  `--spec-type draft-mtp` from the target file itself (_llamacpp_deepseek2.py says where each rule is read);
 - n-gram: llama.cpp's own lookup (`--spec-type ngram-simple`, common/speculative.cpp), which matches
   the context by its own rule: its acceptance is llama.cpp's, not the artifact's;
 - `common/arg.cpp`: `-m`, `--spec-draft-model` (`-md`), `--spec-type`, `--spec-draft-n-max`,
   `--spec-draft-n-min`.
-Everything else (MTP nextn blocks, LiLiCorr, other target architectures) is refused, saying why. The
+Everything else (other MTP layouts, LiLiCorr, other target architectures) is refused, saying why. The
 files are written one tensor at a time (_gguf.Tensors), so memory holds one tensor, not the model.
 """
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 
 from specpack.converters import eagle3_gguf
 from specpack.converters.block import llamacpp as block_gguf
-from specpack.exports import _gguf
+from specpack.exports import _gguf, _mtp, _llamacpp_deepseek2 as _deepseek2
 from specpack.exports._common import EngineExport, ExportContext, embedding_problems, quote, write_json
 
 NAME = "llama.cpp"
-ARCHITECTURES = ("LlamaForCausalLM",)  # llama.cpp's `llama` arch, as this export writes it
+# the targets this export writes, as llama.cpp's arch of that name
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "DeepseekV3ForCausalLM": "deepseek2"}
 TARGET = "target-{type}.gguf"
 DRAFT = "draft-eagle3-{type}.gguf"
 # canonical name -> llama.cpp name: the readers' tables (converters/eagle3_gguf, converters/block/llamacpp)
@@ -52,7 +56,12 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
     if manifest.target.architecture not in ARCHITECTURES:
         problems.append(f"this export writes {', '.join(ARCHITECTURES)} targets as llama.cpp GGUFs, not "
                         f"{manifest.target.architecture}")
+    if manifest.target.arch is not None and manifest.target.arch.quantization is not None:
+        problems.append(f"quantized target weights ({manifest.target.arch.quantization.scheme}): not written by this "
+                        "export yet")
     d = manifest.drafter
+    if ARCHITECTURES.get(manifest.target.architecture) == "deepseek2":
+        return problems + _deepseek2_limits(manifest, draft_len)
     if d.kind == "eagle3":
         ids = d.aux_hidden_states.layer_ids
         if len(ids) != 3:
@@ -63,9 +72,27 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
         problems += embedding_problems(manifest)  # (llama.cpp concatenates the states in the order listed)
     elif d.kind == "block":
         problems += _block_problems(d)
+    elif d.kind == "mtp":
+        problems += _mtp.problems("llama.cpp", _deepseek2.MTP, manifest, draft_len)
     elif d.kind != "ngram":
         problems.append(WHY_NOT.get(d.kind, f"llama.cpp export of {d.kind} drafters is not implemented"))
     return problems
+
+
+def _deepseek2_limits(manifest, draft_len: int) -> list[str]:
+    d, problems = manifest.drafter, []
+    if d.kind == "mtp":
+        problems += _mtp.problems("llama.cpp", _deepseek2.MTP, manifest, draft_len)
+    elif d.kind != "ngram":
+        problems.append(f"a {d.kind} drafter on a deepseek2 target: not written by this export yet (its MTP layer "
+                        "or n-gram lookup are)")
+    return problems
+
+
+def target_problems(config: dict) -> list[str]:
+    """What llama.cpp would read otherwise in the target's config.json."""
+    arch = ARCHITECTURES.get((config.get("architectures") or [""])[0])
+    return _deepseek2.target_problems(config) if arch == "deepseek2" else []
 
 
 def _block_problems(d) -> list[str]:
@@ -88,9 +115,7 @@ def _block_problems(d) -> list[str]:
     return [why for bad, why in checks if bad]
 
 
-WHY_NOT = {"mtp": "MTP heads go into the target GGUF's nextn blocks (`{arch}.nextn_predict_layers`): not written by "
-                  "this export yet",
-           "release_dspark": "a release's DSpark stages run in the release's own architecture, which llama.cpp's "
+WHY_NOT = {"release_dspark": "a release's DSpark stages run in the release's own architecture, which llama.cpp's "
                              "DSpark drafter GGUF does not hold",
            "draft_model": "a draft model: convert it with llama.cpp's convert_hf_to_gguf.py and pass it as -md "
                           "(--spec-type draft-simple); not written by this export yet"}
@@ -102,38 +127,26 @@ def write_target(ctx: ExportContext) -> tuple[Path, str]:
     from specpack.converters.gguf import gguf_name
 
     config = {**json.loads((ctx.artifact / "config.json").read_text()), "rope_theta": ctx.manifest.target.rope_theta}
+    if ARCHITECTURES[ctx.manifest.target.architecture] == "deepseek2":
+        return _deepseek2.write_target(ctx, config)
     path = ctx.out / TARGET.format(type=ctx.gguf_type)
     writer = _gguf.open_writer(path, "llama", ctx.artifact.name)
     _gguf.add_llama_hparams(writer, "llama", config, ctx.gguf_type)
     pre = _gguf.add_tokenizer(writer, ctx.artifact, ctx.gguf_pre)
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     plan = _gguf.Tensors(ctx.gguf_type)
-    for file, name, shape in _target_entries(ctx.artifact):
+    for file, name, shape in _gguf.target_entries(ctx.artifact):
         if config.get("tie_word_embeddings") and name == "lm_head.weight":
             continue
         g = gguf_name(name)
         h = heads if ".attn_q." in g else kv if ".attn_k." in g else None
-        plan.add(g, shape, lambda file=file, name=name, h=h: _load(ctx.artifact / file, name, h))
+        plan.add(g, shape, lambda file=file, name=name, h=h: _permuted(ctx.artifact / file, name, h))
     plan.write(writer)
     return path, pre
 
 
-def _target_entries(artifact: Path):
-    """(file, HF name, shape) of every target tensor, from the safetensors headers (nothing loaded)."""
-    from specpack.converters.safetensors_header import read_header
-
-    index = artifact / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    for file in files:
-        for name, meta in sorted(read_header(artifact / file).items()):
-            yield file, name, tuple(meta.shape)
-
-
-def _load(file: Path, name: str, heads: int | None) -> np.ndarray:
-    from safetensors import safe_open
-
-    with safe_open(file, "pt") as f:
-        w = f.get_tensor(name).float().numpy()
+def _permuted(file: Path, name: str, heads: int | None) -> np.ndarray:
+    w = _gguf.load_f32(file, name)
     return _gguf.permute(w, heads) if heads else w
 
 
@@ -266,4 +279,17 @@ def _layer_name(name: str) -> str | None:
     return f"blk.{i}.{LAYER_NAMES[leaf]}" if leaf in LAYER_NAMES and i.isdigit() else None
 
 
-KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "block": write_block}
+def write_mtp(ctx: ExportContext, head=None, tensors=None) -> EngineExport:
+    """The target GGUF with the MTP layer as its nextn block; llama-server drafts from the target itself."""
+    target, _ = write_target(ctx)
+    d, L = ctx.manifest.drafter, ctx.manifest.target.num_hidden_layers
+    flags = {"--spec-type": "draft-mtp", "--spec-draft-n-max": ctx.draft_len, "--spec-draft-n-min": 0}
+    notes = [f"the MTP layer is the target GGUF's nextn block `blk.{L}.nextn.*` (deepseek2.nextn_predict_layers 1), "
+             "as llama.cpp's converter writes GLM-4.7-Flash's; its own converter leaves DeepSeek-V3's out",
+             "no -md: llama-server builds the MTP draft context from the target model"]
+    reads = f"the nextn block `blk.{L}.*` this export writes into the target GGUF"
+    bindings = _mtp.bindings(ctx, "llama.cpp", _deepseek2.MTP[d.source_layout], reads)
+    return replace(_export(ctx, target, flags, notes), bindings=bindings)
+
+
+KINDS = {"eagle3": write_eagle3, "ngram": write_ngram, "block": write_block, "mtp": write_mtp}

@@ -1,6 +1,7 @@
 """llama.cpp (`llama-server`, built by `make llama-server` from the pinned llama-cpp-python sdist) on
 specpack's `export --to llama.cpp`, for SmolLM2 with the shipped EAGLE-3 and DSpark heads and n-gram, and
-for the trained EAGLE-3, DFlash and DSpark heads of the wide tiny Llama:
+for the trained EAGLE-3, DFlash and DSpark heads of the wide tiny Llama, and for a trained DeepSeek-V3 MTP
+layer written into the target GGUF's nextn block:
 
 (a) greedy tokens through llama-server with speculation == llama-server without == specpack's own;
 (b) each head's acceptance in llama.cpp (its `timings`: draft_n_accepted / draft_n) within 5% of
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import eagle_fixtures as ef
 from engine_report import record
 from cases import root, smollm2, wide  # noqa: F401  (fixtures)
 
@@ -156,4 +158,41 @@ def _check_head(binary, out, artifact, prompts, D: int, target: str, kind: str) 
            al_vllm=1 + rate_llama * D, al_specpack=1 + rate_mine * D,
            note=f"acceptance rate llama.cpp {rate_llama:.3f}, specpack {rate_mine:.3f}")
     assert equal
+    assert abs(rate_llama / rate_mine - 1) <= TOLERANCE, (rate_llama, rate_mine)
+
+
+def test_tiny_deepseek_v3_mtp(llama_server, root, tmp_path):
+    """DeepSeek-V3's MTP layer (MLA, grouped sigmoid MoE routing), trained on the target's own continuations,
+    exported into the target GGUF's nextn block (arch deepseek2): llama-server drafts from the target file
+    (--spec-type draft-mtp) at D = 1, the one draft length whose bindings llama.cpp shares with the artifact.
+    llama.cpp's CPU MLA rounds its logits about 1e-3 off specpack's (and transformers') fp32 ones, so near
+    ties part the texts of this tiny model: tokens and acceptance are compared where llama.cpp's speculative,
+    llama.cpp's plain and specpack's plain texts agree, and how many agree is recorded."""
+    import mtp_layouts as ml
+
+    import specpack
+    from specpack.exports import export_engine
+    from specpack.packager import BuildOptions, build
+
+    t = ml.make_target(root / "ds-llamacpp", "mtp-deepseek", 1, train_steps=150,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    art = build(BuildOptions(target=t.path, drafter="mtp", out=root / "deepseek-mtp-llamacpp")).out
+    seqs = ef.greedy_sequences(ml.hf_target(t), ef.training_prompts(48), 8)
+    prompts = [seqs[i].tolist() for i in range(len(seqs))]
+    out = export_engine(art, "llama.cpp", tmp_path / "mtp", draft_len=1, gguf_pre="gpt-2").out
+    spec = _serve(llama_server, out, prompts, extra=("--spec-draft-p-min", "0"))
+    plain = _serve(llama_server, out, prompts, speculative=False)
+    model = specpack.load(art)
+    with torch.inference_mode():
+        mine = [model.generate(p, NEW, draft_len=1, adaptive=False) for p in prompts]
+        mine_plain = [model.generate(p, NEW, speculative=False).tokens for p in prompts]
+    assert [r.tokens for r in mine] == mine_plain  # specpack's own guarantee
+    assert [s[0] for s in spec] == [p[0] for p in plain]  # llama.cpp's
+    same = [i for i in range(len(prompts)) if plain[i][0] == mine_plain[i]]
+    rate_llama = sum(spec[i][2] for i in same) / max(1, sum(spec[i][1] for i in same))
+    rate_mine = sum(mine[i].stats.accepted for i in same) / max(1, sum(mine[i].stats.drafted_steps for i in same))
+    record(target="tiny DeepSeek-V3 (llama.cpp f32 deepseek2 GGUF)", drafter="mtp (llama-server draft-mtp)", D=1,
+           loads=True, equal=f"{len(same)} of {len(prompts)} prompts", al_vllm=1 + rate_llama, al_specpack=1 + rate_mine,
+           note=f"acceptance rate llama.cpp {rate_llama:.3f}, specpack {rate_mine:.3f}, over the agreeing prompts")
+    assert len(same) >= len(prompts) // 2, f"{len(same)} of {len(prompts)}"
     assert abs(rate_llama / rate_mine - 1) <= TOLERANCE, (rate_llama, rate_mine)

@@ -1,0 +1,160 @@
+"""`specpack export ART --to llama.cpp` of an MTP drafter (issue 64 item 1): a DeepSeek-V3 target as llama.cpp's
+`deepseek2` GGUF with the MTP layer as its nextn block, checked against the names, shapes and keys the pinned
+llama.cpp loads (src/models/deepseek2.cpp load_arch_hparams / load_arch_tensors, written out below) and read
+back to the artifact's tensors; what llama.cpp's draft-mtp would run otherwise than the artifact is refused.
+tests/engines/test_llamacpp.py runs the export in a real llama-server."""
+
+import json
+
+import gguf
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+import mtp_layouts as ml
+
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    from specpack.packager import BuildOptions, build
+
+    root = tmp_path_factory.mktemp("ds-lc")
+    t = ml.make_target(root / "ds", "mtp-deepseek", 1, rope_parameters=DEFAULT_ROPE)
+    return t, build(BuildOptions(target=t.path, drafter="mtp", out=root / "art")).out
+
+
+def _export(cli, artifact, out, *args, json_out: bool = True):
+    return cli("export", artifact, "--to", "llama.cpp", "-o", out, "--gguf-pre", "gpt-2", *args,
+               *(("--json",) if json_out else ()))
+
+
+def _expected_shapes(c: dict, layers: int) -> dict:
+    """deepseek2.cpp load_arch_tensors, as ggml `ne` (fastest dimension first), for the tiny config `c`."""
+    H, V, heads, lora, rope = c["hidden_size"], c["vocab_size"], c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"]
+    nope, v, q, E, ff = c["qk_nope_head_dim"], c["v_head_dim"], c["q_lora_rank"], c["n_routed_experts"], c["moe_intermediate_size"]
+    out = {"token_embd.weight": (H, V), "output_norm.weight": (H,), "output.weight": (H, V)}
+    for i in range(layers):
+        p = f"blk.{i}."
+        out.update({p + "attn_norm.weight": (H,), p + "attn_q_a_norm.weight": (q,), p + "attn_kv_a_norm.weight": (lora,),
+                    p + "attn_q_a.weight": (H, q), p + "attn_q_b.weight": (q, heads * (nope + rope)),
+                    p + "attn_kv_a_mqa.weight": (H, lora + rope), p + "attn_k_b.weight": (nope, lora, heads),
+                    p + "attn_v_b.weight": (lora, v, heads), p + "attn_output.weight": (heads * v, H),
+                    p + "ffn_norm.weight": (H,)})
+        if i < c["first_k_dense_replace"]:
+            out.update({p + "ffn_gate.weight": (H, c["intermediate_size"]), p + "ffn_up.weight": (H, c["intermediate_size"]),
+                        p + "ffn_down.weight": (c["intermediate_size"], H)})
+        else:
+            out.update({p + "ffn_gate_inp.weight": (H, E), p + "exp_probs_b.bias": (E,),
+                        p + "ffn_gate_exps.weight": (H, ff, E), p + "ffn_up_exps.weight": (H, ff, E),
+                        p + "ffn_down_exps.weight": (ff, H, E), p + "ffn_gate_shexp.weight": (H, ff),
+                        p + "ffn_up_shexp.weight": (H, ff), p + "ffn_down_shexp.weight": (ff, H)})
+    n = c["num_hidden_layers"]
+    out.update({f"blk.{n}.nextn.eh_proj.weight": (2 * H, H), f"blk.{n}.nextn.enorm.weight": (H,),
+                f"blk.{n}.nextn.hnorm.weight": (H,), f"blk.{n}.nextn.embed_tokens.weight": (H, V),
+                f"blk.{n}.nextn.shared_head_head.weight": (H, V), f"blk.{n}.nextn.shared_head_norm.weight": (H,)})
+    return out
+
+
+def test_the_mtp_layer_is_written_as_the_target_ggufs_nextn_block(deepseek, tmp_path, cli):
+    t, art = deepseek
+    code, out, err = _export(cli, art, tmp_path / "lc")
+    assert code == 0, err
+    result = json.loads(out)
+    assert "--spec-type draft-mtp" in result["command"] and "--spec-draft-model" not in result["command"]
+    c = json.loads((t.path / "config.json").read_text())
+    L = c["num_hidden_layers"]
+    r = gguf.GGUFReader(str(tmp_path / "lc/target-f32.gguf"))
+    assert {t.name: tuple(int(x) for x in t.shape) for t in r.tensors} == _expected_shapes(c, L + 1)
+    kv = {f.name: f.contents() for f in r.fields.values() if f.name.startswith("deepseek2.")}
+    assert kv["deepseek2.nextn_predict_layers"] == 1 and kv["deepseek2.block_count"] == L + 1
+    assert kv["deepseek2.attention.head_count_kv"] == 1 and kv["deepseek2.attention.q_lora_rank"] == c["q_lora_rank"]
+    assert kv["deepseek2.attention.key_length"] == c["kv_lora_rank"] + c["qk_rope_head_dim"]
+    assert kv["deepseek2.attention.key_length_mla"] == c["qk_nope_head_dim"] + c["qk_rope_head_dim"]
+    assert kv["deepseek2.expert_gating_func"] == 2 and kv["deepseek2.expert_group_count"] == c["n_group"]
+    assert kv["deepseek2.expert_group_used_count"] == c["topk_group"] and kv["deepseek2.expert_weights_norm"]
+    assert kv["deepseek2.expert_weights_scale"] == pytest.approx(c["routed_scaling_factor"])
+    assert kv["deepseek2.leading_dense_block_count"] == c["first_k_dense_replace"]
+
+
+def test_every_tensor_reads_back_as_the_artifacts(deepseek, tmp_path, cli):
+    """k_b / v_b join back into kv_b_proj, the stacked experts split back per expert, the nextn block is the
+    artifact's MTP layer: nothing is lost or moved."""
+    from specpack.converters.gguf_deepseek2 import join_kv_b
+
+    t, art = deepseek
+    assert _export(cli, art, tmp_path / "lc")[0] == 0
+    src = load_file(str(art / "model.safetensors"))
+    got = {t.name: np.asarray(t.data).reshape([int(x) for x in reversed(t.shape)]) for t in
+           gguf.GGUFReader(str(tmp_path / "lc/target-f32.gguf")).tensors}
+    L, E = 3, 8
+    for i in (1, L):  # an MoE trunk layer and the nextn block
+        p = f"model.layers.{i}."
+        kv_b = join_kv_b(got[f"blk.{i}.attn_k_b.weight"], got[f"blk.{i}.attn_v_b.weight"])
+        np.testing.assert_array_equal(kv_b, src[p + "self_attn.kv_b_proj.weight"].numpy())
+        for e in range(E):
+            np.testing.assert_array_equal(got[f"blk.{i}.ffn_up_exps.weight"][e], src[p + f"mlp.experts.{e}.up_proj.weight"].numpy())
+        np.testing.assert_array_equal(got[f"blk.{i}.exp_probs_b.bias"], src[p + "mlp.gate.e_score_correction_bias"].numpy())
+    for leaf, name in (("eh_proj", "nextn.eh_proj"), ("enorm", "nextn.enorm"), ("shared_head.norm", "nextn.shared_head_norm")):
+        np.testing.assert_array_equal(got[f"blk.{L}.{name}.weight"], src[f"model.layers.{L}.{leaf}.weight"].numpy())
+
+
+def test_a_draft_length_past_one_is_refused_saying_why(deepseek, tmp_path, cli):
+    """llama.cpp hands draft step 2 the nextn block's output after shared_head_norm; DeepSeek's MTP chains it
+    before (deepseek2.cpp graph_mtp: h_nextn after the head norm)."""
+    from specpack.packager import BuildOptions, build
+
+    t, _ = deepseek
+    art = build(BuildOptions(target=t.path, drafter="mtp", out=tmp_path / "art", mtp_allow_reuse=True)).out
+    code, _, err = _export(cli, art, tmp_path / "lc", "--draft-len", "2", json_out=False)
+    assert code == 2 and "after the MTP final norm" in err and "--draft-len 1 is unaffected" in err, err
+    assert not (tmp_path / "lc").exists()
+
+
+def test_inspect_says_llamacpp_serves_the_mtp_artifact(deepseek, cli):
+    _, art = deepseek
+    code, out, _ = cli("inspect", art, "--json")
+    assert code == 0 and json.loads(out)["engines"]["llama.cpp"] == []
+
+
+def test_two_mtp_layers_are_refused(tmp_path, cli):
+    from specpack.packager import BuildOptions, build
+
+    t = ml.make_target(tmp_path / "ds2", "mtp-deepseek", 2, rope_parameters=DEFAULT_ROPE)
+    art = build(BuildOptions(target=t.path, drafter="mtp", out=tmp_path / "art")).out
+    code, _, err = _export(cli, art, tmp_path / "lc", json_out=False)
+    assert code == 2 and "takes 1 MTP layer(s); this drafter has 2" in err, err
+
+
+def test_an_mtp_layer_in_a_llama_gguf_is_refused(tmp_path, cli):
+    from specpack.packager import BuildOptions, build
+
+    t = ml.make_target(tmp_path / "mimo", "mtp-mimo", 1)
+    art = build(BuildOptions(target=t.path, drafter="mtp", out=tmp_path / "art")).out
+    code, _, err = _export(cli, art, tmp_path / "lc", json_out=False)
+    assert code == 2 and "MiMoForCausalLM" in err, err
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(num_hidden_layers=27), "Lite model without q_lora_rank"),
+    (dict(q_lora_rank=None), "model with q_lora_rank"),
+    (dict(topk_method="group_limited_greedy"), "top-2 scores (noaux_tc) only"),
+])
+def test_a_config_llamacpp_would_read_otherwise_is_refused(change, says):
+    from specpack.exports.llamacpp import target_problems
+
+    config = {**ml.deepseek_config(3).to_dict(), "architectures": ["DeepseekV3ForCausalLM"], **change}
+    assert target_problems({**config, "architectures": ["DeepseekV3ForCausalLM"]}) != []
+    assert any(says in p for p in target_problems(config)), target_problems(config)
+
+
+@pytest.mark.parametrize("change, says", [(dict(first_k_dense_replace=4), "MoE FFN"),
+                                          (dict(q_lora_rank=None), "low-rank query path")])
+def test_an_mtp_layer_llamacpps_graph_cannot_run_is_named(change, says):
+    """deepseek2.cpp graph_mtp asserts an MoE FFN and q_lora_rank > 0 in the nextn block."""
+    from specpack.exports._llamacpp_deepseek2 import nextn_problems
+
+    config = ml.deepseek_config(3).to_dict()
+    assert nextn_problems(config) == []
+    assert any(says in p for p in nextn_problems({**config, **change}))
