@@ -223,3 +223,27 @@ def _finish(writer, extra_tensors, path):
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def rewrite_gguf(src: Path, dst: Path, keys: dict | None = None, drop: tuple = ()) -> Path:
+    """A copy of the GGUF `src` with metadata `keys` changed (a value None removes the key; a new key is
+    written as uint32) and the tensors named in `drop` left out; every other key and tensor byte for byte."""
+    import gguf
+
+    keys = dict(keys or {})
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents())
+    for name, f in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue
+        value = keys.pop(name) if name in keys else f.contents()
+        if value is not None:
+            vtype = f.types[0]
+            writer.add_key_value(name, value, vtype, sub_type=f.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None)
+    for name, value in keys.items():
+        if value is not None:
+            writer.add_uint32(name, value)
+    for t in reader.tensors:
+        if t.name not in drop:
+            writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    return _finish(writer, (), dst)

@@ -158,3 +158,74 @@ def test_an_mtp_layer_llamacpps_graph_cannot_run_is_named(change, says):
     config = ml.deepseek_config(3).to_dict()
     assert nextn_problems(config) == []
     assert any(says in p for p in nextn_problems({**config, **change}))
+
+
+# ---- import-gguf: a deepseek2 GGUF's nextn block as the target's MTP layer (issue 64 item 2) ----------
+
+@pytest.fixture(scope="module")
+def exported(deepseek, tmp_path_factory):
+    from specpack.exports import export_engine
+
+    _, art = deepseek
+    return export_engine(art, "llama.cpp", tmp_path_factory.mktemp("ds-exp") / "lc", gguf_pre="gpt-2").out / "target-f32.gguf"
+
+
+def test_a_deepseek2_gguf_imports_back_bit_for_bit_with_its_nextn_block(deepseek, exported, tmp_path, cli):
+    """Every tensor, the MTP layer's included, as the artifact holds it; `build --drafter mtp` binds the nextn
+    block as the MTP drafter, which drafts as the original artifact's does."""
+    import torch
+
+    import specpack
+
+    t, art = deepseek
+    code, out, err = cli("import-gguf", exported, "-o", tmp_path / "imp", "--json")
+    assert code == 0, err
+    src, got = load_file(str(art / "model.safetensors")), load_file(str(tmp_path / "imp/model.safetensors"))
+    assert set(got) == set(src) and all(torch.equal(got[k], src[k]) for k in src)
+    config = json.loads((tmp_path / "imp/config.json").read_text())
+    original = json.loads((t.path / "config.json").read_text())
+    for key in ("num_hidden_layers", "num_nextn_predict_layers", "n_group", "topk_group", "scoring_func", "topk_method",
+                "routed_scaling_factor", "norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                "qk_rope_head_dim", "v_head_dim", "first_k_dense_replace", "n_shared_experts"):
+        assert config[key] == original[key], key
+    assert cli("build", tmp_path / "imp", "--drafter", "mtp", "-o", tmp_path / "art")[0] == 0
+    a, b = specpack.load(art), specpack.load(tmp_path / "art")
+    with torch.inference_mode():
+        for p in ([1, 5, 17, 33, 90], [1, 200, 7, 7, 42, 19]):
+            ra, rb = (m.generate(p, 16, draft_len=1, adaptive=False, eos_ids=()) for m in (a, b))
+            assert ra.tokens == rb.tokens and ra.stats.accepted == rb.stats.accepted
+
+
+def test_inspect_says_a_deepseek2_gguf_holds_an_mtp_layer(exported, cli):
+    code, out, _ = cli("inspect", exported, "--json")
+    info = json.loads(out)
+    assert code == 0 and info["architecture"] == "deepseek2" and info["nextn_predict_layers"] == 1
+    assert info["nextn_tensors"] == 6
+
+
+@pytest.mark.parametrize("keys, drop, says", [
+    ({"deepseek2.nextn_predict_layers": 0}, (), "nextn_predict_layers is 0, but its nextn tensors are in blocks [3]"),
+    ({"deepseek2.nextn_predict_layers": 2, "deepseek2.block_count": 5}, (), "block_count 5 > the 4 blocks"),
+    ({}, ("blk.3.nextn.eh_proj.weight",), "blk.3.nextn.eh_proj.weight: missing"),
+    ({"deepseek2.attention.key_length_mla": None}, (), "deepseek2.attention.key_length_mla"),
+    ({"deepseek2.expert_gating_func": 1}, (), "softmax routing in 4 expert groups"),
+])
+def test_a_deepseek2_gguf_that_contradicts_itself_is_refused(exported, tmp_path, cli, keys, drop, says):
+    import gguf_fixtures as gf
+
+    bad = gf.rewrite_gguf(exported, tmp_path / "bad.gguf", keys, drop)
+    code, _, err = cli("import-gguf", bad, "-o", tmp_path / "imp")
+    assert code == 2 and says in err and not (tmp_path / "imp").exists(), err
+
+
+def test_nextn_predict_layers_behind_its_tensors_is_refused(exported, tmp_path, cli):
+    """A file claiming one nextn layer whose block holds none (the trunk of a --no-mtp conversion with the key
+    left in): the block count says 4, the tensors stop at block 2."""
+    import gguf
+
+    import gguf_fixtures as gf
+
+    drop = tuple(t.name for t in gguf.GGUFReader(str(exported)).tensors if t.name.startswith("blk.3."))
+    bad = gf.rewrite_gguf(exported, tmp_path / "bad.gguf", {}, drop)
+    code, _, err = cli("import-gguf", bad, "-o", tmp_path / "imp")
+    assert code == 2 and "block_count 4 > the 3 blocks" in err, err

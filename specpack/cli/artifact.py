@@ -247,8 +247,12 @@ def _gguf_text(d: dict) -> str:
                                   f"confidence head {'yes' if d['confidence_head'] else 'no'}"))
         rows.append(("bind it", "specpack build TARGET --drafter " + d["file"] + " (checks the pairing)"))
     else:
-        rows += [("target", f"{d['layers']} layers of width {d['hidden_size']}, vocab {d['vocab_size']}"),
-                 ("MTP (nextn)", f"{d['nextn_predict_layers']} layer(s) stated, {d['nextn_tensors']} nextn tensors held"),
+        trunk = (d["layers"] or 0) - (d["nextn_predict_layers"] or 0)
+        rows += [("target", f"{trunk} layers of width {d['hidden_size']}, vocab {d['vocab_size']}"
+                            + (f" (+ {d['nextn_predict_layers']} nextn)" if d["nextn_predict_layers"] else "")),
+                 ("MTP (nextn)", f"{d['nextn_predict_layers']} layer(s) stated, {d['nextn_tensors']} nextn tensors held"
+                                 + (": import-gguf keeps them, `build --drafter mtp` binds them"
+                                    if d["nextn_tensors"] and d["architecture"] == "deepseek2" else "")),
                  ("import it", f"specpack import-gguf {d['file']} -o DIR")]
     return table(rows)
 
@@ -336,13 +340,17 @@ def _inspect_text(d: dict) -> str:
 def import_gguf(gguf_file, out, dtype, force, json_mode):
     """Convert a GGUF target (llama.cpp) into a Hugging Face model directory.
 
+    Architectures: llama, and deepseek2 (DeepSeek-V3-shaped MLA + MoE), whose nextn blocks become the
+    target's MTP layers (`model.layers.{L+k}.*`, num_nextn_predict_layers): `build --drafter mtp` binds them.
     Dequantizes F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quants and IQ4 tensors; writes config.json,
     safetensors, tokenizer files and chat template. The result is a target for `specpack build`.
 
     \b
-    Example:
+    Examples:
       specpack import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2-135m
       specpack build smollm2-135m --drafter ngram -o smollm2-ngram
+      specpack import-gguf deepseek-target-f32.gguf -o ds   # its nextn block kept
+      specpack build ds --drafter mtp -o ds-mtp
     """
     from specpack.converters.gguf import import_gguf as do_import
 

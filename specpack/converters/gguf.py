@@ -21,6 +21,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from specpack.errors import ConversionError, InputError, OutputError, Unsupporte
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+SUPPORTED_ARCHITECTURES = ("llama", "deepseek2")
 # Each checked in tests/test_gguf.py: quantized through gguf's quantizer, or decoded identically by
 # gguf's numpy dequantizer and transformers' independent torch one, or against ggml's reference code.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
@@ -75,7 +76,8 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32", progress: bool = Tru
 
     CLI: `specpack import-gguf FILE.gguf -o DIR [--dtype float32|float16|bfloat16] [--force]`.
 
-    Architectures: llama (llama.cpp's "llama": Llama 1/2/3.0, SmolLM, TinyLlama, ...). Tensor types:
+    Architectures: llama (llama.cpp's "llama": Llama 1/2/3.0, SmolLM, TinyLlama, ...) and deepseek2
+    (DeepSeek-V3-shaped: converters/gguf_deepseek2.py), its nextn blocks kept as the MTP layers. Tensor types:
     `SUPPORTED_TYPES`. Every tensor is checked (type, name, shape) before anything is written, and all
     problems are reported at once. The directory is built beside `out_dir` and renamed into place at
     the end, so a failure leaves nothing behind.
@@ -93,8 +95,7 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32", progress: bool = Tru
         raise OutputError(f"{out_dir} already exists", hint="choose another directory or pass --force")
 
     reader = _open(gguf_path)
-    config = _llama_config(reader, gguf_path, dtype)
-    plan = _plan(reader, config, gguf_path)
+    config, plan = _read(reader, gguf_path, dtype)
     with staging_dir(out_dir, force) as tmp:
         _write_weights(plan, tmp, dtype, progress, max_shard_bytes)
         config.save_pretrained(tmp)
@@ -183,6 +184,47 @@ def _field(reader, key: str, default=None):
     """A metadata value as a Python str/int/float/bool/list, or `default` when absent."""
     found = reader.fields.get(key)
     return default if found is None else found.contents()
+
+
+def _read(reader, path: Path, dtype: str):
+    """(the transformers config, the plan of tensors) of the file's architecture."""
+    from specpack.converters import gguf_deepseek2
+
+    if _field(reader, "general.architecture") == gguf_deepseek2.ARCH:
+        return _deepseek2(reader, path, dtype)
+    config = _llama_config(reader, path, dtype)
+    return config, _plan(reader, config, path)
+
+
+def _deepseek2(reader, path: Path, dtype: str):
+    """A DeepseekV3Config and its tensors from a deepseek2 GGUF, its nextn blocks as the MTP layers
+    (`model.layers.{L+k}.*`, `num_nextn_predict_layers`): what `build --drafter mtp` binds."""
+    from transformers import DeepseekV3Config
+
+    from specpack.converters import gguf_deepseek2 as ds
+
+    _check_types(reader, path)
+    _check_rope(reader, ds.ARCH, path)
+    tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    get = lambda key, default=None: _field(reader, f"{ds.ARCH}.{key}", default if key != "vocab_size" else tokens)  # noqa: E731
+    names = {t.name for t in reader.tensors}
+    kwargs = ds.read_config(get, names, path)
+    sizes = {"block_count": kwargs["num_hidden_layers"] + kwargs["num_nextn_predict_layers"],
+             "embedding_length": kwargs["hidden_size"], "feed_forward_length": kwargs["intermediate_size"],
+             "attention.head_count": kwargs["num_attention_heads"], "attention.head_count_kv": 1,
+             "context_length": kwargs["max_position_embeddings"], "vocab_size": kwargs["vocab_size"]}
+    _check_sizes(sizes, path)
+    _check_against_tensors(reader, sizes, path)
+    ds.check_nextn(kwargs, names, path)
+    tensors = {t.name: t for t in reader.tensors}
+    parts, problems = ds.parts(kwargs, {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()})
+    if problems:
+        raise ConversionError(f"{path}: tensors do not match the model its metadata describes", problems=problems)
+    config = DeepseekV3Config(**kwargs, bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+                              eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+                              pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"), dtype=dtype)
+    return config, [_Step(tensors[p.sources[0]], p.hf_name, p.shape, None, tuple(tensors[s] for s in p.sources), p.make)
+                    for p in parts]
 
 
 def _llama_config(reader, path: Path, dtype: str):
@@ -277,15 +319,21 @@ class _Step:
     hf_name: str
     shape: tuple[int, ...]  # torch order
     unpermute_heads: int | None  # heads whose rotary rows llama.cpp permuted (q: heads, k: kv heads)
+    sources: tuple = ()  # where one HF tensor is made from several GGUF ones, or from part of one:
+    make: Callable | None = None  # make(their arrays) -> the HF tensor
 
 
-def _plan(reader, config, path: Path) -> list[_Step]:
-    """Map every tensor to its HF name and check type, name and shape; report all problems at once."""
+def _check_types(reader, path: Path) -> None:
     bad_types = [f"{t.name}: {t.tensor_type.name}" for t in reader.tensors
                  if t.tensor_type.name not in SUPPORTED_TYPES]
     if bad_types:
         raise UnsupportedError(f"{path} holds tensors of types specpack cannot dequantize",
                                hint=f"supported types: {', '.join(SUPPORTED_TYPES)}", problems=bad_types)
+
+
+def _plan(reader, config, path: Path) -> list[_Step]:
+    """Map every tensor to its HF name and check type, name and shape; report all problems at once."""
+    _check_types(reader, path)
 
     expected = _expected_shapes(config)
     steps, problems = [], []
@@ -391,12 +439,16 @@ def unpermute_rotary(weights: np.ndarray, n_heads: int) -> np.ndarray:
     return w.swapaxes(2, 1).reshape(weights.shape)
 
 
-def _convert(step: _Step, torch_dtype):
-    """`(tensor in torch_dtype, whether every value is finite in that dtype)`."""
+def _convert(step: _Step, torch_dtype, last: dict):
+    """`(tensor in torch_dtype, whether every value is finite in that dtype)`; `last` keeps the GGUF tensor
+    decoded last, which the next steps (one per routed expert of a stacked tensor) slice again."""
     import torch
-    from gguf.quants import dequantize
 
-    weights = dequantize(step.tensor.data, step.tensor.tensor_type).reshape(step.shape)
+    if step.make is None:
+        weights = _dequantized(step.tensor, {}).reshape(step.shape)
+    else:
+        weights = step.make([_dequantized(t, last).reshape(tuple(int(d) for d in reversed(t.shape.tolist())))
+                             for t in step.sources])
     if step.unpermute_heads:
         weights = unpermute_rotary(weights, step.unpermute_heads)
     # F32 comes back as a read-only view of the memory map; torch wants writable memory
@@ -404,6 +456,15 @@ def _convert(step: _Step, torch_dtype):
     # NaN fails the comparison too; checked in numpy fp32 because torch.isfinite on bf16 is slow on CPU
     finite = bool(np.abs(weights).max(initial=0.0) <= torch.finfo(torch_dtype).max)
     return torch.from_numpy(weights).to(torch_dtype), finite
+
+
+def _dequantized(tensor, last: dict) -> np.ndarray:
+    from gguf.quants import dequantize
+
+    if tensor.name not in last:
+        last.clear()
+        last[tensor.name] = dequantize(tensor.data, tensor.tensor_type)
+    return last[tensor.name]
 
 
 def _write_weights(plan: list[_Step], out: Path, dtype: str, progress: bool, max_shard_bytes: int):
@@ -416,12 +477,12 @@ def _write_weights(plan: list[_Step], out: Path, dtype: str, progress: bool, max
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
     bar = tqdm(total=len(plan), desc="import-gguf", unit="tensor", disable=not progress, file=sys.stderr)
-    not_finite, weight_map = [], {}
+    not_finite, weight_map, last = [], {}, {}
     with bar:
         for shard, name in zip(shards, names):
             tensors = {}
             for step in shard:
-                tensors[step.hf_name], finite = _convert(step, torch_dtype)
+                tensors[step.hf_name], finite = _convert(step, torch_dtype, last)
                 if not finite:
                     not_finite.append(f"{step.tensor.name}: non-finite values in {dtype}")
                 weight_map[step.hf_name] = name
