@@ -219,7 +219,7 @@ def test_more_tokens_than_layers_needs_the_artifacts_reuse(arts, tmp_path):
     ("mimo-2", 1, {"sglang", "trtllm", "llama.cpp"}, "vllm", ["loader takes 1 MTP layer(s); this drafter has 2"]),
     ("mimo-2", 2, set(ENGINES), "vllm with --draft-len 1", ["runs MTP layer 0 at every draft step"]),
     ("deepseek-apart", 1, {"vllm", "trtllm", "llama.cpp"}, "sglang",
-     ["lacks them (they are in drafter/model.safetensors)", "nextn blocks"]),
+     ["lacks them (they are in drafter/model.safetensors)", "the target's rope scaling"]),
 ])
 def test_what_an_engine_cannot_run_is_refused_naming_who_can(name, draft_len, refusing, hint, says, arts,
                                                                tmp_path):

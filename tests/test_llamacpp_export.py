@@ -223,3 +223,19 @@ def test_inspect_says_what_a_gguf_is_made_for(artifact, block_arts, tmp_path, cl
     code, out, _ = cli("inspect", tmp_path / "e3/target-f32.gguf", "--json")
     d = json.loads(out)
     assert code == 0 and (d["role"], d["architecture"], d["nextn_predict_layers"]) == ("target", "llama", 0)
+
+
+def test_a_scaled_rope_stated_the_transformers_v5_way_is_refused(tmp_path, tiny_target, cli):
+    """transformers v5 writes no `rope_scaling`, only `rope_parameters`: a llama3-scaled target written that
+    way is scaled all the same, and this export does not write llama.cpp's rope factors yet."""
+    import shutil
+
+    target = shutil.copytree(tiny_target, tmp_path / "scaled")
+    config = json.loads((target / "config.json").read_text())
+    config.pop("rope_scaling", None)
+    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    (target / "config.json").write_text(json.dumps(config))
+    assert cli("build", target, "--drafter", "ngram", "-o", tmp_path / "art")[0] == 0
+    code, _, err = cli("export", tmp_path / "art", "--to", "llama.cpp", "-o", tmp_path / "lc", "--gguf-pre", "gpt-2")
+    assert code == 2 and "rope scaling" in err and "llama3" in err and not (tmp_path / "lc").exists(), err

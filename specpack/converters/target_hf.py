@@ -252,7 +252,7 @@ def _target_info(reader, config, files, weight_files, tensors, source, arch=None
             model_type=str(config.get("model_type", "unknown")), **fields,
             dtype=_dominant_dtype(tensors),
             rope_theta=text.get("rope_theta") or _rope_parameters(text).get("rope_theta", 10000.0),
-            rope_scaling=text.get("rope_scaling"),
+            rope_scaling=stated_rope_scaling(text),
             tie_word_embeddings=arch.lm_head is None if arch else bool(config.get("tie_word_embeddings", False)),
             weight_files=weight_files, parameters=sum(m.numel for _, m in tensors.values()),
             config_sha256=reader.sha256("config.json"),
@@ -285,6 +285,17 @@ def architecture(config: dict) -> str:
     """config.json's `architectures[0]`, or 'unknown'."""
     archs = config.get("architectures")
     return str(archs[0]) if isinstance(archs, list) and archs else "unknown"
+
+
+def stated_rope_scaling(text: dict) -> dict | None:
+    """config.json's `rope_scaling`, or transformers v5's `rope_parameters` where they scale (a rope_type other
+    than default, at the top or for a layer type): v5 writes no `rope_scaling`, and a reader of the manifest
+    must not take a yarn or llama3 target for an unscaled one."""
+    if text.get("rope_scaling"):
+        return text["rope_scaling"]
+    params = _rope_parameters(text)
+    kinds = [params.get("rope_type")] + [v.get("rope_type") for v in params.values() if isinstance(v, dict)]
+    return params if any(k not in (None, "default") for k in kinds) else None
 
 
 def _rope_parameters(text: dict) -> dict:

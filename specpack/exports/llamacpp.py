@@ -51,7 +51,7 @@ LAYER_NAMES = {canonical: name for name, canonical in block_gguf.LAYER.items()}
 
 def limits(manifest, draft_len: int = 1) -> list[str]:
     problems = []
-    if (manifest.target.rope_scaling or {}).get("rope_type", "default") != "default":
+    if _scaled(manifest.target.rope_scaling or {}):
         problems.append(f"the target's rope scaling ({manifest.target.rope_scaling}): not written by this export yet")
     if manifest.target.architecture not in ARCHITECTURES:
         problems.append(f"this export writes {', '.join(ARCHITECTURES)} targets as llama.cpp GGUFs, not "
@@ -77,6 +77,11 @@ def limits(manifest, draft_len: int = 1) -> list[str]:
     elif d.kind != "ngram":
         problems.append(WHY_NOT.get(d.kind, f"llama.cpp export of {d.kind} drafters is not implemented"))
     return problems
+
+
+def _scaled(rope: dict) -> bool:
+    kinds = [rope.get("rope_type", rope.get("type"))] + [v.get("rope_type") for v in rope.values() if isinstance(v, dict)]
+    return any(k not in (None, "default") for k in kinds)
 
 
 def _deepseek2_limits(manifest, draft_len: int) -> list[str]:

@@ -161,7 +161,8 @@ class TargetInfo(_Strict):
     max_position_embeddings: int = Field(gt=0, description="Context length the config declares.")
     dtype: str = Field(description="Dtype of the weights on disk, e.g. float32, bfloat16.")
     rope_theta: float = Field(description="RoPE base.")
-    rope_scaling: Optional[dict[str, Any]] = Field(None, description="config.json `rope_scaling`, verbatim.")
+    rope_scaling: Optional[dict[str, Any]] = Field(None, description="config.json `rope_scaling`, verbatim; for a "
+                                                   "transformers v5 config its `rope_parameters` when they scale.")
     tie_word_embeddings: bool = Field(description="lm_head shares the embedding matrix.")
     weight_files: list[str] = Field(description="The safetensors files holding the target's weights.")
     parameters: int = Field(ge=0, description="Number of weights, counted from safetensors headers.")
