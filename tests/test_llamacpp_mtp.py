@@ -229,3 +229,54 @@ def test_nextn_predict_layers_behind_its_tensors_is_refused(exported, tmp_path, 
     bad = gf.rewrite_gguf(exported, tmp_path / "bad.gguf", {}, drop)
     code, _, err = cli("import-gguf", bad, "-o", tmp_path / "imp")
     assert code == 2 and "block_count 4 > the 3 blocks" in err, err
+
+
+def test_yarn_is_written_as_llamacpp_reads_it_and_imports_back(tmp_path, cli):
+    """DeepSeek-V3's YaRN (factor, original context, betas, mscale_all_dim as yarn_log_multiplier / 0.1, as
+    conversion/base.py and DeepseekV2Model write it); import-gguf reads the same rope_parameters back."""
+    from specpack.packager import BuildOptions, build
+
+    t = ml.make_target(tmp_path / "yarn", "mtp-deepseek", 1)  # mtp_layouts' default: YaRN factor 4
+    art = build(BuildOptions(target=t.path, drafter="mtp", out=tmp_path / "art")).out
+    assert _export(cli, art, tmp_path / "lc")[0] == 0
+    r = gguf.GGUFReader(str(tmp_path / "lc/target-f32.gguf"))
+    kv = {f.name: f.contents() for f in r.fields.values() if ".rope." in f.name}
+    assert kv["deepseek2.rope.scaling.type"] == "yarn" and kv["deepseek2.rope.scaling.factor"] == 4.0
+    assert kv["deepseek2.rope.scaling.original_context_length"] == 128
+    assert kv["deepseek2.rope.scaling.yarn_log_multiplier"] == pytest.approx(0.1)
+    assert cli("import-gguf", tmp_path / "lc/target-f32.gguf", "-o", tmp_path / "imp")[0] == 0
+    back = json.loads((tmp_path / "imp/config.json").read_text())["rope_parameters"]
+    original = json.loads((t.path / "config.json").read_text())["rope_parameters"]
+    assert {k: back[k] for k in original} == pytest.approx(original)
+
+
+@pytest.mark.parametrize("rope, says", [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 0.707,
+      "mscale_all_dim": 1.0}, "mscale 0.707 and mscale_all_dim 1.0"),
+    ({"rope_type": "linear", "factor": 2.0}, "reads YaRN only"),
+])
+def test_a_rope_llamacpp_would_scale_otherwise_is_refused(rope, says):
+    from specpack.exports._llamacpp_deepseek2 import rope_problems
+
+    assert any(says in p for p in rope_problems(rope)) and rope_problems(None) == []
+
+
+def test_an_mtp_layer_stored_apart_writes_the_same_gguf(tmp_path, cli):
+    """A target stripped of its MTP layer, the layer bound from a head directory (drafter/model.safetensors
+    holds it in canonical names): the nextn block is written from there, the same GGUF tensor for tensor."""
+    from specpack.packager import BuildOptions, build
+
+    t = ml.make_target(tmp_path / "ds", "mtp-deepseek", 1)
+    whole = build(BuildOptions(target=t.path, drafter="mtp", out=tmp_path / "whole")).out
+    stripped, head = ml.split_head(t, tmp_path / "split")
+    apart = build(BuildOptions(target=stripped, drafter=str(head), out=tmp_path / "apart")).out
+    tensors = []
+    for art in (whole, apart):
+        assert _export(cli, art, tmp_path / f"lc-{art.name}")[0] == 0
+        reader = gguf.GGUFReader(str(tmp_path / f"lc-{art.name}/target-f32.gguf"))
+        tensors.append({t.name: np.asarray(t.data) for t in reader.tensors})
+    # the head directory drops DeepSeek's embedding / head copies: llama.cpp then uses token_embd / output
+    nextn_copies = {"blk.3.nextn.embed_tokens.weight", "blk.3.nextn.shared_head_head.weight"}
+    assert set(tensors[0]) - set(tensors[1]) <= nextn_copies and set(tensors[1]) <= set(tensors[0])
+    for name, data in tensors[1].items():
+        np.testing.assert_array_equal(data, tensors[0][name], err_msg=name)

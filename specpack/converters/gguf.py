@@ -204,7 +204,6 @@ def _deepseek2(reader, path: Path, dtype: str):
     from specpack.converters import gguf_deepseek2 as ds
 
     _check_types(reader, path)
-    _check_rope(reader, ds.ARCH, path)
     tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
     get = lambda key, default=None: _field(reader, f"{ds.ARCH}.{key}", default if key != "vocab_size" else tokens)  # noqa: E731
     names = {t.name for t in reader.tensors}

@@ -103,9 +103,27 @@ def read_config(get, names: set[str], path) -> dict:
         routed_scaling_factor=float(get("expert_weights_scale", 1.0)), norm_topk_prob=bool(get("expert_weights_norm", False)),
         scoring_func="sigmoid" if gating == 2 else "softmax", topk_method="noaux_tc" if gating == 2 else "greedy",
         max_position_embeddings=get("context_length"), rms_norm_eps=float(get("attention.layer_norm_rms_epsilon")),
-        rope_parameters={"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))},
+        rope_parameters=_rope(get, path),
         rope_interleave=True, tie_word_embeddings="output.weight" not in names,
         architectures=["DeepseekV3ForCausalLM"])
+
+
+def _rope(get, path) -> dict:
+    """transformers' rope_parameters for the file's rope: plain, or YaRN as DeepseekV2Model writes it (mscale and
+    mscale_all_dim both the multiplier / 0.1: llama.cpp's deepseek2 scales attention as if they were equal)."""
+    from specpack.errors import UnsupportedError
+
+    rope, kind = {"rope_type": "default", "rope_theta": float(get("rope.freq_base", 10000.0))}, get("rope.scaling.type", "none")
+    if kind == "none":
+        return rope
+    if kind != "yarn" or get("rope.scaling.factor") is None or get("rope.scaling.original_context_length") is None:
+        raise UnsupportedError(f"{path}: rope scaling {kind!r} (deepseek2 files are read with YaRN, its factor and "
+                               "original context length, or none)")
+    mscale = float(get("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1
+    return {**rope, "rope_type": "yarn", "factor": float(get("rope.scaling.factor")),
+            "original_max_position_embeddings": int(get("rope.scaling.original_context_length")),
+            "beta_fast": float(get("rope.scaling.yarn_beta_fast", 32.0)), "beta_slow": float(get("rope.scaling.yarn_beta_slow", 1.0)),
+            "mscale": mscale, "mscale_all_dim": mscale}
 
 
 def check_nextn(config: dict, names: set[str], path) -> None:

@@ -57,6 +57,25 @@ def target_problems(config: dict) -> list[str]:
     return problems
 
 
+def rope_problems(rope: dict | None) -> list[str]:
+    """Why llama.cpp would rotate or scale this target's attention otherwise. It reads YaRN (conversion/base.py:
+    factor, original context, betas; DeepseekV2Model: yarn_log_multiplier = 0.1 * mscale_all_dim) and, in
+    llama-context.cpp, takes `mscale` to be 1, or mscale_all_dim where that is not 1 ("here we assume
+    mscale == 1.0f"): its rotary tables then carry no attention factor, and transformers' DeepSeek-V3 does the
+    same only where mscale equals mscale_all_dim (get_mscale(f, mscale) / get_mscale(f, mscale_all_dim))."""
+    rope = rope or {}
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind == "default":
+        return []
+    if kind != "yarn":
+        return [f"the target's rope scaling {kind!r}: llama.cpp's deepseek2 reads YaRN only"]
+    mscale, all_dim = rope.get("mscale", 1.0), rope.get("mscale_all_dim", 0.0)
+    if not all_dim or float(mscale) != float(all_dim):
+        return [f"YaRN with mscale {mscale} and mscale_all_dim {all_dim or 'unset'}: llama.cpp scales attention as if "
+                "they were equal (llama-context.cpp \"here we assume mscale == 1.0f\"), which would change the logits"]
+    return []
+
+
 def nextn_problems(config: dict) -> list[str]:
     """What deepseek2.cpp graph_mtp asserts of the nextn block that this target's MTP layer lacks."""
     problems = []
@@ -104,6 +123,15 @@ def _hparams(writer, config: dict, nextn: int, gguf_type: str) -> None:
     for key, value in ints.items():
         writer.add_uint32(f"{ds.ARCH}.{key}", int(value))
     writer.add_float32(f"{ds.ARCH}.rope.freq_base", float(c["rope_theta"]))
+    rope = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
+    if rope.get("rope_type", rope.get("type")) == "yarn":  # rope_problems passed: as base.py + DeepseekV2Model write it
+        writer.add_string(f"{ds.ARCH}.rope.scaling.type", "yarn")
+        writer.add_float32(f"{ds.ARCH}.rope.scaling.factor", float(rope["factor"]))
+        writer.add_uint32(f"{ds.ARCH}.rope.scaling.original_context_length", int(rope["original_max_position_embeddings"]))
+        for key in ("beta_fast", "beta_slow"):
+            if rope.get(key) is not None:
+                writer.add_float32(f"{ds.ARCH}.rope.scaling.yarn_{key}", float(rope[key]))
+        writer.add_float32(f"{ds.ARCH}.rope.scaling.yarn_log_multiplier", 0.1 * float(rope["mscale_all_dim"]))
     writer.add_float32(f"{ds.ARCH}.attention.layer_norm_rms_epsilon", float(c.get("rms_norm_eps", 1e-6)))
     if c.get("routed_scaling_factor") is not None:
         writer.add_float32(f"{ds.ARCH}.expert_weights_scale", float(c["routed_scaling_factor"]))

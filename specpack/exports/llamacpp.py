@@ -51,7 +51,9 @@ LAYER_NAMES = {canonical: name for name, canonical in block_gguf.LAYER.items()}
 
 def limits(manifest, draft_len: int = 1) -> list[str]:
     problems = []
-    if _scaled(manifest.target.rope_scaling or {}):
+    if ARCHITECTURES.get(manifest.target.architecture) == "deepseek2":
+        problems += _deepseek2.rope_problems(manifest.target.rope_scaling)
+    elif _scaled(manifest.target.rope_scaling or {}):
         problems.append(f"the target's rope scaling ({manifest.target.rope_scaling}): not written by this export yet")
     if manifest.target.architecture not in ARCHITECTURES:
         problems.append(f"this export writes {', '.join(ARCHITECTURES)} targets as llama.cpp GGUFs, not "

@@ -162,7 +162,7 @@ def _check_head(binary, out, artifact, prompts, D: int, target: str, kind: str) 
 
 
 def test_tiny_deepseek_v3_mtp(llama_server, root, tmp_path):
-    """DeepSeek-V3's MTP layer (MLA, grouped sigmoid MoE routing), trained on the target's own continuations,
+    """DeepSeek-V3's MTP layer (MLA, grouped sigmoid MoE routing, YaRN rope), trained on the target's own continuations,
     exported into the target GGUF's nextn block (arch deepseek2): llama-server drafts from the target file
     (--spec-type draft-mtp) at D = 1, the one draft length whose bindings llama.cpp shares with the artifact.
     llama.cpp's CPU MLA rounds its logits about 1e-3 off specpack's (and transformers') fp32 ones, so near
@@ -174,8 +174,7 @@ def test_tiny_deepseek_v3_mtp(llama_server, root, tmp_path):
     from specpack.exports import export_engine
     from specpack.packager import BuildOptions, build
 
-    t = ml.make_target(root / "ds-llamacpp", "mtp-deepseek", 1, train_steps=150,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    t = ml.make_target(root / "ds-llamacpp", "mtp-deepseek", 1, train_steps=150)  # YaRN, as DeepSeek-V3
     art = build(BuildOptions(target=t.path, drafter="mtp", out=root / "deepseek-mtp-llamacpp")).out
     seqs = ef.greedy_sequences(ml.hf_target(t), ef.training_prompts(48), 8)
     prompts = [seqs[i].tolist() for i in range(len(seqs))]
