@@ -11,7 +11,9 @@ header that `hf_raise_for_status` maps to typed exceptions. Xet is not served: t
 files go through LFS set `huggingface_hub.constants.HF_HUB_DISABLE_XET`.
 
 State lives in memory. `tamper()` rewrites a stored file as a malicious or broken server would;
-`faults` makes downloads of a path stop early ("drop_once": half the body, once; "dead": no body).
+`faults` makes downloads of a path stop early ("drop_once": half the body, once; "drop_download_once": the
+same for a download, not a closed range such as a header read; "dead": no body) or
+arrive altered ("corrupt": the file's last byte flipped, its listed sha256 unchanged, as a bad mirror).
 Downloads honour `Range: bytes=a-b` and `bytes=a-` (206 with Content-Range), unless `ignore_ranges` is set
 (a server that answers 200 with the whole file); `bytes_served` counts the body bytes sent.
 """
@@ -175,7 +177,7 @@ def _handler(hub: FakeHub):
 
         def _dispatch(self, method: str) -> None:
             url = urlparse(self.path)
-            hub.requests.append(f"{method} {url.path}")
+            hub.requests.append(f"{method} {url.path}" + (f" [{self.headers['Range']}]" if "Range" in self.headers else ""))
             for verb, pattern, name in ROUTES:
                 m = re.fullmatch(pattern, url.path)
                 if verb == method and m:
@@ -322,6 +324,8 @@ def _handler(hub: FakeHub):
             data, lfs = files[path]
             start, end = (0, len(data)) if hub.ignore_ranges else self._range(len(data))
             part = data[start:end]
+            if hub.faults.get(path) == "corrupt" and part and end == len(data):
+                part = part[:-1] + bytes([part[-1] ^ 0xFF])
             ranged = "Range" in self.headers and not hub.ignore_ranges
             self.send_response(206 if ranged or start else 200)
             if ranged:
@@ -345,8 +349,10 @@ def _handler(hub: FakeHub):
             return int(m.group(1)), min(size, int(m.group(2)) + 1) if m.group(2) else size
 
         def _send_body(self, path: str, part: bytes) -> None:
-            fault = hub.faults.get(path)
-            if fault == "drop_once":
+            fault = hub.faults.get(path) if hub.faults.get(path) != "corrupt" else None
+            if fault == "drop_download_once" and re.fullmatch(r"bytes=\d+-\d+", self.headers.get("Range", "")):
+                fault = None  # a closed range (a header read), not a download
+            if fault in ("drop_once", "drop_download_once"):
                 del hub.faults[path]
                 part = part[: len(part) // 2]
             elif fault == "dead":
@@ -370,3 +376,4 @@ def hermetic_hub_client(monkeypatch, tmp_path):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
     monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))  # never the user's cache

@@ -11,9 +11,9 @@ from specpack.cli._common import JSON, PUBKEY, cli, signing_key
 
 
 @cli.command()
-@click.argument("target", type=click.Path(path_type=Path))
+@click.argument("target")
 @click.option("--drafter", required=True,
-              help="Drafter: a directory (EAGLE-3 official/SGLang/ModelOpt/vLLM speculators head, DFlash/DSpark/"
+              help="Drafter: a directory or hf://org/name[@rev] (EAGLE-3 official/SGLang/ModelOpt/vLLM speculators head, DFlash/DSpark/"
                    "LiLiCorr block drafter, MTP head, MiniMax-M3.1's dspark/, or a draft model), 'mtp' (the "
                    "target's own MTP layers), 'dspark-stages' (DeepSeek-V4 / V4.1's own DSpark stages), 'bundled' (the "
                    "one drafter the release ships: MTP or DSpark stages in its weights, or a subfolder such as "
@@ -51,10 +51,11 @@ from specpack.cli._common import JSON, PUBKEY, cli, signing_key
 @click.option("--allow-target-mismatch", is_flag=True,
               help="Build a drafter whose config states another target (a speculators verifier, a layer count) "
                    "than this one; the manifest and inspect then say so. Expect low acceptance.")
+@click.option("--endpoint", envvar="HF_ENDPOINT", help="hf://: the Hugging Face hub endpoint [env: HF_ENDPOINT].")
 @JSON
 def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block_layout, block_algorithm,
           mask_token_id, ngram_min, ngram_max, draft_len, ngram_match, mtp_allow_reuse, copy_files, allow_remote_code,
-          allow_target_mismatch, json_mode):
+          allow_target_mismatch, endpoint, json_mode):
     """Convert TARGET and its drafter into one (signed) artifact at OUT.
 
     \b
@@ -65,11 +66,29 @@ def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block
       specpack build ./DeepSeek-V4-Flash-DSpark --drafter bundled -o v4-dspark   # its mtp.* stages, in place
       specpack build ./deepseek-v3 --drafter mtp -o deepseek-mtp --key signer.pem
       specpack build ./qwen3-8b --drafter ./dspark-head --block-layout anchor_first -o qwen3-dspark
+      specpack build hf://org/release@main --drafter bundled -o art   # checked by range requests, then
+                                                                     # only what the artifact carries fetched
+
+    A hub release (hf://org/name[@branch|tag|commit]) is checked from its configs, index and safetensors
+    headers first (as `inspect hf://`): one that would be refused downloads nothing. Then the weights,
+    configs and tokenizer (not original/ copies, other precisions or images) are fetched into the hub cache
+    (HF_TOKEN or the saved login, HF_ENDPOINT; a cached file is not fetched again, a dropped download
+    resumes), each checked against the hub's sha256, and the commit is recorded as the target's source.
     """
     from specpack.converters.base import AuxOverride, BlockOverrides
     from specpack.packager import BuildOptions, NgramParams, build as do_build
+    from specpack.packager import hub_release
 
-    opts = BuildOptions(target=target, drafter=drafter, out=out, key=key, force=force,
+    say = (lambda line: click.echo(line, err=True)) if not json_mode else (lambda line: None)
+    fetched = {}
+    if hub_release.is_hub(target):
+        fetched["target"] = hub_release.fetch_target(target, drafter, endpoint, allow_remote_code, say)
+    if hub_release.is_hub(drafter):
+        fetched["drafter"] = hub_release.fetch_drafter(drafter, endpoint, say)
+    t, d = fetched.get("target"), fetched.get("drafter")
+    opts = BuildOptions(target=t.root if t else Path(target), drafter=str(d.root) if d else drafter, out=out, key=key,
+                        force=force, target_files=t.files if t else None, target_source=t.source if t else None,
+                        drafter_source=d.source if d else None,
                         aux=AuxOverride.parse(aux_layer_ids, aux_convention),
                         block=BlockOverrides(block_layout, block_algorithm, mask_token_id),
                         ngram=NgramParams(ngram_min, ngram_max, draft_len, ngram_match), link=not copy_files,
@@ -78,7 +97,9 @@ def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block
                         progress=progress_enabled(json_mode))
     result = do_build(opts)
     data = {"artifact": str(result.out), "signed": result.signed, "seconds": round(result.seconds, 3),
-            "files": len(result.manifest.files), "drafter": result.manifest.drafter.kind, "notes": result.notes}
+            "files": len(result.manifest.files), "drafter": result.manifest.drafter.kind, "notes": result.notes,
+            **({"fetched": {k: {"source": f.source.model_dump(exclude_none=True), "files": len(f.files), "bytes": f.bytes,
+                                "skipped": list(f.skipped)} for k, f in fetched.items()}} if fetched else {})}
     emit(data, json_mode, lambda d: "\n".join([f"built {d['artifact']} ({d['drafter']} drafter, {d['files']} files, "
                                                f"{'signed' if d['signed'] else 'UNSIGNED'}) in {d['seconds']:.2f}s",
                                                *(f"note: {n}" for n in d["notes"])]))

@@ -6,6 +6,7 @@ each (the 8-byte length, then the JSON), never a tensor's bytes (issue 61).
     files.list() / files.exists(rel) / files.json(rel, what) / files.header(rel) / files.sha256(rel)
                                                       # release_files' interface, plus size(rel)
     files.requests, files.bytes_read                  # what reading cost
+    root = files.download(rels, say)                  # into the hub cache, each file verified (build hf://)
 
 The hub's own conventions hold: HF_TOKEN or the saved login, HF_ENDPOINT for a mirror, gated and
 private repositories (huggingface_hub's client: HfApi.list_repo_tree / model_info, hf_hub_url,
@@ -16,20 +17,25 @@ whole file is refused, not read.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 from specpack.converters.release_files import json_object
 from specpack.converters.safetensors_header import TensorMeta, header_length, parse_header
 from specpack.errors import InputError
 
 SCHEME = "hf://"
+ATTEMPTS = 3  # tries per file download (a dropped connection resumes)
 MAX_JSON_BYTES = 16 * 2**20  # a config or index larger than this is not one
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Entry:
     size: int
     sha256: str | None  # the LFS object's sha256 (None: a small file kept in git)
+    blob_id: str | None = None  # its git blob sha1 (what a file kept in git is checked against)
 
 
 @dataclass
@@ -65,7 +71,7 @@ class HubFiles:
         except RepositoryNotFoundError:
             raise InputError(f"{spec}: repository {repo_id} not found (or private, and this token cannot see it)",
                              hint="check the name; for a private repository log in or set HF_TOKEN") from None
-        entries = {e.path: Entry(int(e.size), e.lfs.sha256 if getattr(e, "lfs", None) else None)
+        entries = {e.path: Entry(int(e.size), e.lfs.sha256 if getattr(e, "lfs", None) else None, e.blob_id)
                    for e in tree if getattr(e, "size", None) is not None and hasattr(e, "blob_id")}
         return cls(repo_id, revision, info.sha, entries, endpoint, token, requests=2)
 
@@ -107,6 +113,61 @@ class HubFiles:
     def label(self, rel: str = "") -> str:
         return f"{SCHEME}{self.repo_id}@{self.commit[:12]}" + (f"/{rel}" if rel else "")
 
+    def download(self, rels: list[str], say=lambda line: None) -> Path:
+        """Download `rels` at this commit into the hub cache (huggingface_hub's: a cached file is not fetched
+        again, a partial one resumes), retrying a dropped connection; each file checked against the hub's LFS
+        sha256 or git blob id before it is used. The cache's snapshot directory of the commit."""
+        total, done, root = sum(self.size(r) for r in rels), 0, None
+        for i, rel in enumerate(rels, 1):
+            say(f"[{i}/{len(rels)}] {rel} ({self.size(rel) / 2**20:,.1f} MiB; {done / 2**20:,.1f} of "
+                f"{total / 2**20:,.1f} MiB done)")
+            path = self._fetch(rel)
+            self._verify(rel, path)
+            done += self.size(rel)
+            root = path.parents[len(Path(rel).parts) - 1]
+        say(f"downloaded and verified {len(rels)} files, {total / 2**20:,.1f} MiB, at commit {self.commit[:12]}")
+        return root
+
+    def _fetch(self, rel: str, attempts: int = ATTEMPTS) -> Path:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import HfHubHTTPError
+
+        for attempt in range(1, attempts + 1):
+            try:
+                return Path(hf_hub_download(self.repo_id, rel, revision=self.commit, endpoint=self.endpoint,
+                                            token=self.token))
+            except HfHubHTTPError as exc:
+                status = exc.response.status_code if exc.response is not None else None
+                if status is not None and status < 500 or attempt == attempts:
+                    raise InputError(f"{self.label(rel)}: the download failed ({exc})") from None
+            except Exception as exc:  # a dropped connection: the next try resumes the partial file
+                if attempt == attempts:
+                    raise InputError(f"{self.label(rel)}: the download failed {attempts} times ({exc})",
+                                     hint="check the connection and run again: what arrived is kept and resumed") from None
+            log.warning("%s: download interrupted (try %d of %d); resuming", self.label(rel), attempt, attempts)
+        raise AssertionError("unreachable")
+
+    def _verify(self, rel: str, path: Path) -> None:
+        """The file's bytes against the hub's LFS sha256 (or a git-kept file's blob id); a copy that differs
+        is removed from the cache, so that the next run fetches it again."""
+        import hashlib
+
+        entry, digest = self._entry(rel), hashlib.sha256() if self._entry(rel).sha256 else hashlib.sha1()
+        if entry.sha256 is None:
+            if entry.blob_id is None:
+                raise InputError(f"{self.label(rel)}: the hub states neither an LFS sha256 nor a git blob id")
+            digest.update(b"blob %d\0" % path.stat().st_size)
+        with open(path, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                digest.update(chunk)
+        want = entry.sha256 or entry.blob_id
+        if digest.hexdigest() != want:
+            path.resolve().unlink()
+            raise InputError(f"{self.label(rel)}: the downloaded bytes hash to {digest.hexdigest()[:16]}…, the hub "
+                             f"lists {want[:16]}… ({'sha256' if entry.sha256 else 'git blob id'})",
+                             hint="a corrupted download or a mirror serving other bytes: the bad copy was removed "
+                                  "from the hub cache; run again, or check HF_ENDPOINT")
+
     def _entry(self, rel: str) -> Entry:
         if rel not in self.entries:
             raise InputError(f"{self.label(rel)}: no such file in the repository at this commit",
@@ -114,7 +175,21 @@ class HubFiles:
         return self.entries[rel]
 
     def _get(self, rel: str, start: int, length: int) -> bytes:
-        """Bytes [start, start + length) of `rel`: one range request, at most `length` bytes read."""
+        """Bytes [start, start + length) of `rel`: one range request (again, where the connection dropped),
+        at most `length` bytes read."""
+        for attempt in range(1, ATTEMPTS + 1):
+            try:
+                return self._get_once(rel, start, length)
+            except InputError:
+                raise
+            except Exception as exc:  # the connection dropped: a range is read again whole
+                if attempt == ATTEMPTS:
+                    raise InputError(f"{self.label(rel)}: reading bytes {start}-{start + length - 1} failed "
+                                     f"{ATTEMPTS} times ({exc})", hint="check the connection and run again") from None
+                log.warning("%s: range read interrupted (try %d of %d)", self.label(rel), attempt, ATTEMPTS)
+        raise AssertionError("unreachable")
+
+    def _get_once(self, rel: str, start: int, length: int) -> bytes:
         from huggingface_hub import get_session, hf_hub_url
         from huggingface_hub.utils import build_hf_headers
 

@@ -32,7 +32,7 @@ from pathlib import Path
 from specpack.converters.base import ConvertedDrafter
 from specpack.converters.safetensors_header import TORCH_NAMES, TensorMeta, read_header
 from specpack.converters.safetensors_header import data_start as _data_start
-from specpack.converters.target_hf import INDEX_NAME, Target, _dtype_bytes, read_config, read_json, read_weight_map
+from specpack.converters.target_hf import INDEX_NAME, Target, _dtype_bytes, read_config, read_weight_map
 from specpack.errors import ConversionError, InputError, UnsupportedError
 from specpack.schemas import MtpDrafter, Source
 
@@ -113,13 +113,14 @@ def convert_in_target(target: Target, allow_reuse: bool = False) -> ConvertedDra
     if arch.mtp is None:
         advertised = arch.details.get("advertised_mtp")
         raise ConversionError(
-            f"target '{target.root}' ({arch.family}) has no MTP modules: its config states none"
+            f"target '{target.files_reader.label()}' ({arch.family}) has no MTP modules: its config states none"
             + (f" (it advertises {advertised}, {arch.details.get('mtp_why', 'whose weights were never published')})"
                if advertised else ""),
             hint="use an EAGLE-3 head, a draft model or 'ngram' for this target")
-    config = _text_config(read_json(target.root / "config.json", "target config"))
+    files = target.files_reader  # the release's files, local or on the hub (release_files)
+    config = _text_config(files.json("config.json", "target config"))
     if checked.mtp_held == 0:
-        raise _absent(f"target '{target.root}'", arch.mtp.layers, read_json(target.root / "config.json", "target"))
+        raise _absent(f"target '{files.label()}'", arch.mtp.layers, files.json("config.json", "target"))
     n = arch.mtp.layers or checked.mtp_held
     meta = {name: m for name, (_, m) in target.tensors.items()}
     mapping, problems = {}, []
@@ -187,7 +188,7 @@ def _convert(layout: Layout, src: _Source, target: Target, allow_reuse: bool, wh
     if not found:
         raise _absent(where, declared, src.config)
     n = declared or max(found) + 1
-    target_config = _text_config(read_json(target.root / "config.json", "target config"))
+    target_config = _text_config(target.files_reader.json("config.json", "target config"))
     template = _template(target, target_config)
     mapping, duplicates, problems = {}, {}, _config_problems(src.config, target)
     for k in range(n):

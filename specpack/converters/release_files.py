@@ -24,11 +24,14 @@ from specpack.errors import InputError
 
 
 class LocalFiles:
-    def __init__(self, root: Path):
-        self.root = Path(root)
+    """A directory; `only`: the files of it that count (a hub cache snapshot may hold more than a build fetched)."""
+
+    def __init__(self, root: Path, only: tuple[str, ...] | None = None):
+        self.root, self.only = Path(root), only
 
     def list(self) -> list[str]:
-        return walk_files(self.root)
+        listed = walk_files(self.root)
+        return listed if self.only is None else [f for f in listed if f in set(self.only)]
 
     def exists(self, rel: str) -> bool:
         return (self.root / rel).is_file()

@@ -12,9 +12,8 @@ beside its config, a training script) are not what a loader runs: they are carri
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
-from specpack.converters.target_hf import Target, read_json
+from specpack.converters.target_hf import Target
 from specpack.errors import InputError
 from specpack.schemas import RemoteCode
 
@@ -22,9 +21,10 @@ from specpack.schemas import RemoteCode
 CONFIG_FILES = ("config.json", "tokenizer_config.json", "processor_config.json", "preprocessor_config.json")
 
 
-def detect(root: Path, files: list[str]) -> RemoteCode | None:
-    """What in the model directory `root` (holding `files`) names or is code; None when nothing."""
-    configs = {name: read_json(root / name, name) for name in CONFIG_FILES if name in files}
+def detect(reader, files: list[str]) -> RemoteCode | None:
+    """What in a release (`reader`: release_files, a directory or a hub repository; holding `files`) names
+    or is code; None when nothing."""
+    configs = {name: reader.json(name, name) for name in CONFIG_FILES if name in files}
     reasons = [reason for name, cfg in configs.items() for reason in _auto_map(name, cfg)]
     reasons += _unknown_tokenizer_classes(configs)
     code = [f for f in files if f.endswith(".py")]
@@ -33,11 +33,11 @@ def detect(root: Path, files: list[str]) -> RemoteCode | None:
 
 def check(target: Target, allow: bool) -> Target:
     """`target`, its manifest entry recording its code when `allow`; refused when it needs code and not `allow`."""
-    found = detect(target.root, target.files)
+    found = detect(target.files_reader, target.files)
     if found is None:
         return target
     if not allow:
-        raise InputError(f"target '{target.root}' needs code of its own (trust_remote_code), which specpack "
+        raise InputError(f"target '{target.files_reader.label()}' needs code of its own (trust_remote_code), which specpack "
                          "does not run", problems=found.reasons,
                          hint="use a target that transformers loads without custom code, or pass "
                               "--allow-remote-code to carry the code into the artifact anyway (the manifest "

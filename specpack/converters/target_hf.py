@@ -95,13 +95,14 @@ def detect(path: Path) -> str | None:
     return "hf" if (Path(path) / "config.json").is_file() else None
 
 
-def load(path: Path, source: Source | None = None) -> Target:
-    """Check the target directory at `path` and describe it (configs and headers only)."""
+def load(path: Path, source: Source | None = None, only: tuple[str, ...] | None = None) -> Target:
+    """Check the target directory at `path` and describe it (configs and headers only); `only`: the files
+    of it that the target is (what `build hf://` fetched into a hub cache snapshot)."""
     root = Path(path)
     if not root.is_dir():
         raise InputError(f"target '{root}' is not a directory",
                          hint="pass a Hugging Face model directory (config.json + safetensors)")
-    return check(LocalFiles(root), source or Source.local(path), root)
+    return check(LocalFiles(root, only), source or Source.local(path), root)
 
 
 def check(reader, source: Source, root: Path | None = None) -> Target:

@@ -19,7 +19,7 @@ from specpack.packager.artifact import read_path_problems, write_manifest
 from specpack.packager.hashing import parallel_map, place_file, sha256_file
 from specpack.packager.progress import byte_bar
 from specpack.packager.signing import check_signing_key, sign
-from specpack.schemas import MANIFEST_NAME, FileEntry, Manifest, MemoryInfo
+from specpack.schemas import MANIFEST_NAME, FileEntry, Manifest, MemoryInfo, Source
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,10 @@ class BuildOptions:
     allow_target_mismatch: bool = False  # build a drafter that states another target (stated in the manifest)
     link: bool = True
     progress: bool = False
+    # `build hf://` (packager/hub_release): the files of `target` fetched, and where the target and drafter came from
+    target_files: tuple[str, ...] | None = None
+    target_source: Source | None = None
+    drafter_source: Source | None = None
 
 
 @dataclass(frozen=True)
@@ -63,10 +67,13 @@ def build(opts: BuildOptions) -> BuildResult:
     start = time.perf_counter()
     if opts.key:
         check_signing_key(opts.key)  # before minutes of work
-    target = remote_code.check(target_hf.load(opts.target), opts.allow_remote_code)
+    target = remote_code.check(target_hf.load(opts.target, opts.target_source, opts.target_files),
+                               opts.allow_remote_code)
     if opts.drafter == bundled.BUNDLED:
         opts = replace(opts, drafter=bundled.choose(target.root, target=target))
     drafter = convert_drafter(opts, target)
+    if opts.drafter_source is not None and hasattr(drafter.entry, "source"):
+        drafter = replace(drafter, entry=drafter.entry.model_copy(update={"source": opts.drafter_source}))
     target, drafter = _bundled_once(target, drafter, opts.drafter)
     with staging_dir(opts.out, opts.force) as tmp:
         digests = _place_target(target, tmp, opts)
@@ -125,8 +132,7 @@ def _bundled_once(target: target_hf.Target, drafter: ConvertedDrafter, spec: str
         return target, drafter
     inside = [f for f in target.files if f.startswith(sub + "/")]
     digests = {f[len(sub) + 1:]: sha256_file(target.root / f) for f in inside}
-    source = drafter.entry.source.model_copy(update={"kind": "path", "path": target.info.source.path,
-                                                     "subfolder": sub, "files_sha256": digests})
+    source = target.info.source.model_copy(update={"subfolder": sub, "files_sha256": digests})
     return (replace(target, files=[f for f in target.files if f not in inside]),
             replace(drafter, entry=drafter.entry.model_copy(update={"source": source})))
 

@@ -1,0 +1,145 @@
+"""`specpack build hf://org/name@rev` (issue 61 item 2), against the local hub in fake_hub.py with the real
+huggingface_hub client: the tiny DeepSeek-V4-Flash-DSpark release checked by range requests, then only what
+the artifact carries downloaded (not `original/`, images or GGUFs), each file checked against the hub's
+sha256; the artifact equals a local build of the same files, with the commit as the target's source. A
+dropped download resumes; a corrupted one is refused and evicted from the cache; a release that would be
+refused downloads nothing; a cached file is not fetched again; a drafter comes from the hub too."""
+
+import json
+
+import pytest
+from huggingface_hub import HfApi
+
+from fake_hub import WRITE_TOKEN, FakeHub, hermetic_hub_client  # noqa: F401  (autouse here)
+
+REPO = "deepseek-ai/v4-dspark"
+EXTRAS = {"original/consolidated.safetensors": b"\0" * 9000, "figures/arch.png": b"\x89PNG" + b"\1" * 5000,
+          "model-q4.gguf": b"GGUF" + b"\2" * 5000}
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """The tiny V4-Flash-DSpark release (family_fixtures, layout B), and the same with the files a build does
+    not carry (an original/ copy, an image, a GGUF of another precision)."""
+    import shutil
+
+    import family_fixtures as ff
+
+    root = tmp_path_factory.mktemp("hub-build")
+    release = ff.deepseek_v4_dspark(ff.make("deepseek_v4", root / "DeepSeek-V4-Flash-DSpark"))
+    full = shutil.copytree(release, root / "full")
+    for rel, data in EXTRAS.items():
+        (full / rel).parent.mkdir(parents=True, exist_ok=True)
+        (full / rel).write_bytes(data)
+    return release, full
+
+
+@pytest.fixture
+def hub(release, monkeypatch):
+    with FakeHub(lfs_threshold=4096) as h:
+        api = HfApi(endpoint=h.url, token=WRITE_TOKEN)
+        api.create_repo(REPO)
+        api.upload_folder(repo_id=REPO, folder_path=release[1])
+        h.bytes_served, h.requests[:] = 0, []
+        monkeypatch.setenv("HF_ENDPOINT", h.url)
+        yield h
+
+
+def _manifest(art):
+    return json.loads((art / "specpack.json").read_text())
+
+
+def _downloaded(hub) -> set[str]:
+    return {r.split("/resolve/", 1)[1].split("/", 1)[1] for r in hub.requests if "/resolve/" in r}
+
+
+def test_build_hf_equals_a_local_build_of_the_files_it_carries(hub, release, tmp_path, cli):
+    """What is skipped: the extras and DeepSeek's `inference/` reference code (subfolders are not the model);
+    a local build of the release without them gives the same artifact, byte for byte but its source."""
+    import shutil
+
+    code, out, err = cli("build", f"hf://{REPO}", "--drafter", "bundled", "-o", tmp_path / "remote", "--json")
+    assert code == 0, err
+    fetched = json.loads(out)["fetched"]["target"]
+    assert set(fetched["skipped"]) == {*EXTRAS, "inference/config.json", "inference/model.py"}
+    local_dir = shutil.copytree(release[1], tmp_path / "carried")
+    for rel in fetched["skipped"]:
+        (local_dir / rel).unlink()
+    assert cli("build", local_dir, "--drafter", "bundled", "-o", tmp_path / "local")[0] == 0
+    remote, local = _manifest(tmp_path / "remote"), _manifest(tmp_path / "local")
+    commit = hub.repos[REPO].refs["main"]
+    assert remote["target"]["source"] == {"kind": "hub", "repo_id": REPO, "revision": commit}
+    same = lambda m: {f["path"]: f["sha256"] for f in m["files"] if f["path"] != "README.md"}  # noqa: E731
+    assert same(remote) == same(local)
+    strip = lambda m: {k: v for k, v in m.items() if k not in ("source", "files")}  # noqa: E731
+    assert strip(remote["target"]) == strip(local["target"]) and strip(remote["drafter"]) == strip(local["drafter"])
+    assert remote["drafter"]["source"] == remote["target"]["source"]  # the stages are the release's own
+    for f in remote["files"]:  # byte for byte
+        assert (tmp_path / "remote" / f["path"]).read_bytes() == (tmp_path / "local" / f["path"]).read_bytes() \
+            or f["path"] in ("README.md", "specpack.json")
+    assert not _downloaded(hub) & set(EXTRAS)  # never requested (inference/config.json is read by the checks)  # nothing of what is not carried was requested
+
+
+def test_a_cached_file_is_not_fetched_again(hub, tmp_path, cli):
+    assert cli("build", f"hf://{REPO}", "--drafter", "bundled", "-o", tmp_path / "a")[0] == 0
+    first, hub.bytes_served = hub.bytes_served, 0
+    assert cli("build", f"hf://{REPO}", "--drafter", "bundled", "-o", tmp_path / "b")[0] == 0
+    assert hub.bytes_served < first / 20  # the range reads of the check; no file again
+
+
+def test_a_dropped_download_resumes_where_it_stopped(hub, release, tmp_path, cli, monkeypatch):
+    """The connection drops halfway through the largest shard: the download goes on from the last chunk
+    written (huggingface_hub's resume; its 10 MB chunks made 64 KB so that this tiny shard spans several)."""
+    import huggingface_hub.constants as constants
+
+    monkeypatch.setattr(constants, "DOWNLOAD_CHUNK_SIZE", 64 * 1024)
+    shard = max((p for p in release[0].glob("*.safetensors")), key=lambda p: p.stat().st_size).name
+    assert cli("build", f"hf://{REPO}", "--drafter", "bundled", "-o", tmp_path / "clean")[0] == 0
+    clean = hub.bytes_served
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "other-cache"))
+    hub.bytes_served, hub.faults[shard] = 0, "drop_download_once"
+    code, _, err = cli("build", f"hf://{REPO}", "--drafter", "bundled", "-o", tmp_path / "dropped")
+    assert code == 0, err
+    assert shard not in hub.faults  # it was dropped once
+    resumed = [r for r in hub.requests if r.endswith("-]") and shard in r]
+    assert len(resumed) == 1 and clean <= hub.bytes_served < clean + 64 * 1024, (hub.bytes_served, clean)
+    files = lambda art: [f for f in _manifest(art)["files"] if f["path"] != "README.md"]  # noqa: E731  (names the dir)
+    assert files(tmp_path / "dropped") == files(tmp_path / "clean")
+
+
+def test_a_corrupted_download_is_refused_and_evicted(hub, release, tmp_path, cli):
+    shard = sorted(p.name for p in release[0].glob("*.safetensors"))[0]
+    hub.faults[shard] = "corrupt"
+    code, _, err = cli("build", f"hf://{REPO}", "--drafter", "bundled", "-o", tmp_path / "art")
+    assert code == 2 and "the hub lists" in err and shard in err and not (tmp_path / "art").exists(), err
+    del hub.faults[shard]
+    code, _, err = cli("build", f"hf://{REPO}", "--drafter", "bundled", "-o", tmp_path / "art")
+    assert code == 0, err  # the bad copy was removed from the cache and fetched again
+
+
+def test_a_release_that_would_be_refused_downloads_nothing(hub, tmp_path, cli):
+    """Its target holds no MTP layers: refused from its headers, before any file is downloaded."""
+    import huggingface_hub.constants as constants
+    from pathlib import Path
+
+    code, _, err = cli("build", f"hf://{REPO}", "--drafter", "mtp", "-o", tmp_path / "art")
+    assert code == 2 and "MTP" in err and "nothing was downloaded" in err and not (tmp_path / "art").exists(), err
+    assert all(r.endswith("]") for r in hub.requests if "/resolve/" in r)  # range reads only
+    assert not any(r.startswith("HEAD") for r in hub.requests) and not Path(constants.HF_HUB_CACHE).exists()
+
+
+def test_a_drafter_from_the_hub(tiny_target, tmp_path, cli, monkeypatch):
+    """`--drafter hf://org/head`: an EAGLE-3 head fetched, verified, and recorded by its commit."""
+    import eagle_layouts
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_target)
+    head = eagle_layouts.write_official(tmp_path / "head", eagle_layouts.random_head(cfg), cfg)
+    with FakeHub(lfs_threshold=4096) as hub:
+        HfApi(endpoint=hub.url, token=WRITE_TOKEN).create_repo("org/head")
+        HfApi(endpoint=hub.url, token=WRITE_TOKEN).upload_folder(repo_id="org/head", folder_path=head)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        code, _, err = cli("build", tiny_target, "--drafter", "hf://org/head", "-o", tmp_path / "art")
+        commit = hub.repos["org/head"].refs["main"]
+    assert code == 0, err
+    assert _manifest(tmp_path / "art")["drafter"]["source"] == {"kind": "hub", "repo_id": "org/head", "revision": commit}
