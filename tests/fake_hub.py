@@ -35,8 +35,33 @@ WRITE_TOKEN = "hf_specpack_write"
 READ_TOKEN = "hf_specpack_read"
 
 
-def git_blob_sha1(data: bytes) -> str:
+def git_blob_sha1(data) -> str:
+    if isinstance(data, Sparse):
+        return data.blob_id
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def lfs_sha256(data) -> str:
+    return data.sha256 if isinstance(data, Sparse) else hashlib.sha256(data).hexdigest()
+
+
+class Sparse:
+    """A file of `size` bytes that begins with `prefix` and is zeros after it (a weight file whose header is
+    written at full size and whose weights are left out): ranges are made on request, the file never held.
+    Its listed sha256 stands for it (derived from prefix and size), since nothing downloads it whole."""
+
+    def __init__(self, prefix: bytes, size: int):
+        self.prefix, self.size = prefix, size
+        self.sha256 = hashlib.sha256(prefix + str(size).encode()).hexdigest()
+        self.blob_id = hashlib.sha1(prefix + str(size).encode()).hexdigest()
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, s: slice) -> bytes:
+        start, stop = s.start or 0, min(self.size, self.size if s.stop is None else s.stop)
+        head = self.prefix[start:stop]
+        return head + bytes(max(0, stop - max(start, len(self.prefix))))
 
 
 @dataclass
@@ -84,6 +109,17 @@ class FakeHub:
     def files(self, repo_id: str, revision: str = "main") -> dict:
         repo = self.repos[repo_id]
         return repo.commits[repo.refs.get(revision, revision)]
+
+    def add_virtual(self, repo_id: str, files: dict) -> str:
+        """A public repository at one commit holding `files` (path -> bytes, or (prefix, size) for a Sparse
+        file), without an upload; its commit sha."""
+        stored = {p: (Sparse(*d), True) if isinstance(d, tuple) else (d, len(d) > self.lfs_threshold)
+                  for p, d in files.items()}
+        self.create_repo(repo_id, private=False)
+        repo = self.repos[repo_id]
+        sha = _commit_sha(stored, repo.refs["main"], "virtual")
+        repo.commits[sha], repo.refs["main"] = stored, sha
+        return sha
 
     def tamper(self, repo_id: str, path: str, data: bytes, revision: str = "main") -> None:
         """Replace a stored file's bytes in place (same commit), as a compromised server would."""
@@ -310,7 +346,7 @@ def _handler(hub: FakeHub):
                 dirs.update("/".join(p.split("/")[:i]) for i in range(1, p.count("/") + 1))
                 entry = {"type": "file", "path": p, "size": len(data), "oid": git_blob_sha1(data)}
                 if lfs:
-                    entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
+                    entry["lfs"] = {"oid": lfs_sha256(data), "size": len(data),
                                     "pointerSize": 134}
                 entries.append(entry)
             entries += [{"type": "directory", "path": d, "oid": "0" * 40, "size": 0}
@@ -331,7 +367,7 @@ def _handler(hub: FakeHub):
             if ranged:
                 self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
             self.send_header("X-Repo-Commit", sha)
-            etag = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
+            etag = lfs_sha256(data) if lfs else git_blob_sha1(data)
             self.send_header("X-Linked-Etag" if lfs else "ETag", f'"{etag}"')
             if lfs:
                 self.send_header("X-Linked-Size", str(len(data)))

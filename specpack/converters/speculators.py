@@ -14,7 +14,7 @@ from pathlib import Path
 
 from specpack.converters import eagle3
 from specpack.converters.base import AuxOverride, ConvertedDrafter
-from specpack.converters.target_hf import Target, read_config, read_json
+from specpack.converters.target_hf import Target, read_config
 from specpack.schemas import MadeFor, Source
 
 KIND = "eagle3"
@@ -108,5 +108,5 @@ def verifier_statements(config: dict, target: Target) -> tuple[list[MadeFor], li
 def _target_name(target: Target) -> str | None:
     if target.info.source.kind == "hub" and target.info.source.repo_id:
         return target.info.source.repo_id
-    name = read_json(target.root / "config.json", "target config").get("_name_or_path")
+    name = target.files_reader.json("config.json", "target config").get("_name_or_path")
     return name if name and _HUB_ID.match(str(name)) else None
