@@ -22,9 +22,11 @@ def check_relpath(rel: str, where: str) -> str:
 
 
 def _hf_cache_root(root: Path) -> Path | None:
-    """`<repo>` when `root` is `<repo>/snapshots/<rev>` of a Hugging Face cache, else None."""
-    if root.parent.name == "snapshots" and root.parent.parent.name.startswith("models--"):
-        return root.parent.parent
+    """`<repo>` when `root` is `<repo>/snapshots/<rev>` of a Hugging Face cache, or a folder inside it (a
+    release's `dspark/`), else None."""
+    for snapshot in (root, *root.parents):
+        if snapshot.parent.name == "snapshots" and snapshot.parent.parent.name.startswith("models--"):
+            return snapshot.parent.parent
     return None
 
 

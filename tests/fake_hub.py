@@ -10,7 +10,8 @@ X-Repo-Commit, ETag / X-Linked-Etag and Content-Length headers). Errors carry th
 header that `hf_raise_for_status` maps to typed exceptions. Xet is not served: tests that make
 files go through LFS set `huggingface_hub.constants.HF_HUB_DISABLE_XET`.
 
-State lives in memory. `tamper()` rewrites a stored file as a malicious or broken server would;
+State lives in memory. `gated[repo] = {tokens}` gates a repository: reads without a granted token get the
+hub's 403 with X-Error-Code GatedRepo. `tamper()` rewrites a stored file as a malicious or broken server would;
 `faults` makes downloads of a path stop early ("drop_once": half the body, once; "drop_download_once": the
 same for a download, not a closed range such as a header read; "dead": no body) or
 arrive altered ("corrupt": the file's last byte flipped, its listed sha256 unchanged, as a bad mirror).
@@ -89,6 +90,7 @@ class FakeHub:
         self.faults: dict[str, str] = {}
         self.requests: list[str] = []
         self.ignore_ranges = False
+        self.gated: dict[str, set[str]] = {}  # repo -> the tokens granted access (reads by others: 403 GatedRepo)
         self.bytes_served = 0
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -247,6 +249,9 @@ def _handler(hub: FakeHub):
             repo = hub.repos.get(repo_id or "")
             if repo is not None and repo.private and token is None:
                 raise HubError(401, "Repository not found", "RepoNotFound")
+            if repo_id in hub.gated and name not in WRITES and token not in hub.gated[repo_id]:
+                raise HubError(403, f"Access to model {repo_id} is restricted. You must have access to it and be "
+                                    "authenticated to access it. Please log in.", "GatedRepo")
 
         def _body(self) -> bytes:
             if self.headers.get("Transfer-Encoding", "").lower() == "chunked":

@@ -358,3 +358,23 @@ def test_a_quantization_scheme_specpack_cannot_check_is_refused(tmp_path, tiny_t
     _fails(cli, tmp_path, t, "--drafter", "ngram", text=["num_hidden_layers 1,000,000 > the 75 tensors"])
 
 
+
+
+def test_a_folder_inside_a_hub_cache_snapshot_may_link_to_its_blobs(tmp_path):
+    """`huggingface-cli download` of MiniMax-M3.1 puts `dspark/` inside the snapshot, its files linking to
+    `../../../blobs/`: the bundled drafter's folder is read there as the snapshot itself is; a link out of
+    the cache repo is still refused."""
+    from specpack._paths import walk_files
+    from specpack.errors import InputError
+
+    repo = tmp_path / "models--org--m31"
+    sub = repo / "snapshots" / ("a" * 40) / "dspark"
+    sub.mkdir(parents=True)
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "b1").write_text("{}")
+    (sub / "config.json").symlink_to("../../../blobs/b1")
+    assert walk_files(sub) == ["config.json"] and walk_files(sub.parent) == ["dspark/config.json"]
+    (tmp_path / "elsewhere").write_text("x")
+    (sub / "stray").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(InputError, match="points outside"):
+        walk_files(sub)

@@ -143,3 +143,52 @@ def test_a_drafter_from_the_hub(tiny_target, tmp_path, cli, monkeypatch):
         commit = hub.repos["org/head"].refs["main"]
     assert code == 0, err
     assert _manifest(tmp_path / "art")["drafter"]["source"] == {"kind": "hub", "repo_id": "org/head", "revision": commit}
+
+
+def test_a_gated_release_says_how_to_get_access(hub, tmp_path, cli):
+    hub.gated[REPO] = set()
+    code, _, err = cli("build", f"hf://{REPO}", "--drafter", "bundled", "-o", tmp_path / "art")
+    assert code == 2 and "gated" in err and "HF_TOKEN" in err and "accept its terms" in err, err
+    assert not (tmp_path / "art").exists()
+
+
+def test_an_index_naming_a_shard_the_repository_lacks_is_refused(tmp_path, cli, monkeypatch):
+    """A sharded release whose index names a shard that was never uploaded: refused from the listing,
+    nothing downloaded."""
+    import huggingface_hub.constants as constants
+    from pathlib import Path
+
+    import tiny
+
+    sharded = tiny.make_target(tmp_path / "sharded", "llama", shards=3)
+    (sharded / "model-00002-of-00003.safetensors").unlink()
+    with FakeHub(lfs_threshold=4096) as hub:
+        HfApi(endpoint=hub.url, token=WRITE_TOKEN).create_repo("org/sharded")
+        HfApi(endpoint=hub.url, token=WRITE_TOKEN).upload_folder(repo_id="org/sharded", folder_path=sharded)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        for argv in (("inspect", "hf://org/sharded"), ("build", "hf://org/sharded", "--drafter", "ngram", "-o", tmp_path / "a")):
+            code, _, err = cli(*argv)
+            assert code == 2 and "model-00002-of-00003.safetensors" in err and "Traceback" not in err, err
+    assert not Path(constants.HF_HUB_CACHE).exists() and not (tmp_path / "a").exists()
+
+
+def test_a_subfolder_drafter_is_fetched_and_bound(tmp_path, cli, monkeypatch):
+    """MiniMax-M3.1's `dspark/` (layout C) on the hub: `build hf:// --drafter bundled` fetches the folder
+    with the target and binds it as a local build of the same files does, recording the hub commit."""
+    import family_fixtures as ff
+
+    release = ff.minimax_m31_dspark(ff.make("minimax_m3_vl", tmp_path / "MiniMax-M3.1"))
+    with FakeHub(lfs_threshold=4096) as hub:
+        HfApi(endpoint=hub.url, token=WRITE_TOKEN).create_repo("MiniMaxAI/m31")
+        HfApi(endpoint=hub.url, token=WRITE_TOKEN).upload_folder(repo_id="MiniMaxAI/m31", folder_path=release)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        code, _, err = cli("build", "hf://MiniMaxAI/m31", "--drafter", "bundled", "-o", tmp_path / "remote")
+        commit = hub.repos["MiniMaxAI/m31"].refs["main"]
+    assert code == 0, err
+    assert cli("build", release, "--drafter", "bundled", "-o", tmp_path / "local")[0] == 0
+    remote, local = _manifest(tmp_path / "remote"), _manifest(tmp_path / "local")
+    source = remote["drafter"]["source"]
+    assert source["kind"] == "hub" and source["revision"] == commit and source["subfolder"] == "dspark"
+    assert source["files_sha256"] == local["drafter"]["source"]["files_sha256"]
+    same = lambda m: {f["path"]: f["sha256"] for f in m["files"] if f["path"] != "README.md"}  # noqa: E731
+    assert same(remote) == same(local)

@@ -226,7 +226,10 @@ def _hub_release(spec: str, endpoint: str | None = None) -> dict:
         binds, why = bundled.choose(files.label(), found), None
     except (InputError, UnsupportedError) as exc:
         binds, why = None, exc.message
-    carried = sum(files.size(f) for f in target.files)
+    from specpack.packager.hub_release import carried as carried_files
+
+    subfolders = tuple(b.where.rstrip("/") for b in found if b.layout == "C") if not binds else ()
+    carried = sum(files.size(f) for f in carried_files(files, target, subfolders))
     size = sum(files.size(f) for f in files.list())
     return {"release": spec, "repo_id": files.repo_id, "revision": files.revision, "commit": files.commit,
             "bundled": [b.to_dict() for b in found], "drafter_bundled": binds, **({"why_not": why} if why else {}),
