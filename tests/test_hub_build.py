@@ -192,3 +192,39 @@ def test_a_subfolder_drafter_is_fetched_and_bound(tmp_path, cli, monkeypatch):
     assert source["files_sha256"] == local["drafter"]["source"]["files_sha256"]
     same = lambda m: {f["path"]: f["sha256"] for f in m["files"] if f["path"] != "README.md"}  # noqa: E731
     assert same(remote) == same(local)
+
+
+def test_inspect_hf_checks_a_subfolder_drafter_from_its_headers(tmp_path, cli, monkeypatch):
+    """`inspect hf://` runs the dspark/ folder's own checks (config and headers read by range) as `inspect DIR`
+    does; a folder made for another release is refused with the same reason, and `build hf://` then
+    downloads nothing."""
+    import huggingface_hub.constants as constants
+    from pathlib import Path
+
+    import family_fixtures as ff
+
+    good = ff.minimax_m31_dspark(ff.make("minimax_m3_vl", tmp_path / "good"))
+    bad = ff.minimax_m31_dspark(ff.make("minimax_m3_vl", tmp_path / "bad"), rank=4)
+    config = json.loads((bad / "dspark/config.json").read_text())
+    config["text_config"]["dspark_markov_rank"] = 8  # the config says 8, the Markov tensors are rank 4
+    (bad / "dspark/config.json").write_text(json.dumps(config))
+    with FakeHub(lfs_threshold=4096) as hub:
+        for name, folder in (("good", good), ("bad", bad)):
+            HfApi(endpoint=hub.url, token=WRITE_TOKEN).create_repo(f"MiniMaxAI/{name}")
+            HfApi(endpoint=hub.url, token=WRITE_TOKEN).upload_folder(repo_id=f"MiniMaxAI/{name}", folder_path=folder)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        rows = {}
+        for name, folder in (("good", good), ("bad", bad)):
+            code, out, err = cli("inspect", f"hf://MiniMaxAI/{name}", "--json")
+            assert code == 0, err
+            local = json.loads(cli("inspect", folder, "--json")[1])
+            remote = json.loads(out)
+            shape = lambda d: [(b["layout"], b["kind"], bool(b.get("drafter")),  # noqa: E731
+                                b.get("why_not", "").split("problems)")[-1]) for b in d["bundled"]]  # where: apart
+            assert shape(remote) == shape(local)
+            rows[name] = remote
+        assert rows["good"]["drafter_bundled"] == "dspark/" and "why_not" in rows["bad"]
+        hub.requests[:] = []
+        code, _, err = cli("build", "hf://MiniMaxAI/bad", "--drafter", "bundled", "-o", tmp_path / "art")
+    assert code == 2 and "markov" in err.lower() and not (tmp_path / "art").exists(), err
+    assert not Path(constants.HF_HUB_CACHE).exists()

@@ -64,7 +64,7 @@ def find_in(reader, target=None, root: Path | None = None) -> list[Bundled]:
     names = _tensor_names(reader)
     stages = _release_stages(config, text, names, lambda: target or _load(root))
     found = [stages] if stages else [m for m in [_mtp(config, text, names)] if m]
-    return found + (_subfolders(root, target) if root is not None else _remote_subfolders(reader))
+    return found + (_subfolders(root, target) if root is not None else _remote_subfolders(reader, target))
 
 
 def _load(root: Path):
@@ -82,17 +82,33 @@ def _tensor_names(reader) -> set[str]:
     return set(reader.header(SINGLE_NAME)) if reader.exists(SINGLE_NAME) else set()
 
 
-def _remote_subfolders(reader) -> list[Bundled]:
-    """Drafter folders in a remote release: named, checked once downloaded (not read remotely yet)."""
+def _remote_subfolders(reader, target) -> list[Bundled]:
+    """Drafter folders in a remote release: MiniMax-M3.1's DSpark folder checked as `build` checks it (its
+    config and headers, read by range); any other drafter folder named, and checked once downloaded."""
     from specpack.converters.block.common import WEIGHT_NAMES
+    from specpack.converters.release_dspark import minimax_m31
+    from specpack.converters.release_files import SubFiles
     from specpack.converters.target_hf import INDEX_NAME
 
     listed = set(reader.list())
     subs = sorted({f.split("/")[0] for f in listed if f.count("/") == 1 and f.endswith("/config.json")})
     subs = [sub for sub in subs if any(f"{sub}/{w}" in listed for w in (*WEIGHT_NAMES, INDEX_NAME))]  # as has_weights
-    return [Bundled("unknown", "C", f"{sub}/", "a subfolder with its own config.json", None,
-                    "subfolder drafters are checked once the release is downloaded (`specpack inspect DIR`), not "
-                    "over the network yet") for sub in subs if not sub.startswith(".")]
+    out = []
+    for sub in (s for s in subs if not s.startswith(".")):
+        folder = SubFiles(reader, sub)
+        if folder.json("config.json", "drafter config").get("architectures") == [minimax_m31.ARCHITECTURE]:
+            try:
+                minimax_m31.check(folder, target)
+                why = None
+            except (InputError, UnsupportedError) as exc:
+                why = _summary(exc.message, exc.problems)
+            out.append(Bundled(release_dspark.KIND, "C", f"{sub}/", f"{release_dspark.KIND} drafter, "
+                               f"{minimax_m31.LAYOUT} layout (checked from its headers)", None if why else f"{sub}/", why))
+            continue
+        out.append(Bundled("unknown", "C", f"{sub}/", "a subfolder with its own config.json", None,
+                           "this subfolder drafter is checked once the release is downloaded (`specpack inspect DIR`), "
+                           "not over the network yet"))
+    return out
 
 
 def choose(root: Path, found: list[Bundled] | None = None, target=None) -> str:

@@ -49,6 +49,31 @@ class LocalFiles:
         return str(self.root / rel) if rel else str(self.root)
 
 
+class SubFiles:
+    """The files of a release under `prefix/` (a bundled drafter's folder), as a reader of their own."""
+
+    def __init__(self, reader, prefix: str):
+        self.reader, self.prefix = reader, prefix.rstrip("/") + "/"
+
+    def list(self) -> list[str]:
+        return [f[len(self.prefix):] for f in self.reader.list() if f.startswith(self.prefix)]
+
+    def exists(self, rel: str) -> bool:
+        return self.reader.exists(self.prefix + rel)
+
+    def json(self, rel: str, what: str) -> dict:
+        return self.reader.json(self.prefix + rel, what)
+
+    def header(self, rel: str) -> dict[str, TensorMeta]:
+        return self.reader.header(self.prefix + rel)
+
+    def sha256(self, rel: str) -> str:
+        return self.reader.sha256(self.prefix + rel)
+
+    def label(self, rel: str = "") -> str:
+        return self.reader.label(self.prefix + rel).rstrip("/")
+
+
 def read_json(path: Path, what: str) -> dict:
     """`path` as a JSON object, or an InputError naming `what` and the defect."""
     if not path.is_file():

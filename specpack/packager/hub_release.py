@@ -79,12 +79,12 @@ def _drafter_folders(files: HubFiles, target: target_hf.Target, drafter: str) ->
     nothing."""
     if drafter == bundled.BUNDLED:
         found = bundled.find_in(files, target)
-        if any(b.drafter for b in found):
+        bindable = [b for b in found if b.drafter]
+        if bindable:
             bundled.choose(Path(files.label()), found)  # several bindable: refused here, naming them
-            return ()
-        folders = tuple(b.where.rstrip("/") for b in found if b.layout == "C")
-        if not folders:
-            bundled.choose(Path(files.label()), found)  # refuses, saying what the release holds
+        folders = tuple(b.where.rstrip("/") for b in (bindable or found) if b.layout == "C")
+        if not bindable and not any(b.kind == "unknown" for b in found):
+            bundled.choose(Path(files.label()), found)  # refuses, saying what the release holds and why
         return folders
     if drafter == "mtp":
         arch = target.checked.arch if target.checked else None

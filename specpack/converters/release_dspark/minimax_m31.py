@@ -28,7 +28,8 @@ from pathlib import Path
 
 from specpack.converters.base import ConvertedDrafter
 from specpack.converters.release_dspark.common import entry, markers
-from specpack.converters.target_hf import Target, read_json, weight_headers
+from specpack.converters.release_files import LocalFiles
+from specpack.converters.target_hf import Target, headers_of, read_json
 from specpack.errors import InputError, UnsupportedError
 from specpack.families import quant
 from specpack.families.base import Tensor, linear, vector
@@ -60,27 +61,37 @@ def detect(path: Path) -> str | None:
     return LAYOUT if config.get("architectures") == [ARCHITECTURE] else None
 
 
-def convert(path: Path, target: Target) -> ConvertedDrafter:
-    """The `dspark/` draft at `path` checked against `target`; one InputError lists every problem."""
-    path = Path(path)
+def check(folder, target: Target) -> tuple:
+    """The `dspark/` draft a release reader holds (release_files: a directory, or the folder of a hub release
+    read by range requests) checked against `target` from its config and headers; one InputError lists
+    every problem. (text config, files, tensors found, expected, scheme, counts, bindings)."""
+    where = folder.label()
     if target.checked is None or target.checked.arch.family != "minimax_m3":
         family = target.checked.arch.family if target.checked else target.info.architecture
-        raise UnsupportedError(f"'{path}' is MiniMax-M3.1's DSpark draft ({ARCHITECTURE}); this target is {family}",
+        raise UnsupportedError(f"'{where}' is MiniMax-M3.1's DSpark draft ({ARCHITECTURE}); this target is {family}",
                                hint="bind it to its MiniMax-M3.1 release")
-    config = read_json(path / "config.json", "drafter config")
-    text = _text(config, path)
-    files, tensors = weight_headers(path)
+    config = folder.json("config.json", "drafter config")
+    text = _text(config, Path(where))
+    files, tensors = headers_of(folder)
     found = {n: meta for n, (_, meta) in tensors.items()}
-    q = _scheme(config, path)
+    q = _scheme(config, Path(where))
     bind, bad = _bindings(text, target)
+    expected, counts = {}, {}
     if "rank" in bind:  # the sizes are there: check every tensor too, whatever else is wrong
         expected = _expected(text, target, bind)
         tensor_bad, counts = quant.check_all(expected, found, q)
         bad += tensor_bad + _unclaimed(expected, found, q)
     if bad:
-        raise InputError(f"'{path}' ({ARCHITECTURE}) cannot be bound to target '{target.root}' ({len(bad)} problems)",
-                         problems=bad, hint="the dspark/ folder and the target must come from the same MiniMax-M3.1 "
-                                            "release")
+        raise InputError(f"'{where}' ({ARCHITECTURE}) cannot be bound to target '{target.files_reader.label()}' "
+                         f"({len(bad)} problems)", problems=bad,
+                         hint="the dspark/ folder and the target must come from the same MiniMax-M3.1 release")
+    return text, files, found, expected, q, counts, bind
+
+
+def convert(path: Path, target: Target) -> ConvertedDrafter:
+    """The `dspark/` draft at `path` checked against `target` (`check`), as a drafter."""
+    path = Path(path)
+    text, files, found, expected, q, counts, bind = check(LocalFiles(path), target)
     inside = _inside(path, target.root)
     drafter, extra = entry(
         target, found, expected, q, counts, bind, source_layout=LAYOUT,
