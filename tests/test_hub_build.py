@@ -228,3 +228,15 @@ def test_inspect_hf_checks_a_subfolder_drafter_from_its_headers(tmp_path, cli, m
         code, _, err = cli("build", "hf://MiniMaxAI/bad", "--drafter", "bundled", "-o", tmp_path / "art")
     assert code == 2 and "markov" in err.lower() and not (tmp_path / "art").exists(), err
     assert not Path(constants.HF_HUB_CACHE).exists()
+
+
+def test_inspect_hf_names_the_engines_the_built_artifact_has(hub, tmp_path, cli):
+    """The DSpark stages bind from headers alone: `inspect hf://` states the export engines that `inspect ART`
+    states for the artifact `build hf://` then makes."""
+    code, out, err = cli("inspect", f"hf://{REPO}", "--json")
+    assert code == 0, err
+    assert cli("build", f"hf://{REPO}", "--drafter", "bundled", "-o", tmp_path / "art")[0] == 0
+    built = json.loads(cli("inspect", tmp_path / "art", "--json")[1])
+    assert json.loads(out)["engines"] == built["engines"] and "vllm" in built["engines"]
+    code, text, _ = cli("inspect", f"hf://{REPO}")
+    assert code == 0 and "export engines" in text

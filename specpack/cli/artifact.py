@@ -231,8 +231,12 @@ def _hub_release(spec: str, endpoint: str | None = None) -> dict:
     subfolders = tuple(b.where.rstrip("/") for b in found if b.layout == "C") if not binds else ()
     carried = sum(files.size(f) for f in carried_files(files, target, subfolders))
     size = sum(files.size(f) for f in files.list())
+    from specpack.packager.hub_release import engines_for
+
+    engines = engines_for(target, binds)
     return {"release": spec, "repo_id": files.repo_id, "revision": files.revision, "commit": files.commit,
             "bundled": [b.to_dict() for b in found], "drafter_bundled": binds, **({"why_not": why} if why else {}),
+            **({"engines": engines} if engines is not None else {}),
             "target": target.info.model_dump(mode="json", exclude_none=True), "files": len(files.list()),
             "repository_bytes": size, "build_would_download_bytes": carried,
             "bytes_read": files.bytes_read, "requests": files.requests}
@@ -247,6 +251,8 @@ def _hub_text(d: dict) -> str:
                        f"{t['dtype']}, {t['parameters']:,} params: every tensor checked from its header")]
     rows += [(f"  {k}", v) for k, v in arch_rows(t.get("arch"))]
     rows += _bundled_rows(d)
+    rows += _engine_rows(d.get("engines", {})) if "engines" in d else \
+        [("export engines", "known once the drafter is bound (`specpack inspect ART` after the build)")]
     rows += [("build would download", f"{d['build_would_download_bytes'] / 2**20:,.1f} MiB of the repository's "
                                       f"{d['repository_bytes'] / 2**20:,.1f} MiB ({d['files']} files)"),
              ("read to check it", f"{d['bytes_read']:,} bytes in {d['requests']} requests")]

@@ -78,7 +78,7 @@ def build(opts: BuildOptions) -> BuildResult:
     with staging_dir(opts.out, opts.force) as tmp:
         digests = _place_target(target, tmp, opts)
         digests |= _write_drafter(drafter, tmp, opts.link)
-        manifest = _manifest(Path(opts.out).name, target, drafter)
+        manifest = manifest_of(Path(opts.out).name, target, drafter)
         digests["README.md"] = _write_text(tmp / "README.md", card.render(manifest))
         manifest = manifest.model_copy(update={"files": _file_entries(tmp, digests)})
         write_manifest(tmp, manifest)
@@ -179,7 +179,8 @@ def _write_text(path: Path, text: str) -> str:
     return sha256_file(path)
 
 
-def _manifest(name: str, target, drafter: ConvertedDrafter) -> Manifest:
+def manifest_of(name: str, target, drafter: ConvertedDrafter) -> Manifest:
+    """The manifest an artifact of `target` and `drafter` states (its file list empty until written)."""
     memory = MemoryInfo(target_weight_bytes=target.weight_bytes,
                         drafter_weight_bytes=drafter.weight_bytes,
                         target_kv_bytes_per_token=target.kv_bytes_per_token(),
