@@ -280,3 +280,46 @@ def test_an_mtp_layer_stored_apart_writes_the_same_gguf(tmp_path, cli):
     assert set(tensors[0]) - set(tensors[1]) <= nextn_copies and set(tensors[1]) <= set(tensors[0])
     for name, data in tensors[1].items():
         np.testing.assert_array_equal(data, tensors[0][name], err_msg=name)
+
+
+# ---- build --drafter X.gguf: a deepseek2 GGUF's nextn block as the MTP head of a target without one ------
+
+def test_a_gguf_nextn_block_is_the_mtp_head_of_a_target_shipped_without_it(deepseek, exported, tmp_path, cli):
+    """A target shipped without its MTP layer, and the layer in llama.cpp's files: the whole target GGUF, or
+    an `--mtp`-style file holding only the nextn block and the shared embedding / norm / head. Either binds
+    as the MTP drafter and drafts as the original artifact does."""
+    import gguf as gguf_py
+    import torch
+
+    import gguf_fixtures as gf
+    import specpack
+
+    t, art = deepseek
+    stripped, _ = ml.split_head(t, tmp_path / "split")
+    trunk = tuple(x.name for x in gguf_py.GGUFReader(str(exported)).tensors
+                  if x.name.startswith("blk.") and int(x.name.split(".")[1]) < 3)
+    mtp_only = gf.rewrite_gguf(exported, tmp_path / "mtp-only.gguf", {}, trunk)
+    a = specpack.load(art)
+    for source in (exported, mtp_only):
+        out = tmp_path / f"art-{source.stem}"
+        code, _, err = cli("build", stripped, "--drafter", source, "-o", out)
+        assert code == 0, err
+        m = _manifest_of(out)
+        assert m["drafter"]["kind"] == "mtp" and m["drafter"]["location"] == "drafter"
+        assert m["drafter"]["source"]["path"] == source.name
+        b = specpack.load(out)
+        with torch.inference_mode():
+            for p in ([1, 5, 17, 33, 90], [1, 200, 7, 7, 42, 19]):
+                ra, rb = (x.generate(p, 16, draft_len=1, adaptive=False, eos_ids=()) for x in (a, b))
+                assert ra.tokens == rb.tokens and ra.stats.accepted == rb.stats.accepted
+
+
+def _manifest_of(art):
+    return json.loads((art / "specpack.json").read_text())
+
+
+def test_a_gguf_nextn_block_for_another_target_is_refused(exported, tmp_path, cli, tiny_target):
+    """A DeepSeek MTP layer offered to a Llama target: refused by the MTP checks, nothing written."""
+    code, _, err = cli("build", tiny_target, "--drafter", exported, "-o", tmp_path / "art")
+    assert code == 2 and not (tmp_path / "art").exists(), err
+    assert "nextn block follows 3 layers of width 64" in err and "made for another model" in err, err

@@ -281,7 +281,8 @@ def _gguf_text(d: dict) -> str:
         rows += [("target", f"{trunk} layers of width {d['hidden_size']}, vocab {d['vocab_size']}"
                             + (f" (+ {d['nextn_predict_layers']} nextn)" if d["nextn_predict_layers"] else "")),
                  ("MTP (nextn)", f"{d['nextn_predict_layers']} layer(s) stated, {d['nextn_tensors']} nextn tensors held"
-                                 + (": import-gguf keeps them, `build --drafter mtp` binds them"
+                                 + (": import-gguf keeps them (`build --drafter mtp` binds them), or `build "
+                                    "TARGET --drafter FILE.gguf` binds them to a target shipped without them"
                                     if d["nextn_tensors"] and d["architecture"] == "deepseek2" else "")),
                  ("import it", f"specpack import-gguf {d['file']} -o DIR")]
     return table(rows)

@@ -62,9 +62,12 @@ def _gguf_drafter(path: Path) -> tuple[str, str]:
     layout = block.detect(path)
     if layout is not None:
         return "block", layout
-    from specpack.converters.gguf import gguf_architecture, open_gguf
+    from specpack.converters.gguf import NEXTN_LAYOUT, gguf_architecture, has_nextn, open_gguf
 
+    if has_nextn(path):
+        return "mtp", NEXTN_LAYOUT
     arch = gguf_architecture(open_gguf(path))
     raise UnsupportedError(f"'{path}' is a llama.cpp '{arch}' GGUF, not a drafter GGUF specpack reads",
                            hint="llama.cpp drafter GGUFs of general.architecture eagle3 and dflash (DFlash, DSpark) "
-                                "are read; a target GGUF goes through `specpack import-gguf`")
+                                "are read, and a deepseek2 GGUF's nextn block (an MTP head); a target GGUF goes "
+                                "through `specpack import-gguf`")

@@ -226,6 +226,42 @@ def _deepseek2(reader, path: Path, dtype: str):
                     for p in parts]
 
 
+NEXTN_LAYOUT = "llamacpp-nextn"  # a deepseek2 GGUF's nextn block, bound as an MTP head (`build --drafter X.gguf`)
+
+
+def has_nextn(path: Path) -> bool:
+    reader = _open(path)
+    return gguf_architecture(reader) == "deepseek2" and any(".nextn." in t.name for t in reader.tensors)
+
+
+def nextn_head(path: Path, out: Path, dtype: str = "float32") -> Path:
+    """The nextn block(s) of a deepseek2 GGUF (llama.cpp's `convert_hf_to_gguf.py --mtp` output, or a whole
+    target file) written to `out` as an MTP head directory in DeepSeek's names (`model.layers.{L+k}.*` and the
+    config stating num_nextn_predict_layers), for mtp.convert to check against a target and copy."""
+    from transformers import DeepseekV3Config
+
+    from specpack.converters import gguf_deepseek2 as ds
+
+    reader = _open(path)
+    _check_types(reader, path)
+    tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
+    get = lambda key, default=None: _field(reader, f"{ds.ARCH}.{key}", default if key != "vocab_size" else tokens)  # noqa: E731
+    names = {t.name for t in reader.tensors}
+    kwargs = ds.read_config(get, names, path)
+    ds.check_nextn(kwargs, names, path)
+    tensors = {t.name: t for t in reader.tensors}
+    parts, problems = ds.nextn_parts(kwargs, {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()})
+    if problems:
+        raise ConversionError(f"{path}: its nextn block is not a DeepSeek MTP layer this file's metadata describes",
+                              problems=problems)
+    steps = [_Step(tensors[p.sources[0]], p.hf_name, p.shape, None, tuple(tensors[s] for s in p.sources), p.make)
+             for p in parts]
+    out.mkdir(parents=True, exist_ok=True)
+    _write_weights(steps, out, dtype, progress=False, max_shard_bytes=MAX_SHARD_BYTES)
+    DeepseekV3Config(**kwargs).save_pretrained(out)
+    return out
+
+
 def _llama_config(reader, path: Path, dtype: str):
     """A LlamaConfig from the GGUF metadata; reports every missing key at once."""
     from transformers import LlamaConfig

@@ -168,6 +168,34 @@ def parts(config: dict, shapes: dict[str, tuple[int, ...]]) -> tuple[list[Part],
     return out, problems
 
 
+def nextn_parts(config: dict, shapes: dict[str, tuple[int, ...]]) -> tuple[list[Part], list[str]]:
+    """The MTP layers alone (`model.layers.{L+k}.*`) from a file's nextn blocks (llama.cpp's `--mtp` output
+    holds nothing else but the shared embedding, norm and head), without DeepSeek's copies of the embedding
+    and head (the target's own are used, as llama.cpp uses token_embd / output where they are absent)."""
+    L, n = config["num_hidden_layers"], config["num_nextn_predict_layers"]
+    nextn = {k: v for k, v in shapes.items() if any(k.startswith(f"blk.{i}.") for i in range(L, L + n))}
+    copies = {f"blk.{i}.nextn.{leaf}.weight" for i in range(L, L + n) for leaf in ("embed_tokens", "shared_head_head")}
+    out, problems, used = [], [], set()
+
+    def take(name: str) -> bool:
+        used.add(name)
+        return name in nextn
+
+    def one(gguf: str, hf: str, want: tuple) -> None:
+        if not take(gguf):
+            problems.append(f"{gguf}: missing")
+        elif nextn[gguf] != want:
+            problems.append(f"{gguf}: shape {list(nextn[gguf])}, expected {list(want)}")
+        else:
+            out.append(Part(hf, want, (gguf,), lambda a: a[0]))
+
+    for i in range(L, L + n):
+        _layer(config, i, {k: v for k, v in nextn.items() if k not in copies}, one, take, out, problems)
+    problems += [f"{name}: not a tensor of this deepseek2 model's nextn block" for name in nextn
+                 if name not in used and name not in copies]
+    return out, problems
+
+
 def _layer(c: dict, i: int, shapes: dict, one, take, out: list, problems: list) -> None:
     H, heads, lora, rope = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"]
     nope, v, q = c["qk_nope_head_dim"], c["v_head_dim"], c["q_lora_rank"]

@@ -163,8 +163,10 @@ def _family_module(arch, k: int, meta: dict, checked) -> tuple[dict, list[str]]:
 _ROLES = dict(zip(("embed_norm", "hidden_norm", "proj", "final_norm"), _FUSION))
 
 
-def convert(path: Path, target: Target, allow_reuse: bool = False, source: Source | None = None) -> ConvertedDrafter:
-    """A separate MTP head directory (published tensor names) for `target`, checked and copied."""
+def convert(path: Path, target: Target, allow_reuse: bool = False, source: Source | None = None,
+            label: str | None = None) -> ConvertedDrafter:
+    """A separate MTP head directory (published tensor names) for `target`, checked and copied (`label`: how
+    errors name it, where it was read from elsewhere: a GGUF's nextn block)."""
     path = Path(path)
     files = _head_files(path)
     layout = _layout_of(files)
@@ -176,7 +178,7 @@ def convert(path: Path, target: Target, allow_reuse: bool = False, source: Sourc
     has_config = (path / "config.json").is_file()
     config = _text_config(read_config(path / "config.json", "MTP head config")) if has_config else {}
     src = _Source(meta, files, config, source or Source.local(path), "drafter")
-    return _convert(LAYOUTS[layout], src, target, allow_reuse, f"MTP head '{path}'")
+    return _convert(LAYOUTS[layout], src, target, allow_reuse, label or f"MTP head '{path}'")
 
 
 # ---- shared by both sources ----
