@@ -231,15 +231,26 @@ def _hub_release(spec: str, endpoint: str | None = None) -> dict:
     subfolders = tuple(b.where.rstrip("/") for b in found if b.layout == "C") if not binds else ()
     carried = sum(files.size(f) for f in carried_files(files, target, subfolders))
     size = sum(files.size(f) for f in files.list())
-    from specpack.packager.hub_release import engines_for
-
-    engines = engines_for(target, binds)
+    engines = _engines_for(target, binds)
     return {"release": spec, "repo_id": files.repo_id, "revision": files.revision, "commit": files.commit,
             "bundled": [b.to_dict() for b in found], "drafter_bundled": binds, **({"why_not": why} if why else {}),
             **({"engines": engines} if engines is not None else {}),
             "target": target.info.model_dump(mode="json", exclude_none=True), "files": len(files.list()),
             "repository_bytes": size, "build_would_download_bytes": carried,
             "bytes_read": files.bytes_read, "requests": files.requests}
+
+
+def _engines_for(target, drafter: str | None) -> dict[str, list[str]] | None:
+    """Which export engines would serve the artifact `build --drafter bundled` makes of a release read on the
+    hub (exports.engine_limits on the manifest it would state), where the binding is checked from headers
+    alone (a release's DSpark stages); None where it needs the downloaded files first."""
+    from specpack.converters import release_dspark
+    from specpack.exports import engine_limits
+    from specpack.packager.build import manifest_of
+
+    if drafter != release_dspark.deepseek_v4.SPEC:
+        return None
+    return engine_limits(manifest_of("preview", target, release_dspark.convert_in_target(target)))
 
 
 def _hub_text(d: dict) -> str:

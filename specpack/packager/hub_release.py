@@ -73,19 +73,6 @@ def fetch_drafter(spec: str, endpoint: str | None = None, say=lambda line: None)
     return Fetched(root, tuple(rels), files.source, skipped, sum(files.size(r) for r in rels))
 
 
-def engines_for(target: target_hf.Target, drafter: str | None) -> dict[str, list[str]] | None:
-    """Which export engines would serve the artifact `build --drafter bundled` makes of a release read on the
-    hub (exports.engine_limits on the manifest it would state), where the binding is checked from headers
-    alone (the DSpark stages in the target); None where it needs the downloaded files first."""
-    from specpack.converters import release_dspark
-    from specpack.exports import engine_limits
-    from specpack.packager.build import manifest_of
-
-    if drafter != release_dspark.deepseek_v4.SPEC:
-        return None
-    return engine_limits(manifest_of("preview", target, release_dspark.convert_in_target(target)))
-
-
 def _drafter_folders(files: HubFiles, target: target_hf.Target, drafter: str) -> tuple[str, ...]:
     """What the drafter needs fetched beside the target (a bundled subfolder), after the checks the
     headers allow: a release bundling nothing, or an MTP drafter whose layers the weights lack, downloads
