@@ -203,9 +203,22 @@ def _deepseek2(reader, path: Path, dtype: str):
 
     from specpack.converters import gguf_deepseek2 as ds
 
+    kwargs, steps = _deepseek2_file(reader, path, ds.parts, "tensors do not match the model its metadata describes")
+    config = DeepseekV3Config(**kwargs, bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+                              eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+                              pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"), dtype=dtype)
+    return config, steps
+
+
+def _deepseek2_file(reader, path: Path, parts_of, what: str, whole: bool = True) -> tuple[dict, list[_Step]]:
+    """(DeepseekV3Config arguments, the steps making the tensors `parts_of` plans: gguf_deepseek2.parts or
+    nextn_parts) of a deepseek2 file, its metadata checked against its tensors (`whole`: the file holds every
+    block, not the nextn block alone)."""
+    from specpack.converters import gguf_deepseek2 as ds
+
     _check_types(reader, path)
     tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
-    get = lambda key, default=None: _field(reader, f"{ds.ARCH}.{key}", default if key != "vocab_size" else tokens)  # noqa: E731
+    get = lambda key, default=None: _field(reader, f"{ds.ARCH}.{key}", tokens if key == "vocab_size" else default)  # noqa: E731
     names = {t.name for t in reader.tensors}
     kwargs = ds.read_config(get, names, path)
     sizes = {"block_count": kwargs["num_hidden_layers"] + kwargs["num_nextn_predict_layers"],
@@ -213,16 +226,14 @@ def _deepseek2(reader, path: Path, dtype: str):
              "attention.head_count": kwargs["num_attention_heads"], "attention.head_count_kv": 1,
              "context_length": kwargs["max_position_embeddings"], "vocab_size": kwargs["vocab_size"]}
     _check_sizes(sizes, path)
-    _check_against_tensors(reader, sizes, path)
+    if whole:
+        _check_against_tensors(reader, sizes, path)
     ds.check_nextn(kwargs, names, path)
     tensors = {t.name: t for t in reader.tensors}
-    parts, problems = ds.parts(kwargs, {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()})
+    parts, problems = parts_of(kwargs, {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()})
     if problems:
-        raise ConversionError(f"{path}: tensors do not match the model its metadata describes", problems=problems)
-    config = DeepseekV3Config(**kwargs, bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
-                              eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
-                              pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"), dtype=dtype)
-    return config, [_Step(tensors[p.sources[0]], p.hf_name, p.shape, None, tuple(tensors[s] for s in p.sources), p.make)
+        raise ConversionError(f"{path}: {what}", problems=problems)
+    return kwargs, [_Step(tensors[p.sources[0]], p.hf_name, p.shape, None, tuple(tensors[s] for s in p.sources), p.make)
                     for p in parts]
 
 
@@ -242,20 +253,8 @@ def nextn_head(path: Path, out: Path, dtype: str = "float32") -> Path:
 
     from specpack.converters import gguf_deepseek2 as ds
 
-    reader = _open(path)
-    _check_types(reader, path)
-    tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else 0
-    get = lambda key, default=None: _field(reader, f"{ds.ARCH}.{key}", default if key != "vocab_size" else tokens)  # noqa: E731
-    names = {t.name for t in reader.tensors}
-    kwargs = ds.read_config(get, names, path)
-    ds.check_nextn(kwargs, names, path)
-    tensors = {t.name: t for t in reader.tensors}
-    parts, problems = ds.nextn_parts(kwargs, {n: tuple(int(d) for d in reversed(t.shape.tolist())) for n, t in tensors.items()})
-    if problems:
-        raise ConversionError(f"{path}: its nextn block is not a DeepSeek MTP layer this file's metadata describes",
-                              problems=problems)
-    steps = [_Step(tensors[p.sources[0]], p.hf_name, p.shape, None, tuple(tensors[s] for s in p.sources), p.make)
-             for p in parts]
+    kwargs, steps = _deepseek2_file(_open(path), path, ds.nextn_parts,
+                                    "its nextn block is not a DeepSeek MTP layer this file's metadata describes", whole=False)
     out.mkdir(parents=True, exist_ok=True)
     _write_weights(steps, out, dtype, progress=False, max_shard_bytes=MAX_SHARD_BYTES)
     DeepseekV3Config(**kwargs).save_pretrained(out)

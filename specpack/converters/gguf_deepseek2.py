@@ -139,33 +139,44 @@ def check_nextn(config: dict, names: set[str], path) -> None:
                               hint="the metadata and the tensors must describe one model; convert it again")
 
 
+class _Plan:
+    """Parts planned against a file's tensors (`shapes`: GGUF name -> torch-order shape): what each Hugging Face
+    tensor is made from, the problems met, and which GGUF tensors were claimed."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]]):
+        self.shapes, self.out, self.problems, self.used = shapes, [], [], set()
+
+    def take(self, name: str) -> bool:
+        self.used.add(name)
+        return name in self.shapes
+
+    def one(self, gguf: str, hf: str, want: tuple) -> None:
+        """`hf` is the GGUF tensor `gguf` as it is, of shape `want`."""
+        if not self.take(gguf):
+            self.problems.append(f"{gguf}: missing")
+        elif self.shapes[gguf] != want:
+            self.problems.append(f"{gguf}: shape {list(self.shapes[gguf])}, expected {list(want)}")
+        else:
+            self.out.append(Part(hf, want, (gguf,), lambda a: a[0]))
+
+    def done(self, what: str) -> tuple[list[Part], list[str]]:
+        left = [f"{name}: not a tensor of {what}" for name in self.shapes if name not in self.used]
+        return self.out, self.problems + left
+
+
 def parts(config: dict, shapes: dict[str, tuple[int, ...]]) -> tuple[list[Part], list[str]]:
     """Every Hugging Face tensor of `config`'s DeepseekV3ForCausalLM (its nextn blocks as DeepSeek's
     `model.layers.{L+k}.*`) and the GGUF tensors each is made from (`shapes`: GGUF name -> torch-order
     shape); the problems: GGUF tensors left over, missing, or of the wrong shape."""
-    c, used, out, problems = config, set(), [], []
-
-    def take(name: str) -> bool:
-        used.add(name)
-        return name in shapes
-
-    def one(gguf: str, hf: str, want: tuple) -> None:
-        if not take(gguf):
-            problems.append(f"{gguf}: missing")
-        elif shapes[gguf] != want:
-            problems.append(f"{gguf}: shape {list(shapes[gguf])}, expected {list(want)}")
-        else:
-            out.append(Part(hf, want, (gguf,), lambda a: a[0]))
-
+    c, plan = config, _Plan(shapes)
     H, V = c["hidden_size"], c["vocab_size"]
-    one("token_embd.weight", "model.embed_tokens.weight", (V, H))
-    one("output_norm.weight", "model.norm.weight", (H,))
+    plan.one("token_embd.weight", "model.embed_tokens.weight", (V, H))
+    plan.one("output_norm.weight", "model.norm.weight", (H,))
     if not c["tie_word_embeddings"]:
-        one("output.weight", "lm_head.weight", (V, H))
+        plan.one("output.weight", "lm_head.weight", (V, H))
     for i in range(c["num_hidden_layers"] + c["num_nextn_predict_layers"]):
-        _layer(c, i, shapes, one, take, out, problems)
-    problems += [f"{name}: not a tensor of this deepseek2 model" for name in shapes if name not in used]
-    return out, problems
+        _layer(c, i, plan)
+    return plan.done("this deepseek2 model")
 
 
 def nextn_parts(config: dict, shapes: dict[str, tuple[int, ...]]) -> tuple[list[Part], list[str]]:
@@ -173,30 +184,16 @@ def nextn_parts(config: dict, shapes: dict[str, tuple[int, ...]]) -> tuple[list[
     holds nothing else but the shared embedding, norm and head), without DeepSeek's copies of the embedding
     and head (the target's own are used, as llama.cpp uses token_embd / output where they are absent)."""
     L, n = config["num_hidden_layers"], config["num_nextn_predict_layers"]
-    nextn = {k: v for k, v in shapes.items() if any(k.startswith(f"blk.{i}.") for i in range(L, L + n))}
     copies = {f"blk.{i}.nextn.{leaf}.weight" for i in range(L, L + n) for leaf in ("embed_tokens", "shared_head_head")}
-    out, problems, used = [], [], set()
-
-    def take(name: str) -> bool:
-        used.add(name)
-        return name in nextn
-
-    def one(gguf: str, hf: str, want: tuple) -> None:
-        if not take(gguf):
-            problems.append(f"{gguf}: missing")
-        elif nextn[gguf] != want:
-            problems.append(f"{gguf}: shape {list(nextn[gguf])}, expected {list(want)}")
-        else:
-            out.append(Part(hf, want, (gguf,), lambda a: a[0]))
-
+    plan = _Plan({k: v for k, v in shapes.items()
+                  if k not in copies and any(k.startswith(f"blk.{i}.") for i in range(L, L + n))})
     for i in range(L, L + n):
-        _layer(config, i, {k: v for k, v in nextn.items() if k not in copies}, one, take, out, problems)
-    problems += [f"{name}: not a tensor of this deepseek2 model's nextn block" for name in nextn
-                 if name not in used and name not in copies]
-    return out, problems
+        _layer(config, i, plan)
+    return plan.done("this deepseek2 model's nextn block")
 
 
-def _layer(c: dict, i: int, shapes: dict, one, take, out: list, problems: list) -> None:
+def _layer(c: dict, i: int, plan: _Plan) -> None:
+    one, take, shapes = plan.one, plan.take, plan.shapes
     H, heads, lora, rope = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"]
     nope, v, q = c["qk_nope_head_dim"], c["v_head_dim"], c["q_lora_rank"]
     g, p = f"blk.{i}.", f"model.layers.{i}."
@@ -211,9 +208,9 @@ def _layer(c: dict, i: int, shapes: dict, one, take, out: list, problems: list) 
     one(g + "attn_kv_a_norm.weight", p + "self_attn.kv_a_layernorm.weight", (lora,))
     kb, vb = g + "attn_k_b.weight", g + "attn_v_b.weight"
     if (take(kb) & take(vb)) and shapes[kb] == (heads, lora, nope) and shapes[vb] == (heads, v, lora):
-        out.append(Part(p + "self_attn.kv_b_proj.weight", (heads * (nope + v), lora), (kb, vb), lambda a: join_kv_b(*a)))
+        plan.out.append(Part(p + "self_attn.kv_b_proj.weight", (heads * (nope + v), lora), (kb, vb), lambda a: join_kv_b(*a)))
     else:
-        problems.append(f"{kb} / {vb}: missing or not of shapes {[heads, lora, nope]} / {[heads, v, lora]}")
+        plan.problems.append(f"{kb} / {vb}: missing or not of shapes {[heads, lora, nope]} / {[heads, v, lora]}")
     one(g + "attn_output.weight", p + "self_attn.o_proj.weight", (H, heads * v))
     one(g + "ffn_norm.weight", p + "post_attention_layernorm.weight", (H,))
     if i < c["first_k_dense_replace"]:
@@ -221,7 +218,7 @@ def _layer(c: dict, i: int, shapes: dict, one, take, out: list, problems: list) 
                             ("down", (H, c["intermediate_size"]))):
             one(g + f"ffn_{leaf}.weight", p + f"mlp.{leaf}_proj.weight", shape)
     else:
-        _moe(c, g, p, shapes, one, take, out, problems)
+        _moe(c, g, p, plan)
     if i >= c["num_hidden_layers"]:
         for gguf, hf in NEXTN.items():
             shape = {"eh_proj": (H, 2 * H), "embed_tokens": (c["vocab_size"], H),
@@ -231,7 +228,8 @@ def _layer(c: dict, i: int, shapes: dict, one, take, out: list, problems: list) 
             one(g + gguf + ".weight", p + hf + ".weight", shape)
 
 
-def _moe(c: dict, g: str, p: str, shapes: dict, one, take, out: list, problems: list) -> None:
+def _moe(c: dict, g: str, p: str, plan: _Plan) -> None:
+    one, take, shapes, out, problems = plan.one, plan.take, plan.shapes, plan.out, plan.problems
     H, E, ff = c["hidden_size"], c["n_routed_experts"], c["moe_intermediate_size"]
     one(g + "ffn_gate_inp.weight", p + "mlp.gate.weight", (E, H))
     if take(g + ROUTER_BIAS[0]):
