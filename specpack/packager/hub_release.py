@@ -56,20 +56,19 @@ def fetch_target(spec: str, drafter: str, endpoint: str | None = None, allow_rem
     target = remote_code.check(target_hf.check(files, files.source), allow_remote_code)
     say(f"checked {files.label()} by range requests: {target.info.architecture}, "
         f"{len(target.tensors):,} tensors ({files.bytes_read:,} bytes in {files.requests} requests)")
-    subfolders = _drafter_folders(files, target, drafter)
-    rels = carried(files, target, subfolders)
-    skipped = tuple(r for r in files.list() if r not in rels)
-    root = files.download(rels, say)
-    return Fetched(root, tuple(rels), files.source, skipped, sum(files.size(r) for r in rels))
+    return _fetch(files, carried(files, target, _drafter_folders(files, target, drafter)), say)
 
 
 def fetch_drafter(spec: str, endpoint: str | None = None, say=lambda line: None) -> Fetched:
     """A drafter repository (a head, a draft model) at one commit: every file but other formats and media,
     verified (an official EAGLE-3 head is a pytorch_model.bin, which the converter reads without unpickling code)."""
     files = HubFiles.open(spec, endpoint=endpoint)
-    rels = [r for r in files.list() if not r.endswith(OTHER_FORMATS) and not r.startswith(".")]
-    skipped = tuple(r for r in files.list() if r not in rels)
+    return _fetch(files, [r for r in files.list() if not r.endswith(OTHER_FORMATS) and not r.startswith(".")], say)
+
+
+def _fetch(files: HubFiles, rels: list[str], say) -> Fetched:
     root = files.download(rels, say)
+    skipped = tuple(r for r in files.list() if r not in set(rels))
     return Fetched(root, tuple(rels), files.source, skipped, sum(files.size(r) for r in rels))
 
 
