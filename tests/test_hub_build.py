@@ -240,3 +240,28 @@ def test_inspect_hf_names_the_engines_the_built_artifact_has(hub, tmp_path, cli)
     assert json.loads(out)["engines"] == built["engines"] and "vllm" in built["engines"]
     code, text, _ = cli("inspect", f"hf://{REPO}")
     assert code == 0 and "export engines" in text
+
+
+def test_a_llamacpp_drafter_gguf_from_the_hub(tmp_path, tiny_target, tiny_cfg, cli, monkeypatch):
+    """A repository holding one llama.cpp drafter GGUF (no config.json): `--drafter hf://org/head-gguf`
+    fetches that file, verified, and binds it as a local GGUF; two GGUFs are refused (which one is not said)."""
+    import eagle_layouts
+    import gguf_fixtures as gf
+
+    head = eagle_layouts.random_head(tiny_cfg, draft_vocab=256)
+    folder = tmp_path / "gguf-repo"
+    folder.mkdir()
+    gf.write_eagle3_gguf(folder / "draft-eagle3-f32.gguf", head, tiny_cfg, [1, 3, 6], tiny_cfg.vocab_size)
+    (folder / "README.md").write_text("an EAGLE-3 head for llama.cpp")
+    with FakeHub(lfs_threshold=4096) as hub:
+        api = HfApi(endpoint=hub.url, token=WRITE_TOKEN)
+        api.create_repo("org/head-gguf")
+        api.upload_folder(repo_id="org/head-gguf", folder_path=folder)
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        code, _, err = cli("build", tiny_target, "--drafter", "hf://org/head-gguf", "-o", tmp_path / "art")
+        assert code == 0, err
+        assert _manifest(tmp_path / "art")["drafter"]["kind"] == "eagle3"
+        (folder / "draft-eagle3-q8_0.gguf").write_bytes((folder / "draft-eagle3-f32.gguf").read_bytes())
+        api.upload_folder(repo_id="org/head-gguf", folder_path=folder)
+        code, _, err = cli("build", tiny_target, "--drafter", "hf://org/head-gguf", "-o", tmp_path / "art2")
+    assert code == 2 and "2 GGUF files" in err and not (tmp_path / "art2").exists(), err

@@ -86,7 +86,7 @@ def build(target, drafter, out, key, force, aux_layer_ids, aux_convention, block
     if hub_release.is_hub(drafter):
         fetched["drafter"] = hub_release.fetch_drafter(drafter, endpoint, say)
     t, d = fetched.get("target"), fetched.get("drafter")
-    opts = BuildOptions(target=t.root if t else Path(target), drafter=str(d.root) if d else drafter, out=out, key=key,
+    opts = BuildOptions(target=t.root if t else Path(target), drafter=str(d.drafter) if d else drafter, out=out, key=key,
                         force=force, target_files=t.files if t else None, target_source=t.source if t else None,
                         drafter_source=d.source if d else None,
                         aux=AuxOverride.parse(aux_layer_ids, aux_convention),

@@ -34,6 +34,11 @@ class Fetched:
     skipped: tuple[str, ...] = ()  # files of the repository not fetched
     bytes: int = 0
 
+    @property
+    def drafter(self) -> Path:
+        """What `--drafter` takes: the fetched directory, or the one drafter GGUF fetched."""
+        return self.root / self.files[0] if len(self.files) == 1 and self.files[0].endswith(".gguf") else self.root
+
 
 def is_hub(spec) -> bool:
     return str(spec).startswith(SCHEME)
@@ -61,8 +66,16 @@ def fetch_target(spec: str, drafter: str, endpoint: str | None = None, allow_rem
 
 def fetch_drafter(spec: str, endpoint: str | None = None, say=lambda line: None) -> Fetched:
     """A drafter repository (a head, a draft model) at one commit: every file but other formats and media,
-    verified (an official EAGLE-3 head is a pytorch_model.bin, which the converter reads without unpickling code)."""
+    verified (an official EAGLE-3 head is a pytorch_model.bin, which the converter reads without unpickling code);
+    or, in a repository of llama.cpp drafter GGUFs (no config.json), its one GGUF file."""
     files = HubFiles.open(spec, endpoint=endpoint)
+    ggufs = [r for r in files.list() if r.endswith(".gguf")]
+    if not files.exists("config.json") and ggufs:
+        if len(ggufs) > 1:
+            raise InputError(f"{files.label()} holds {len(ggufs)} GGUF files and no config.json: which one is the "
+                             "drafter is not stated", problems=ggufs[:8],
+                             hint="download the one you want and pass its path as --drafter")
+        return _fetch(files, ggufs, say)
     return _fetch(files, [r for r in files.list() if not r.endswith(OTHER_FORMATS) and not r.startswith(".")], say)
 
 
