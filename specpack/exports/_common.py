@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpack._atomic import save_safetensors
+from specpack.converters.safetensors_header import TensorMeta, read_header
 from specpack.exports._schedule import Crossover
 from specpack.schemas import Manifest
 
@@ -228,3 +229,13 @@ def write_readme(ctx: ExportContext, engine: str, export: EngineExport) -> None:
     if export.notes:
         lines += ["## Notes", ""] + [f"- {n}" for n in export.notes] + [""]
     (ctx.out / README).write_text("\n".join(lines))
+
+
+def target_tensors(ctx) -> dict[str, tuple[Path, TensorMeta]]:
+    """Every tensor of the artifact's target shards, from their headers (nothing loaded): name -> (the
+    safetensors file, its header entry)."""
+    out = {}
+    for rel in ctx.manifest.target.weight_files:
+        if rel.endswith(".safetensors"):
+            out.update({n: (ctx.artifact / rel, m) for n, m in read_header(ctx.artifact / rel).items()})
+    return out

@@ -146,19 +146,6 @@ def add_tokenizer(writer, target: Path, pre: str | None = None) -> str:
     return name
 
 
-def target_entries(artifact: Path):
-    """(file, HF name, shape) of every target tensor, from the safetensors headers (nothing loaded)."""
-    import json
-
-    from specpack.converters.safetensors_header import read_header
-
-    index = artifact / "model.safetensors.index.json"
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file() else ["model.safetensors"]
-    for file in files:
-        for name, meta in sorted(read_header(artifact / file).items()):
-            yield file, name, tuple(meta.shape)
-
-
 def load_f32(file: Path, name: str) -> np.ndarray:
     from safetensors import safe_open
 

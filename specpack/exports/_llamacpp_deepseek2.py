@@ -23,6 +23,7 @@ import numpy as np
 from specpack.converters import gguf_deepseek2 as ds
 from specpack.errors import UnsupportedError
 from specpack.exports import _gguf, _mtp
+from specpack.exports._common import target_tensors
 
 # how llama.cpp runs each published MTP layout, or why it cannot here
 MTP = {"mtp-deepseek": _mtp.EngineMtp("embedding_first", "final_norm_output", "post_norm", "first", max_layers=1,
@@ -95,16 +96,16 @@ def write_target(ctx, config: dict) -> tuple[Path, str]:
         raise UnsupportedError("llama.cpp's deepseek2 MTP graph cannot run this MTP layer", problems=nextn_problems(config))
     path = ctx.out / f"target-{ctx.gguf_type}.gguf"
     writer = _gguf.open_writer(path, ds.ARCH, ctx.artifact.name)
-    _hparams(writer, config, nextn, ctx.gguf_type)
+    _hparams(writer, config, ctx.manifest.target.rope_scaling or {}, nextn, ctx.gguf_type)
     pre = _gguf.add_tokenizer(writer, ctx.artifact, ctx.gguf_pre)
     _plan(ctx, config, nextn).write(writer)
     return path, pre
 
 
-def _hparams(writer, config: dict, nextn: int, gguf_type: str) -> None:
+def _hparams(writer, config: dict, rope: dict, nextn: int, gguf_type: str) -> None:
     """What TextModel.set_gguf_parameters and DeepseekV2Model.set_gguf_parameters write (+ nextn_predict_layers,
-    as Glm4MoeLiteModel adds it)."""
-    c, lora, rope = config, config["kv_lora_rank"], config["qk_rope_head_dim"]
+    as Glm4MoeLiteModel adds it); `rope`: the scaling the manifest states (rope_problems has passed it)."""
+    c, lora, rope_dim = config, config["kv_lora_rank"], config["qk_rope_head_dim"]
     ints = {"context_length": c["max_position_embeddings"], "embedding_length": c["hidden_size"],
             "block_count": c["num_hidden_layers"] + nextn, "feed_forward_length": c["intermediate_size"],
             "attention.head_count": c["num_attention_heads"], "attention.head_count_kv": 1,  # MLA as MQA
@@ -112,10 +113,10 @@ def _hparams(writer, config: dict, nextn: int, gguf_type: str) -> None:
             "expert_group_count": c.get("n_group") or 1, "expert_group_used_count": c.get("topk_group") or 1,
             "expert_gating_func": 2 if c.get("scoring_func") == "sigmoid" else 1,  # ExpertGatingFuncType
             "leading_dense_block_count": c.get("first_k_dense_replace", 0), "vocab_size": c["vocab_size"],
-            "attention.kv_lora_rank": lora, "attention.key_length": lora + rope, "attention.value_length": lora,
-            "attention.key_length_mla": c["qk_nope_head_dim"] + rope, "attention.value_length_mla": c["v_head_dim"],
+            "attention.kv_lora_rank": lora, "attention.key_length": lora + rope_dim, "attention.value_length": lora,
+            "attention.key_length_mla": c["qk_nope_head_dim"] + rope_dim, "attention.value_length_mla": c["v_head_dim"],
             "expert_feed_forward_length": c["moe_intermediate_size"], "expert_shared_count": c.get("n_shared_experts") or 0,
-            "rope.dimension_count": rope}
+            "rope.dimension_count": rope_dim}
     if c.get("q_lora_rank") is not None:
         ints["attention.q_lora_rank"] = c["q_lora_rank"]
     if nextn:
@@ -123,8 +124,7 @@ def _hparams(writer, config: dict, nextn: int, gguf_type: str) -> None:
     for key, value in ints.items():
         writer.add_uint32(f"{ds.ARCH}.{key}", int(value))
     writer.add_float32(f"{ds.ARCH}.rope.freq_base", float(c["rope_theta"]))
-    rope = {**(c.get("rope_scaling") or {}), **(c.get("rope_parameters") or {})}
-    if rope.get("rope_type", rope.get("type")) == "yarn":  # rope_problems passed: as base.py + DeepseekV2Model write it
+    if rope.get("rope_type", rope.get("type")) == "yarn":  # as base.py + DeepseekV2Model write it
         writer.add_string(f"{ds.ARCH}.rope.scaling.type", "yarn")
         writer.add_float32(f"{ds.ARCH}.rope.scaling.factor", float(rope["factor"]))
         writer.add_uint32(f"{ds.ARCH}.rope.scaling.original_context_length", int(rope["original_max_position_embeddings"]))
@@ -145,10 +145,10 @@ def _sources(ctx, nextn: int) -> list[tuple[Path, str, str, tuple]]:
     `nextn` MTP layers from the target shards or, where the artifact stores them, drafter/model.safetensors."""
     L = ctx.manifest.target.num_hidden_layers
     out = []
-    for file, name, shape in _gguf.target_entries(ctx.artifact):
+    for name, (file, meta) in sorted(target_tensors(ctx).items()):
         m = _LAYER.match(name)
         if m is None or int(m.group(1)) < L + (nextn if ctx.manifest.drafter.location == "target" else 0):
-            out.append((ctx.artifact / file, name, name, shape))
+            out.append((file, name, name, tuple(meta.shape)))
     if nextn and ctx.manifest.drafter.location == "drafter":
         located = _mtp.canonical_tensors(ctx)
         names = _mtp.layout_names("mtp-deepseek", list(located), lambda k: f"model.layers.{L + k}.")
@@ -189,10 +189,17 @@ def _plan(ctx, config: dict, nextn: int) -> _gguf.Tensors:
 
 
 def _plan_kv_b(plan: _gguf.Tensors, i: int, config: dict, shape: tuple, load) -> None:
+    """k_b and v_b from one read of kv_b_proj (written one after the other: the split is kept for the second)."""
     heads, nope, v = config["num_attention_heads"], config["qk_nope_head_dim"], config["v_head_dim"]
-    lora = shape[-1]
-    plan.add(f"blk.{i}.{ds.KV_B[0]}.weight", (heads, lora, nope), lambda: ds.split_kv_b(load(), heads, nope, v)[0])
-    plan.add(f"blk.{i}.{ds.KV_B[1]}.weight", (heads, v, lora), lambda: ds.split_kv_b(load(), heads, nope, v)[1])
+    lora, halves = shape[-1], {}
+
+    def half(k: int):  # each half is handed out once; both out, nothing is kept
+        if not halves:
+            halves.update(enumerate(ds.split_kv_b(load(), heads, nope, v)))
+        return halves.pop(k)
+
+    plan.add(f"blk.{i}.{ds.KV_B[0]}.weight", (heads, lora, nope), lambda: half(0))
+    plan.add(f"blk.{i}.{ds.KV_B[1]}.weight", (heads, v, lora), lambda: half(1))
 
 
 def _plan_experts(plan: _gguf.Tensors, i: int, proj: str, by_expert: dict, n: int) -> None:

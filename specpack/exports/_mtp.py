@@ -21,6 +21,7 @@ from pathlib import Path
 from specpack.converters.mtp import _FUSION, LAYOUTS, _data_start
 from specpack.converters.safetensors_header import TensorMeta, read_header
 from specpack.errors import ConversionError
+from specpack.exports._common import target_tensors
 
 FAMILIES = {"mtp-deepseek": "DeepSeek-V3/GLM-4.5", "mtp-mimo": "MiMo", "mtp-qwen3-next": "Qwen3-Next/Qwen3.5",
             "mtp-nemotron-h": "Nemotron 3"}
@@ -96,15 +97,6 @@ def bindings(ctx, engine: str, how: EngineMtp, reads: str) -> list[str]:
 Located = tuple[Path, TensorMeta]  # (safetensors file, the tensor's entry in its header)
 
 
-def target_index(ctx) -> dict[str, Located]:
-    """Every tensor of the artifact's target shards (headers only)."""
-    out = {}
-    for rel in ctx.manifest.target.weight_files:
-        if rel.endswith(".safetensors"):
-            out.update({n: (ctx.artifact / rel, m) for n, m in read_header(ctx.artifact / rel).items()})
-    return out
-
-
 def canonical_tensors(ctx) -> dict[str, Located]:
     """Canonical MTP name -> where its bytes are: the target shard the drafter config maps it to, or
     drafter/model.safetensors when the artifact stores the layers itself."""
@@ -113,7 +105,7 @@ def canonical_tensors(ctx) -> dict[str, Located]:
         path = ctx.artifact / d.weights
         return {n: (path, m) for n, m in read_header(path).items()}
     mapping = json.loads((ctx.artifact / d.config).read_text())["tensors"]
-    index = target_index(ctx)
+    index = target_tensors(ctx)
     return {c: index[s] for c, s in mapping.items()}
 
 
@@ -135,7 +127,7 @@ def check_reads(ctx, engine: str, extra: list[str] = ()) -> str:
     d, L = ctx.manifest.drafter, ctx.manifest.target.num_hidden_layers
     mapping = json.loads((ctx.artifact / d.config).read_text())["tensors"]
     names = sorted({*mapping.values(), *d.shared_tensors, *extra})
-    index = target_index(ctx)
+    index = target_tensors(ctx)
     missing = [n for n in names if n not in index]
     if missing:
         raise ConversionError(f"the artifact's target lacks tensors {engine} reads for MTP", problems=missing,

@@ -35,7 +35,8 @@ import numpy as np
 from specpack.converters import eagle3_gguf
 from specpack.converters.block import llamacpp as block_gguf
 from specpack.exports import _gguf, _mtp, _llamacpp_deepseek2 as _deepseek2
-from specpack.exports._common import EngineExport, ExportContext, embedding_problems, quote, write_json
+from specpack.exports._common import (EngineExport, ExportContext, embedding_problems, quote, target_tensors,
+                                      write_json)
 
 NAME = "llama.cpp"
 # the targets this export writes, as llama.cpp's arch of that name
@@ -142,12 +143,12 @@ def write_target(ctx: ExportContext) -> tuple[Path, str]:
     pre = _gguf.add_tokenizer(writer, ctx.artifact, ctx.gguf_pre)
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
     plan = _gguf.Tensors(ctx.gguf_type)
-    for file, name, shape in _gguf.target_entries(ctx.artifact):
+    for name, (file, meta) in sorted(target_tensors(ctx).items()):
         if config.get("tie_word_embeddings") and name == "lm_head.weight":
             continue
         g = gguf_name(name)
         h = heads if ".attn_q." in g else kv if ".attn_k." in g else None
-        plan.add(g, shape, lambda file=file, name=name, h=h: _permuted(ctx.artifact / file, name, h))
+        plan.add(g, meta.shape, lambda file=file, name=name, h=h: _permuted(file, name, h))
     plan.write(writer)
     return path, pre
 
