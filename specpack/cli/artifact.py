@@ -213,11 +213,10 @@ def inspect(artifact, endpoint, json_mode):
 
 def _hub_release(spec: str, endpoint: str | None = None) -> dict:
     """A hub release's target checked by range requests (converters/hub_files), and what that read."""
-    from specpack.converters import target_hf
+    from specpack.converters import bundled, target_hf
     from specpack.converters.hub_files import HubFiles
-
-    from specpack.converters import bundled
     from specpack.errors import InputError, UnsupportedError
+    from specpack.packager.hub_release import bundled_folders, carried as carried_files
 
     files = HubFiles.open(spec, endpoint=endpoint)
     target = target_hf.check(files, files.source)
@@ -226,10 +225,7 @@ def _hub_release(spec: str, endpoint: str | None = None) -> dict:
         binds, why = bundled.choose(files.label(), found), None
     except (InputError, UnsupportedError) as exc:
         binds, why = None, exc.message
-    from specpack.packager.hub_release import carried as carried_files
-
-    subfolders = tuple(b.where.rstrip("/") for b in found if b.layout == "C") if not binds else ()
-    carried = sum(files.size(f) for f in carried_files(files, target, subfolders))
+    carried = sum(files.size(f) for f in carried_files(files, target, bundled_folders(found)))
     size = sum(files.size(f) for f in files.list())
     engines = _engines_for(target, binds)
     return {"release": spec, "repo_id": files.repo_id, "revision": files.revision, "commit": files.commit,

@@ -245,16 +245,23 @@ def has_nextn(path: Path) -> bool:
     return gguf_architecture(reader) == "deepseek2" and any(".nextn." in t.name for t in reader.tensors)
 
 
-def nextn_head(path: Path, out: Path, dtype: str = "float32") -> Path:
+def nextn_head(path: Path, out: Path, trunk: tuple[int, int], dtype: str = "float32") -> Path:
     """The nextn block(s) of a deepseek2 GGUF (llama.cpp's `convert_hf_to_gguf.py --mtp` output, or a whole
     target file) written to `out` as an MTP head directory in DeepSeek's names (`model.layers.{L+k}.*` and the
-    config stating num_nextn_predict_layers), for mtp.convert to check against a target and copy."""
+    config stating num_nextn_predict_layers), for mtp.convert to check against a target and copy. `trunk`:
+    the target's (layers, width), which the block must follow: a block made for another model is refused
+    before anything is written."""
     from transformers import DeepseekV3Config
 
     from specpack.converters import gguf_deepseek2 as ds
 
     kwargs, steps = _deepseek2_file(_open(path), path, ds.nextn_parts,
                                     "its nextn block is not a DeepSeek MTP layer this file's metadata describes", whole=False)
+    theirs = (kwargs["num_hidden_layers"], kwargs["hidden_size"])
+    if theirs != tuple(trunk):
+        raise InputError(f"'{path}': its nextn block follows {theirs[0]} layers of width {theirs[1]}; this target "
+                         f"has {trunk[0]} of width {trunk[1]}: it was made for another model",
+                         hint="pass the GGUF of this target's release (`specpack inspect FILE.gguf` says what it is)")
     out.mkdir(parents=True, exist_ok=True)
     _write_weights(steps, out, dtype, progress=False, max_shard_bytes=MAX_SHARD_BYTES)
     DeepseekV3Config(**kwargs).save_pretrained(out)

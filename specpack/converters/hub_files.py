@@ -128,23 +128,31 @@ class HubFiles:
         say(f"downloaded and verified {len(rels)} files, {total / 2**20:,.1f} MiB, at commit {self.commit[:12]}")
         return root
 
-    def _fetch(self, rel: str, attempts: int = ATTEMPTS) -> Path:
+    def _fetch(self, rel: str) -> Path:
         from huggingface_hub import hf_hub_download
+
+        return self._retrying(rel, "the download", lambda: Path(hf_hub_download(
+            self.repo_id, rel, revision=self.commit, endpoint=self.endpoint, token=self.token)))
+
+    def _retrying(self, rel: str, what: str, action):
+        """`action()`, tried again (ATTEMPTS in all) where the connection dropped: a download resumes its partial
+        file, a range is read again. An InputError, or the hub refusing the request (4xx), is not retried."""
         from huggingface_hub.errors import HfHubHTTPError
 
-        for attempt in range(1, attempts + 1):
+        for attempt in range(1, ATTEMPTS + 1):
             try:
-                return Path(hf_hub_download(self.repo_id, rel, revision=self.commit, endpoint=self.endpoint,
-                                            token=self.token))
+                return action()
+            except InputError:
+                raise
             except HfHubHTTPError as exc:
                 status = exc.response.status_code if exc.response is not None else None
-                if status is not None and status < 500 or attempt == attempts:
-                    raise InputError(f"{self.label(rel)}: the download failed ({exc})") from None
-            except Exception as exc:  # a dropped connection: the next try resumes the partial file
-                if attempt == attempts:
-                    raise InputError(f"{self.label(rel)}: the download failed {attempts} times ({exc})",
+                if status is not None and status < 500 or attempt == ATTEMPTS:
+                    raise InputError(f"{self.label(rel)}: {what} failed ({exc})") from None
+            except Exception as exc:  # a dropped connection
+                if attempt == ATTEMPTS:
+                    raise InputError(f"{self.label(rel)}: {what} failed {ATTEMPTS} times ({exc})",
                                      hint="check the connection and run again: what arrived is kept and resumed") from None
-            log.warning("%s: download interrupted (try %d of %d); resuming", self.label(rel), attempt, attempts)
+            log.warning("%s: %s interrupted (try %d of %d); again", self.label(rel), what, attempt, ATTEMPTS)
         raise AssertionError("unreachable")
 
     def _verify(self, rel: str, path: Path) -> None:
@@ -152,7 +160,8 @@ class HubFiles:
         is removed from the cache, so that the next run fetches it again."""
         import hashlib
 
-        entry, digest = self._entry(rel), hashlib.sha256() if self._entry(rel).sha256 else hashlib.sha1()
+        entry = self._entry(rel)
+        digest = hashlib.sha256() if entry.sha256 else hashlib.sha1()
         if entry.sha256 is None:
             if entry.blob_id is None:
                 raise InputError(f"{self.label(rel)}: the hub states neither an LFS sha256 nor a git blob id")
@@ -177,17 +186,8 @@ class HubFiles:
     def _get(self, rel: str, start: int, length: int) -> bytes:
         """Bytes [start, start + length) of `rel`: one range request (again, where the connection dropped),
         at most `length` bytes read."""
-        for attempt in range(1, ATTEMPTS + 1):
-            try:
-                return self._get_once(rel, start, length)
-            except InputError:
-                raise
-            except Exception as exc:  # the connection dropped: a range is read again whole
-                if attempt == ATTEMPTS:
-                    raise InputError(f"{self.label(rel)}: reading bytes {start}-{start + length - 1} failed "
-                                     f"{ATTEMPTS} times ({exc})", hint="check the connection and run again") from None
-                log.warning("%s: range read interrupted (try %d of %d)", self.label(rel), attempt, ATTEMPTS)
-        raise AssertionError("unreachable")
+        return self._retrying(rel, f"reading bytes {start}-{start + length - 1}",
+                              lambda: self._get_once(rel, start, length))
 
     def _get_once(self, rel: str, start: int, length: int) -> bytes:
         from huggingface_hub import get_session, hf_hub_url

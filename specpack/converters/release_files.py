@@ -27,11 +27,11 @@ class LocalFiles:
     """A directory; `only`: the files of it that count (a hub cache snapshot may hold more than a build fetched)."""
 
     def __init__(self, root: Path, only: tuple[str, ...] | None = None):
-        self.root, self.only = Path(root), only
+        self.root, self.only = Path(root), None if only is None else frozenset(only)
 
     def list(self) -> list[str]:
         listed = walk_files(self.root)
-        return listed if self.only is None else [f for f in listed if f in set(self.only)]
+        return listed if self.only is None else [f for f in listed if f in self.only]
 
     def exists(self, rel: str) -> bool:
         return (self.root / rel).is_file()

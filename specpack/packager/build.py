@@ -116,8 +116,9 @@ def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDr
         return release_dspark.convert_in_target(target)
     module, path = DRAFTER_FAMILIES[family], Path(opts.drafter)
     if layout == gguf.NEXTN_LAYOUT:  # a deepseek2 GGUF's nextn block: read into an MTP head, then as one
-        head = gguf.nextn_head(path, _scratch("mtp-gguf-"), _float_dtype(target.info.dtype))
-        _check_nextn_fits(path, head, target)
+        dtype = target.info.dtype if target.info.dtype in gguf.DTYPES else "float32"  # the target's, if a float one
+        head = gguf.nextn_head(path, _scratch("mtp-gguf-"), (target.info.num_hidden_layers, target.info.hidden_size),
+                               dtype)
         return module.convert(head, target, allow_reuse=opts.mtp_allow_reuse, source=Source.local(path),
                               label=f"the nextn block of '{path}'")
     if family == "mtp":
@@ -129,18 +130,6 @@ def convert_drafter(opts: BuildOptions, target: target_hf.Target) -> ConvertedDr
     return module.convert(path, target, aux=opts.aux, allow_mismatch=opts.allow_target_mismatch)
 
 
-def _check_nextn_fits(path: Path, head: Path, target) -> None:
-    """A GGUF's nextn block follows its model's trunk: the same layer count and width as the target's."""
-    import json
-
-    c, t = json.loads((head / "config.json").read_text()), target.info
-    theirs, ours = (c["num_hidden_layers"], c["hidden_size"]), (t.num_hidden_layers, t.hidden_size)
-    if theirs != ours:
-        raise InputError(f"'{path}': its nextn block follows {theirs[0]} layers of width {theirs[1]}; this target "
-                         f"has {ours[0]} of width {ours[1]}: it was made for another model",
-                         hint="pass the GGUF of this target's release (`specpack inspect FILE.gguf` says what it is)")
-
-
 def _scratch(prefix: str) -> Path:
     """A directory for files a drafter is read into, removed when the process ends (the build copies them)."""
     import atexit
@@ -150,11 +139,6 @@ def _scratch(prefix: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=f"specpack-{prefix}"))
     atexit.register(shutil.rmtree, path, True)
     return path
-
-
-def _float_dtype(dtype: str) -> str:
-    """The dtype a drafter read from a GGUF is written in: the target's, where it is a float one."""
-    return dtype if dtype in ("float32", "float16", "bfloat16") else "float32"
 
 
 def _bundled_once(target: target_hf.Target, drafter: ConvertedDrafter, spec: str):

@@ -79,9 +79,16 @@ def fetch_drafter(spec: str, endpoint: str | None = None, say=lambda line: None)
     return _fetch(files, [r for r in files.list() if not r.endswith(OTHER_FORMATS) and not r.startswith(".")], say)
 
 
+def bundled_folders(found: list[bundled.Bundled]) -> tuple[str, ...]:
+    """The subfolders `build --drafter bundled` fetches beside the target: the bindable drafter's, or, where none
+    is bindable from headers, every drafter folder the release lists (checked once downloaded)."""
+    bindable = [b for b in found if b.drafter]
+    return tuple(b.where.rstrip("/") for b in (bindable or found) if b.layout == "C")
+
+
 def _fetch(files: HubFiles, rels: list[str], say) -> Fetched:
-    root = files.download(rels, say)
-    skipped = tuple(r for r in files.list() if r not in set(rels))
+    root, fetched = files.download(rels, say), set(rels)
+    skipped = tuple(r for r in files.list() if r not in fetched)
     return Fetched(root, tuple(rels), files.source, skipped, sum(files.size(r) for r in rels))
 
 
@@ -91,13 +98,9 @@ def _drafter_folders(files: HubFiles, target: target_hf.Target, drafter: str) ->
     nothing."""
     if drafter == bundled.BUNDLED:
         found = bundled.find_in(files, target)
-        bindable = [b for b in found if b.drafter]
-        if bindable:
-            bundled.choose(Path(files.label()), found)  # several bindable: refused here, naming them
-        folders = tuple(b.where.rstrip("/") for b in (bindable or found) if b.layout == "C")
-        if not bindable and not any(b.kind == "unknown" for b in found):
-            bundled.choose(Path(files.label()), found)  # refuses, saying what the release holds and why
-        return folders
+        if any(b.drafter for b in found) or not any(b.kind == "unknown" for b in found):
+            bundled.choose(Path(files.label()), found)  # refuses several bindable, or none, naming what it holds
+        return bundled_folders(found)
     if drafter == "mtp":
         arch = target.checked.arch if target.checked else None
         if arch is None or arch.mtp is None or target.checked.mtp_held == 0:
