@@ -265,3 +265,19 @@ def test_a_llamacpp_drafter_gguf_from_the_hub(tmp_path, tiny_target, tiny_cfg, c
         api.upload_folder(repo_id="org/head-gguf", folder_path=folder)
         code, _, err = cli("build", tiny_target, "--drafter", "hf://org/head-gguf", "-o", tmp_path / "art2")
     assert code == 2 and "2 GGUF files" in err and not (tmp_path / "art2").exists(), err
+
+
+def test_a_listed_name_that_leaves_the_snapshot_is_refused_before_any_download(tmp_path):
+    """A hostile hub lists `dspark/../../escape.json`: nothing is fetched, the name is refused."""
+    import huggingface_hub.constants as constants
+    from pathlib import Path
+
+    from specpack.converters.hub_files import HubFiles
+    from specpack.errors import InputError
+
+    with FakeHub() as hub:
+        hub.add_virtual("org/hostile", {"config.json": b"{}", "dspark/../../escape.json": b"{}"})
+        files = HubFiles.open("hf://org/hostile", endpoint=hub.url)
+        with pytest.raises(InputError, match="escapes its directory"):
+            files.download(["config.json", "dspark/../../escape.json"])
+    assert not Path(constants.HF_HUB_CACHE).exists()

@@ -21,6 +21,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from specpack._paths import check_relpath
 from specpack.converters.release_files import json_object
 from specpack.converters.safetensors_header import TensorMeta, header_length, parse_header
 from specpack.errors import InputError
@@ -117,6 +118,8 @@ class HubFiles:
         """Download `rels` at this commit into the hub cache (huggingface_hub's: a cached file is not fetched
         again, a partial one resumes), retrying a dropped connection; each file checked against the hub's LFS
         sha256 or git blob id before it is used. The cache's snapshot directory of the commit."""
+        for rel in rels:  # a listing is the server's word: no name may leave the snapshot directory
+            check_relpath(rel, self.label())
         total, done, root = sum(self.size(r) for r in rels), 0, None
         for i, rel in enumerate(rels, 1):
             say(f"[{i}/{len(rels)}] {rel} ({self.size(rel) / 2**20:,.1f} MiB; {done / 2**20:,.1f} of "
