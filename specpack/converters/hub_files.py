@@ -18,7 +18,7 @@ whole file is refused, not read.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from specpack._paths import check_relpath
@@ -49,6 +49,7 @@ class HubFiles:
     token: str | bool | None = None
     requests: int = 0
     bytes_read: int = 0
+    read: dict = field(default_factory=dict)  # (file, start, length) -> bytes: the commit is fixed, so read once
 
     @classmethod
     def open(cls, spec: str, endpoint: str | None = None, token: str | bool | None = None) -> "HubFiles":
@@ -188,9 +189,12 @@ class HubFiles:
 
     def _get(self, rel: str, start: int, length: int) -> bytes:
         """Bytes [start, start + length) of `rel`: one range request (again, where the connection dropped),
-        at most `length` bytes read."""
-        return self._retrying(rel, f"reading bytes {start}-{start + length - 1}",
-                              lambda: self._get_once(rel, start, length))
+        at most `length` bytes read; a range read before (a config every check reads) is not asked again."""
+        key = (rel, start, length)
+        if key not in self.read:
+            self.read[key] = self._retrying(rel, f"reading bytes {start}-{start + length - 1}",
+                                            lambda: self._get_once(rel, start, length))
+        return self.read[key]
 
     def _get_once(self, rel: str, start: int, length: int) -> bytes:
         from huggingface_hub import get_session, hf_hub_url
