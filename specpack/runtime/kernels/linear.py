@@ -44,10 +44,12 @@ NR = 16  # output columns per panel (linear.c)
 Q8_BLOCK = 32  # k per int8 scale block (linear.c)
 Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
 # weight format name -> linear.c's code
-FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4, "bf16-amx": 7}
+FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4, "bf16-amx": 7, "w4a8": 8}
 BF16_TILES = "bf16-amx"  # bf16 on AMX tiles (bf16_tiles.c): packed only where `bf16_tiles()` says they run
 TILE_K = 32  # k per AMX block (bf16_tiles.c)
 QUANTIZED = ("int8", "w8a8")  # the formats in Q8_0 blocks
+W4A8 = "w4a8"  # GGUF Q4_0 / Q4_1 blocks kept 4-bit, int8 activations (w4a8.c); packed from blocks only
+W4_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR // 2  # 16 fp16 scales + 16 fp16 offsets + 32 x 16 nibbles = 320
 ISAS = ("avx2", "avx512")  # the tile sets (linear.c): the same bits, AVX-512 where the CPU has it
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
@@ -164,6 +166,9 @@ def unpack(panels: Tensor, weights: str, N: int, K: int) -> Tensor:
     `pack_panels` / `pack_q8` / `pack_w8a8` (w8a8 also rounds its activations: see `w8a8_linear`)."""
     if weights == BF16_TILES:
         return panels.float().permute(0, 3, 1, 2, 4).reshape(len(panels) * NR, -1)[:N, :K].contiguous()
+    if weights == W4A8:
+        u, d, m = w4a8_values(panels)
+        return (u * d[..., None] + m[..., None]).reshape(len(u), -1)[:N, :K].contiguous()
     if weights not in QUANTIZED:
         return panels.float().transpose(1, 2).reshape(-1, K)[:N]
     q, scales = q8_values(panels, weights)
@@ -190,6 +195,81 @@ def w8a8_linear(x: Tensor, q: Tensor, scales: Tensor, bias: Tensor | None, N: in
         f = (xq[:, b] @ q[:N, b].T) * d[:, b:b + 1]
         # fma(f, scale, acc): the product is exact in float64, one rounding of the sum (two at most)
         acc = f * scales[:N, b] if b == 0 else (f.double() * scales[:N, b].double() + acc.double()).float()
+    if bias is not None:
+        acc = acc + bias
+    return acc.reshape(*x.shape[:-1], N)
+
+
+def pack_q8_blocks(q: Tensor, d: Tensor) -> Tensor:
+    """GGUF Q8_0 blocks (q int8 [N, B, 32], d fp32 [N, B]) as `pack_w8a8` panels, bit for bit what
+    `pack_w8a8` makes of their dequantized weight (a block's largest |q| is 127, so amax / 127 is d exactly),
+    without the fp32 weight."""
+    N, B, _ = q.shape
+    P = -(-N // NR)
+    out = torch.zeros(P, B, Q8_BLOCK_BYTES, dtype=torch.uint8)
+    _advise_huge_pages(out)
+    column_major = torch.zeros(P * NR, B)
+    column_major[:N] = d
+    out[..., : NR * 4].view(torch.float32)[:] = column_major.view(P, NR, B).permute(0, 2, 1)
+    values = out[..., NR * 4:].view(P, B, Q8_BLOCK // 4, NR, 4)
+    padded = torch.zeros(P * NR, B, Q8_BLOCK, dtype=torch.int16)
+    padded[:N] = q.to(torch.int16)
+    # [P, 16 (column), B, 8 (group), 4 (k)] -> [P, B, group, column, k], stored + 128
+    values[:] = (padded.view(P, NR, B, Q8_BLOCK // 4, 4).permute(0, 2, 3, 1, 4) + 128).to(torch.uint8)
+    return out
+
+
+def pack_w4a8(u: Tensor, d: Tensor, m: Tensor) -> Tensor:
+    """4-bit blocks (u uint8 [N, B, 32] in 0..15, d and m fp32 [N, B]: value d u + m, each d and m exactly an
+    fp16) -> [ceil(N/16), B, 320] bytes: per panel and block the 16 columns' d then m (fp16), then the
+    values as nibbles, region r (64 bytes) holding k = 8r..8r+3 in low nibbles and 8r+4..8r+7 in high ones,
+    column j's four at bytes 4j..4j+3 (w4a8.c)."""
+    N, B, _ = u.shape
+    P = -(-N // NR)
+    half_d, half_m = d.to(torch.float16), m.to(torch.float16)
+    if not (torch.equal(half_d.float(), d) and torch.equal(half_m.float(), m)):
+        raise ValueError("w4a8 keeps scales and offsets in fp16: these are not all fp16 values")
+    out = torch.zeros(P, B, W4_BLOCK_BYTES, dtype=torch.uint8)
+    _advise_huge_pages(out)
+    for at, values in ((0, half_d), (NR * 2, half_m)):
+        column_major = torch.zeros(P * NR, B, dtype=torch.float16)
+        column_major[:N] = values
+        out[..., at: at + NR * 2].view(torch.float16)[:] = column_major.view(P, NR, B).permute(0, 2, 1)
+    padded = torch.zeros(P * NR, B, Q8_BLOCK, dtype=torch.uint8)
+    padded[:N] = u
+    # [P, 16 (j), B, 4 (r), 2 (low / high), 4 (i)] -> [P, B, r, j, i, low / high]
+    v = padded.view(P, NR, B, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+    out[..., NR * 4:] = (v[..., 0] | (v[..., 1] << 4)).reshape(P, B, -1)
+    return out
+
+
+def w4a8_values(panels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The blocks of w4a8 panels: values u [N', B, 32] (as floats), scales d and offsets m [N', B]."""
+    P, B, _ = panels.shape
+    d = panels[..., : NR * 2].contiguous().view(torch.float16).float()  # [P, B, 16]
+    m = panels[..., NR * 2: NR * 4].contiguous().view(torch.float16).float()
+    nib = panels[..., NR * 4:].reshape(P, B, 4, NR, 4)  # [P, B, r, j, i]
+    u = torch.stack([nib & 0x0F, nib >> 4], dim=-2)  # [P, B, r, j, 2, i]
+    u = u.permute(0, 3, 1, 2, 4, 5).reshape(P * NR, B, Q8_BLOCK).float()
+    return u, d.permute(0, 2, 1).reshape(P * NR, B), m.permute(0, 2, 1).reshape(P * NR, B)
+
+
+def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+    """fma(a, b, c) in fp32 through float64 (the product exact, one rounding of the sum, two at most)."""
+    return (a.double() * b.double() + c.double()).float()
+
+
+def w4a8_linear(x: Tensor, u: Tensor, d: Tensor, m: Tensor, bias: Tensor | None, N: int) -> Tensor:
+    """w4a8.c's product in torch (the fallback): per block the exact integer sum of the quantized row and
+    the 4-bit values, times the row's scale, folded with the weight's scale, then its offset times the
+    row's scaled sum, in block order."""
+    xq, da = quantize_rows(x.reshape(x.shape[:-1].numel(), x.shape[-1]))
+    sa = da * xq.sum(-1)  # d_a * sum(q): the integer sum is exact in fp32
+    acc = torch.zeros(len(xq), N)
+    for b in range(xq.shape[1]):
+        g = (xq[:, b] @ u[:N, b].T) * da[:, b:b + 1]
+        acc = g * d[:N, b] if b == 0 else _fma(g, d[:N, b], acc)
+        acc = _fma(m[:N, b].expand_as(acc), sa[:, b:b + 1].expand_as(acc), acc)
     if bias is not None:
         acc = acc + bias
     return acc.reshape(*x.shape[:-1], N)
@@ -222,9 +302,36 @@ class PackedLinear:
         if weight.dim() != 2 or not weight.is_floating_point() or weight.device.type != "cpu":
             raise TypeError(f"pack() needs a 2-D floating-point CPU weight, got {tuple(weight.shape)} "
                             f"{weight.dtype} on {weight.device}")
+        if weights == W4A8:
+            raise TypeError("w4a8 weights are packed from GGUF Q4_0 / Q4_1 blocks (PackedLinear.of_panels with "
+                            "pack_w4a8), not from a float weight")
+        self._setup(tuple(weight.shape), bias, threads, weights, tuned)
+        with torch.no_grad():
+            self.weight = self._layout(weight.detach())
+        self._bind()
+
+    @classmethod
+    def of_panels(cls, panels: Tensor, weights: str, shape: tuple[int, int], bias: Tensor | None = None,
+                  threads: int | None = None, tuned: dict | None = None) -> "PackedLinear":
+        """A layer over panels already packed in `weights` ("w8a8": `pack_q8_blocks`, "w4a8": `pack_w4a8`) for
+        a weight of `shape` [out, in]: what a GGUF's blocks become without an fp32 weight in between."""
+        if weights not in (*QUANTIZED[1:], W4A8):
+            raise TypeError(f"of_panels takes w8a8 or w4a8 panels, not {weights!r}")
+        per_block = Q8_BLOCK_BYTES if weights == "w8a8" else W4_BLOCK_BYTES
+        want = (-(-shape[0] // NR), -(-shape[1] // Q8_BLOCK), per_block)
+        if panels.dtype != torch.uint8 or tuple(panels.shape) != want:
+            raise TypeError(f"{weights} panels of a {list(shape)} weight are uint8 {list(want)}, "
+                            f"got {panels.dtype} {list(panels.shape)}")
+        self = cls.__new__(cls)
+        self._setup(shape, bias, threads, weights, tuned)
+        self.weight = panels
+        self._bind()
+        return self
+
+    def _setup(self, shape, bias, threads, weights, tuned) -> None:
         if weights not in FORMATS:
             raise TypeError(f"unknown weight format {weights!r}: use one of {', '.join(FORMATS)}")
-        self.out_features, self.in_features = weight.shape
+        self.out_features, self.in_features = shape
         if bias is not None and bias.shape != (self.out_features,):
             raise TypeError(f"bias must have shape ({self.out_features},), got {tuple(bias.shape)}")
         self.weights = weights
@@ -236,14 +343,16 @@ class PackedLinear:
         self.threads = threads or tuned.get("threads") or default_threads()
         self.group, self.prefetch = tuned.get("group", 1), tuned.get("prefetch", 128)
         self.isa = isa_bits(tuned)
-        with torch.no_grad():
-            self.weight = self._layout(weight.detach())
+
+    def _bind(self) -> None:
         self._parallel = self.weight.numel() * self.weight.element_size() >= MIN_PARALLEL_BYTES
-        if self.backend == "torch" and weights == "w8a8":  # the fallback's integer values and scales
-            self._q8 = q8_values(self.weight, weights)
+        if self.backend == "torch" and self.weights == "w8a8":  # the fallback's integer values and scales
+            self._q8 = q8_values(self.weight, self.weights)
+        if self.backend == "torch" and self.weights == W4A8:
+            self._q4 = w4a8_values(self.weight)
         if self.backend == "avx2":  # looked up once: a call costs a few microseconds in all
             self._fn = _library()[0].sp_linear
-            self._fmt = FORMATS[weights]
+            self._fmt = FORMATS[self.weights]
             self._wptr = self.weight.data_ptr()
             self._bptr = None if self.bias is None else self.bias.data_ptr()
 
@@ -257,7 +366,7 @@ class PackedLinear:
 
     def dense(self) -> Tensor:
         """The fp32 [out, in] weight this layer computes with (rounded or dequantized)."""
-        if self.backend == "torch" and self.weights != "w8a8":
+        if self.backend == "torch" and self.weights not in ("w8a8", W4A8):
             return self.weight
         return unpack(self.weight, self.weights, self.out_features, self.in_features)
 
@@ -272,7 +381,10 @@ class PackedLinear:
         if residual is not None and (residual.shape != (*lead, N) or residual.dtype != torch.float32):
             raise TypeError(f"residual must be an fp32 tensor of shape {(*lead, N)}")
         if self.backend == "torch":
-            y = w8a8_linear(x, *self._q8, self.bias, N) if self.weights == "w8a8" else F.linear(x, self.weight, self.bias)
+            if self.weights == W4A8:
+                y = w4a8_linear(x, *self._q4, self.bias, N)
+            else:
+                y = w8a8_linear(x, *self._q8, self.bias, N) if self.weights == "w8a8" else F.linear(x, self.weight, self.bias)
             if residual is not None:
                 y = residual + y
             return y if out is None else out.copy_(y)

@@ -85,7 +85,7 @@ static __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_block_
 }
 
 /* x [M, K] (row stride ldx) -> q [B][M][32], d and c [B][M]. `fast`: AVX-512 (the same bits). */
-static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t B, int8_t *q, float *d,
+void sp_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t B, int8_t *q, float *d,
                           int32_t *c, int fast)
 {
     for (int64_t i = 0; i < M; i++)
@@ -476,7 +476,7 @@ void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const voi
     int8_t *q = (int8_t *)mem;
     float *d = (float *)(mem + M * B * QB);
     int32_t *c = (int32_t *)(d + M * B);
-    quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
+    sp_quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
     const qjob_t job = {q, d, c, w, bias, res, y, M, N, B, ldy, ldr, prefetch > 0 ? prefetch : 0,
                         (isa & 1) && vnni_ok(), (isa & 2) && vnni_ok(), (isa & 2) && M >= 3 && amx_on && amx_ok()};
     sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES, nthreads);

@@ -1,0 +1,251 @@
+/* 4-bit weights times int8 activations (weight format SP_W4A8, "w4a8"): llama.cpp's Q4_0 / Q4_1 blocks kept
+ * quantized, multiplied as llama.cpp's vec_dot_q4_1_q8_1 does (integer dot products, one float fold per block),
+ * with AVX-512 VNNI where the CPU has it, else AVX2. sp_linear (linear.c) hands fmt SP_W4A8 here.
+ *
+ * Weights: per panel of 16 columns and block of 32 k (every GGUF block of a column is one block here),
+ * 320 bytes: the 16 columns' scales d (fp16), their offsets m (fp16: Q4_1's m, Q4_0's -8 d), then the 32 x 16
+ * values u (0..15) as nibbles in VNNI order: region r (0..3) is 64 bytes, its byte 4j + i holding column j's
+ * value at k = 8r + i in the low nibble and at k = 8r + 4 + i in the high one, so masking a region gives one
+ * group of 4 k x 16 columns (as w8a8.c stores bytes) and shifting it the next. A value is d u + m.
+ *
+ * Activations: w8a8.c's (sp_quantize_rows): per block d_a = amax / 127, q = round-half-even(x / d_a), and
+ * the block's sum of q, from which s_a = d_a * (float)sum (llama.cpp's Q8_1 `s`, here in fp32).
+ *
+ * Reduction order (the determinism contract): per row, block and column the integer sum
+ * t_b = sum over the block's k of u * q is exact (at most 32 * 15 * 127), g_b = float(t_b) * d_a,
+ * acc = g_0 * d_0 then acc = fma(g_b, d_b, acc) for b > 0, and after each block acc = fma(m_b, s_a, acc);
+ * then acc + bias, then residual + that. A row's quantization and sums involve that row only, so row i of
+ * an M-row product is bit-identical to the 1-row product of row i on any thread count, and the AVX2
+ * tiles give the bits of the VNNI ones (linear.py's `w4a8_linear` is the same arithmetic in torch). */
+#pragma GCC optimize("fp-contract=off") /* every multiply and add as written, on both paths */
+#define _GNU_SOURCE
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "kernels.h"
+
+#define NR 16                          /* output columns per panel */
+#define QB 32                          /* k per block */
+#define QG (QB / 4)                    /* groups of 4 k per block */
+#define BLOCK_BYTES (NR * 4 + QB * NR / 2) /* 16 fp16 d + 16 fp16 m + 32 x 16 nibbles = 320 */
+
+typedef struct {
+    const int8_t *q;  /* [B][M][QB] the quantized rows, block-major */
+    const float *d;   /* [B][M] their scales */
+    const float *s;   /* [B][M] d_a * sum(q) */
+    const char *w;
+    const float *bias, *res;
+    float *y;
+    int64_t M, N, B, ldy, ldr;
+    int vnni_few, vnni_many; /* VNNI tiles for slabs of 1-2 / 3+ rows (sp_linear's isa bits) */
+} wjob_t;
+
+/* ---------------------------------------------------------------- AVX2 */
+
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define MR2 4
+
+/* Rows [m0, m0 + mr) times the panel at `w`: per group, the 8 columns' four u (unsigned) times the row's
+ * four q (signed) by vpmaddubsw (pairs of at most 2 * 15 * 127: no saturation), summed to 32 bits. */
+static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
+    const int mr, const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, const float *bias,
+    const float *res, int64_t ldr)
+{
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    __m256 f[MR2][2];
+    for (int64_t b = 0; b < j->B; b++) {
+        const char *blk = w + b * BLOCK_BYTES;
+        const int32_t *xq = (const int32_t *)(j->q + (b * j->M + m0) * QB);
+        __m256i s[MR2][2];
+#pragma GCC unroll 4
+        for (int i = 0; i < mr; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int r = 0; r < QG / 2; r++) {
+            const char *wr = blk + NR * 4 + r * 64;
+            const __m256i v0 = _mm256_loadu_si256((const __m256i *)wr), v1 = _mm256_loadu_si256((const __m256i *)(wr + 32));
+            const __m256i a0 = _mm256_and_si256(v0, low), a1 = _mm256_and_si256(v1, low);
+            const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+            const __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+#pragma GCC unroll 4
+            for (int i = 0; i < mr; i++) {
+                const __m256i xa = _mm256_set1_epi32(xq[i * QG + 2 * r]), xb = _mm256_set1_epi32(xq[i * QG + 2 * r + 1]);
+                const __m256i p0 = _mm256_add_epi16(_mm256_maddubs_epi16(a0, xa), _mm256_maddubs_epi16(b0, xb));
+                const __m256i p1 = _mm256_add_epi16(_mm256_maddubs_epi16(a1, xa), _mm256_maddubs_epi16(b1, xb));
+                s[i][0] = _mm256_add_epi32(s[i][0], _mm256_madd_epi16(p0, ones));
+                s[i][1] = _mm256_add_epi32(s[i][1], _mm256_madd_epi16(p1, ones));
+            }
+        }
+        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
+        const __m256 n0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
+        const __m256 n1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
+#pragma GCC unroll 4
+        for (int i = 0; i < mr; i++) {
+            const __m256 a = _mm256_set1_ps(j->d[b * j->M + m0 + i]), sa = _mm256_set1_ps(j->s[b * j->M + m0 + i]);
+            const __m256 g0 = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][0]), a);
+            const __m256 g1 = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][1]), a);
+            f[i][0] = _mm256_fmadd_ps(n0, sa, b == 0 ? _mm256_mul_ps(g0, d0) : _mm256_fmadd_ps(g0, d0, f[i][0]));
+            f[i][1] = _mm256_fmadd_ps(n1, sa, b == 0 ? _mm256_mul_ps(g1, d1) : _mm256_fmadd_ps(g1, d1, f[i][1]));
+        }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < mr; i++)
+        for (int h = 0; h < 2; h++) {
+            __m256 v = f[i][h];
+            if (bias) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + 8 * h));
+            if (res) v = _mm256_add_ps(_mm256_loadu_ps(res + i * ldr + 8 * h), v);
+            _mm256_storeu_ps(out + i * ldo + 8 * h, v);
+        }
+}
+
+typedef void (*wtile_fn)(const wjob_t *, const char *, int64_t, float *, int64_t, const float *, const float *, int64_t);
+#define WTILE2(R)                                                                                  \
+    static AVX2 void wtile2_##R(const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, \
+                                const float *bias, const float *res, int64_t ldr)                  \
+    { wtile_avx2(R, j, w, m0, out, ldo, bias, res, ldr); }
+WTILE2(1) WTILE2(2) WTILE2(3) WTILE2(4)
+static const wtile_fn WTILES2[MR2 + 1] = {0, wtile2_1, wtile2_2, wtile2_3, wtile2_4};
+
+/* ---------------------------------------------------------------- AVX-512 VNNI */
+
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define MRZ(np) ((np) == 4 ? 1 : (np) == 2 ? 3 : 6) /* rows a tile holds: 3 x mr x np accumulators <= 18 */
+
+/* Rows [m0, m0 + mr) times np (1, 2 or 4) adjacent panels from `w` (panel stride pb): one vpdpbusd per
+ * group, row and panel, the low and high nibbles' groups into two sums (two dependency chains, added per
+ * block: the same integers); the sums in registers throughout. */
+static inline VNNI __attribute__((always_inline)) void wtile_z(
+    const int np, const int mr, const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo,
+    const float *bias, const float *res, int64_t ldr)
+{
+    const int64_t pb = j->B * BLOCK_BYTES;
+    const __m512i low = _mm512_set1_epi8(0x0F);
+    __m512 f[6][4];
+    for (int64_t b = 0; b < j->B; b++) {
+        const char *blk = w + b * BLOCK_BYTES;
+        const int32_t *xq = (const int32_t *)(j->q + (b * j->M + m0) * QB);
+        __m512i s[6][4], t[6][4];
+#pragma GCC unroll 6
+        for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
+            for (int q = 0; q < np; q++) s[i][q] = t[i][q] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int r = 0; r < QG / 2; r++) {
+            __m512i lo[4], hi[4];
+#pragma GCC unroll 4
+            for (int q = 0; q < np; q++) {
+                const __m512i v = _mm512_loadu_si512(blk + q * pb + NR * 4 + r * 64);
+                lo[q] = _mm512_and_si512(v, low);
+                hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+#pragma GCC unroll 6
+            for (int i = 0; i < mr; i++) {
+                const __m512i xa = _mm512_set1_epi32(xq[i * QG + 2 * r]), xb = _mm512_set1_epi32(xq[i * QG + 2 * r + 1]);
+#pragma GCC unroll 4
+                for (int q = 0; q < np; q++) {
+                    s[i][q] = _mm512_dpbusd_epi32(s[i][q], lo[q], xa);
+                    t[i][q] = _mm512_dpbusd_epi32(t[i][q], hi[q], xb);
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int q = 0; q < np; q++) {
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + q * pb)));
+            const __m512 n = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + q * pb + 32)));
+#pragma GCC unroll 6
+            for (int i = 0; i < mr; i++) {
+                const __m512i sum = _mm512_add_epi32(s[i][q], t[i][q]);
+                const __m512 g = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(j->d[b * j->M + m0 + i]));
+                const __m512 acc = b == 0 ? _mm512_mul_ps(g, d) : _mm512_fmadd_ps(g, d, f[i][q]);
+                f[i][q] = _mm512_fmadd_ps(n, _mm512_set1_ps(j->s[b * j->M + m0 + i]), acc);
+            }
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < mr; i++)
+#pragma GCC unroll 4
+        for (int q = 0; q < np; q++) {
+            __m512 v = f[i][q];
+            if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias + q * NR));
+            if (res) v = _mm512_add_ps(_mm512_loadu_ps(res + i * ldr + q * NR), v);
+            _mm512_storeu_ps(out + i * ldo + q * NR, v);
+        }
+}
+
+#define WTILEZ(NP, R)                                                                                \
+    static VNNI void wtilez##NP##_##R(const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, \
+                                      const float *bias, const float *res, int64_t ldr)              \
+    { wtile_z(NP, R, j, w, m0, out, ldo, bias, res, ldr); }
+WTILEZ(1, 1) WTILEZ(1, 2) WTILEZ(1, 3) WTILEZ(1, 4) WTILEZ(1, 5) WTILEZ(1, 6)
+WTILEZ(2, 1) WTILEZ(2, 2) WTILEZ(2, 3) WTILEZ(4, 1)
+static const wtile_fn WTILESZ[5][7] = {
+    {0}, {0, wtilez1_1, wtilez1_2, wtilez1_3, wtilez1_4, wtilez1_5, wtilez1_6}, {0, wtilez2_1, wtilez2_2, wtilez2_3},
+    {0}, {0, wtilez4_1}};
+
+/* ---------------------------------------------------------------- driver */
+
+/* Rows [m0, m0 + ms) times panels [p, p + np) (np 1, 2 or 4): full panels straight into y, a partial last
+ * one through scratch [16][16]. Tiles of np <= 2 panels; rows split evenly over the fewest tiles. */
+static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, float *scratch)
+{
+    const wjob_t *j = job;
+    if (np == 4 && (ms > 1 || !j->vnni_few)) { /* four panels at once: one row on VNNI only */
+        slab(job, p, 2, m0, ms, scratch);
+        slab(job, p + 2, 2, m0, ms, scratch);
+        return;
+    }
+    const int64_t n0 = p * NR, cols = j->N - n0 < NR * np ? j->N - n0 : NR * np;
+    const int full = cols == NR * np;
+    float *out = full ? j->y + m0 * j->ldy + n0 : scratch;
+    const int64_t ldo = full ? j->ldy : NR;
+    const float *res = full && j->res ? j->res + m0 * j->ldr + n0 : 0;
+    float bias[4 * NR] = {0};
+    if (j->bias) memcpy(bias, j->bias + n0, cols * sizeof(float));
+    const int64_t pb = j->B * BLOCK_BYTES;
+    if (ms >= 3 ? j->vnni_many : j->vnni_few) {
+        const int64_t ntiles = (ms + MRZ(np) - 1) / MRZ(np);
+        for (int64_t t = 0, r = 0; t < ntiles; t++) {
+            const int64_t mr = (ms - r) / (ntiles - t);
+            WTILESZ[np][mr](j, j->w + p * pb, m0 + r, out + r * ldo, ldo, j->bias ? bias : 0,
+                            res ? res + r * j->ldr : 0, j->ldr);
+            r += mr;
+        }
+    } else {
+        for (int q = 0; q < np; q++) {
+            const int64_t ntiles = (ms + MR2 - 1) / MR2;
+            for (int64_t t = 0, r = 0; t < ntiles; t++) {
+                const int64_t mr = (ms - r) / (ntiles - t);
+                WTILES2[mr](j, j->w + (p + q) * pb, m0 + r, out + r * ldo + q * NR, ldo, j->bias ? bias + q * NR : 0,
+                            res ? res + r * j->ldr + q * NR : 0, j->ldr);
+                r += mr;
+            }
+        }
+    }
+    if (!full)
+        sp_store_partial(scratch, m0, ms, n0, cols, j->res, j->ldr, j->y, j->ldy);
+}
+
+void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N, const float *bias,
+                    const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int isa)
+{
+    const int64_t B = (K + QB - 1) / QB;
+    if (B == 0) {
+        sp_empty_product(M, N, bias, res, ldr, y, ldy);
+        return;
+    }
+    char *mem = sp_rows_memory(M * B * (QB + 12));
+    if (!mem) {
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t n = 0; n < N; n++) y[i * ldy + n] = NAN;
+        return;
+    }
+    int8_t *q = (int8_t *)mem;
+    float *d = (float *)(mem + M * B * QB), *s = d + M * B;
+    int32_t *c = (int32_t *)(s + M * B);
+    sp_quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
+    for (int64_t i = 0; i < M * B; i++) s[i] = d[i] * (float)(c[i] / 128);
+    const wjob_t job = {q, d, s, w, bias, res, y, M, N, B, ldy, ldr, (isa & 1) && sp_vnni(), (isa & 2) && sp_vnni()};
+    sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES, nthreads);
+}
