@@ -43,7 +43,7 @@ def target_dir(cache: Path) -> Path:
         from specpack.converters.gguf import import_gguf
         from specpack.demo import find_gguf
 
-        import_gguf(find_gguf(), target, dtype="float32", progress=True)
+        import_gguf(find_gguf(), target, dtype="float32", progress=True, dequantize=True)
     return target
 
 

@@ -184,7 +184,7 @@ def real_model(args, work: Path) -> Path | None:
 
         gguf = Path(args.gguf) if args.gguf else find_gguf()
         say(f"importing {gguf.name} (fp32)...")
-        import_gguf(gguf, work / "smollm2-target", dtype="float32", progress=False)
+        import_gguf(gguf, work / "smollm2-target", dtype="float32", progress=False, dequantize=True)
         return work / "smollm2-target"
     except Exception as exc:  # a missing package or file: say so and go on with the tiny model
         say(f"SmolLM2: skipped ({type(exc).__name__}: {exc}); pass --gguf FILE or --model HF_DIR")

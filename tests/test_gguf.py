@@ -90,7 +90,7 @@ def leftovers(folder: Path) -> list[str]:
 ], ids=["mixed", "mixed-tied", "k-quants"])
 def test_logits_equal_transformers_gguf_loader(tmp_path, tok_dir, family, types, overrides):
     path = gguf_file(tmp_path, build_model(family, **overrides), tok_dir, types=types)
-    report = import_gguf(path, tmp_path / "out", progress=False)
+    report = import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
 
     ours, reference = hf_model(tmp_path / "out"), transformers_gguf_model(path)
     assert max_diff(ours, reference) <= 1e-4
@@ -111,7 +111,7 @@ def test_rotary_permutation_is_undone(tmp_path, tok_dir, family):
     stored = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_k.weight")
     assert not np.array_equal(stored.data, original.model.layers[0].self_attn.k_proj.weight.detach().numpy())
 
-    import_gguf(path, tmp_path / "out", progress=False)
+    import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
     assert max_diff(hf_model(tmp_path / "out"), original) <= 1e-5
 
 
@@ -165,7 +165,7 @@ def test_every_supported_type_is_tested():
 def test_half_dtypes(tmp_path, tok_dir, dtype, torch_dtype, tol):
     original = build_model("llama")
     path = gguf_file(tmp_path, original, tok_dir)
-    import_gguf(path, tmp_path / "out", dtype=dtype, progress=False)
+    import_gguf(path, tmp_path / "out", dtype=dtype, progress=False, dequantize=True)
     ours = hf_model(tmp_path / "out", dtype="auto")
     assert ours.model.embed_tokens.weight.dtype == torch_dtype
     assert max_diff(ours.float(), original) <= tol
@@ -173,7 +173,7 @@ def test_half_dtypes(tmp_path, tok_dir, dtype, torch_dtype, tol):
 
 def test_large_models_are_sharded_with_an_index(tmp_path, tok_dir):
     original = build_model("llama")
-    import_gguf(gguf_file(tmp_path, original, tok_dir), tmp_path / "out", progress=False,
+    import_gguf(gguf_file(tmp_path, original, tok_dir), tmp_path / "out", progress=False, dequantize=True,
                 max_shard_bytes=200_000)
     shards = sorted(p.name for p in (tmp_path / "out").glob("model-*.safetensors"))
     assert len(shards) > 1 and (tmp_path / "out" / "model.safetensors.index.json").is_file()
@@ -187,7 +187,7 @@ def test_tokenizer_equals_transformers_gguf_tokenizer(tmp_path, tok_dir):
     from transformers import AutoTokenizer, GenerationConfig
 
     path = gguf_file(tmp_path, build_model("llama"), tok_dir)
-    import_gguf(path, tmp_path / "out", progress=False)
+    import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
     path.unlink()  # the output must stand on its own
 
     reference = AutoTokenizer.from_pretrained(tok_dir)
@@ -207,7 +207,7 @@ def test_tokenizer_matches_what_autotokenizer_builds_from_the_gguf(tmp_path, tok
     from transformers import AutoTokenizer
 
     path = gguf_file(tmp_path, build_model("llama"), tok_dir)
-    import_gguf(path, tmp_path / "out", progress=False)
+    import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
     ours = AutoTokenizer.from_pretrained(tmp_path / "out")
     theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     assert type(ours) is type(theirs)
@@ -221,7 +221,7 @@ def test_sentencepiece_tokenizer_matches_what_autotokenizer_builds(tmp_path):
 
     vocab = sentencepiece_metadata(384, CORPUS)
     path = gguf_file(tmp_path, build_model("llama"), None, vocab=vocab)
-    import_gguf(path, tmp_path / "out", progress=False)
+    import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
     ours = AutoTokenizer.from_pretrained(tmp_path / "out")
     theirs = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     for text in ["The quick brown fox", "def add(a, b):\n    return a + b", "ünïcode ≠ bytes"]:
@@ -236,7 +236,7 @@ def test_unsupported_tensor_type(tmp_path, tok_dir):
     model = build_model("llama")
     path = gguf_file(tmp_path, model, tok_dir, types={r"blk\.3\.ffn_up": T.IQ2_XXS, r"blk\.4\.ffn_up": T.IQ2_XXS})
     with pytest.raises(UnsupportedError) as err:
-        import_gguf(path, tmp_path / "out", progress=False)
+        import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
     text = str(err.value)
     assert "blk.3.ffn_up.weight: IQ2_XXS" in text and "blk.4.ffn_up.weight: IQ2_XXS" in text
     assert "Q4_1" in text and "Q6_K" in text  # names the supported types
@@ -246,14 +246,14 @@ def test_unsupported_tensor_type(tmp_path, tok_dir):
 def test_unsupported_architecture(tmp_path, tok_dir):
     path = gguf_file(tmp_path, build_model("llama"), tok_dir, arch="qwen2")
     with pytest.raises(UnsupportedError, match="'qwen2'.*\n.*llama"):
-        import_gguf(path, tmp_path / "out", progress=False)
+        import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
 
 
 def test_llama3_rope_factors_are_refused_not_dropped(tmp_path, tok_dir):
     factors = np.ones(8, dtype=np.float32)
     path = gguf_file(tmp_path, build_model("llama"), tok_dir, extra_tensors=[("rope_freqs.weight", factors, None)])
     with pytest.raises(UnsupportedError, match="rope_freqs"):
-        import_gguf(path, tmp_path / "out", progress=False)
+        import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
 
 
 def test_every_tensor_problem_is_reported_at_once(tmp_path, tok_dir):
@@ -261,7 +261,7 @@ def test_every_tensor_problem_is_reported_at_once(tmp_path, tok_dir):
              ("blk.9.attn_q.weight", np.zeros((64, 64), np.float32), None)]
     path = gguf_file(tmp_path, build_model("llama"), tok_dir, extra_tensors=extra)
     with pytest.raises(ConversionError) as err:
-        import_gguf(path, tmp_path / "out", progress=False)
+        import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
     assert [p.split(":")[0] for p in err.value.problems] == ["blk.0.mystery.weight", "blk.9.attn_q.weight"]
     assert leftovers(tmp_path) == []
 
@@ -279,7 +279,7 @@ def test_every_tensor_problem_is_reported_at_once(tmp_path, tok_dir):
 def test_metadata_that_lies_about_sizes(tmp_path, tok_dir, metadata, problem):
     path = gguf_file(tmp_path, build_model("llama"), tok_dir, metadata=metadata)
     with pytest.raises((InputError, ConversionError)) as err:
-        import_gguf(path, tmp_path / "out", progress=False)
+        import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
     assert problem in str(err.value)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
@@ -306,10 +306,10 @@ def test_truncated_and_corrupt_files_are_input_errors(tmp_path, tok_dir):
         bad = tmp_path / f"{case.replace(' ', '-')}.gguf"
         bad.write_bytes(data)
         with pytest.raises(InputError) as err:
-            import_gguf(bad, tmp_path / "out", progress=False)
+            import_gguf(bad, tmp_path / "out", progress=False, dequantize=True)
         assert str(bad) in err.value.message, case
     with pytest.raises(InputError, match="does not exist"):
-        import_gguf(tmp_path / "nothing.gguf", tmp_path / "out", progress=False)
+        import_gguf(tmp_path / "nothing.gguf", tmp_path / "out", progress=False, dequantize=True)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -319,16 +319,16 @@ def test_existing_output_is_kept_unless_forced(tmp_path, tok_dir):
     out.mkdir()
     (out / "keep.txt").write_text("mine")
     with pytest.raises(OutputError, match="already exists"):
-        import_gguf(path, out, progress=False)
+        import_gguf(path, out, progress=False, dequantize=True)
     assert (out / "keep.txt").read_text() == "mine"
 
     broken = tmp_path / "broken.gguf"
     broken.write_bytes(path.read_bytes()[:5000])
     with pytest.raises(InputError):
-        import_gguf(broken, out, progress=False, force=True)
+        import_gguf(broken, out, progress=False, dequantize=True, force=True)
     assert (out / "keep.txt").read_text() == "mine"  # a failed forced import leaves the old one alone
 
-    import_gguf(path, out, progress=False, force=True)
+    import_gguf(path, out, progress=False, dequantize=True, force=True)
     assert not (out / "keep.txt").exists() and (out / "model.safetensors").is_file()
     assert leftovers(tmp_path) == []
 
@@ -342,7 +342,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, tok_dir, monkeypatch):
     monkeypatch.setattr(module, "_write_tokenizer", fail)
     path = gguf_file(tmp_path, build_model("llama"), tok_dir)
     with pytest.raises(UnsupportedError):
-        import_gguf(path, tmp_path / "out", progress=False)
+        import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -353,7 +353,7 @@ def test_values_not_finite_in_the_output_dtype(tmp_path, tok_dir, value, dtype):
         model.model.layers[2].mlp.up_proj.weight[3, 5] = value
     path = gguf_file(tmp_path, model, tok_dir)
     with pytest.raises(ConversionError) as err:
-        import_gguf(path, tmp_path / "out", dtype=dtype, progress=False)
+        import_gguf(path, tmp_path / "out", dtype=dtype, progress=False, dequantize=True)
     assert [p.split(":")[0] for p in err.value.problems] == ["blk.2.ffn_up.weight"]
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
@@ -366,7 +366,7 @@ def test_bad_dtype_is_an_input_error(tmp_path):
 def test_progress_goes_to_stderr_and_nothing_is_printed(tmp_path, tok_dir, capfd):
     path = gguf_file(tmp_path, build_model("llama"), tok_dir)
     capfd.readouterr()
-    import_gguf(path, tmp_path / "quiet", progress=False)
+    import_gguf(path, tmp_path / "quiet", progress=False, dequantize=True)
     quiet = capfd.readouterr()
     import_gguf(path, tmp_path / "loud", progress=True)
     loud = capfd.readouterr()
@@ -393,7 +393,7 @@ def test_smollm2_q4_1(tmp_path, record_property):
     os.symlink(source, path)
 
     start = time.perf_counter()
-    report = import_gguf(path, tmp_path / "out", progress=False)
+    report = import_gguf(path, tmp_path / "out", progress=False, dequantize=True)
     record_property("import_seconds", round(time.perf_counter() - start, 2))
     record_property("output_bytes", report.bytes_written)
     assert report.tensor_types == {"Q4_1": 210, "Q8_0": 1, "F32": 61}

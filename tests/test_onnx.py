@@ -292,7 +292,7 @@ def smollm2_artifact(tmp_path_factory):
     from specpack.converters.gguf import import_gguf
 
     root = tmp_path_factory.mktemp("smollm2")
-    import_gguf(gguf, root / "model", progress=False)
+    import_gguf(gguf, root / "model", progress=False, dequantize=True)
     build(BuildOptions(target=root / "model", drafter="ngram", out=root / "art", ngram=NgramParams(1, 4, 8)))
     export_onnx(root / "art", progress=False)
     return root / "art"

@@ -22,7 +22,7 @@ def smollm2(tmp_path_factory):
     from specpack.converters.gguf import import_gguf
 
     out = tmp_path_factory.mktemp("smollm2") / "model"
-    import_gguf(Path(spec.origin).parent / GGUF, out, progress=False)
+    import_gguf(Path(spec.origin).parent / GGUF, out, progress=False, dequantize=True)
     return out
 
 

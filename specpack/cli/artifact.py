@@ -373,29 +373,39 @@ def _inspect_text(d: dict) -> str:
 @click.option("-o", "--out", required=True, type=click.Path(path_type=Path), help="Directory to create.")
 @click.option("--dtype", default="float32", show_default=True,
               type=click.Choice(["float32", "float16", "bfloat16"]), help="Dtype of the written weights.")
+@click.option("--dequantize", is_flag=True,
+              help="Write every tensor in --dtype (what transformers loads) instead of keeping quantized blocks.")
 @click.option("--force", is_flag=True, help="Replace OUT if it exists.")
 @JSON
-def import_gguf(gguf_file, out, dtype, force, json_mode):
+def import_gguf(gguf_file, out, dtype, dequantize, force, json_mode):
     """Convert a GGUF target (llama.cpp) into a Hugging Face model directory.
 
     Architectures: llama, and deepseek2 (DeepSeek-V3-shaped MLA + MoE), whose nextn blocks become the
     target's MTP layers (`model.layers.{L+k}.*`, num_nextn_predict_layers): `build --drafter mtp` binds them.
-    Dequantizes F32/F16/BF16, Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, K-quants and IQ4 tensors; writes config.json,
+    A llama file's Q4_0, Q4_1, Q8_0, Q4_K, Q5_K and Q6_K tensors are kept as llama.cpp's blocks, bit for bit
+    (config.json states each one's type; `run` and `serve` compute with them as they are); float tensors are
+    written in --dtype. With --dequantize every tensor is written in --dtype (F32/F16/BF16, Q4_0/Q4_1/Q5_0/
+    Q5_1/Q8_0, K-quants and IQ4 read), for transformers and the engine exports. Writes config.json,
     safetensors, tokenizer files and chat template. The result is a target for `specpack build`.
 
     \b
     Examples:
       specpack import-gguf SmolLM2-135M-Instruct.Q4_1.gguf -o smollm2-135m
       specpack build smollm2-135m --drafter ngram -o smollm2-ngram
+      specpack import-gguf model.Q4_K_M.gguf -o m-f32 --dequantize
       specpack import-gguf deepseek-target-f32.gguf -o ds   # its nextn block kept
       specpack build ds --drafter mtp -o ds-mtp
     """
     from specpack.converters.gguf import import_gguf as do_import
 
-    report = do_import(gguf_file, out, dtype=dtype, progress=progress_enabled(json_mode), force=force)
+    report = do_import(gguf_file, out, dtype=dtype, progress=progress_enabled(json_mode), force=force,
+                       dequantize=dequantize)
+    kept = ", ".join(f"{n} {t}" for t, n in report.kept.items())
     emit(report.to_dict(), json_mode,
          lambda d: f"imported {gguf_file} -> {out} ({report.architecture}, {report.n_tensors} tensors, "
-                   f"{report.bytes_written / 2**20:,.1f} MiB {dtype})")
+                   f"{report.bytes_written / 2**20:,.1f} MiB "
+                   + (f"with {kept} kept quantized, {report.bytes_written / report.gguf_bytes:.2f}x the GGUF; "
+                      f"the rest {dtype})" if kept else f"{dtype})"))
 
 
 def _block_rows(dr: dict) -> list[tuple[str, str]]:

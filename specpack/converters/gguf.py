@@ -6,9 +6,13 @@ The output is what `transformers.AutoModelForCausalLM.from_pretrained(out_dir)` 
 `AutoTokenizer.from_pretrained(out_dir)` load with no GGUF file around: config.json,
 generation_config.json, model.safetensors (sharded with an index when large), tokenizer files.
 
-Weights are dequantized to `dtype` (quantization is not kept), and llama.cpp's q/k row permutation
-for rotary embeddings is undone, exactly as transformers' own GGUF loader does. The tokenizer is built
-by transformers' GGUF tokenizer converter from the file's metadata.
+Quantized tensors are kept as they are (`KEPT_TYPES`: llama.cpp's blocks, bit for bit, each matrix a U8
+tensor [rows, row bytes] under its Hugging Face name, its type in config.json's
+`quantization_config = {"quant_method": "gguf", "tensor_types": {name: type}}`; families/gguf_blocks.py
+reads them); float tensors are written in `dtype`. `dequantize=True` writes every tensor in `dtype`
+instead (what transformers loads). Either way llama.cpp's q/k row permutation for rotary embeddings is
+undone (rows reordered, blocks intact), exactly as transformers' own GGUF loader does. The tokenizer is
+built by transformers' GGUF tokenizer converter from the file's metadata.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ SUPPORTED_ARCHITECTURES = ("llama", "deepseek2")
 # gguf's numpy dequantizer and transformers' independent torch one, or against ggml's reference code.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # families/gguf_blocks.TYPES
+FLOAT_TYPES = ("F32", "F16", "BF16")
+GGUF_QUANT_METHOD = "gguf"
 DTYPES = ("float32", "float16", "bfloat16")
 MAX_SHARD_BYTES = 5 * 2**30
 
@@ -63,22 +70,25 @@ class ImportReport:
     out_dir: Path
     dtype: str
     files: tuple[str, ...] = field(default=())
+    kept: dict[str, int] = field(default_factory=dict)  # GGML type -> tensors kept quantized
+    gguf_bytes: int = 0
 
     def to_dict(self) -> dict:
         return {"architecture": self.architecture, "tensor_types": dict(self.tensor_types),
                 "n_tensors": self.n_tensors, "bytes_written": self.bytes_written,
-                "out_dir": str(self.out_dir), "dtype": self.dtype, "files": list(self.files)}
+                "out_dir": str(self.out_dir), "dtype": self.dtype, "files": list(self.files),
+                "kept_quantized": dict(self.kept), "gguf_bytes": self.gguf_bytes}
 
 
 def import_gguf(gguf_path, out_dir, dtype: str = "float32", progress: bool = True,
-                force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES) -> ImportReport:
+                force: bool = False, max_shard_bytes: int = MAX_SHARD_BYTES, dequantize: bool = False) -> ImportReport:
     """Convert a GGUF target into a Hugging Face model directory at `out_dir`.
 
-    CLI: `specpack import-gguf FILE.gguf -o DIR [--dtype float32|float16|bfloat16] [--force]`.
+    CLI: `specpack import-gguf FILE.gguf -o DIR [--dtype float32|float16|bfloat16] [--dequantize] [--force]`.
 
     Architectures: llama (llama.cpp's "llama": Llama 1/2/3.0, SmolLM, TinyLlama, ...) and deepseek2
     (DeepSeek-V3-shaped: converters/gguf_deepseek2.py), its nextn blocks kept as the MTP layers. Tensor types:
-    `SUPPORTED_TYPES`. Every tensor is checked (type, name, shape) before anything is written, and all
+    `KEPT_TYPES` kept quantized (llama) and the float ones; with `dequantize`, `SUPPORTED_TYPES`. Every tensor is checked (type, name, shape) before anything is written, and all
     problems are reported at once. The directory is built beside `out_dir` and renamed into place at
     the end, so a failure leaves nothing behind.
 
@@ -96,8 +106,11 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32", progress: bool = Tru
 
     reader = _open(gguf_path)
     config, plan = _read(reader, gguf_path, dtype)
+    kept = {} if dequantize else _kept_types(reader, plan, gguf_path)
+    if kept:
+        config.quantization_config = {"quant_method": GGUF_QUANT_METHOD, "tensor_types": kept}
     with staging_dir(out_dir, force) as tmp:
-        _write_weights(plan, tmp, dtype, progress, max_shard_bytes)
+        _write_weights(plan, tmp, dtype, progress, max_shard_bytes, kept)
         config.save_pretrained(tmp)
         _generation_config(reader, config).save_pretrained(tmp)
         _write_tokenizer(gguf_path, tmp)
@@ -106,7 +119,7 @@ def import_gguf(gguf_path, out_dir, dtype: str = "float32", progress: bool = Tru
 
     types = dict(Counter(t.tensor_type.name for t in reader.tensors))
     report = ImportReport(_field(reader, "general.architecture"), types, len(reader.tensors),
-                          nbytes, out_dir, dtype, files)
+                          nbytes, out_dir, dtype, files, dict(Counter(kept.values())), gguf_path.stat().st_size)
     logger.info("imported %s: %d tensors %s -> %s (%d bytes)", gguf_path, report.n_tensors,
                 types, out_dir, nbytes)
     return report
@@ -372,6 +385,29 @@ def _check_types(reader, path: Path) -> None:
                                hint=f"supported types: {', '.join(SUPPORTED_TYPES)}", problems=bad_types)
 
 
+def _kept_types(reader, plan: list[_Step], path: Path) -> dict[str, str]:
+    """HF name -> GGML type of every tensor kept quantized, once every tensor is seen to be one specpack
+    keeps (or a float one) and its data to fill its shape; one error naming every other."""
+    from specpack.families import gguf_blocks
+
+    quantized = [s for s in plan if (s.make is None and s.tensor.tensor_type.name not in FLOAT_TYPES)
+                 or any(t.tensor_type.name not in FLOAT_TYPES for t in s.sources)]
+    arch = _field(reader, "general.architecture")
+    problems = [f"{s.tensor.name}: {s.tensor.tensor_type.name}" for s in quantized
+                if arch != "llama" or s.tensor.tensor_type.name not in KEPT_TYPES]
+    if problems:
+        raise UnsupportedError(f"{path} holds tensors specpack cannot keep quantized"
+                               + (f" (a {arch} file's quantized tensors are not kept yet)" if arch != "llama" else ""),
+                               hint=f"kept as they are: {', '.join(KEPT_TYPES)}; pass --dequantize to write "
+                                    "every tensor in --dtype instead", problems=problems)
+    problems = [p for s in quantized for p in gguf_blocks.shape_problems(
+        s.tensor.name, s.tensor.tensor_type.name, s.shape, int(s.tensor.data.nbytes))]
+    if problems:
+        raise ConversionError(f"{path}: tensors whose blocks do not fill their shape", problems=problems,
+                              hint="the file is truncated or corrupt; download it again")
+    return {s.hf_name: s.tensor.tensor_type.name for s in quantized}
+
+
 def _plan(reader, config, path: Path) -> list[_Step]:
     """Map every tensor to its HF name and check type, name and shape; report all problems at once."""
     _check_types(reader, path)
@@ -508,13 +544,17 @@ def _dequantized(tensor, last: dict) -> np.ndarray:
     return last[tensor.name]
 
 
-def _write_weights(plan: list[_Step], out: Path, dtype: str, progress: bool, max_shard_bytes: int):
-    """Dequantize tensor by tensor into safetensors shards of at most `max_shard_bytes` each."""
+def _write_weights(plan: list[_Step], out: Path, dtype: str, progress: bool, max_shard_bytes: int,
+                   kept: dict[str, str] | None = None):
+    """Tensor by tensor into safetensors shards of at most `max_shard_bytes` each: those in `kept` as their
+    blocks (U8 [rows, row bytes]), the others dequantized to `dtype`."""
     import torch
     from tqdm.auto import tqdm
 
-    torch_dtype = getattr(torch, dtype)
-    shards = _shards(plan, torch_dtype.itemsize, max_shard_bytes)
+    torch_dtype, kept = getattr(torch, dtype), kept or {}
+    sizes = {s.hf_name: int(s.tensor.data.nbytes) if s.hf_name in kept else int(np.prod(s.shape)) * torch_dtype.itemsize
+             for s in plan}
+    shards = _shards(plan, sizes, max_shard_bytes)
     names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)])
     bar = tqdm(total=len(plan), desc="import-gguf", unit="tensor", disable=not progress, file=sys.stderr)
@@ -523,7 +563,10 @@ def _write_weights(plan: list[_Step], out: Path, dtype: str, progress: bool, max
         for shard, name in zip(shards, names):
             tensors = {}
             for step in shard:
-                tensors[step.hf_name], finite = _convert(step, torch_dtype, last)
+                if step.hf_name in kept:
+                    tensors[step.hf_name], finite = _blocks(step), True
+                else:
+                    tensors[step.hf_name], finite = _convert(step, torch_dtype, last)
                 if not finite:
                     not_finite.append(f"{step.tensor.name}: non-finite values in {dtype}")
                 weight_map[step.hf_name] = name
@@ -534,15 +577,25 @@ def _write_weights(plan: list[_Step], out: Path, dtype: str, progress: bool, max
                               hint="a float16 overflow needs --dtype float32 or bfloat16; otherwise the "
                                    "file is corrupt")
     if len(shards) > 1:
-        total = sum(int(np.prod(s.shape)) * torch_dtype.itemsize for s in plan)
+        total = sum(sizes.values())
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _shards(plan: list[_Step], itemsize: int, max_bytes: int) -> list[list[_Step]]:
+def _blocks(step: _Step):
+    """A kept tensor's blocks as they are, U8 [rows, row bytes], its q/k rows un-permuted (whole rows move)."""
+    import torch
+
+    rows = np.asarray(step.tensor.data).reshape(int(np.prod(step.shape[:-1])), -1)
+    if step.unpermute_heads:
+        rows = unpermute_rotary(rows, step.unpermute_heads)
+    return torch.from_numpy(np.require(rows, dtype=np.uint8, requirements=["C", "W"]))
+
+
+def _shards(plan: list[_Step], sizes: dict[str, int], max_bytes: int) -> list[list[_Step]]:
     shards, size = [[]], 0
     for step in plan:
-        nbytes = int(np.prod(step.shape)) * itemsize
+        nbytes = sizes[step.hf_name]
         if shards[-1] and size + nbytes > max_bytes:
             shards.append([])
             size = 0

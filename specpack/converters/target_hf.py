@@ -120,7 +120,7 @@ def check(reader, source: Source, root: Path | None = None) -> Target:
     except InputError as exc:
         raise InputError(f"target '{where}': {exc.message}", problems=exc.problems, hint=exc.hint) from None
     arch, q = _describe(reader, config, files)
-    info = _target_info(reader, config, files, weight_files, tensors, source, arch)
+    info = _target_info(reader, config, files, weight_files, tensors, source, arch, q)
     remote = None if root is not None else reader
     if arch is None:
         return Target(root=root, files=files, info=info, tensors=tensors, reader=remote)
@@ -244,18 +244,21 @@ def _read_tensors(reader, weight_files: list[str]) -> dict[str, tuple[str, Tenso
     return tensors
 
 
-def _target_info(reader, config, files, weight_files, tensors, source, arch=None) -> TargetInfo:
+def _target_info(reader, config, files, weight_files, tensors, source, arch=None, q=None) -> TargetInfo:
     fields = _geometry(arch) if arch is not None else _text_geometry(reader.label(), config)
     text = families.text_config(config)[0]
+    # GGUF blocks (import-gguf) are bytes: the target's dtype is its float tensors', its size the logical one
+    blocks = q is not None and q.scheme == "gguf"
     try:
         return TargetInfo(
             architecture=architecture(config),
             model_type=str(config.get("model_type", "unknown")), **fields,
-            dtype=_dominant_dtype(tensors),
+            dtype=_dominant_dtype({n: v for n, v in tensors.items() if not blocks or v[1].dtype != "U8"}),
             rope_theta=text.get("rope_theta") or _rope_parameters(text).get("rope_theta", 10000.0),
             rope_scaling=stated_rope_scaling(text),
             tie_word_embeddings=arch.lm_head is None if arch else bool(config.get("tie_word_embeddings", False)),
-            weight_files=weight_files, parameters=sum(m.numel for _, m in tensors.values()),
+            weight_files=weight_files,
+            parameters=sum(_values(name, m, q if blocks else None) for name, (_, m) in tensors.items()),
             config_sha256=reader.sha256("config.json"),
             tokenizer_sha256=_tokenizer_digest(reader, files), source=source)
     except ValidationError as exc:
@@ -357,7 +360,8 @@ def _arch_info(c: families.Checked, tensors) -> TargetArch:
         mtp=TargetMtp(layout=a.mtp.layout, count_key=a.mtp.count_key, stated=a.mtp.layers, held=c.mtp_held)
         if a.mtp else None,
         quantization=quantization_entry(q, {True: c.quantized, False: c.unquantized}),
-        runs=a.runs and q is None and not c.fused_experts)  # the runtime reads experts one MLP each
+        # the runtime reads experts one MLP each, and of quantized checkpoints GGUF blocks
+        runs=a.runs and (q is None or q.scheme == "gguf") and not c.fused_experts)
 
 
 def quantization_entry(q: quant.Quant | None, counts: dict[bool, int]) -> TargetQuantization | None:
@@ -386,6 +390,17 @@ def _float_bytes(tensors) -> int:
         if meta.dtype in floats:
             counts[meta.dtype] = counts.get(meta.dtype, 0) + meta.end - meta.start
     return floats[max(counts, key=counts.get)] if counts else 2
+
+
+def _values(name: str, meta, q) -> int:
+    """The values a tensor holds: its elements, or, for GGUF blocks (U8 [rows, row bytes]), what they decode to."""
+    from specpack.families.gguf_blocks import BLOCKS
+
+    kind = q.layer_algos.get(name) if q is not None else None
+    if kind is None or meta.dtype != "U8" or len(meta.shape) != 2:
+        return meta.numel
+    qk, nbytes = BLOCKS[kind]
+    return meta.shape[0] * (meta.shape[1] // nbytes * qk)
 
 
 def _dominant_dtype(tensors) -> str:

@@ -53,12 +53,22 @@ def engine_limits(manifest) -> dict[str, list[str]]:
     ([] where it can): what `inspect` states."""
     from specpack.schemas.manifest import default_draft_len
 
-    return {name: module.limits(manifest, default_draft_len(manifest)) for name, module in ENGINES.items()}
+    return {name: _limits(module, manifest, default_draft_len(manifest)) for name, module in ENGINES.items()}
 
 
 def capable_engines(manifest, draft_len: int = 1) -> list[str]:
     """Engines that can represent this artifact's drafter at `draft_len` tokens per step."""
-    return [name for name, module in ENGINES.items() if not module.limits(manifest, draft_len)]
+    return [name for name, module in ENGINES.items() if not _limits(module, manifest, draft_len)]
+
+
+def _limits(module, manifest, draft_len: int) -> list[str]:
+    """The engine's own limits, after the one every engine shares: a target kept as GGUF blocks
+    (import-gguf) is specpack's layout, which no engine's safetensors loader reads."""
+    q = manifest.target.arch.quantization if manifest.target.arch is not None else None
+    if q is not None and q.scheme == "gguf":
+        return ["the target's weights are llama.cpp blocks in specpack's layout (import-gguf): engines read them "
+                "from the GGUF file itself; import it with --dequantize for an export"]
+    return module.limits(manifest, draft_len)
 
 
 def export_engine(artifact: Path, engine: str, out: Path, draft_len: int | None = None,
@@ -140,7 +150,7 @@ def _runs(module, manifest, draft_len: int) -> bool:
         check_draft_len(manifest, draft_len)
     except InputError:
         return False
-    return not module.limits(manifest, draft_len)
+    return not _limits(module, manifest, draft_len)
 
 
 def _engine(engine: str):
@@ -204,7 +214,7 @@ def _check_target(module, artifact: Path) -> None:
 
 
 def _check_representable(module, manifest, draft_len: int) -> None:
-    problems = module.limits(manifest, draft_len)
+    problems = _limits(module, manifest, draft_len)
     if not problems:
         return
     others = [e for e in capable_engines(manifest, draft_len) if e != module.NAME]

@@ -18,6 +18,7 @@ its logical shape. Nothing is skipped.
 | `modelopt-mixed` | modelopt MIXED_PRECISION + `quantized_layers` {module: {quant_algo}} | each listed module as its NVFP4 / W4A16_NVFP4 / FP8 entry says; every other module unquantized |
 | `mxfp4` | quant_method mxfp4 (gpt-oss) | X_blocks U8 [*lead, o, i/32, 16]; X_scales U8 [*lead, o, i/32] |
 | `mxfp8` | quant_method mxfp8 (MiniMax), or modelopt MXFP8 | X.weight F8_E4M3 [o, i]; X.weight_scale (or X.weight_scale_inv) E8M0 (U8) [o, i/32] |
+| `gguf` | quant_method gguf (`import-gguf`), `tensor_types` {tensor: GGML type} | each listed tensor (a linear weight or the embedding) U8 [o, i/QK x block bytes]: llama.cpp's blocks as they are (families/gguf_blocks.py); every other tensor float |
 
 Every field of a quantization config is type-checked as it is read (an error names it); a scheme that
 quantizes none of the checkpoint's linear weights, an F8 weight under a config that states no scheme,
@@ -109,11 +110,11 @@ def scheme(config: dict, hf_quant: dict | None = None) -> Quant | None:
                          "scheme's reader applies is not stated", hint="ModelOpt checkpoints state quant_method "
                          "\"modelopt\" (vLLM modelopt.py detects ModelOpt by it), or ship hf_quant_config.json; add it")
     reader = {"fp8": _fp8, "compressed-tensors": _compressed, "modelopt": _modelopt, "mxfp4": _mxfp4,
-              "mxfp8": _mxfp8}.get(method)
+              "mxfp8": _mxfp8, "gguf": _gguf}.get(method)
     if reader is None:
         raise InputError(f"quantization_config.quant_method {method!r} is not a scheme specpack can check",
                          hint="supported: fp8 (block or per-tensor), compressed-tensors (FP8, NVFP4, INT4), "
-                              "modelopt (NVFP4, FP8, MXFP8, MIXED_PRECISION), mxfp4, mxfp8; dequantize others to "
+                              "modelopt (NVFP4, FP8, MXFP8, MIXED_PRECISION), mxfp4, mxfp8, gguf; dequantize others to "
                               "bf16 first")
     return reader(qc)
 
@@ -287,6 +288,21 @@ def ignored(q: Quant | None, modules: set[str]) -> dict[str, str]:
     return out
 
 
+def _gguf(qc: dict) -> Quant:
+    """`import-gguf`'s blocks: `tensor_types` names every tensor kept quantized and its GGML type."""
+    from specpack.families.gguf_blocks import TYPES
+
+    types = field(qc, "tensor_types", OBJECT, W, None)
+    if not types:
+        raise InputError("quantization_config.tensor_types (tensor name -> GGML type) is missing or empty",
+                         hint="import-gguf writes it; import the GGUF file again")
+    bad = [f"{n}: {t!r}" for n, t in types.items() if not isinstance(n, str) or t not in TYPES]
+    if bad:
+        raise InputError("quantization_config.tensor_types states types specpack does not read", problems=bad[:20],
+                         hint=f"types kept quantized: {', '.join(TYPES)}")
+    return Quant("gguf", "gguf", layers=tuple(sorted(types.items())))
+
+
 def _mxfp4(qc: dict) -> Quant:
     return Quant("mxfp4", "mxfp4", group=32)
 
@@ -355,7 +371,7 @@ def stored_names(name: str, t: Tensor, q: Quant | None) -> set[str]:
     and a static activation scale."""
     if t.row_block:
         return {name, _row_scale(name)}
-    if q is None or not t.linear:
+    if q is None or not t.linear or q.scheme == "gguf":
         return {name}
     names = {name, *(n for layout in _layouts(name, t, q) for n in layout)}
     if q.scheme in ACTIVATION_SCALE and name.endswith(".weight"):
@@ -370,6 +386,8 @@ def check(name: str, t: Tensor, found: dict, q: Quant | None, ignored_by: str | 
     leaves its module unquantized."""
     if t.integer:
         return _plain(name, t, found) or _int_problems(name, found), False
+    if q is not None and q.scheme == "gguf":
+        return _gguf_problems(name, t, found, q)
     if t.row_block:
         return _plain(name, t, found) or _row_scaled_problems(name, t, found), False
     if not t.linear or q is None:
@@ -390,6 +408,24 @@ def check(name: str, t: Tensor, found: dict, q: Quant | None, ignored_by: str | 
     if problems and name not in found and not any(n in found for layout in layouts for n in layout):
         return [f"missing tensor {name} (expected {list(_stored(t))} unquantized, or {q.scheme})"], False
     return problems or _activation_problems(name, found, q), not problems
+
+
+def _gguf_problems(name: str, t: Tensor, found: dict, q: Quant) -> tuple[list[str], bool]:
+    """A tensor `tensor_types` lists: U8 [rows, row bytes] of its type's blocks; any other: float, as stored."""
+    from specpack.families.gguf_blocks import row_bytes, shape_problems
+
+    kind = q.layer_algos.get(name)
+    if kind is None:
+        return _plain(name, t, found) or _float_problems(name, found, q), False
+    meta = found.get(name)
+    rows = math.prod(t.shape[:-1])
+    want = [rows, row_bytes(kind, t.shape[-1])]
+    if meta is None:
+        return [f"missing tensor {name} (expected {kind} blocks, U8 {want})"], False
+    problems = shape_problems(name, kind, t.shape, math.prod(meta.shape) if meta.dtype == "U8" else -1)
+    if meta.dtype != "U8" or list(meta.shape) != want:
+        problems = problems or [f"tensor {name} is {meta.dtype} {list(meta.shape)}, expected {kind} blocks U8 {want}"]
+    return problems, t.linear and not problems
 
 
 def _activation_problems(name: str, found: dict, q: Quant) -> list[str]:

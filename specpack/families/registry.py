@@ -152,6 +152,9 @@ def _scheme_problems(arch: Arch, expected: dict, found: dict, q, counts: dict[bo
     if q is None or not counts[True] or not q.layers:
         return quant.none_quantized(q, counts)
     mtp = {n: t for k in range(mtp_held(arch, found)) for n, t in mtp_tensors(arch, k).items()}
+    if q.scheme == "gguf":
+        return [f"quantization_config.tensor_types names {k}, not a tensor of the model"
+                for k, _ in q.layers if k not in expected and k not in mtp]
     linear = {quant.module_of(n) for n, t in {**expected, **mtp}.items() if t.linear}
     fused = {n.rsplit(".", 1)[0] + "." for n in linear if not n.endswith(".weight") and n in expected}
     held = {n.rsplit(".", 1)[0] for n in found}

@@ -78,7 +78,7 @@ class TargetMtp(_Strict):
 
 class TargetQuantization(_Strict):
     scheme: Literal["fp8-block", "fp8", "ct-fp8", "ct-nvfp4", "ct-int4", "modelopt-nvfp4", "modelopt-fp8",
-                    "modelopt-mixed", "mxfp4", "mxfp8"] = Field(description="How quantized linear weights are stored (families/quant.py).")
+                    "modelopt-mixed", "mxfp4", "mxfp8", "gguf"] = Field(description="How quantized linear weights are stored (families/quant.py).")
     quant_method: str = Field(description="config.json `quantization_config.quant_method` (modelopt: or hf_quant_config.json).")
     block: Optional[list[int]] = Field(None, description="FP8 weight block [rows, cols], for block-scaled schemes.")
     group: int = Field(0, ge=0, description="Group size of FP4 / INT4 scales (0: none).")

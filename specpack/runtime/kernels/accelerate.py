@@ -36,15 +36,23 @@ class PackedLinearModule(nn.Module):
     bytes); `dense_weight()` gives the fp32 [out, in] weight it computes with (what the ONNX export
     reads through `linear_params`)."""
 
-    def __init__(self, linear: nn.Linear, weights: str = "fp32"):
+    def __init__(self, linear: nn.Linear | None, weights: str = "fp32", packed=None):
         super().__init__()
         from specpack.runtime.kernels import pack
 
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(),
-                           weights=weights)
+        if packed is None:
+            packed = pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(), weights=weights)
+        self.packed = packed
+        self.in_features, self.out_features = packed.in_features, packed.out_features
         self.register_buffer("weight", self.packed.weight, persistent=False)
         self.register_buffer("bias", self.packed.bias, persistent=False)
+
+    @classmethod
+    def of_blocks(cls, blocks, bias: Tensor | None = None) -> "PackedLinearModule":
+        """A layer over GGUF blocks (kernels/gguf.py), packed as they are."""
+        from specpack.runtime.kernels.gguf import packed
+
+        return cls(None, packed=packed(blocks, bias))
 
     def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
         return self.packed(x, residual=residual)
@@ -95,15 +103,17 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
                  narrowed)
     if widen and weights != "fp32":
         _widen(model)
-    if swapped and available():
+    held = sum(isinstance(m, PackedLinearModule) for m in model.modules())  # packed at load (GGUF blocks) too
+    if held and available():
         torch.set_num_threads(1)
         for m in model.modules():  # products outside nn.Linear (DeepSeek's router and MLA's absorbed ones)
             if hasattr(m, "pack_products"):
                 m.pack_products()
         fused = sum(m.fuse_layers() for m in model.modules() if hasattr(m, "fuse_layers"))
         screened = hasattr(model, "screen_head") and model.screen_head()  # the target's head, or a draft model's
-        log.info("CPU kernels: %d linear layers packed (%s weights), %d decoders fused%s; torch ops on 1 thread",
-                 swapped, weights, fused, ", greedy head screened" if screened else "")
+        log.info("CPU kernels: %d linear layers packed (%s), %d decoders fused%s; torch ops on 1 thread",
+                 held, f"{weights} weights" if swapped == held else f"{held - swapped} from GGUF blocks",
+                 fused, ", greedy head screened" if screened else "")
     return swapped
 
 

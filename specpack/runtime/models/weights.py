@@ -83,35 +83,65 @@ def check_shapes(found: dict[str, tuple], expected: dict[str, tuple], what: str)
                          hint="the checkpoint and config.json must come from the same model")
 
 
-def read_tensors(files: dict[str, Path], names) -> dict[str, Tensor]:
-    """The named tensors, memory-mapped (safetensors maps the file; get_tensor does not copy)."""
+def read_tensors(files: dict[str, Path], names, blocks: dict[str, tuple[str, int]] | None = None) -> dict[str, Tensor]:
+    """The named tensors, memory-mapped (safetensors maps the file; get_tensor does not copy); those in
+    `blocks` (name -> (GGML type, columns)) as kernels.gguf.Blocks over their mapped bytes."""
     from safetensors import safe_open
 
-    out, by_file = {}, {}
+    from specpack.runtime.kernels.gguf import Blocks
+
+    out, by_file, blocks = {}, {}, blocks or {}
     for name in names:
         by_file.setdefault(files[name], []).append(name)
     for path, group in by_file.items():
         with safe_open(path, framework="pt") as f:
             out.update({name: f.get_tensor(name) for name in group})
-    return out
+    return {n: Blocks.of(blocks[n][0], t, blocks[n][1]) if n in blocks else t for n, t in out.items()}
+
+
+def gguf_types(model_dir) -> dict[str, str]:
+    """tensor name -> GGML type of the tensors a checkpoint keeps as GGUF blocks (import-gguf), {} for none."""
+    try:
+        qc = json.loads((Path(model_dir) / "config.json").read_text()).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    if not isinstance(qc, dict) or qc.get("quant_method") != "gguf":
+        return {}
+    from specpack.families.quant import scheme
+
+    return dict(scheme({"quantization_config": qc}).layers)
+
+
+def _block_shapes(found: dict[str, tuple], types: dict[str, str]) -> tuple[dict, dict]:
+    """(the shapes with every GGUF block tensor's logical one, name -> (type, columns) of those tensors)."""
+    from specpack.families.gguf_blocks import BLOCKS
+
+    shapes, blocks = dict(found), {}
+    for name, kind in types.items():
+        if name in found and len(found[name]) == 2:
+            qk, nbytes = BLOCKS[kind]
+            cols = found[name][1] // nbytes * qk
+            shapes[name], blocks[name] = (found[name][0], cols), (kind, cols)
+    return shapes, blocks
 
 
 def fuse_layer(t: dict[str, Tensor], src: str, dst: str) -> dict[str, Tensor]:
     """One decoder layer's tensors `src*` (transformers names) as our fused `dst*` parameters."""
+    from specpack.runtime.kernels.gguf import cat
+
     out = {}
     for kind in ("weight", "bias"):
         qkv = [t.get(f"{src}self_attn.{p}_proj.{kind}") for p in "qkv"]
         if qkv[0] is not None:
-            out[f"{dst}self_attn.qkv_proj.{kind}"] = torch.cat(qkv)
+            out[f"{dst}self_attn.qkv_proj.{kind}"] = cat(qkv)
     if f"{src}mlp.gate.weight" in t:  # Qwen3-MoE: the router, and each expert's gate and up fused
         out[f"{dst}mlp.gate.weight"] = t[f"{src}mlp.gate.weight"]
         for e in range(t[f"{src}mlp.gate.weight"].shape[0]):
             p, q = f"{src}mlp.experts.{e}.", f"{dst}mlp.experts.{e}."
-            out[q + "gate_up_proj.weight"] = torch.cat([t[p + "gate_proj.weight"], t[p + "up_proj.weight"]])
+            out[q + "gate_up_proj.weight"] = cat([t[p + "gate_proj.weight"], t[p + "up_proj.weight"]])
             out[q + "down_proj.weight"] = t[p + "down_proj.weight"]
     else:
-        out[f"{dst}mlp.gate_up_proj.weight"] = torch.cat([t[f"{src}mlp.gate_proj.weight"],
-                                                          t[f"{src}mlp.up_proj.weight"]])
+        out[f"{dst}mlp.gate_up_proj.weight"] = cat([t[f"{src}mlp.gate_proj.weight"], t[f"{src}mlp.up_proj.weight"]])
     plain = ["self_attn.o_proj.weight", "self_attn.o_proj.bias", "self_attn.q_norm.weight",
              "self_attn.k_norm.weight", "mlp.down_proj.weight", "input_layernorm.weight",
              "post_attention_layernorm.weight", "hidden_norm.weight"]
@@ -197,16 +227,52 @@ def build_decoder(model_dir, spec, shapes, layer_state, decoder_cls, device, dty
     (`layer_state` per layer) and assign them: the loading every target family shares."""
     files = checkpoint_files(Path(model_dir))
     prefix, head = decoder_names(files)
-    expected = checked_tensor_shapes(spec, tensor_shapes(files), lambda s: _named(shapes(s), prefix, head),
+    found, blocks = _block_shapes(tensor_shapes(files), gguf_types(model_dir))
+    expected = checked_tensor_shapes(spec, found, lambda s: _named(shapes(s), prefix, head),
                                      f"target checkpoint {model_dir}")
     unused = sorted(set(files) - set(expected) - {head})
     if unused:
         log.info("ignoring %d tensors not used by %s: %s", len(unused), decoder_cls.__name__, unused[:5])
-    t = read_tensors(files, expected)
+    t = read_tensors(files, expected, blocks)
     state = {"embed_tokens.weight": t[prefix + "embed_tokens.weight"], "norm.weight": t[prefix + "norm.weight"],
              "lm_head.weight": t[prefix + "embed_tokens.weight" if spec.tie_word_embeddings else head]}
     for i in range(spec.num_layers):
         state.update(layer_state(t, f"{prefix}layers.{i}.", f"layers.{i}."))
     with torch.device("meta"):
         model = decoder_cls(spec)
+    if blocks:
+        state = _bind_blocks(model, state, device, dtype)
     return assign_weights(model, state, device, dtype)
+
+
+def _bind_blocks(model: torch.nn.Module, state: dict, device, dtype) -> dict:
+    """Each linear layer whose weight is GGUF blocks replaced by a packed layer over them (kernels/gguf.py),
+    its weight and bias taken out of `state`; an embedding table of blocks dequantized (rows are gathered
+    from it). The rest of `state`, for assign_weights."""
+    from specpack.errors import InputError
+    from specpack.runtime.kernels.accelerate import PackedLinearModule
+    from specpack.runtime.kernels.gguf import NATIVE, Blocks
+
+    if torch.device(device).type != "cpu" or dtype != torch.float32:
+        raise InputError(f"this target keeps GGUF blocks (import-gguf), which run on the CPU in float32, not "
+                         f"{device} {str(dtype).removeprefix('torch.')}",
+                         hint="use --device cpu --dtype float32, or import the GGUF with --dequantize")
+    state, widened = dict(state), set()
+    for name, value in list(state.items()):
+        if not isinstance(value, Blocks):
+            continue
+        module_name = name.removesuffix(".weight")
+        module = model.get_submodule(module_name)
+        if isinstance(module, torch.nn.Linear):
+            del state[name]
+            bias = state.pop(module_name + ".bias", None)
+            parent, _, leaf = module_name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, leaf, PackedLinearModule.of_blocks(value, bias))
+            if value.format is None:
+                widened.add(" + ".join(dict.fromkeys(value.kinds)))
+        else:
+            state[name] = value.dense()
+    if widened:
+        log.warning("%s layers run widened to fp32 (kernels read %s blocks as they are, one kind of kernel a layer): "
+                    "more memory and time than the file's size suggests", ", ".join(sorted(widened)), ", ".join(NATIVE))
+    return state
