@@ -16,7 +16,8 @@ def random_blocks(kind: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     qk, size = gb.BLOCKS[kind]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(rows, cols // qk, size), dtype=np.uint8)
-    halves = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[kind]
+    halves = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2],
+              "Q6_K": [208]}[kind]
     for at in halves:
         raw[..., at:at + 2] = rng.normal(0, 0.02, size=raw.shape[:2]).astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(rows, -1)
@@ -32,7 +33,7 @@ def test_decoding_matches_gguf_py_bit_for_bit(kind):
     assert torch.equal(got, torch.from_numpy(want.astype(np.float32)))
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
 def test_blocks_gguf_py_quantizes_decode_as_it_decodes_them(kind):
     w = np.random.default_rng(1).normal(0, 0.05, size=(16, 96)).astype(np.float32)
     raw = gguf_quantize(w, GGMLQuantizationType[kind])

@@ -18,11 +18,13 @@ from gguf_fixtures import write_llama_gguf
 from specpack.converters.gguf import gguf_name, import_gguf, unpermute_rotary
 from specpack.errors import ConversionError, InputError, UnsupportedError
 from specpack.runtime.kernels.accelerate import PackedLinearModule
+from specpack.runtime.kernels.gguf import BlockEmbedding
 from specpack.runtime.spec_model import SpecModel, load_drafter, load_target
 
 gguf = pytest.importorskip("gguf")
 T = gguf.GGMLQuantizationType
-KEPT = {r"token_embd|^output\.": T.Q8_0, r"attn_q\.": T.Q4_0, r"blk\.5\.ffn_down": T.Q8_0, r"attn_|ffn_": T.Q4_1}
+KEPT = {r"token_embd|^output\.": T.Q8_0, r"attn_q\.": T.Q4_0, r"blk\.5\.ffn_down": T.Q8_0, r"blk\.4\.ffn_down": T.Q5_0,
+        r"blk\.3\.ffn_down": T.Q5_1, r"attn_|ffn_": T.Q4_1}
 NEW = 24
 
 
@@ -69,11 +71,17 @@ def test_the_target_computes_with_the_files_values(files):
     q, ref = load_target(kept), load_target(f32)
     layer = q.layers[0].self_attn.qkv_proj
     assert isinstance(layer, PackedLinearModule) and layer.packed.weights == "w4a8"
-    assert q.layers[0].mlp.down_proj.packed.weights == "w4a8" and q.layers[5].mlp.down_proj.packed.weights == "w8a8"
+    down = [q.layers[i].mlp.down_proj.packed.weights for i in range(6)]
+    assert down == ["w4a8"] * 3 + ["fp32", "w8a8", "w8a8"]  # Q5_1 widened; Q5_0 and Q8_0 on int8 panels
+    for i in (3, 4):
+        assert torch.equal(q.layers[i].mlp.down_proj.dense_weight(), ref.layers[i].mlp.down_proj.weight)
     assert q.lm_head.packed.weights == "w8a8"  # a Q8_0 head: llama.cpp's Q8_0 x Q8_0
     assert torch.equal(layer.dense_weight(), ref.layers[0].self_attn.qkv_proj.weight)
     assert torch.equal(q.lm_head.dense_weight(), ref.lm_head.weight)
-    assert torch.equal(q.embed_tokens.weight, ref.embed_tokens.weight)
+    rows = torch.tensor([[3, 0, 383], [7, 7, 1]])
+    assert isinstance(q.embed_tokens, BlockEmbedding) and torch.equal(q.embed_tokens(rows), ref.embed_tokens(rows))
+    assert q.embed_tokens._dense is None  # rows are gathered from the blocks: no fp32 table
+    assert torch.equal(q.embed_tokens.weight, ref.embed_tokens.weight)  # made on demand for a kernel needing it
     ids = torch.tensor([1, 72, 101, 108, 108, 111, 44, 32, 119])
     with torch.no_grad():
         q.setup_cache(len(ids))
@@ -111,10 +119,10 @@ def test_a_type_not_kept_is_refused_naming_it(tmp_path):
     tok = tmp_path / "tok"
     tiny.make_tokenizer(tok)
     path = write_llama_gguf(tmp_path / "m.gguf", tiny.build_model("llama"), tok,
-                            types={r"ffn_down": T.Q5_0, r"attn_": T.Q4_1})
+                            types={r"ffn_down": T.IQ4_NL, r"attn_": T.Q4_1})
     with pytest.raises(UnsupportedError) as err:
         import_gguf(path, tmp_path / "out", progress=False)
-    assert "blk.0.ffn_down.weight: Q5_0" in err.value.problems and "--dequantize" in err.value.hint
+    assert "blk.0.ffn_down.weight: IQ4_NL" in err.value.problems and "--dequantize" in err.value.hint
     assert not (tmp_path / "out").exists()
     import_gguf(path, tmp_path / "out", progress=False, dequantize=True)  # the fp32 import still reads it
 

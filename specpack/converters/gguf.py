@@ -39,7 +39,7 @@ SUPPORTED_ARCHITECTURES = ("llama", "deepseek2")
 # gguf's numpy dequantizer and transformers' independent torch one, or against ggml's reference code.
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
-KEPT_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # families/gguf_blocks.TYPES
+KEPT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")  # families/gguf_blocks.TYPES
 FLOAT_TYPES = ("F32", "F16", "BF16")
 GGUF_QUANT_METHOD = "gguf"
 DTYPES = ("float32", "float16", "bfloat16")

@@ -9,6 +9,8 @@ the runtime repacks them into the CPU kernels' panels (runtime/kernels/linear.py
 | Q8_0 | 32 | 34 | d (f16), qs (32 x i8) | d * q |
 | Q4_0 | 32 | 18 | d (f16), qs (16 bytes: k in low nibbles, k + 16 in high) | d * (q - 8) |
 | Q4_1 | 32 | 20 | d (f16), m (f16), qs as Q4_0 | d * q + m |
+| Q5_0 | 32 | 22 | d (f16), qh (32 bits: bit 4 of value i at bit i), qs as Q4_0 | d * (q - 16) |
+| Q5_1 | 32 | 24 | d (f16), m (f16), qh, qs as Q5_0 | d * q + m |
 | Q4_K | 256 | 144 | d, dmin (f16), 12 bytes of 6-bit scales and mins, qs (128 bytes) | d * sc_j * q - dmin * m_j per 32 |
 | Q5_K | 256 | 176 | as Q4_K, then qh (32 bytes: bit 4 of each q), qs | as Q4_K with 5-bit q |
 | Q6_K | 256 | 210 | ql (128), qh (64), scales (16 x i8), d (f16) | d * sc_j * (q - 32) per 16 |
@@ -30,8 +32,8 @@ from specpack.errors import ConversionError
 
 QK_K = 256
 # type -> (values per block, bytes per block): gguf-py constants.GGML_QUANT_SIZES
-BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176),
-          "Q6_K": (QK_K, 210)}
+BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+          "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210)}
 TYPES = tuple(BLOCKS)
 
 
@@ -88,6 +90,12 @@ def _nibbles(qs: Tensor) -> Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
+def _high_bits(qh: Tensor) -> Tensor:
+    """[..., 4] bytes (a little-endian uint32) -> [..., 32]: bit i, the fifth bit of value i (Q5_0 / Q5_1)."""
+    bits = (qh[..., :, None] >> torch.arange(8, dtype=torch.uint8)) & 1
+    return bits.reshape(*qh.shape[:-1], 32)
+
+
 def _scale_min_k4(scales: Tensor) -> tuple[Tensor, Tensor]:
     """Q4_K / Q5_K's 12 bytes -> the eight 6-bit scales and mins (ggml-quants.c get_scale_min_k4)."""
     d, m, md = scales[..., 0:4], scales[..., 4:8], scales[..., 8:12]
@@ -111,6 +119,11 @@ def decode(kind: str, raw: Tensor, cols: int) -> Affine:
         return Affine(_nibbles(b[..., 2:]), d, -8 * d)
     if kind == "Q4_1":
         return Affine(_nibbles(b[..., 4:]), _f16(b[..., :2]), _f16(b[..., 2:4]))
+    if kind == "Q5_0":
+        q = _nibbles(b[..., 6:]) | (_high_bits(b[..., 2:6]) << 4)
+        return Affine(q.to(torch.int8) - 16, _f16(b[..., :2]), None)
+    if kind == "Q5_1":
+        return Affine(_nibbles(b[..., 8:]) | (_high_bits(b[..., 4:8]) << 4), _f16(b[..., :2]), _f16(b[..., 2:4]))
     if kind in ("Q4_K", "Q5_K"):
         d, dmin = _f16(b[..., 0:2])[..., None], _f16(b[..., 2:4])[..., None]
         sc, mn = _scale_min_k4(b[..., 4:16])

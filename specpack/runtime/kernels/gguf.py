@@ -12,13 +12,15 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from specpack.families import gguf_blocks
-from specpack.runtime.kernels.linear import PackedLinear, pack_q8_blocks, pack_w4a8
+from specpack.runtime.kernels.linear import (NR, Q8_BLOCK, Q8_BLOCK_BYTES, W4_BLOCK_BYTES, PackedLinear, pack_q8_blocks,
+                                             pack_w4a8)
 
 log = logging.getLogger(__name__)
-NATIVE = {"Q4_0": "w4a8", "Q4_1": "w4a8", "Q8_0": "w8a8"}  # GGML type -> the packed format that reads it
+# GGML type -> the packed format that reads it (Q5_0's values d (q - 16) are int8 multiples of d: w8a8 exactly)
+NATIVE = {"Q4_0": "w4a8", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w8a8"}
 
 
 @dataclass(frozen=True)
@@ -60,18 +62,59 @@ def cat(parts: list) -> "Blocks | Tensor":
 
 
 def packed(blocks: Blocks, bias: Tensor | None = None, threads: int | None = None) -> PackedLinear:
-    """`blocks` as a packed linear layer: natively where one kernel reads every part, else on fp32 panels."""
+    """`blocks` as a packed linear layer: natively where one kernel reads every part, else on fp32 panels.
+    Rows are decoded and packed CHUNK_ROWS at a time, so the temporaries stay small beside the panels."""
     from specpack.runtime.kernels import tuning
 
     fmt = blocks.format
     if fmt is None:
         return tuning.pack(blocks.dense(), bias, threads)
     n, k = blocks.shape
-    decoded = [gguf_blocks.decode(kind, raw, k) for kind, raw in blocks.parts]
-    q = torch.cat([a.q for a in decoded]).view(n, k // 32, 32)
-    scale = torch.cat([a.scale for a in decoded])
-    if fmt == "w8a8":
-        panels = pack_q8_blocks(q, scale)
-    else:
-        panels = pack_w4a8(q, scale, torch.cat([a.min for a in decoded]))
+    per_block = Q8_BLOCK_BYTES if fmt == "w8a8" else W4_BLOCK_BYTES
+    panels = torch.empty(-(-n // NR), k // Q8_BLOCK, per_block, dtype=torch.uint8)
+    for r0 in range(0, n, CHUNK_ROWS):
+        decoded = [gguf_blocks.decode(kind, raw, k) for kind, raw in _rows(blocks.parts, r0, r0 + CHUNK_ROWS)]
+        q = torch.cat([a.q for a in decoded]).view(-1, k // Q8_BLOCK, Q8_BLOCK)
+        scale = torch.cat([a.scale for a in decoded])
+        chunk = pack_q8_blocks(q, scale) if fmt == "w8a8" else pack_w4a8(q, scale, torch.cat([a.min for a in decoded]))
+        panels[r0 // NR: r0 // NR + len(chunk)] = chunk
     return PackedLinear.of_panels(panels, fmt, (n, k), bias, threads, tuning.settings("w8a8"))
+
+
+CHUNK_ROWS = 4096  # rows decoded at a time (a multiple of the panels' 16)
+
+
+def _rows(parts, r0: int, r1: int) -> list[tuple[str, Tensor]]:
+    """The (type, raw rows) of rows [r0, r1) of a matrix stored as `parts` one after another."""
+    out, at = [], 0
+    for kind, raw in parts:
+        lo, hi = max(r0, at), min(r1, at + len(raw))
+        if lo < hi:
+            out.append((kind, raw[lo - at: hi - at]))
+        at += len(raw)
+    return out
+
+
+class BlockEmbedding(nn.Module):
+    """An embedding table kept as GGUF blocks: each lookup dequantizes only the rows it gathers (the same
+    values as the whole table's dequantization). `weight`, for the few kernels that read the table as fp32
+    (a block drafter's fused step), is made on first use and kept."""
+
+    def __init__(self, blocks: Blocks):
+        super().__init__()
+        (self.kind, raw), = blocks.parts
+        self.raw = raw.clone()  # its own memory: the checkpoint's mapping can go
+        self.num_embeddings, self.embedding_dim = blocks.shape
+        self._dense = None
+
+    def forward(self, ids: Tensor) -> Tensor:
+        rows = self.raw[ids.reshape(-1)]
+        return gguf_blocks.dequantize(self.kind, rows, self.embedding_dim).view(*ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> Tensor:
+        if self._dense is None:
+            log.info("dequantizing the %s embedding table (%d x %d) for a kernel that reads it whole", self.kind,
+                     self.num_embeddings, self.embedding_dim)
+            self._dense = gguf_blocks.dequantize(self.kind, self.raw, self.embedding_dim)
+        return self._dense

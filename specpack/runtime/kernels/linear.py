@@ -208,15 +208,24 @@ def pack_q8_blocks(q: Tensor, d: Tensor) -> Tensor:
     P = -(-N // NR)
     out = torch.zeros(P, B, Q8_BLOCK_BYTES, dtype=torch.uint8)
     _advise_huge_pages(out)
-    column_major = torch.zeros(P * NR, B)
-    column_major[:N] = d
-    out[..., : NR * 4].view(torch.float32)[:] = column_major.view(P, NR, B).permute(0, 2, 1)
+    _columns_into(out[..., : NR * 4].view(torch.float32), d)
+    # stored q + 128: the sign bit flipped; [N, B, 8 (group), 4 (k)] -> [P, B, group, column, k]
     values = out[..., NR * 4:].view(P, B, Q8_BLOCK // 4, NR, 4)
-    padded = torch.zeros(P * NR, B, Q8_BLOCK, dtype=torch.int16)
-    padded[:N] = q.to(torch.int16)
-    # [P, 16 (column), B, 8 (group), 4 (k)] -> [P, B, group, column, k], stored + 128
-    values[:] = (padded.view(P, NR, B, Q8_BLOCK // 4, 4).permute(0, 2, 3, 1, 4) + 128).to(torch.uint8)
+    for p0 in range(0, P, PACK_PANELS):
+        p1 = min(P, p0 + PACK_PANELS)
+        rows = torch.full(((p1 - p0) * NR, B, Q8_BLOCK), 0x80, dtype=torch.uint8)
+        n = min(N, p1 * NR) - p0 * NR
+        rows[:n] = q[p0 * NR: p0 * NR + n].view(torch.uint8) ^ 0x80
+        values[p0:p1] = rows.view(p1 - p0, NR, B, Q8_BLOCK // 4, 4).permute(0, 2, 3, 1, 4)
     return out
+
+
+def _columns_into(dst: Tensor, values: Tensor) -> None:
+    """values [N, B] (one per column and block) into panels' per-block column slots dst [P, B, 16]."""
+    P, B, _ = dst.shape
+    column_major = torch.zeros(P * NR, B, dtype=dst.dtype)
+    column_major[: len(values)] = values
+    dst[:] = column_major.view(P, NR, B).permute(0, 2, 1)
 
 
 def pack_w4a8(u: Tensor, d: Tensor, m: Tensor) -> Tensor:
@@ -232,14 +241,15 @@ def pack_w4a8(u: Tensor, d: Tensor, m: Tensor) -> Tensor:
     out = torch.zeros(P, B, W4_BLOCK_BYTES, dtype=torch.uint8)
     _advise_huge_pages(out)
     for at, values in ((0, half_d), (NR * 2, half_m)):
-        column_major = torch.zeros(P * NR, B, dtype=torch.float16)
-        column_major[:N] = values
-        out[..., at: at + NR * 2].view(torch.float16)[:] = column_major.view(P, NR, B).permute(0, 2, 1)
-    padded = torch.zeros(P * NR, B, Q8_BLOCK, dtype=torch.uint8)
-    padded[:N] = u
-    # [P, 16 (j), B, 4 (r), 2 (low / high), 4 (i)] -> [P, B, r, j, i, low / high]
-    v = padded.view(P, NR, B, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
-    out[..., NR * 4:] = (v[..., 0] | (v[..., 1] << 4)).reshape(P, B, -1)
+        _columns_into(out[..., at: at + NR * 2].view(torch.float16), values)
+    for p0 in range(0, P, PACK_PANELS):
+        p1 = min(P, p0 + PACK_PANELS)
+        rows = torch.zeros((p1 - p0) * NR, B, Q8_BLOCK, dtype=torch.uint8)
+        n = min(N, p1 * NR) - p0 * NR
+        rows[:n] = u[p0 * NR: p0 * NR + n]
+        # [p, 16 (j), B, 4 (r), 2 (low / high), 4 (i)] -> [p, B, r, j, i, low / high]
+        v = rows.view(p1 - p0, NR, B, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        out[p0:p1, :, NR * 4:] = (v[..., 0] | (v[..., 1] << 4)).reshape(p1 - p0, B, -1)
     return out
 
 

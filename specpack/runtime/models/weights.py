@@ -251,7 +251,7 @@ def _bind_blocks(model: torch.nn.Module, state: dict, device, dtype) -> dict:
     from it). The rest of `state`, for assign_weights."""
     from specpack.errors import InputError
     from specpack.runtime.kernels.accelerate import PackedLinearModule
-    from specpack.runtime.kernels.gguf import NATIVE, Blocks
+    from specpack.runtime.kernels.gguf import NATIVE, BlockEmbedding, Blocks
 
     if torch.device(device).type != "cpu" or dtype != torch.float32:
         raise InputError(f"this target keeps GGUF blocks (import-gguf), which run on the CPU in float32, not "
@@ -263,15 +263,22 @@ def _bind_blocks(model: torch.nn.Module, state: dict, device, dtype) -> dict:
             continue
         module_name = name.removesuffix(".weight")
         module = model.get_submodule(module_name)
+        del state[name]
         if isinstance(module, torch.nn.Linear):
-            del state[name]
             bias = state.pop(module_name + ".bias", None)
-            parent, _, leaf = module_name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, leaf, PackedLinearModule.of_blocks(value, bias))
+            replacement = PackedLinearModule.of_blocks(value, bias)
             if value.format is None:
                 widened.add(" + ".join(dict.fromkeys(value.kinds)))
+        elif isinstance(module, torch.nn.Embedding) and len(value.parts) == 1:
+            replacement = BlockEmbedding(value)
         else:
-            state[name] = value.dense()
+            raise InputError(f"{name} is stored as GGUF blocks, which {type(module).__name__} does not read",
+                             hint="import the GGUF with --dequantize")
+        parent, _, leaf = module_name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, leaf, replacement)
+    # the rest (norms) in memory of their own, so the checkpoint's mapping, every page of which packing read,
+    # is released once loading ends
+    state = {k: v.clone() for k, v in state.items()}
     if widened:
         log.warning("%s layers run widened to fp32 (kernels read %s blocks as they are, one kind of kernel a layer): "
                     "more memory and time than the file's size suggests", ", ".join(sorted(widened)), ", ".join(NATIVE))
