@@ -164,3 +164,27 @@ def test_a_fused_layer_of_two_kernels_is_widened_and_says_so(tmp_path, caplog):
     qkv = q.layers[0].self_attn.qkv_proj
     assert torch.equal(qkv.dense_weight(), load_target(tmp_path / "f32").layers[0].self_attn.qkv_proj.weight)
     assert q.layers[0].mlp.gate_up_proj.packed.weights == "w4a8"
+
+
+def test_a_k_quant_file_runs_its_q4_k_blocks_natively(tmp_path):
+    """A Q4_K_M-style mix (Q4_K, Q6_K feed-forward down, Q8_0 embedding and head) on rows 256 wide: the Q4_K
+    layers run on fp32-scaled 4-bit panels (w4a8k) with gguf-py's values, Q6_K widened; greedy speculative ==
+    plain."""
+    tok = tmp_path / "tok"
+    tiny.make_tokenizer(tok)
+    model = tiny.build_model("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64)
+    path = write_llama_gguf(tmp_path / "m.gguf", model, tok,
+                            types={r"token_embd|^output\.": T.Q8_0, r"ffn_down": T.Q6_K, r"attn_|ffn_": T.Q4_K})
+    import_gguf(path, tmp_path / "kept", progress=False)
+    import_gguf(path, tmp_path / "f32", progress=False, dequantize=True)
+    q, ref = load_target(tmp_path / "kept"), load_target(tmp_path / "f32")
+    for i in range(2):
+        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.o_proj"):
+            a, b = q.layers[i].get_submodule(name), ref.layers[i].get_submodule(name)
+            assert a.packed.weights == "w4a8k" and torch.equal(a.dense_weight(), b.weight), (i, name)
+        assert q.layers[i].mlp.down_proj.packed.weights == "fp32"
+    d = load_drafter("ngram", {"min_n": 1, "max_n": 3}, None, q)
+    plain, spec = SpecModel(q), SpecModel(q, d)
+    for i, p in enumerate([[1, 5, 9, 5, 9, 5], [1, 2, 3, 4, 2, 3, 4], [7, 8, 7, 8, 7]]):
+        want = plain.generate(p, 16, speculative=False, eos_ids=()).tokens
+        assert spec.generate(p, 16, draft_len=2 + i, eos_ids=()).tokens == want

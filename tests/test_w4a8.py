@@ -23,9 +23,14 @@ def _fresh_state(monkeypatch):
 
 
 def blocks(kind: str, n: int, k: int, seed: int = 0):
-    w = np.random.default_rng(seed).normal(0, 0.05, size=(n, k)).astype(np.float32)
-    raw = gguf_quantize(w, GGMLQuantizationType[kind])
-    return torch.from_numpy(raw), torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[kind]))
+    if kind in ("Q4_K",):  # gguf-py cannot quantize K-quants: random blocks (test_gguf_blocks' generator)
+        from test_gguf_blocks import random_blocks
+
+        raw = random_blocks(kind, n, k, seed)
+    else:
+        w = np.random.default_rng(seed).normal(0, 0.05, size=(n, k)).astype(np.float32)
+        raw = gguf_quantize(w, GGMLQuantizationType[kind])
+    return torch.from_numpy(raw), torch.from_numpy(gguf_dequantize(raw, GGMLQuantizationType[kind]).reshape(n, k))
 
 
 def layer(kind: str, raw: torch.Tensor, n: int, k: int, bias=None, tuned=None) -> PackedLinear:
@@ -33,12 +38,14 @@ def layer(kind: str, raw: torch.Tensor, n: int, k: int, bias=None, tuned=None) -
     q = a.q.view(n, k // 32, 32)
     if kind == "Q8_0":
         return PackedLinear.of_panels(kl.pack_q8_blocks(q, a.scale), "w8a8", (n, k), bias, tuned=tuned)
-    return PackedLinear.of_panels(kl.pack_w4a8(q, a.scale, a.min), "w4a8", (n, k), bias, tuned=tuned)
+    wide = kind == "Q4_K"
+    return PackedLinear.of_panels(kl.pack_w4a8(q, a.scale, a.min, wide=wide), "w4a8k" if wide else "w4a8", (n, k),
+                                  bias, tuned=tuned)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
 def test_the_kernel_computes_with_gguf_pys_values(kind):
-    n, k = 45, 96  # a partial last panel
+    n, k = 45, 256 if kind == "Q4_K" else 96  # a partial last panel
     raw, dense = blocks(kind, n, k)
     lin = layer(kind, raw, n, k)
     assert torch.equal(lin.dense(), dense)  # the values the kernel multiplies: exactly gguf-py's
@@ -55,12 +62,12 @@ def test_q8_0_blocks_are_the_panels_w8a8_packs_from_their_values():
     assert torch.equal(kl.pack_q8_blocks(a.q.view(40, 4, 32), a.scale), kl.pack_w8a8(dense))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 def test_fallback_is_the_kernel_arithmetic_on_both_tile_sets(kind, monkeypatch):
     if not kl.available():
         pytest.skip(kl.unavailable_reason())
     torch.manual_seed(3)
-    n, k = 70, 576
+    n, k = 70, 768
     raw, _ = blocks(kind, n, k, seed=5)
     bias, x, r = torch.randn(n), torch.randn(9, k), torch.randn(9, n)
     outs = {isa: layer(kind, raw, n, k, bias, tuned=t)(x, residual=r) for isa, t in ISAS.items()}
@@ -73,13 +80,14 @@ def test_fallback_is_the_kernel_arithmetic_on_both_tile_sets(kind, monkeypatch):
     assert torch.equal(fallback(x, residual=r), outs["avx2"])
 
 
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
 @pytest.mark.parametrize("isa", list(ISAS))
-def test_rows_are_exact_whatever_their_number(isa):
+def test_rows_are_exact_whatever_their_number(isa, kind):
     if not kl.available():
         pytest.skip(kl.unavailable_reason())
-    n, k = 200, 320
-    raw, _ = blocks("Q4_1", n, k, seed=2)
-    lin = layer("Q4_1", raw, n, k, tuned=ISAS[isa])
+    n, k = 200, 512
+    raw, _ = blocks(kind, n, k, seed=2)
+    lin = layer(kind, raw, n, k, tuned=ISAS[isa])
     x = torch.randn(17, k)
     y = lin(x)
     for m in (1, 2, 3, 5, 9, 16):

@@ -44,12 +44,15 @@ NR = 16  # output columns per panel (linear.c)
 Q8_BLOCK = 32  # k per int8 scale block (linear.c)
 Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
 # weight format name -> linear.c's code
-FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4, "bf16-amx": 7, "w4a8": 8}
+FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4, "bf16-amx": 7, "w4a8": 8, "w4a8k": 9}
 BF16_TILES = "bf16-amx"  # bf16 on AMX tiles (bf16_tiles.c): packed only where `bf16_tiles()` says they run
 TILE_K = 32  # k per AMX block (bf16_tiles.c)
 QUANTIZED = ("int8", "w8a8")  # the formats in Q8_0 blocks
 W4A8 = "w4a8"  # GGUF Q4_0 / Q4_1 blocks kept 4-bit, int8 activations (w4a8.c); packed from blocks only
+W4A8K = "w4a8k"  # the same with fp32 scales and offsets: Q4_K's sub-blocks (d * sc, -dmin * m: not fp16 values)
+W4_FORMATS = (W4A8, W4A8K)
 W4_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR // 2  # 16 fp16 scales + 16 fp16 offsets + 32 x 16 nibbles = 320
+W4K_BLOCK_BYTES = NR * 8 + Q8_BLOCK * NR // 2  # fp32 scales and offsets: 384
 ISAS = ("avx2", "avx512")  # the tile sets (linear.c): the same bits, AVX-512 where the CPU has it
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
@@ -166,7 +169,7 @@ def unpack(panels: Tensor, weights: str, N: int, K: int) -> Tensor:
     `pack_panels` / `pack_q8` / `pack_w8a8` (w8a8 also rounds its activations: see `w8a8_linear`)."""
     if weights == BF16_TILES:
         return panels.float().permute(0, 3, 1, 2, 4).reshape(len(panels) * NR, -1)[:N, :K].contiguous()
-    if weights == W4A8:
+    if weights in W4_FORMATS:
         u, d, m = w4a8_values(panels)
         return (u * d[..., None] + m[..., None]).reshape(len(u), -1)[:N, :K].contiguous()
     if weights not in QUANTIZED:
@@ -228,20 +231,23 @@ def _columns_into(dst: Tensor, values: Tensor) -> None:
     dst[:] = column_major.view(P, NR, B).permute(0, 2, 1)
 
 
-def pack_w4a8(u: Tensor, d: Tensor, m: Tensor) -> Tensor:
+def pack_w4a8(u: Tensor, d: Tensor, m: Tensor, wide: bool = False) -> Tensor:
     """4-bit blocks (u uint8 [N, B, 32] in 0..15, d and m fp32 [N, B]: value d u + m, each d and m exactly an
-    fp16) -> [ceil(N/16), B, 320] bytes: per panel and block the 16 columns' d then m (fp16), then the
-    values as nibbles, region r (64 bytes) holding k = 8r..8r+3 in low nibbles and 8r+4..8r+7 in high ones,
-    column j's four at bytes 4j..4j+3 (w4a8.c)."""
+    fp16 unless `wide`) -> [ceil(N/16), B, 320] bytes (wide: 384): per panel and block the 16 columns' d then
+    m (fp16; wide: fp32, w4a8k), then the values as nibbles, region r (64 bytes) holding k = 8r..8r+3 in low
+    nibbles and 8r+4..8r+7 in high ones, column j's four at bytes 4j..4j+3 (w4a8.c)."""
     N, B, _ = u.shape
     P = -(-N // NR)
-    half_d, half_m = d.to(torch.float16), m.to(torch.float16)
+    scale_type = torch.float32 if wide else torch.float16
+    half_d, half_m = d.to(scale_type), m.to(scale_type)
     if not (torch.equal(half_d.float(), d) and torch.equal(half_m.float(), m)):
-        raise ValueError("w4a8 keeps scales and offsets in fp16: these are not all fp16 values")
-    out = torch.zeros(P, B, W4_BLOCK_BYTES, dtype=torch.uint8)
+        raise ValueError("w4a8 keeps scales and offsets in fp16: these are not all fp16 values (w4a8k: fp32)")
+    out = torch.zeros(P, B, W4K_BLOCK_BYTES if wide else W4_BLOCK_BYTES, dtype=torch.uint8)
     _advise_huge_pages(out)
-    for at, values in ((0, half_d), (NR * 2, half_m)):
-        _columns_into(out[..., at: at + NR * 2].view(torch.float16), values)
+    width = NR * scale_type.itemsize
+    for at, values in ((0, half_d), (width, half_m)):
+        _columns_into(out[..., at: at + width].view(scale_type), values)
+    start = 2 * width
     for p0 in range(0, P, PACK_PANELS):
         p1 = min(P, p0 + PACK_PANELS)
         rows = torch.zeros((p1 - p0) * NR, B, Q8_BLOCK, dtype=torch.uint8)
@@ -249,16 +255,18 @@ def pack_w4a8(u: Tensor, d: Tensor, m: Tensor) -> Tensor:
         rows[:n] = u[p0 * NR: p0 * NR + n]
         # [p, 16 (j), B, 4 (r), 2 (low / high), 4 (i)] -> [p, B, r, j, i, low / high]
         v = rows.view(p1 - p0, NR, B, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
-        out[p0:p1, :, NR * 4:] = (v[..., 0] | (v[..., 1] << 4)).reshape(p1 - p0, B, -1)
+        out[p0:p1, :, start:] = (v[..., 0] | (v[..., 1] << 4)).reshape(p1 - p0, B, -1)
     return out
 
 
 def w4a8_values(panels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The blocks of w4a8 panels: values u [N', B, 32] (as floats), scales d and offsets m [N', B]."""
-    P, B, _ = panels.shape
-    d = panels[..., : NR * 2].contiguous().view(torch.float16).float()  # [P, B, 16]
-    m = panels[..., NR * 2: NR * 4].contiguous().view(torch.float16).float()
-    nib = panels[..., NR * 4:].reshape(P, B, 4, NR, 4)  # [P, B, r, j, i]
+    """The blocks of w4a8 (or w4a8k) panels: values u [N', B, 32] (as floats), scales d and offsets m [N', B]."""
+    P, B, per_block = panels.shape
+    scale_type = torch.float32 if per_block == W4K_BLOCK_BYTES else torch.float16
+    width = NR * scale_type.itemsize
+    d = panels[..., :width].contiguous().view(scale_type).float()  # [P, B, 16]
+    m = panels[..., width: 2 * width].contiguous().view(scale_type).float()
+    nib = panels[..., 2 * width:].reshape(P, B, 4, NR, 4)  # [P, B, r, j, i]
     u = torch.stack([nib & 0x0F, nib >> 4], dim=-2)  # [P, B, r, j, 2, i]
     u = u.permute(0, 3, 1, 2, 4, 5).reshape(P * NR, B, Q8_BLOCK).float()
     return u, d.permute(0, 2, 1).reshape(P * NR, B), m.permute(0, 2, 1).reshape(P * NR, B)
@@ -312,8 +320,8 @@ class PackedLinear:
         if weight.dim() != 2 or not weight.is_floating_point() or weight.device.type != "cpu":
             raise TypeError(f"pack() needs a 2-D floating-point CPU weight, got {tuple(weight.shape)} "
                             f"{weight.dtype} on {weight.device}")
-        if weights == W4A8:
-            raise TypeError("w4a8 weights are packed from GGUF Q4_0 / Q4_1 blocks (PackedLinear.of_panels with "
+        if weights in W4_FORMATS:
+            raise TypeError(f"{weights} weights are packed from GGUF blocks (PackedLinear.of_panels with "
                             "pack_w4a8), not from a float weight")
         self._setup(tuple(weight.shape), bias, threads, weights, tuned)
         with torch.no_grad():
@@ -325,9 +333,9 @@ class PackedLinear:
                   threads: int | None = None, tuned: dict | None = None) -> "PackedLinear":
         """A layer over panels already packed in `weights` ("w8a8": `pack_q8_blocks`, "w4a8": `pack_w4a8`) for
         a weight of `shape` [out, in]: what a GGUF's blocks become without an fp32 weight in between."""
-        if weights not in (*QUANTIZED[1:], W4A8):
-            raise TypeError(f"of_panels takes w8a8 or w4a8 panels, not {weights!r}")
-        per_block = Q8_BLOCK_BYTES if weights == "w8a8" else W4_BLOCK_BYTES
+        if weights not in (*QUANTIZED[1:], *W4_FORMATS):
+            raise TypeError(f"of_panels takes w8a8, w4a8 or w4a8k panels, not {weights!r}")
+        per_block = {"w8a8": Q8_BLOCK_BYTES, W4A8: W4_BLOCK_BYTES, W4A8K: W4K_BLOCK_BYTES}[weights]
         want = (-(-shape[0] // NR), -(-shape[1] // Q8_BLOCK), per_block)
         if panels.dtype != torch.uint8 or tuple(panels.shape) != want:
             raise TypeError(f"{weights} panels of a {list(shape)} weight are uint8 {list(want)}, "
@@ -358,7 +366,7 @@ class PackedLinear:
         self._parallel = self.weight.numel() * self.weight.element_size() >= MIN_PARALLEL_BYTES
         if self.backend == "torch" and self.weights == "w8a8":  # the fallback's integer values and scales
             self._q8 = q8_values(self.weight, self.weights)
-        if self.backend == "torch" and self.weights == W4A8:
+        if self.backend == "torch" and self.weights in W4_FORMATS:
             self._q4 = w4a8_values(self.weight)
         if self.backend == "avx2":  # looked up once: a call costs a few microseconds in all
             self._fn = _library()[0].sp_linear
@@ -376,7 +384,7 @@ class PackedLinear:
 
     def dense(self) -> Tensor:
         """The fp32 [out, in] weight this layer computes with (rounded or dequantized)."""
-        if self.backend == "torch" and self.weights not in ("w8a8", W4A8):
+        if self.backend == "torch" and self.weights not in ("w8a8", *W4_FORMATS):
             return self.weight
         return unpack(self.weight, self.weights, self.out_features, self.in_features)
 
@@ -391,7 +399,7 @@ class PackedLinear:
         if residual is not None and (residual.shape != (*lead, N) or residual.dtype != torch.float32):
             raise TypeError(f"residual must be an fp32 tensor of shape {(*lead, N)}")
         if self.backend == "torch":
-            if self.weights == W4A8:
+            if self.weights in W4_FORMATS:
                 y = w4a8_linear(x, *self._q4, self.bias, N)
             else:
                 y = w8a8_linear(x, *self._q8, self.bias, N) if self.weights == "w8a8" else F.linear(x, self.weight, self.bias)

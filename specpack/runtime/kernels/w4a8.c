@@ -1,10 +1,11 @@
-/* 4-bit weights times int8 activations (weight format SP_W4A8, "w4a8"): llama.cpp's Q4_0 / Q4_1 blocks kept
- * quantized, multiplied as llama.cpp's vec_dot_q4_1_q8_1 does (integer dot products, one float fold per block),
+/* 4-bit weights times int8 activations (weight formats SP_W4A8, "w4a8", and SP_W4A8K, "w4a8k"): llama.cpp's
+ * Q4_0 / Q4_1 blocks (and Q4_K's 32-value sub-blocks, in w4a8k) kept quantized, multiplied as llama.cpp's vec_dot_q4_1_q8_1 does (integer dot products, one float fold per block),
  * with AVX-512 VNNI where the CPU has it, else AVX2. sp_linear (linear.c) hands fmt SP_W4A8 here.
  *
  * Weights: per panel of 16 columns and block of 32 k (every GGUF block of a column is one block here),
  * 320 bytes: the 16 columns' scales d (fp16), their offsets m (fp16: Q4_1's m, Q4_0's -8 d), then the 32 x 16
- * values u (0..15) as nibbles in VNNI order: region r (0..3) is 64 bytes, its byte 4j + i holding column j's
+ * values u (0..15) as nibbles in VNNI order (w4a8k: d and m in fp32, 384 bytes: Q4_K's d * sc_j and
+ * -dmin * m_j, exact in fp32, not in fp16): region r (0..3) is 64 bytes, its byte 4j + i holding column j's
  * value at k = 8r + i in the low nibble and at k = 8r + 4 + i in the high one, so masking a region gives one
  * group of 4 k x 16 columns (as w8a8.c stores bytes) and shifting it the next. A value is d u + m.
  *
@@ -29,7 +30,8 @@
 #define NR 16                          /* output columns per panel */
 #define QB 32                          /* k per block */
 #define QG (QB / 4)                    /* groups of 4 k per block */
-#define BLOCK_BYTES (NR * 4 + QB * NR / 2) /* 16 fp16 d + 16 fp16 m + 32 x 16 nibbles = 320 */
+#define SCALE_BYTES(wide) ((wide) ? NR * 8 : NR * 4) /* d and m of 16 columns: fp16 (w4a8), fp32 (w4a8k) */
+#define BLOCK_BYTES(wide) (SCALE_BYTES(wide) + QB * NR / 2) /* + 32 x 16 nibbles: 320 or 384 */
 
 typedef struct {
     const int8_t *q;  /* [B][M][QB] the quantized rows, block-major */
@@ -40,6 +42,7 @@ typedef struct {
     float *y;
     int64_t M, N, B, ldy, ldr;
     int vnni_few, vnni_many; /* VNNI tiles for slabs of 1-2 / 3+ rows (sp_linear's isa bits) */
+    int wide;                /* fp32 scales (w4a8k) */
 } wjob_t;
 
 /* ---------------------------------------------------------------- AVX2 */
@@ -49,21 +52,26 @@ typedef struct {
 
 /* Rows [m0, m0 + mr) times the panel at `w`: per group, the 8 columns' four u (unsigned) times the row's
  * four q (signed) by vpmaddubsw (pairs of at most 2 * 15 * 127: no saturation), summed to 32 bits. */
+static inline AVX2 __attribute__((always_inline)) __m256 scales8(const int wide, const char *at, int i)
+{ /* the i-th group of 8 fp16 (wide: fp32) values from `at` */
+    return wide ? _mm256_loadu_ps((const float *)at + 8 * i) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at + i));
+}
+
 static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
-    const int mr, const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, const float *bias,
+    const int wide, const int mr, const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, const float *bias,
     const float *res, int64_t ldr)
 {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
     __m256 f[MR2][2];
     for (int64_t b = 0; b < j->B; b++) {
-        const char *blk = w + b * BLOCK_BYTES;
+        const char *blk = w + b * BLOCK_BYTES(wide);
         const int32_t *xq = (const int32_t *)(j->q + (b * j->M + m0) * QB);
         __m256i s[MR2][2];
 #pragma GCC unroll 4
         for (int i = 0; i < mr; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int r = 0; r < QG / 2; r++) {
-            const char *wr = blk + NR * 4 + r * 64;
+            const char *wr = blk + SCALE_BYTES(wide) + r * 64;
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)wr), v1 = _mm256_loadu_si256((const __m256i *)(wr + 32));
             const __m256i a0 = _mm256_and_si256(v0, low), a1 = _mm256_and_si256(v1, low);
             const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
@@ -77,10 +85,9 @@ static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
                 s[i][1] = _mm256_add_epi32(s[i][1], _mm256_madd_epi16(p1, ones));
             }
         }
-        const __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)));
-        const __m256 n0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 32)));
-        const __m256 n1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 48)));
+        const char *at_m = blk + SCALE_BYTES(wide) / 2;
+        const __m256 d0 = scales8(wide, blk, 0), d1 = scales8(wide, blk, 1);
+        const __m256 n0 = scales8(wide, at_m, 0), n1 = scales8(wide, at_m, 1);
 #pragma GCC unroll 4
         for (int i = 0; i < mr; i++) {
             const __m256 a = _mm256_set1_ps(j->d[b * j->M + m0 + i]), sa = _mm256_set1_ps(j->s[b * j->M + m0 + i]);
@@ -101,12 +108,13 @@ static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
 }
 
 typedef void (*wtile_fn)(const wjob_t *, const char *, int64_t, float *, int64_t, const float *, const float *, int64_t);
-#define WTILE2(R)                                                                                  \
-    static AVX2 void wtile2_##R(const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, \
-                                const float *bias, const float *res, int64_t ldr)                  \
-    { wtile_avx2(R, j, w, m0, out, ldo, bias, res, ldr); }
-WTILE2(1) WTILE2(2) WTILE2(3) WTILE2(4)
-static const wtile_fn WTILES2[MR2 + 1] = {0, wtile2_1, wtile2_2, wtile2_3, wtile2_4};
+#define WTILE2(W, R)                                                                               \
+    static AVX2 void wtile2_##W##_##R(const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, \
+                                      const float *bias, const float *res, int64_t ldr)            \
+    { wtile_avx2(W, R, j, w, m0, out, ldo, bias, res, ldr); }
+WTILE2(0, 1) WTILE2(0, 2) WTILE2(0, 3) WTILE2(0, 4) WTILE2(1, 1) WTILE2(1, 2) WTILE2(1, 3) WTILE2(1, 4)
+static const wtile_fn WTILES2[2][MR2 + 1] = {{0, wtile2_0_1, wtile2_0_2, wtile2_0_3, wtile2_0_4},
+                                             {0, wtile2_1_1, wtile2_1_2, wtile2_1_3, wtile2_1_4}};
 
 /* ---------------------------------------------------------------- AVX-512 VNNI */
 
@@ -116,15 +124,20 @@ static const wtile_fn WTILES2[MR2 + 1] = {0, wtile2_1, wtile2_2, wtile2_3, wtile
 /* Rows [m0, m0 + mr) times np (1, 2 or 4) adjacent panels from `w` (panel stride pb): one vpdpbusd per
  * group, row and panel, the low and high nibbles' groups into two sums (two dependency chains, added per
  * block: the same integers); the sums in registers throughout. */
+static inline VNNI __attribute__((always_inline)) __m512 scales16(const int wide, const char *at)
+{ /* 16 fp16 (wide: fp32) values from `at` */
+    return wide ? _mm512_loadu_ps(at) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+}
+
 static inline VNNI __attribute__((always_inline)) void wtile_z(
-    const int np, const int mr, const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo,
+    const int wide, const int np, const int mr, const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo,
     const float *bias, const float *res, int64_t ldr)
 {
-    const int64_t pb = j->B * BLOCK_BYTES;
+    const int64_t pb = j->B * BLOCK_BYTES(wide);
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 f[6][4];
     for (int64_t b = 0; b < j->B; b++) {
-        const char *blk = w + b * BLOCK_BYTES;
+        const char *blk = w + b * BLOCK_BYTES(wide);
         const int32_t *xq = (const int32_t *)(j->q + (b * j->M + m0) * QB);
         __m512i s[6][4], t[6][4];
 #pragma GCC unroll 6
@@ -136,7 +149,7 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
             __m512i lo[4], hi[4];
 #pragma GCC unroll 4
             for (int q = 0; q < np; q++) {
-                const __m512i v = _mm512_loadu_si512(blk + q * pb + NR * 4 + r * 64);
+                const __m512i v = _mm512_loadu_si512(blk + q * pb + SCALE_BYTES(wide) + r * 64);
                 lo[q] = _mm512_and_si512(v, low);
                 hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
@@ -152,8 +165,7 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
         }
 #pragma GCC unroll 4
         for (int q = 0; q < np; q++) {
-            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + q * pb)));
-            const __m512 n = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + q * pb + 32)));
+            const __m512 d = scales16(wide, blk + q * pb), n = scales16(wide, blk + q * pb + SCALE_BYTES(wide) / 2);
 #pragma GCC unroll 6
             for (int i = 0; i < mr; i++) {
                 const __m512i sum = _mm512_add_epi32(s[i][q], t[i][q]);
@@ -174,15 +186,17 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
         }
 }
 
-#define WTILEZ(NP, R)                                                                                \
-    static VNNI void wtilez##NP##_##R(const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, \
-                                      const float *bias, const float *res, int64_t ldr)              \
-    { wtile_z(NP, R, j, w, m0, out, ldo, bias, res, ldr); }
-WTILEZ(1, 1) WTILEZ(1, 2) WTILEZ(1, 3) WTILEZ(1, 4) WTILEZ(1, 5) WTILEZ(1, 6)
-WTILEZ(2, 1) WTILEZ(2, 2) WTILEZ(2, 3) WTILEZ(4, 1)
-static const wtile_fn WTILESZ[5][7] = {
-    {0}, {0, wtilez1_1, wtilez1_2, wtilez1_3, wtilez1_4, wtilez1_5, wtilez1_6}, {0, wtilez2_1, wtilez2_2, wtilez2_3},
-    {0}, {0, wtilez4_1}};
+#define WTILEZ(W, NP, R)                                                                             \
+    static VNNI void wtilez##W##_##NP##_##R(const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, \
+                                            const float *bias, const float *res, int64_t ldr)        \
+    { wtile_z(W, NP, R, j, w, m0, out, ldo, bias, res, ldr); }
+#define WTILESZ_OF(W)                                                                                \
+    WTILEZ(W, 1, 1) WTILEZ(W, 1, 2) WTILEZ(W, 1, 3) WTILEZ(W, 1, 4) WTILEZ(W, 1, 5) WTILEZ(W, 1, 6)    \
+    WTILEZ(W, 2, 1) WTILEZ(W, 2, 2) WTILEZ(W, 2, 3) WTILEZ(W, 4, 1)
+WTILESZ_OF(0) WTILESZ_OF(1)
+#define WTABLE(W) {{0}, {0, wtilez##W##_1_1, wtilez##W##_1_2, wtilez##W##_1_3, wtilez##W##_1_4, wtilez##W##_1_5,  \
+                         wtilez##W##_1_6}, {0, wtilez##W##_2_1, wtilez##W##_2_2, wtilez##W##_2_3}, {0}, {0, wtilez##W##_4_1}}
+static const wtile_fn WTILESZ[2][5][7] = {WTABLE(0), WTABLE(1)};
 
 /* ---------------------------------------------------------------- driver */
 
@@ -203,12 +217,12 @@ static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, flo
     const float *res = full && j->res ? j->res + m0 * j->ldr + n0 : 0;
     float bias[4 * NR] = {0};
     if (j->bias) memcpy(bias, j->bias + n0, cols * sizeof(float));
-    const int64_t pb = j->B * BLOCK_BYTES;
+    const int64_t pb = j->B * BLOCK_BYTES(j->wide);
     if (ms >= 3 ? j->vnni_many : j->vnni_few) {
         const int64_t ntiles = (ms + MRZ(np) - 1) / MRZ(np);
         for (int64_t t = 0, r = 0; t < ntiles; t++) {
             const int64_t mr = (ms - r) / (ntiles - t);
-            WTILESZ[np][mr](j, j->w + p * pb, m0 + r, out + r * ldo, ldo, j->bias ? bias : 0,
+            WTILESZ[j->wide][np][mr](j, j->w + p * pb, m0 + r, out + r * ldo, ldo, j->bias ? bias : 0,
                             res ? res + r * j->ldr : 0, j->ldr);
             r += mr;
         }
@@ -217,7 +231,7 @@ static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, flo
             const int64_t ntiles = (ms + MR2 - 1) / MR2;
             for (int64_t t = 0, r = 0; t < ntiles; t++) {
                 const int64_t mr = (ms - r) / (ntiles - t);
-                WTILES2[mr](j, j->w + (p + q) * pb, m0 + r, out + r * ldo + q * NR, ldo, j->bias ? bias + q * NR : 0,
+                WTILES2[j->wide][mr](j, j->w + (p + q) * pb, m0 + r, out + r * ldo + q * NR, ldo, j->bias ? bias + q * NR : 0,
                             res ? res + r * j->ldr + q * NR : 0, j->ldr);
                 r += mr;
             }
@@ -228,7 +242,7 @@ static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, flo
 }
 
 void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N, const float *bias,
-                    const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int isa)
+                    const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int isa, int wide)
 {
     const int64_t B = (K + QB - 1) / QB;
     if (B == 0) {
@@ -246,6 +260,7 @@ void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const voi
     int32_t *c = (int32_t *)(s + M * B);
     sp_quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
     for (int64_t i = 0; i < M * B; i++) s[i] = d[i] * (float)(c[i] / 128);
-    const wjob_t job = {q, d, s, w, bias, res, y, M, N, B, ldy, ldr, (isa & 1) && sp_vnni(), (isa & 2) && sp_vnni()};
-    sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES, nthreads);
+    const wjob_t job = {q, d, s, w, bias, res, y, M, N, B, ldy, ldr, (isa & 1) && sp_vnni(), (isa & 2) && sp_vnni(),
+                        wide != 0};
+    sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES(wide != 0), nthreads);
 }
