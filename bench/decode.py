@@ -12,7 +12,7 @@ verify forward over 8 new tokens vs 1.
 
     python bench/decode.py [--max-new-tokens 128] [--per-workload 3] [--no-hf] [--no-llama]
                            [--eagle3-tree DEPTHxTOPKxNODES | none] [--dspark-tree DEPTHxTOPKxNODES | none]
-                           [--weights fp32|fp16|bf16|int8|w8a8] [--workloads humaneval,open-chat]
+                           [--weights fp32|fp16|bf16|int8|w8a8] [--workloads humaneval,open-chat] [--precision f32|Q4_1]
 
 Issue 17's comparison (the DSpark head against the EAGLE-3 head, n-gram and plain), HumanEval and chat only:
 
@@ -221,13 +221,16 @@ def main() -> None:
                     help=f"comma-separated workloads to run (default: all of {', '.join([*WORKLOADS, 'humaneval'])})")
     ap.add_argument("--lookup", type=int, default=8, help="EAGLE-3 + lookup columns: the head's chain and tree with "
                     "prompt lookup (`--lookup N`: copies of up to N tokens where the context repeats); 0: none")
+    ap.add_argument("--precision", default="f32", choices=["f32", "Q4_1"],
+                    help="the target the specpack columns run: the GGUF imported to fp32 (default), or its own Q4_1 "
+                         "blocks (import-gguf's default; the 4-bit kernels)")
     ap.add_argument("--weights", default="fp32", help="the specpack columns' weight precision (bench/precision.py "
                     "compares precisions against llama.cpp's matching GGUFs; the columns here stay F32 and fp32)")
     args = ap.parse_args()
 
-    from specpack.demo import cache_dir, find_gguf, prepare, prepare_eagle3
+    from specpack.demo import cache_dir, find_gguf, prepare, prepare_head
 
-    artifact, pub = prepare(cache_dir(), lambda s: print(s, file=sys.stderr))
+    artifact, pub = prepare(cache_dir(), lambda s: print(s, file=sys.stderr), args.precision)
     sp = Specpack(artifact, pub, args.weights)
     tok, eos = sp.tok, set(sp.model.target.spec.eos_token_ids)
     one, nine, ratio = sp.verify_ratio()
@@ -235,7 +238,7 @@ def main() -> None:
           "(issue 15's goal: <= 1.2)")
     engines = {"specpack plain": lambda ids: sp.run(ids, args.max_new_tokens, False),
                "specpack n-gram": lambda ids: sp.run(ids, args.max_new_tokens, True, args.draft_len)}
-    eagle3 = prepare_eagle3(cache_dir(), lambda s: print(s, file=sys.stderr))
+    eagle3 = prepare_head(cache_dir(), "EAGLE-3", lambda s: print(s, file=sys.stderr), args.precision)
     if eagle3 is not None:  # the head shipped in heads/ (bash bench/distill_smollm2.sh)
         sp_e = Specpack(eagle3, pub, args.weights)
         engines["specpack EAGLE-3"] = lambda ids: sp_e.run(ids, args.max_new_tokens, True, args.eagle3_draft_len,
@@ -291,7 +294,7 @@ def dspark_engines(pub, args) -> dict:
     trees over its slots."""
     from specpack.demo import cache_dir, prepare_head
 
-    artifact = prepare_head(cache_dir(), "DSpark", lambda s: print(s, file=sys.stderr))
+    artifact = prepare_head(cache_dir(), "DSpark", lambda s: print(s, file=sys.stderr), args.precision)
     if artifact is None:
         return {}
     sp, n = Specpack(artifact, pub, args.weights), args.dspark_draft_len

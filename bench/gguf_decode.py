@@ -9,7 +9,9 @@ quantized by llama.cpp's own `llama-quantize` to Q4_0, Q8_0 and Q4_K_M.
   .venv/bin/python bench/gguf_decode.py --types Q4_1 --tokens 128 --reps 5        # specpack only
 
 Each specpack figure is a fresh process (`--one`): load the artifact, warm up, then the median of `--reps`
-greedy generations of `--tokens` tokens from a one-token prompt (what llama-bench's tg test decodes).
+greedy generations of `--tokens` tokens from a one-token prompt (what llama-bench's tg test decodes). The two
+engines alternate `--pairs` times (llama-bench -r `--reps`, then specpack), and the ratio shown is the median
+of the pairs' ratios (this 2-core machine's speed drifts by 10-20% between minutes).
 Never asserted in a test; figures in BENCHMARKS.md.
 """
 
@@ -109,6 +111,7 @@ def main() -> None:
     p.add_argument("--types", default="Q4_1," + ",".join(QUANTIZED))
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--work", default=str(Path.home() / ".cache/specpack/bench-gguf"))
     p.add_argument("--one", help=argparse.SUPPRESS)
@@ -118,16 +121,17 @@ def main() -> None:
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    print(f"plain decode, tg{args.tokens}, {args.threads} threads, median of {args.reps}; RSS: `specpack run "
-          f"--no-spec` peak")
+    print(f"plain decode, tg{args.tokens}, {args.threads} threads, {args.pairs} alternating pairs of {args.reps} "
+          f"runs each (medians; ratio: median of the pairs'); RSS: `specpack run --no-spec` peak")
     print(f"{'file':8s} {'GGUF MiB':>9s} {'kept MiB':>9s} {'llama.cpp t/s':>14s} {'specpack t/s':>13s} "
           f"{'ratio':>6s} {'run RSS MiB':>12s}")
     for kind, gguf in files(args, work).items():
         art = artifact(gguf, work, kind)
         kept = sum(f.stat().st_size for f in (work / f"target-{kind}").glob("*.safetensors"))
-        ours = specpack_decode(art, args)["tokens_per_s"]
-        theirs = llama_bench(gguf, args)
-        ratio = f"{ours / theirs:6.2f}" if theirs else "     -"
+        pairs = [(llama_bench(gguf, args), specpack_decode(art, args)["tokens_per_s"]) for _ in range(args.pairs)]
+        theirs = statistics.median(t for t, _ in pairs) if pairs[0][0] else None
+        ours = statistics.median(o for _, o in pairs)
+        ratio = f"{statistics.median(o / t for t, o in pairs):6.2f}" if theirs else "     -"
         print(f"{kind:8s} {gguf.stat().st_size / MiB:9.1f} {kept / MiB:9.1f} "
               f"{theirs if theirs else float('nan'):14.1f} {ours:13.1f} {ratio} {run_rss(art, args.tokens):12.0f}",
               flush=True)
