@@ -444,6 +444,9 @@ def main() -> int:
                                    "llama-server (and specpack-onnx-* with --onnx)")
     ap.add_argument("--onnx", action="store_true",
                     help="also serve on ONNX Runtime (`serve --backend onnxruntime`, n-gram and off)")
+    ap.add_argument("--precision", default="f32", choices=["f32", "Q4_1"],
+                    help="the target: the GGUF imported to fp32 (default), or its own Q4_1 blocks (specpack's 4-bit "
+                         "kernels; llama-server on the same Q4_1 file, the plain server only)")
     ap.add_argument("--weights", default="fp32", choices=sorted(GGUF_TYPES),
                     help="specpack's `serve --weights` (torch servers); llama-server gets its nearest GGUF type")
     ap.add_argument("--kv-cache", default="model", choices=["model", "fp16"],
@@ -471,13 +474,13 @@ def main() -> int:
                     help="fresh server processes every round (two processes of one server have read 3-4%% "
                          "apart here: with a restart per round that difference averages out over the rounds)")
     args = ap.parse_args()
-    from specpack.demo import cache_dir, prepare, prepare_eagle3, prepare_head
+    from specpack.demo import cache_dir, find_gguf, prepare, prepare_head
 
     levels = [int(c) for c in args.clients.split(",")]
     slots = max(levels)
     say = lambda *a: print(*a, file=sys.stderr)  # noqa: E731
-    artifact, _ = prepare(cache_dir(), say)
-    eagle3 = prepare_eagle3(cache_dir(), say)
+    artifact, _ = prepare(cache_dir(), say, args.precision)
+    eagle3 = prepare_head(cache_dir(), "EAGLE-3", say, args.precision)
     loads = workloads(args.requests)
     o = {"weights": args.weights, "kv_cache": args.kv_cache}
     servers = {"specpack-ngram": (lambda p: specpack_server(artifact, p, True, slots, **o), artifact.name),
@@ -488,7 +491,7 @@ def main() -> int:
         if args.lookup:
             servers["specpack-eagle3-lookup"] = (lambda p: specpack_server(eagle3, p, True, slots, lookup=args.lookup,
                                                                            **o), eagle3.name)
-    dspark = prepare_head(cache_dir(), "DSpark", say)
+    dspark = prepare_head(cache_dir(), "DSpark", say, args.precision)
     if dspark is not None:  # no profile: the cost curve measured at start, the confidences cut each block
         servers["specpack-dspark"] = (lambda p: specpack_server(dspark, p, True, slots, **o), dspark.name)
         servers["specpack-dspark-off"] = (lambda p: specpack_server(dspark, p, False, slots, **o), dspark.name)
@@ -505,7 +508,9 @@ def main() -> int:
                                           artifact.name)
     if args.vllm:
         servers.update(vllm_servers(args, cache_dir() / "smollm2-135m-instruct-f32", eagle3, slots, levels, say))
-    if args.llama_cpp:
+    if args.llama_cpp and args.precision != "f32":  # the file itself (no export of a block target)
+        servers["llama-server"] = (lambda p: llama_server(args.llama_cpp, find_gguf(), p, slots), "smollm2")
+    elif args.llama_cpp:
         kind = GGUF_TYPES[args.weights]
         exported = {head: llamacpp_export(art, cache_dir() / f"llamacpp-{head}-{kind}", kind)
                     for head, art in (("eagle3", eagle3), ("dspark", dspark))}

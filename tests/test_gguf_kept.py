@@ -188,3 +188,37 @@ def test_a_k_quant_file_runs_its_q4_k_blocks_natively(tmp_path):
     for i, p in enumerate([[1, 5, 9, 5, 9, 5], [1, 2, 3, 4, 2, 3, 4], [7, 8, 7, 8, 7]]):
         want = plain.generate(p, 16, speculative=False, eos_ids=()).tokens
         assert spec.generate(p, 16, draft_len=2 + i, eos_ids=()).tokens == want
+
+
+@pytest.fixture(scope="module")
+def kept_artifacts(files, tmp_path_factory):
+    """The kept target built with the trained EAGLE-3 head and a DSpark head in DeepSpec's layout."""
+    import block_layouts as bl
+    from test_engine import _prompts, _sglang_trained_head
+
+    from specpack.packager import BuildOptions, build
+
+    tmp = tmp_path_factory.mktemp("kept-art")
+    hf = tiny.build_model("llama")
+    seqs = [ef.greedy_sequences(hf, torch.tensor([p]), 12)[0].tolist() for p in _prompts(tiny.VOCAB)]
+    dspark = bl.bigram_dspark(tmp / "dspark", ef.target_dir("llama"), {(a, b) for s in seqs for a, b in zip(s, s[1:])},
+                              ids_out=(0, 2, 4))
+    heads = {"eagle3": _sglang_trained_head(tmp / "eagle3-head"), "block": dspark}
+    return {kind: build(BuildOptions(target=files[1], drafter=str(head), out=tmp / kind)).out
+            for kind, head in heads.items()}
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_the_batched_engine_on_blocks_equals_single_requests(kept_artifacts, kind):
+    import specpack
+    from test_engine import alone, drive, requests
+
+    from specpack.runtime.engine import Engine
+
+    m = specpack.load(kept_artifacts[kind])
+    assert m.target.layers[0].mlp.gate_up_proj.packed.weights == "w4a8"
+    reqs = requests(m)
+    want = [alone(m, r) for r in reqs]
+    engine = Engine(m.target, m.drafter, slots=3, max_len=64, prefill_chunk=5)
+    got = drive(engine, {0: reqs[:2], 1: reqs[2:4], 4: reqs[4:]})
+    assert got == dict(enumerate(want))
