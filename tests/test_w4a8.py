@@ -38,9 +38,10 @@ def layer(kind: str, raw: torch.Tensor, n: int, k: int, bias=None, tuned=None) -
     q = a.q.view(n, k // 32, 32)
     if kind == "Q8_0":
         return PackedLinear.of_panels(kl.pack_q8_blocks(q, a.scale), "w8a8", (n, k), bias, tuned=tuned)
-    wide = kind == "Q4_K"
-    return PackedLinear.of_panels(kl.pack_w4a8(q, a.scale, a.min, wide=wide), "w4a8k" if wide else "w4a8", (n, k),
-                                  bias, tuned=tuned)
+    wide, sym = kind == "Q4_K", kind == "Q4_0"
+    fmt = "w4a8k" if wide else "w4a8s" if sym else "w4a8"
+    return PackedLinear.of_panels(kl.pack_w4a8(q, a.scale, None if sym else a.min, wide=wide), fmt, (n, k), bias,
+                                  tuned=tuned)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
@@ -80,7 +81,7 @@ def test_fallback_is_the_kernel_arithmetic_on_both_tile_sets(kind, monkeypatch):
     assert torch.equal(fallback(x, residual=r), outs["avx2"])
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
 @pytest.mark.parametrize("isa", list(ISAS))
 def test_rows_are_exact_whatever_their_number(isa, kind):
     if not kl.available():

@@ -15,13 +15,15 @@ import torch
 from torch import Tensor, nn
 
 from specpack.families import gguf_blocks
-from specpack.runtime.kernels.linear import (NR, Q8_BLOCK, Q8_BLOCK_BYTES, W4_BLOCK_BYTES, W4K_BLOCK_BYTES, PackedLinear,
-                                             pack_q8_blocks, pack_w4a8)
+from specpack.runtime.kernels.linear import (NR, Q8_BLOCK, Q8_BLOCK_BYTES, W4_BYTES, PackedLinear, pack_q8_blocks,
+                                             pack_w4a8)
 
 log = logging.getLogger(__name__)
 # GGML type -> the packed format that reads it (Q5_0's values d (q - 16) are int8 multiples of d: w8a8 exactly)
-# and Q4_K's 32-value sub-blocks are Q4_1-like blocks whose scales are exact in fp32 only (w4a8k)
-NATIVE = {"Q4_0": "w4a8", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w8a8", "Q4_K": "w4a8k"}
+# and Q4_K's 32-value sub-blocks are Q4_1-like blocks whose scales are exact in fp32 only (w4a8k); Q4_0 keeps
+# its 4.5 bits, scales alone (w4a8s)
+NATIVE = {"Q4_0": "w4a8s", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w8a8", "Q4_K": "w4a8k"}
+W4_ORDER = ("w4a8s", "w4a8", "w4a8k")  # each reads the blocks of those before it (Q4_0's offset is m = -8 d)
 
 
 @dataclass(frozen=True)
@@ -48,8 +50,8 @@ class Blocks:
     def format(self) -> str | None:
         """The packed format every part is read in natively, None where there is none."""
         formats = {NATIVE.get(kind) for kind in self.kinds}
-        if formats == {"w4a8", "w4a8k"}:  # fp16 scales are fp32 ones too
-            return "w4a8k"
+        if len(formats) > 1 and formats <= set(W4_ORDER):  # the widest reads them all
+            return max(formats, key=W4_ORDER.index)
         return formats.pop() if len(formats) == 1 else None
 
     def dense(self) -> Tensor:
@@ -73,7 +75,7 @@ def packed(blocks: Blocks, bias: Tensor | None = None, threads: int | None = Non
     if fmt is None:
         return tuning.pack(blocks.dense(), bias, threads)
     n, k = blocks.shape
-    per_block = {"w8a8": Q8_BLOCK_BYTES, "w4a8": W4_BLOCK_BYTES, "w4a8k": W4K_BLOCK_BYTES}[fmt]
+    per_block = {"w8a8": Q8_BLOCK_BYTES, **W4_BYTES}[fmt]
     panels = torch.empty(-(-n // NR), k // Q8_BLOCK, per_block, dtype=torch.uint8)
     for r0 in range(0, n, CHUNK_ROWS):
         decoded = [gguf_blocks.decode(kind, raw, k) for kind, raw in _rows(blocks.parts, r0, r0 + CHUNK_ROWS)]
@@ -82,7 +84,8 @@ def packed(blocks: Blocks, bias: Tensor | None = None, threads: int | None = Non
         if fmt == "w8a8":
             chunk = pack_q8_blocks(q, scale)
         else:
-            chunk = pack_w4a8(q, scale, torch.cat([a.min for a in decoded]), wide=fmt == "w4a8k")
+            offsets = None if fmt == "w4a8s" else torch.cat([a.min for a in decoded])
+            chunk = pack_w4a8(q, scale, offsets, wide=fmt == "w4a8k")
         panels[r0 // NR: r0 // NR + len(chunk)] = chunk
     return PackedLinear.of_panels(panels, fmt, (n, k), bias, threads, tuning.settings("w8a8"))
 

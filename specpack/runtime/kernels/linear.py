@@ -44,15 +44,18 @@ NR = 16  # output columns per panel (linear.c)
 Q8_BLOCK = 32  # k per int8 scale block (linear.c)
 Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
 # weight format name -> linear.c's code
-FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4, "bf16-amx": 7, "w4a8": 8, "w4a8k": 9}
+FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4, "bf16-amx": 7, "w4a8": 8, "w4a8k": 9, "w4a8s": 10}
 BF16_TILES = "bf16-amx"  # bf16 on AMX tiles (bf16_tiles.c): packed only where `bf16_tiles()` says they run
 TILE_K = 32  # k per AMX block (bf16_tiles.c)
 QUANTIZED = ("int8", "w8a8")  # the formats in Q8_0 blocks
 W4A8 = "w4a8"  # GGUF Q4_0 / Q4_1 blocks kept 4-bit, int8 activations (w4a8.c); packed from blocks only
 W4A8K = "w4a8k"  # the same with fp32 scales and offsets: Q4_K's sub-blocks (d * sc, -dmin * m: not fp16 values)
-W4_FORMATS = (W4A8, W4A8K)
+W4A8S = "w4a8s"  # the same with scales alone, values d (u - 8): Q4_0's blocks, 4.5 bits, llama.cpp's integer offset
+W4_FORMATS = (W4A8, W4A8K, W4A8S)
 W4_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR // 2  # 16 fp16 scales + 16 fp16 offsets + 32 x 16 nibbles = 320
 W4K_BLOCK_BYTES = NR * 8 + Q8_BLOCK * NR // 2  # fp32 scales and offsets: 384
+W4S_BLOCK_BYTES = NR * 2 + Q8_BLOCK * NR // 2  # fp16 scales alone: 288
+W4_BYTES = {W4A8: W4_BLOCK_BYTES, W4A8K: W4K_BLOCK_BYTES, W4A8S: W4S_BLOCK_BYTES}
 ISAS = ("avx2", "avx512")  # the tile sets (linear.c): the same bits, AVX-512 where the CPU has it
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
@@ -171,7 +174,8 @@ def unpack(panels: Tensor, weights: str, N: int, K: int) -> Tensor:
         return panels.float().permute(0, 3, 1, 2, 4).reshape(len(panels) * NR, -1)[:N, :K].contiguous()
     if weights in W4_FORMATS:
         u, d, m = w4a8_values(panels)
-        return (u * d[..., None] + m[..., None]).reshape(len(u), -1)[:N, :K].contiguous()
+        v = d[..., None] * (u - 8) if m is None else u * d[..., None] + m[..., None]
+        return v.reshape(len(u), -1)[:N, :K].contiguous()
     if weights not in QUANTIZED:
         return panels.float().transpose(1, 2).reshape(-1, K)[:N]
     q, scales = q8_values(panels, weights)
@@ -231,23 +235,25 @@ def _columns_into(dst: Tensor, values: Tensor) -> None:
     dst[:] = column_major.view(P, NR, B).permute(0, 2, 1)
 
 
-def pack_w4a8(u: Tensor, d: Tensor, m: Tensor, wide: bool = False) -> Tensor:
+def pack_w4a8(u: Tensor, d: Tensor, m: Tensor | None, wide: bool = False) -> Tensor:
     """4-bit blocks (u uint8 [N, B, 32] in 0..15, d and m fp32 [N, B]: value d u + m, each d and m exactly an
-    fp16 unless `wide`) -> [ceil(N/16), B, 320] bytes (wide: 384): per panel and block the 16 columns' d then
-    m (fp16; wide: fp32, w4a8k), then the values as nibbles, region r (64 bytes) holding k = 8r..8r+3 in low
-    nibbles and 8r+4..8r+7 in high ones, column j's four at bytes 4j..4j+3 (w4a8.c)."""
+    fp16 unless `wide`; m None: value d (u - 8)) -> [ceil(N/16), B, 320] bytes (wide: 384, m None: 288): per
+    panel and block the 16 columns' d then m (fp16; wide: fp32, w4a8k; m None: d alone, w4a8s), then the
+    values as nibbles, region r (64 bytes) holding k = 8r..8r+3 in low nibbles and 8r+4..8r+7 in high ones,
+    column j's four at bytes 4j..4j+3 (w4a8.c)."""
     N, B, _ = u.shape
     P = -(-N // NR)
     scale_type = torch.float32 if wide else torch.float16
-    half_d, half_m = d.to(scale_type), m.to(scale_type)
-    if not (torch.equal(half_d.float(), d) and torch.equal(half_m.float(), m)):
+    stored = [d] if m is None else [d, m]
+    narrow = [t.to(scale_type) for t in stored]
+    if not all(torch.equal(a.float(), b) for a, b in zip(narrow, stored)):
         raise ValueError("w4a8 keeps scales and offsets in fp16: these are not all fp16 values (w4a8k: fp32)")
-    out = torch.zeros(P, B, W4K_BLOCK_BYTES if wide else W4_BLOCK_BYTES, dtype=torch.uint8)
+    out = torch.zeros(P, B, W4_BYTES[W4A8K if wide else W4A8 if m is not None else W4A8S], dtype=torch.uint8)
     _advise_huge_pages(out)
     width = NR * scale_type.itemsize
-    for at, values in ((0, half_d), (width, half_m)):
-        _columns_into(out[..., at: at + width].view(scale_type), values)
-    start = 2 * width
+    for i, values in enumerate(narrow):
+        _columns_into(out[..., i * width: (i + 1) * width].view(scale_type), values)
+    start = len(narrow) * width
     for p0 in range(0, P, PACK_PANELS):
         p1 = min(P, p0 + PACK_PANELS)
         rows = torch.zeros((p1 - p0) * NR, B, Q8_BLOCK, dtype=torch.uint8)
@@ -259,17 +265,18 @@ def pack_w4a8(u: Tensor, d: Tensor, m: Tensor, wide: bool = False) -> Tensor:
     return out
 
 
-def w4a8_values(panels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """The blocks of w4a8 (or w4a8k) panels: values u [N', B, 32] (as floats), scales d and offsets m [N', B]."""
+def w4a8_values(panels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The blocks of w4a8 (w4a8k, w4a8s) panels: values u [N', B, 32] (as floats), scales d and offsets m
+    [N', B] (None for w4a8s: the values are d (u - 8))."""
     P, B, per_block = panels.shape
     scale_type = torch.float32 if per_block == W4K_BLOCK_BYTES else torch.float16
-    width = NR * scale_type.itemsize
-    d = panels[..., :width].contiguous().view(scale_type).float()  # [P, B, 16]
-    m = panels[..., width: 2 * width].contiguous().view(scale_type).float()
-    nib = panels[..., 2 * width:].reshape(P, B, 4, NR, 4)  # [P, B, r, j, i]
+    width, count = NR * scale_type.itemsize, 1 if per_block == W4S_BLOCK_BYTES else 2
+    scales = [panels[..., i * width: (i + 1) * width].contiguous().view(scale_type).float().permute(0, 2, 1)
+              .reshape(P * NR, B) for i in range(count)]  # [P, B, 16] -> [N', B]
+    nib = panels[..., count * width:].reshape(P, B, 4, NR, 4)  # [P, B, r, j, i]
     u = torch.stack([nib & 0x0F, nib >> 4], dim=-2)  # [P, B, r, j, 2, i]
     u = u.permute(0, 3, 1, 2, 4, 5).reshape(P * NR, B, Q8_BLOCK).float()
-    return u, d.permute(0, 2, 1).reshape(P * NR, B), m.permute(0, 2, 1).reshape(P * NR, B)
+    return u, scales[0], scales[1] if count == 2 else None
 
 
 def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
@@ -277,17 +284,22 @@ def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     return (a.double() * b.double() + c.double()).float()
 
 
-def w4a8_linear(x: Tensor, u: Tensor, d: Tensor, m: Tensor, bias: Tensor | None, N: int) -> Tensor:
+def w4a8_linear(x: Tensor, u: Tensor, d: Tensor, m: Tensor | None, bias: Tensor | None, N: int) -> Tensor:
     """w4a8.c's product in torch (the fallback): per block the exact integer sum of the quantized row and
-    the 4-bit values, times the row's scale, folded with the weight's scale, then its offset times the
-    row's scaled sum, in block order."""
+    the 4-bit values (m None: minus 8 times the row's sum), times the row's scale, folded with the weight's
+    scale, then (m given) its offset times the row's scaled sum, in block order."""
     xq, da = quantize_rows(x.reshape(x.shape[:-1].numel(), x.shape[-1]))
-    sa = da * xq.sum(-1)  # d_a * sum(q): the integer sum is exact in fp32
+    sums = xq.sum(-1)  # exact in fp32
+    sa = da * sums  # d_a * sum(q)
     acc = torch.zeros(len(xq), N)
     for b in range(xq.shape[1]):
-        g = (xq[:, b] @ u[:N, b].T) * da[:, b:b + 1]
+        t = xq[:, b] @ u[:N, b].T
+        if m is None:
+            t = t - 8 * sums[:, b:b + 1]  # integers below 2^24: exact
+        g = t * da[:, b:b + 1]
         acc = g * d[:N, b] if b == 0 else _fma(g, d[:N, b], acc)
-        acc = _fma(m[:N, b].expand_as(acc), sa[:, b:b + 1].expand_as(acc), acc)
+        if m is not None:
+            acc = _fma(m[:N, b].expand_as(acc), sa[:, b:b + 1].expand_as(acc), acc)
     if bias is not None:
         acc = acc + bias
     return acc.reshape(*x.shape[:-1], N)
@@ -335,7 +347,7 @@ class PackedLinear:
         a weight of `shape` [out, in]: what a GGUF's blocks become without an fp32 weight in between."""
         if weights not in (*QUANTIZED[1:], *W4_FORMATS):
             raise TypeError(f"of_panels takes w8a8, w4a8 or w4a8k panels, not {weights!r}")
-        per_block = {"w8a8": Q8_BLOCK_BYTES, W4A8: W4_BLOCK_BYTES, W4A8K: W4K_BLOCK_BYTES}[weights]
+        per_block = {"w8a8": Q8_BLOCK_BYTES, **W4_BYTES}[weights]
         want = (-(-shape[0] // NR), -(-shape[1] // Q8_BLOCK), per_block)
         if panels.dtype != torch.uint8 or tuple(panels.shape) != want:
             raise TypeError(f"{weights} panels of a {list(shape)} weight are uint8 {list(want)}, "

@@ -1,11 +1,11 @@
-/* 4-bit weights times int8 activations (weight formats SP_W4A8, "w4a8", and SP_W4A8K, "w4a8k"): llama.cpp's
- * Q4_0 / Q4_1 blocks (and Q4_K's 32-value sub-blocks, in w4a8k) kept quantized, multiplied as llama.cpp's vec_dot_q4_1_q8_1 does (integer dot products, one float fold per block),
+/* 4-bit weights times int8 activations (weight formats SP_W4A8 "w4a8", SP_W4A8K "w4a8k", SP_W4A8S "w4a8s"):
+ * llama.cpp's Q4_1 blocks (Q4_K's 32-value sub-blocks in w4a8k, Q4_0's in w4a8s) kept quantized, multiplied as llama.cpp's vec_dot_q4_1_q8_1 does (integer dot products, one float fold per block),
  * with AVX-512 VNNI where the CPU has it, else AVX2. sp_linear (linear.c) hands fmt SP_W4A8 here.
  *
  * Weights: per panel of 16 columns and block of 32 k (every GGUF block of a column is one block here),
  * 320 bytes: the 16 columns' scales d (fp16), their offsets m (fp16: Q4_1's m, Q4_0's -8 d), then the 32 x 16
  * values u (0..15) as nibbles in VNNI order (w4a8k: d and m in fp32, 384 bytes: Q4_K's d * sc_j and
- * -dmin * m_j, exact in fp32, not in fp16): region r (0..3) is 64 bytes, its byte 4j + i holding column j's
+ * -dmin * m_j, exact in fp32, not in fp16; w4a8s: d alone, 288 bytes, a value d (u - 8): Q4_0's 4.5 bits): region r (0..3) is 64 bytes, its byte 4j + i holding column j's
  * value at k = 8r + i in the low nibble and at k = 8r + 4 + i in the high one, so masking a region gives one
  * group of 4 k x 16 columns (as w8a8.c stores bytes) and shifting it the next. A value is d u + m.
  *
@@ -14,7 +14,8 @@
  *
  * Reduction order (the determinism contract): per row, block and column the integer sum
  * t_b = sum over the block's k of u * q is exact (at most 32 * 15 * 127), g_b = float(t_b) * d_a,
- * acc = g_0 * d_0 then acc = fma(g_b, d_b, acc) for b > 0, and after each block acc = fma(m_b, s_a, acc);
+ * acc = g_0 * d_0 then acc = fma(g_b, d_b, acc) for b > 0, and after each block acc = fma(m_b, s_a, acc)
+ * (w4a8s: t_b = sum of u * q - 8 * sum of q, still exact, and no m term: llama.cpp's Q4_0 x Q8_0 dot);
  * then acc + bias, then residual + that. A row's quantization and sums involve that row only, so row i of
  * an M-row product is bit-identical to the 1-row product of row i on any thread count, and the AVX2
  * tiles give the bits of the VNNI ones (linear.py's `w4a8_linear` is the same arithmetic in torch). */
@@ -30,19 +31,21 @@
 #define NR 16                          /* output columns per panel */
 #define QB 32                          /* k per block */
 #define QG (QB / 4)                    /* groups of 4 k per block */
-#define SCALE_BYTES(wide) ((wide) ? NR * 8 : NR * 4) /* d and m of 16 columns: fp16 (w4a8), fp32 (w4a8k) */
-#define BLOCK_BYTES(wide) (SCALE_BYTES(wide) + QB * NR / 2) /* + 32 x 16 nibbles: 320 or 384 */
+enum { W4 = 0, W4K = 1, W4S = 2 }; /* the three layouts: fp16 d and m, fp32 d and m, fp16 d alone */
+#define SCALE_BYTES(kind) ((kind) == W4K ? NR * 8 : (kind) == W4S ? NR * 2 : NR * 4) /* of 16 columns */
+#define BLOCK_BYTES(kind) (SCALE_BYTES(kind) + QB * NR / 2) /* + 32 x 16 nibbles: 320, 384 or 288 */
 
 typedef struct {
     const int8_t *q;  /* [B][M][QB] the quantized rows, block-major */
     const float *d;   /* [B][M] their scales */
     const float *s;   /* [B][M] d_a * sum(q) */
+    const int32_t *c; /* [B][M] 128 * sum(q) (w4a8s: its offset, 8 * sum(q), is c / 16) */
     const char *w;
     const float *bias, *res;
     float *y;
     int64_t M, N, B, ldy, ldr;
     int vnni_few, vnni_many; /* VNNI tiles for slabs of 1-2 / 3+ rows (sp_linear's isa bits) */
-    int wide;                /* fp32 scales (w4a8k) */
+    int kind;                /* W4, W4K or W4S */
 } wjob_t;
 
 /* ---------------------------------------------------------------- AVX2 */
@@ -58,20 +61,20 @@ static inline AVX2 __attribute__((always_inline)) __m256 scales8(const int wide,
 }
 
 static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
-    const int wide, const int mr, const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, const float *bias,
+    const int kind, const int mr, const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, const float *bias,
     const float *res, int64_t ldr)
 {
     const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
     __m256 f[MR2][2];
     for (int64_t b = 0; b < j->B; b++) {
-        const char *blk = w + b * BLOCK_BYTES(wide);
+        const char *blk = w + b * BLOCK_BYTES(kind);
         const int32_t *xq = (const int32_t *)(j->q + (b * j->M + m0) * QB);
         __m256i s[MR2][2];
 #pragma GCC unroll 4
         for (int i = 0; i < mr; i++) s[i][0] = s[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
         for (int r = 0; r < QG / 2; r++) {
-            const char *wr = blk + SCALE_BYTES(wide) + r * 64;
+            const char *wr = blk + SCALE_BYTES(kind) + r * 64;
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)wr), v1 = _mm256_loadu_si256((const __m256i *)(wr + 32));
             const __m256i a0 = _mm256_and_si256(v0, low), a1 = _mm256_and_si256(v1, low);
             const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
@@ -85,16 +88,26 @@ static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
                 s[i][1] = _mm256_add_epi32(s[i][1], _mm256_madd_epi16(p1, ones));
             }
         }
-        const char *at_m = blk + SCALE_BYTES(wide) / 2;
+        const int wide = kind == W4K;
+        const char *at_m = blk + SCALE_BYTES(kind) / 2;
         const __m256 d0 = scales8(wide, blk, 0), d1 = scales8(wide, blk, 1);
-        const __m256 n0 = scales8(wide, at_m, 0), n1 = scales8(wide, at_m, 1);
+        const __m256 n0 = kind == W4S ? d0 : scales8(wide, at_m, 0), n1 = kind == W4S ? d1 : scales8(wide, at_m, 1);
 #pragma GCC unroll 4
         for (int i = 0; i < mr; i++) {
             const __m256 a = _mm256_set1_ps(j->d[b * j->M + m0 + i]), sa = _mm256_set1_ps(j->s[b * j->M + m0 + i]);
+            if (kind == W4S) { /* the offset 8 in integers */
+                const __m256i o = _mm256_set1_epi32(j->c[b * j->M + m0 + i] / 16);
+                s[i][0] = _mm256_sub_epi32(s[i][0], o);
+                s[i][1] = _mm256_sub_epi32(s[i][1], o);
+            }
             const __m256 g0 = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][0]), a);
             const __m256 g1 = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][1]), a);
-            f[i][0] = _mm256_fmadd_ps(n0, sa, b == 0 ? _mm256_mul_ps(g0, d0) : _mm256_fmadd_ps(g0, d0, f[i][0]));
-            f[i][1] = _mm256_fmadd_ps(n1, sa, b == 0 ? _mm256_mul_ps(g1, d1) : _mm256_fmadd_ps(g1, d1, f[i][1]));
+            f[i][0] = b == 0 ? _mm256_mul_ps(g0, d0) : _mm256_fmadd_ps(g0, d0, f[i][0]);
+            f[i][1] = b == 0 ? _mm256_mul_ps(g1, d1) : _mm256_fmadd_ps(g1, d1, f[i][1]);
+            if (kind != W4S) {
+                f[i][0] = _mm256_fmadd_ps(n0, sa, f[i][0]);
+                f[i][1] = _mm256_fmadd_ps(n1, sa, f[i][1]);
+            }
         }
     }
 #pragma GCC unroll 4
@@ -113,8 +126,10 @@ typedef void (*wtile_fn)(const wjob_t *, const char *, int64_t, float *, int64_t
                                       const float *bias, const float *res, int64_t ldr)            \
     { wtile_avx2(W, R, j, w, m0, out, ldo, bias, res, ldr); }
 WTILE2(0, 1) WTILE2(0, 2) WTILE2(0, 3) WTILE2(0, 4) WTILE2(1, 1) WTILE2(1, 2) WTILE2(1, 3) WTILE2(1, 4)
-static const wtile_fn WTILES2[2][MR2 + 1] = {{0, wtile2_0_1, wtile2_0_2, wtile2_0_3, wtile2_0_4},
-                                             {0, wtile2_1_1, wtile2_1_2, wtile2_1_3, wtile2_1_4}};
+WTILE2(2, 1) WTILE2(2, 2) WTILE2(2, 3) WTILE2(2, 4)
+static const wtile_fn WTILES2[3][MR2 + 1] = {{0, wtile2_0_1, wtile2_0_2, wtile2_0_3, wtile2_0_4},
+                                             {0, wtile2_1_1, wtile2_1_2, wtile2_1_3, wtile2_1_4},
+                                             {0, wtile2_2_1, wtile2_2_2, wtile2_2_3, wtile2_2_4}};
 
 /* ---------------------------------------------------------------- AVX-512 VNNI */
 
@@ -130,14 +145,15 @@ static inline VNNI __attribute__((always_inline)) __m512 scales16(const int wide
 }
 
 static inline VNNI __attribute__((always_inline)) void wtile_z(
-    const int wide, const int np, const int mr, const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo,
+    const int kind, const int np, const int mr, const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo,
     const float *bias, const float *res, int64_t ldr)
 {
-    const int64_t pb = j->B * BLOCK_BYTES(wide);
+    const int64_t pb = j->B * BLOCK_BYTES(kind);
+    const int wide = kind == W4K;
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 f[6][4];
     for (int64_t b = 0; b < j->B; b++) {
-        const char *blk = w + b * BLOCK_BYTES(wide);
+        const char *blk = w + b * BLOCK_BYTES(kind);
         const int32_t *xq = (const int32_t *)(j->q + (b * j->M + m0) * QB);
         __m512i s[6][4], t[6][4];
 #pragma GCC unroll 6
@@ -149,7 +165,7 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
             __m512i lo[4], hi[4];
 #pragma GCC unroll 4
             for (int q = 0; q < np; q++) {
-                const __m512i v = _mm512_loadu_si512(blk + q * pb + SCALE_BYTES(wide) + r * 64);
+                const __m512i v = _mm512_loadu_si512(blk + q * pb + SCALE_BYTES(kind) + r * 64);
                 lo[q] = _mm512_and_si512(v, low);
                 hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
             }
@@ -165,13 +181,16 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
         }
 #pragma GCC unroll 4
         for (int q = 0; q < np; q++) {
-            const __m512 d = scales16(wide, blk + q * pb), n = scales16(wide, blk + q * pb + SCALE_BYTES(wide) / 2);
+            const __m512 d = scales16(wide, blk + q * pb);
+            const __m512 n = kind == W4S ? d : scales16(wide, blk + q * pb + SCALE_BYTES(kind) / 2);
 #pragma GCC unroll 6
             for (int i = 0; i < mr; i++) {
-                const __m512i sum = _mm512_add_epi32(s[i][q], t[i][q]);
+                __m512i sum = _mm512_add_epi32(s[i][q], t[i][q]);
+                if (kind == W4S) /* the offset 8 in integers */
+                    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(j->c[b * j->M + m0 + i] / 16));
                 const __m512 g = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(j->d[b * j->M + m0 + i]));
                 const __m512 acc = b == 0 ? _mm512_mul_ps(g, d) : _mm512_fmadd_ps(g, d, f[i][q]);
-                f[i][q] = _mm512_fmadd_ps(n, _mm512_set1_ps(j->s[b * j->M + m0 + i]), acc);
+                f[i][q] = kind == W4S ? acc : _mm512_fmadd_ps(n, _mm512_set1_ps(j->s[b * j->M + m0 + i]), acc);
             }
         }
     }
@@ -193,10 +212,10 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
 #define WTILESZ_OF(W)                                                                                \
     WTILEZ(W, 1, 1) WTILEZ(W, 1, 2) WTILEZ(W, 1, 3) WTILEZ(W, 1, 4) WTILEZ(W, 1, 5) WTILEZ(W, 1, 6)    \
     WTILEZ(W, 2, 1) WTILEZ(W, 2, 2) WTILEZ(W, 2, 3) WTILEZ(W, 4, 1)
-WTILESZ_OF(0) WTILESZ_OF(1)
+WTILESZ_OF(0) WTILESZ_OF(1) WTILESZ_OF(2)
 #define WTABLE(W) {{0}, {0, wtilez##W##_1_1, wtilez##W##_1_2, wtilez##W##_1_3, wtilez##W##_1_4, wtilez##W##_1_5,  \
                          wtilez##W##_1_6}, {0, wtilez##W##_2_1, wtilez##W##_2_2, wtilez##W##_2_3}, {0}, {0, wtilez##W##_4_1}}
-static const wtile_fn WTILESZ[2][5][7] = {WTABLE(0), WTABLE(1)};
+static const wtile_fn WTILESZ[3][5][7] = {WTABLE(0), WTABLE(1), WTABLE(2)};
 
 /* ---------------------------------------------------------------- driver */
 
@@ -217,12 +236,12 @@ static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, flo
     const float *res = full && j->res ? j->res + m0 * j->ldr + n0 : 0;
     float bias[4 * NR] = {0};
     if (j->bias) memcpy(bias, j->bias + n0, cols * sizeof(float));
-    const int64_t pb = j->B * BLOCK_BYTES(j->wide);
+    const int64_t pb = j->B * BLOCK_BYTES(j->kind);
     if (ms >= 3 ? j->vnni_many : j->vnni_few) {
         const int64_t ntiles = (ms + MRZ(np) - 1) / MRZ(np);
         for (int64_t t = 0, r = 0; t < ntiles; t++) {
             const int64_t mr = (ms - r) / (ntiles - t);
-            WTILESZ[j->wide][np][mr](j, j->w + p * pb, m0 + r, out + r * ldo, ldo, j->bias ? bias : 0,
+            WTILESZ[j->kind][np][mr](j, j->w + p * pb, m0 + r, out + r * ldo, ldo, j->bias ? bias : 0,
                             res ? res + r * j->ldr : 0, j->ldr);
             r += mr;
         }
@@ -231,7 +250,7 @@ static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, flo
             const int64_t ntiles = (ms + MR2 - 1) / MR2;
             for (int64_t t = 0, r = 0; t < ntiles; t++) {
                 const int64_t mr = (ms - r) / (ntiles - t);
-                WTILES2[j->wide][mr](j, j->w + (p + q) * pb, m0 + r, out + r * ldo + q * NR, ldo, j->bias ? bias + q * NR : 0,
+                WTILES2[j->kind][mr](j, j->w + (p + q) * pb, m0 + r, out + r * ldo + q * NR, ldo, j->bias ? bias + q * NR : 0,
                             res ? res + r * j->ldr + q * NR : 0, j->ldr);
                 r += mr;
             }
@@ -242,7 +261,7 @@ static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, flo
 }
 
 void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N, const float *bias,
-                    const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int isa, int wide)
+                    const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int isa, int kind)
 {
     const int64_t B = (K + QB - 1) / QB;
     if (B == 0) {
@@ -260,7 +279,8 @@ void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const voi
     int32_t *c = (int32_t *)(s + M * B);
     sp_quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
     for (int64_t i = 0; i < M * B; i++) s[i] = d[i] * (float)(c[i] / 128);
-    const wjob_t job = {q, d, s, w, bias, res, y, M, N, B, ldy, ldr, (isa & 1) && sp_vnni(), (isa & 2) && sp_vnni(),
-                        wide != 0};
-    sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES(wide != 0), nthreads);
+    if (kind < W4 || kind > W4S) return;
+    const wjob_t job = {q, d, s, c, w, bias, res, y, M, N, B, ldy, ldr, (isa & 1) && sp_vnni(), (isa & 2) && sp_vnni(),
+                        kind};
+    sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES(kind), nthreads);
 }
