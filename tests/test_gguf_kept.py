@@ -168,8 +168,8 @@ def test_a_fused_layer_of_two_kernels_is_widened_and_says_so(tmp_path, caplog):
 
 def test_a_k_quant_file_runs_its_q4_k_blocks_natively(tmp_path):
     """A Q4_K_M-style mix (Q4_K, Q6_K feed-forward down, Q8_0 embedding and head) on rows 256 wide: the Q4_K
-    layers run on fp32-scaled 4-bit panels (w4a8k) with gguf-py's values, Q6_K widened; greedy speculative ==
-    plain."""
+    layers run on fp32-scaled 4-bit panels (w4a8k), Q6_K on 6-bit ones (w6a8), with gguf-py's values; greedy
+    speculative == plain."""
     tok = tmp_path / "tok"
     tiny.make_tokenizer(tok)
     model = tiny.build_model("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64)
@@ -182,7 +182,8 @@ def test_a_k_quant_file_runs_its_q4_k_blocks_natively(tmp_path):
         for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.o_proj"):
             a, b = q.layers[i].get_submodule(name), ref.layers[i].get_submodule(name)
             assert a.packed.weights == "w4a8k" and torch.equal(a.dense_weight(), b.weight), (i, name)
-        assert q.layers[i].mlp.down_proj.packed.weights == "fp32"
+        down = q.layers[i].mlp.down_proj
+        assert down.packed.weights == "w6a8" and torch.equal(down.dense_weight(), ref.layers[i].mlp.down_proj.weight)
     d = load_drafter("ngram", {"min_n": 1, "max_n": 3}, None, q)
     plain, spec = SpecModel(q), SpecModel(q, d)
     for i, p in enumerate([[1, 5, 9, 5, 9, 5], [1, 2, 3, 4, 2, 3, 4], [7, 8, 7, 8, 7]]):

@@ -23,7 +23,7 @@ def _fresh_state(monkeypatch):
 
 
 def blocks(kind: str, n: int, k: int, seed: int = 0):
-    if kind in ("Q4_K",):  # gguf-py cannot quantize K-quants: random blocks (test_gguf_blocks' generator)
+    if kind in ("Q4_K", "Q6_K"):  # gguf-py cannot quantize K-quants: random blocks (test_gguf_blocks' generator)
         from test_gguf_blocks import random_blocks
 
         raw = random_blocks(kind, n, k, seed)
@@ -38,15 +38,20 @@ def layer(kind: str, raw: torch.Tensor, n: int, k: int, bias=None, tuned=None) -
     q = a.q.view(n, k // 32, 32)
     if kind == "Q8_0":
         return PackedLinear.of_panels(kl.pack_q8_blocks(q, a.scale), "w8a8", (n, k), bias, tuned=tuned)
+    if kind == "Q6_K":
+        halves = a.scale.view(n, -1, 2)
+        panels = kl.pack_w6a8((a.q.view(n, k // 32, 32).to(torch.int16) + 32).to(torch.uint8), halves[..., 0],
+                              halves[..., 1])
+        return PackedLinear.of_panels(panels, "w6a8", (n, k), bias, tuned=tuned)
     wide, sym = kind == "Q4_K", kind == "Q4_0"
     fmt = "w4a8k" if wide else "w4a8s" if sym else "w4a8"
     return PackedLinear.of_panels(kl.pack_w4a8(q, a.scale, None if sym else a.min, wide=wide), fmt, (n, k), bias,
                                   tuned=tuned)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_the_kernel_computes_with_gguf_pys_values(kind):
-    n, k = 45, 256 if kind == "Q4_K" else 96  # a partial last panel
+    n, k = 45, 256 if kind.endswith("_K") else 96  # a partial last panel
     raw, dense = blocks(kind, n, k)
     lin = layer(kind, raw, n, k)
     assert torch.equal(lin.dense(), dense)  # the values the kernel multiplies: exactly gguf-py's
@@ -63,7 +68,7 @@ def test_q8_0_blocks_are_the_panels_w8a8_packs_from_their_values():
     assert torch.equal(kl.pack_q8_blocks(a.q.view(40, 4, 32), a.scale), kl.pack_w8a8(dense))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 def test_fallback_is_the_kernel_arithmetic_on_both_tile_sets(kind, monkeypatch):
     if not kl.available():
         pytest.skip(kl.unavailable_reason())
@@ -81,7 +86,7 @@ def test_fallback_is_the_kernel_arithmetic_on_both_tile_sets(kind, monkeypatch):
     assert torch.equal(fallback(x, residual=r), outs["avx2"])
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K"])
 @pytest.mark.parametrize("isa", list(ISAS))
 def test_rows_are_exact_whatever_their_number(isa, kind):
     if not kl.available():

@@ -25,7 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "panels.c", "linear.c", "w8a8.c", "w4a8.c", "amx.c", "bf16_tiles.c", "attention.c", "argmax.c", "layers.c", "decoder.c", "screen.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "panels.c", "linear.c", "w8a8.c", "w4a8.c", "w6a8.c", "amx.c", "bf16_tiles.c", "attention.c", "argmax.c", "layers.c", "decoder.c", "screen.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h", "attention_kv.h")]
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=gnu11", "-pthread"]
 CFLAGS = [*COMPILE_FLAGS, "-fPIC", "-shared"]

@@ -15,14 +15,15 @@ import torch
 from torch import Tensor, nn
 
 from specpack.families import gguf_blocks
-from specpack.runtime.kernels.linear import (NR, Q8_BLOCK, Q8_BLOCK_BYTES, W4_BYTES, PackedLinear, pack_q8_blocks,
-                                             pack_w4a8)
+from specpack.runtime.kernels.linear import (NR, PACKED_BYTES, Q8_BLOCK, PackedLinear, pack_q8_blocks, pack_w4a8,
+                                             pack_w6a8)
 
 log = logging.getLogger(__name__)
 # GGML type -> the packed format that reads it (Q5_0's values d (q - 16) are int8 multiples of d: w8a8 exactly)
 # and Q4_K's 32-value sub-blocks are Q4_1-like blocks whose scales are exact in fp32 only (w4a8k); Q4_0 keeps
 # its 4.5 bits, scales alone (w4a8s)
-NATIVE = {"Q4_0": "w4a8s", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w8a8", "Q4_K": "w4a8k"}
+# and Q6_K's 6-bit values with a scale per 16 (w6a8)
+NATIVE = {"Q4_0": "w4a8s", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w8a8", "Q4_K": "w4a8k", "Q6_K": "w6a8"}
 W4_ORDER = ("w4a8s", "w4a8", "w4a8k")  # each reads the blocks of those before it (Q4_0's offset is m = -8 d)
 
 
@@ -75,13 +76,16 @@ def packed(blocks: Blocks, bias: Tensor | None = None, threads: int | None = Non
     if fmt is None:
         return tuning.pack(blocks.dense(), bias, threads)
     n, k = blocks.shape
-    per_block = {"w8a8": Q8_BLOCK_BYTES, **W4_BYTES}[fmt]
+    per_block = PACKED_BYTES[fmt]
     panels = torch.empty(-(-n // NR), k // Q8_BLOCK, per_block, dtype=torch.uint8)
     for r0 in range(0, n, CHUNK_ROWS):
         decoded = [gguf_blocks.decode(kind, raw, k) for kind, raw in _rows(blocks.parts, r0, r0 + CHUNK_ROWS)]
         q = torch.cat([a.q for a in decoded]).view(-1, k // Q8_BLOCK, Q8_BLOCK)
         scale = torch.cat([a.scale for a in decoded])
-        if fmt == "w8a8":
+        if fmt == "w6a8":  # Q6_K: q - 32 per 16 values, a scale each
+            halves = scale.view(len(q), -1, 2)
+            chunk = pack_w6a8((q.to(torch.int16) + 32).to(torch.uint8), halves[..., 0], halves[..., 1])
+        elif fmt == "w8a8":
             chunk = pack_q8_blocks(q, scale)
         else:
             offsets = None if fmt == "w4a8s" else torch.cat([a.min for a in decoded])

@@ -56,6 +56,9 @@ void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const voi
                     const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int isa,
                     int kind);
 int sp_vnni(void);
+/* 6-bit weights (Q6_K's values, scales per 16 k) times int8 activations (w6a8.c). */
+void sp_linear_w6a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N,
+                    const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int isa);
 void sp_attention(const float *q, int64_t R, int64_t H, int64_t ldq, const void *k, const void *v, int kv16,
                   int64_t KVH, int64_t slot_stride, int64_t head_stride, int64_t ld, int64_t dk,
                   int64_t dv, const int64_t *slot, const int64_t *ctx, const int64_t *len,

@@ -44,7 +44,8 @@ NR = 16  # output columns per panel (linear.c)
 Q8_BLOCK = 32  # k per int8 scale block (linear.c)
 Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
 # weight format name -> linear.c's code
-FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4, "bf16-amx": 7, "w4a8": 8, "w4a8k": 9, "w4a8s": 10}
+FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4, "bf16-amx": 7, "w4a8": 8, "w4a8k": 9, "w4a8s": 10,
+           "w6a8": 11}
 BF16_TILES = "bf16-amx"  # bf16 on AMX tiles (bf16_tiles.c): packed only where `bf16_tiles()` says they run
 TILE_K = 32  # k per AMX block (bf16_tiles.c)
 QUANTIZED = ("int8", "w8a8")  # the formats in Q8_0 blocks
@@ -56,6 +57,10 @@ W4_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR // 2  # 16 fp16 scales + 16 fp16 offsets
 W4K_BLOCK_BYTES = NR * 8 + Q8_BLOCK * NR // 2  # fp32 scales and offsets: 384
 W4S_BLOCK_BYTES = NR * 2 + Q8_BLOCK * NR // 2  # fp16 scales alone: 288
 W4_BYTES = {W4A8: W4_BLOCK_BYTES, W4A8K: W4K_BLOCK_BYTES, W4A8S: W4S_BLOCK_BYTES}
+W6A8 = "w6a8"  # GGUF Q6_K's 6-bit values, a scale per 16 k, int8 activations (w6a8.c); packed from blocks only
+W6_BLOCK_BYTES = NR * 8 + Q8_BLOCK * NR // 2 + Q8_BLOCK * NR // 4  # 2 x 16 fp32 scales, nibbles, high bits: 512
+PACKED_BYTES = {"w8a8": Q8_BLOCK_BYTES, **W4_BYTES, W6A8: W6_BLOCK_BYTES}  # per panel and block of 32 k
+BLOCK_FORMATS = (*W4_FORMATS, W6A8)  # packed from GGUF blocks only
 ISAS = ("avx2", "avx512")  # the tile sets (linear.c): the same bits, AVX-512 where the CPU has it
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
@@ -172,6 +177,10 @@ def unpack(panels: Tensor, weights: str, N: int, K: int) -> Tensor:
     `pack_panels` / `pack_q8` / `pack_w8a8` (w8a8 also rounds its activations: see `w8a8_linear`)."""
     if weights == BF16_TILES:
         return panels.float().permute(0, 3, 1, 2, 4).reshape(len(panels) * NR, -1)[:N, :K].contiguous()
+    if weights == W6A8:
+        u, lo, hi = w6a8_values(panels)
+        v = (u - 32) * torch.stack([lo, hi], dim=-1).repeat_interleave(16, dim=-1)
+        return v.reshape(len(u), -1)[:N, :K].contiguous()
     if weights in W4_FORMATS:
         u, d, m = w4a8_values(panels)
         v = d[..., None] * (u - 8) if m is None else u * d[..., None] + m[..., None]
@@ -279,6 +288,64 @@ def w4a8_values(panels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     return u, scales[0], scales[1] if count == 2 else None
 
 
+def pack_w6a8(u: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
+    """6-bit blocks (u uint8 [N, B, 32] in 0..63, lo and hi fp32 [N, B]: value scale * (u - 32), lo the scale of
+    k 0..15 and hi of k 16..31) -> [ceil(N/16), B, 512] bytes: per panel and block the 16 columns' lo, their hi,
+    the values' low 4 bits as `pack_w4a8` stores nibbles, then their high 2 bits, 16 bytes a group of 4 k:
+    byte t holding lanes t, t + 16, t + 32, t + 48 (lane 4 j + i: column j, k 4 g + i) at bits 0-1 .. 6-7."""
+    N, B, _ = u.shape
+    P = -(-N // NR)
+    out = torch.zeros(P, B, W6_BLOCK_BYTES, dtype=torch.uint8)
+    _advise_huge_pages(out)
+    for i, values in enumerate((lo, hi)):
+        _columns_into(out[..., i * NR * 4: (i + 1) * NR * 4].view(torch.float32), values)
+    plane = NR * 8 + Q8_BLOCK * NR // 2
+    for p0 in range(0, P, PACK_PANELS):
+        p1 = min(P, p0 + PACK_PANELS)
+        rows = torch.zeros((p1 - p0) * NR, B, Q8_BLOCK, dtype=torch.uint8)
+        n = min(N, p1 * NR) - p0 * NR
+        rows[:n] = u[p0 * NR: p0 * NR + n]
+        low, high = rows & 0x0F, rows >> 4
+        # nibbles: [p, 16 (j), B, 4 (r), 2 (low / high), 4 (i)] -> [p, B, r, j, i, low / high]
+        v = low.view(p1 - p0, NR, B, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
+        out[p0:p1, :, NR * 8: plane] = (v[..., 0] | (v[..., 1] << 4)).reshape(p1 - p0, B, -1)
+        # high bits: lanes [p, B, 8 (g), 64 (4 j + i)] -> [p, B, g, 4 (which sixteen), 16 (t)]
+        lanes = high.view(p1 - p0, NR, B, 8, 4).permute(0, 2, 3, 1, 4).reshape(p1 - p0, B, 8, 4, 16)
+        packed = lanes[..., 0, :] | lanes[..., 1, :] << 2 | lanes[..., 2, :] << 4 | lanes[..., 3, :] << 6
+        out[p0:p1, :, plane:] = packed.reshape(p1 - p0, B, -1)
+    return out
+
+
+def w6a8_values(panels: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The blocks of w6a8 panels: values u [N', B, 32] (as floats) and the scales lo, hi [N', B]."""
+    P, B, _ = panels.shape
+    lo, hi = (panels[..., i * NR * 4: (i + 1) * NR * 4].contiguous().view(torch.float32).permute(0, 2, 1)
+              .reshape(P * NR, B) for i in range(2))
+    plane = NR * 8 + Q8_BLOCK * NR // 2
+    nib = panels[..., NR * 8: plane].reshape(P, B, 4, NR, 4)
+    low = torch.stack([nib & 0x0F, nib >> 4], dim=-2).permute(0, 3, 1, 2, 4, 5).reshape(P * NR, B, Q8_BLOCK)
+    bits = panels[..., plane:].reshape(P, B, 8, 1, 16) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
+    high = (bits & 3).reshape(P, B, 8, NR, 4).permute(0, 3, 1, 2, 4).reshape(P * NR, B, Q8_BLOCK)
+    return (low | high << 4).float(), lo, hi
+
+
+def w6a8_linear(x: Tensor, u: Tensor, lo: Tensor, hi: Tensor, bias: Tensor | None, N: int) -> Tensor:
+    """w6a8.c's product in torch (the fallback): per block and half of k the exact integer sum of the
+    quantized row and the values less 32 times the row's sum, times the row's scale, folded with the half's
+    scale, low half then high, in block order."""
+    xq, da = quantize_rows(x.reshape(x.shape[:-1].numel(), x.shape[-1]))
+    acc = torch.zeros(len(xq), N)
+    for b in range(xq.shape[1]):
+        for h, scale in enumerate((lo, hi)):
+            part = slice(16 * h, 16 * h + 16)
+            t = xq[:, b, part] @ u[:N, b, part].T - 32 * xq[:, b, part].sum(-1, keepdim=True)
+            g = t * da[:, b:b + 1]
+            acc = g * scale[:N, b] if b == 0 and h == 0 else _fma(g, scale[:N, b], acc)
+    if bias is not None:
+        acc = acc + bias
+    return acc.reshape(*x.shape[:-1], N)
+
+
 def _fma(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
     """fma(a, b, c) in fp32 through float64 (the product exact, one rounding of the sum, two at most)."""
     return (a.double() * b.double() + c.double()).float()
@@ -332,7 +399,7 @@ class PackedLinear:
         if weight.dim() != 2 or not weight.is_floating_point() or weight.device.type != "cpu":
             raise TypeError(f"pack() needs a 2-D floating-point CPU weight, got {tuple(weight.shape)} "
                             f"{weight.dtype} on {weight.device}")
-        if weights in W4_FORMATS:
+        if weights in BLOCK_FORMATS:
             raise TypeError(f"{weights} weights are packed from GGUF blocks (PackedLinear.of_panels with "
                             "pack_w4a8), not from a float weight")
         self._setup(tuple(weight.shape), bias, threads, weights, tuned)
@@ -345,9 +412,9 @@ class PackedLinear:
                   threads: int | None = None, tuned: dict | None = None) -> "PackedLinear":
         """A layer over panels already packed in `weights` ("w8a8": `pack_q8_blocks`, "w4a8": `pack_w4a8`) for
         a weight of `shape` [out, in]: what a GGUF's blocks become without an fp32 weight in between."""
-        if weights not in (*QUANTIZED[1:], *W4_FORMATS):
-            raise TypeError(f"of_panels takes w8a8, w4a8 or w4a8k panels, not {weights!r}")
-        per_block = {"w8a8": Q8_BLOCK_BYTES, **W4_BYTES}[weights]
+        if weights not in PACKED_BYTES:
+            raise TypeError(f"of_panels takes {', '.join(PACKED_BYTES)} panels, not {weights!r}")
+        per_block = PACKED_BYTES[weights]
         want = (-(-shape[0] // NR), -(-shape[1] // Q8_BLOCK), per_block)
         if panels.dtype != torch.uint8 or tuple(panels.shape) != want:
             raise TypeError(f"{weights} panels of a {list(shape)} weight are uint8 {list(want)}, "
@@ -380,6 +447,8 @@ class PackedLinear:
             self._q8 = q8_values(self.weight, self.weights)
         if self.backend == "torch" and self.weights in W4_FORMATS:
             self._q4 = w4a8_values(self.weight)
+        if self.backend == "torch" and self.weights == W6A8:
+            self._q6 = w6a8_values(self.weight)
         if self.backend == "avx2":  # looked up once: a call costs a few microseconds in all
             self._fn = _library()[0].sp_linear
             self._fmt = FORMATS[self.weights]
@@ -396,7 +465,7 @@ class PackedLinear:
 
     def dense(self) -> Tensor:
         """The fp32 [out, in] weight this layer computes with (rounded or dequantized)."""
-        if self.backend == "torch" and self.weights not in ("w8a8", *W4_FORMATS):
+        if self.backend == "torch" and self.weights not in ("w8a8", *BLOCK_FORMATS):
             return self.weight
         return unpack(self.weight, self.weights, self.out_features, self.in_features)
 
@@ -413,6 +482,8 @@ class PackedLinear:
         if self.backend == "torch":
             if self.weights in W4_FORMATS:
                 y = w4a8_linear(x, *self._q4, self.bias, N)
+            elif self.weights == W6A8:
+                y = w6a8_linear(x, *self._q6, self.bias, N)
             else:
                 y = w8a8_linear(x, *self._q8, self.bias, N) if self.weights == "w8a8" else F.linear(x, self.weight, self.bias)
             if residual is not None:
