@@ -16,14 +16,15 @@ from torch import Tensor, nn
 
 from specpack.families import gguf_blocks
 from specpack.runtime.kernels.linear import (NR, PACKED_BYTES, Q8_BLOCK, PackedLinear, pack_q8_blocks, pack_w4a8,
-                                             pack_w6a8)
+                                             pack_w5a8, pack_w6a8)
 
 log = logging.getLogger(__name__)
 # GGML type -> the packed format that reads it (Q5_0's values d (q - 16) are int8 multiples of d: w8a8 exactly)
 # and Q4_K's 32-value sub-blocks are Q4_1-like blocks whose scales are exact in fp32 only (w4a8k); Q4_0 keeps
 # its 4.5 bits, scales alone (w4a8s)
 # and Q6_K's 6-bit values with a scale per 16 (w6a8)
-NATIVE = {"Q4_0": "w4a8s", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w8a8", "Q4_K": "w4a8k", "Q6_K": "w6a8"}
+# and Q5_0 its 5.5 bits: w4a8s with a plane of fifth bits (w5a8)
+NATIVE = {"Q4_0": "w4a8s", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w5a8", "Q4_K": "w4a8k", "Q6_K": "w6a8"}
 W4_ORDER = ("w4a8s", "w4a8", "w4a8k")  # each reads the blocks of those before it (Q4_0's offset is m = -8 d)
 
 
@@ -82,7 +83,9 @@ def packed(blocks: Blocks, bias: Tensor | None = None, threads: int | None = Non
         decoded = [gguf_blocks.decode(kind, raw, k) for kind, raw in _rows(blocks.parts, r0, r0 + CHUNK_ROWS)]
         q = torch.cat([a.q for a in decoded]).view(-1, k // Q8_BLOCK, Q8_BLOCK)
         scale = torch.cat([a.scale for a in decoded])
-        if fmt == "w6a8":  # Q6_K: q - 32 per 16 values, a scale each
+        if fmt == "w5a8":  # Q5_0: q - 16
+            chunk = pack_w5a8((q.to(torch.int16) + 16).to(torch.uint8), scale)
+        elif fmt == "w6a8":  # Q6_K: q - 32 per 16 values, a scale each
             halves = scale.view(len(q), -1, 2)
             chunk = pack_w6a8((q.to(torch.int16) + 32).to(torch.uint8), halves[..., 0], halves[..., 1])
         elif fmt == "w8a8":

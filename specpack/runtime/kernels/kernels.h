@@ -50,7 +50,7 @@ void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const voi
  * q [B][M][32] int8, d [B][M] (amax / 127) and c [B][M] (128 * sum(q)); `fast`: AVX-512 (the same bits). */
 void sp_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t B, int8_t *q, float *d, int32_t *c,
                       int fast);
-/* 4-bit weights times int8 activations (w4a8.c; `kind` 0 w4a8, 1 w4a8k: fp32 scales, 2 w4a8s: no offsets) and
+/* 4/5-bit weights times int8 activations (w4a8.c; `kind` 0 w4a8, 1 w4a8k: fp32 scales, 2 w4a8s: no offsets, 3 w5a8) and
  * whether AVX-512 VNNI runs here (w8a8.c). */
 void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N,
                     const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int isa,

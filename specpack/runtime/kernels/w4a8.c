@@ -1,11 +1,15 @@
-/* 4-bit weights times int8 activations (weight formats SP_W4A8 "w4a8", SP_W4A8K "w4a8k", SP_W4A8S "w4a8s"):
- * llama.cpp's Q4_1 blocks (Q4_K's 32-value sub-blocks in w4a8k, Q4_0's in w4a8s) kept quantized, multiplied as llama.cpp's vec_dot_q4_1_q8_1 does (integer dot products, one float fold per block),
+/* 4- and 5-bit weights times int8 activations (weight formats SP_W4A8 "w4a8", SP_W4A8K "w4a8k", SP_W4A8S "w4a8s",
+ * SP_W5A8 "w5a8"): llama.cpp's Q4_1 blocks (Q4_K's 32-value sub-blocks in w4a8k, Q4_0's in w4a8s, Q5_0's in w5a8)
+ * kept quantized, multiplied as llama.cpp's vec_dot_q4_1_q8_1 does (integer dot products, one float fold per block),
  * with AVX-512 VNNI where the CPU has it, else AVX2. sp_linear (linear.c) hands fmt SP_W4A8 here.
  *
  * Weights: per panel of 16 columns and block of 32 k (every GGUF block of a column is one block here),
  * 320 bytes: the 16 columns' scales d (fp16), their offsets m (fp16: Q4_1's m, Q4_0's -8 d), then the 32 x 16
  * values u (0..15) as nibbles in VNNI order (w4a8k: d and m in fp32, 384 bytes: Q4_K's d * sc_j and
- * -dmin * m_j, exact in fp32, not in fp16; w4a8s: d alone, 288 bytes, a value d (u - 8): Q4_0's 4.5 bits): region r (0..3) is 64 bytes, its byte 4j + i holding column j's
+ * -dmin * m_j, exact in fp32, not in fp16; w4a8s: d alone, 288 bytes, a value d (u - 8): Q4_0's 4.5 bits;
+ * w5a8: d alone, then after the nibbles the values' fifth bits, 8 bytes a group of 4 k, byte t holding lanes
+ * t, t + 8, ..., t + 56 (lane 4j + i: column j, k 4g + i) at bits 0..7, 352 bytes, a value d (u - 16): Q5_0's
+ * 5.5 bits): region r (0..3) is 64 bytes, its byte 4j + i holding column j's
  * value at k = 8r + i in the low nibble and at k = 8r + 4 + i in the high one, so masking a region gives one
  * group of 4 k x 16 columns (as w8a8.c stores bytes) and shifting it the next. A value is d u + m.
  *
@@ -15,7 +19,8 @@
  * Reduction order (the determinism contract): per row, block and column the integer sum
  * t_b = sum over the block's k of u * q is exact (at most 32 * 15 * 127), g_b = float(t_b) * d_a,
  * acc = g_0 * d_0 then acc = fma(g_b, d_b, acc) for b > 0, and after each block acc = fma(m_b, s_a, acc)
- * (w4a8s: t_b = sum of u * q - 8 * sum of q, still exact, and no m term: llama.cpp's Q4_0 x Q8_0 dot);
+ * (w4a8s: t_b = sum of u * q - 8 * sum of q, still exact, and no m term: llama.cpp's Q4_0 x Q8_0 dot;
+ * w5a8 likewise with 16);
  * then acc + bias, then residual + that. A row's quantization and sums involve that row only, so row i of
  * an M-row product is bit-identical to the 1-row product of row i on any thread count, and the AVX2
  * tiles give the bits of the VNNI ones (linear.py's `w4a8_linear` is the same arithmetic in torch). */
@@ -31,9 +36,13 @@
 #define NR 16                          /* output columns per panel */
 #define QB 32                          /* k per block */
 #define QG (QB / 4)                    /* groups of 4 k per block */
-enum { W4 = 0, W4K = 1, W4S = 2 }; /* the three layouts: fp16 d and m, fp32 d and m, fp16 d alone */
-#define SCALE_BYTES(kind) ((kind) == W4K ? NR * 8 : (kind) == W4S ? NR * 2 : NR * 4) /* of 16 columns */
-#define BLOCK_BYTES(kind) (SCALE_BYTES(kind) + QB * NR / 2) /* + 32 x 16 nibbles: 320, 384 or 288 */
+/* the layouts: fp16 d and m, fp32 d and m, fp16 d alone (offset 8), fp16 d alone and a bit plane (offset 16) */
+enum { W4 = 0, W4K = 1, W4S = 2, W5 = 3 };
+#define SCALE_BYTES(kind) ((kind) == W4K ? NR * 8 : (kind) >= W4S ? NR * 2 : NR * 4) /* of 16 columns */
+#define PLANE_BYTES(kind) ((kind) == W5 ? QB * NR / 8 : 0)                       /* fifth bits */
+#define BLOCK_BYTES(kind) (SCALE_BYTES(kind) + QB * NR / 2 + PLANE_BYTES(kind)) /* 320, 384, 288 or 352 */
+#define SYMMETRIC(kind) ((kind) >= W4S)                                       /* no m: an integer offset */
+#define OFFSET_SHIFT(kind) ((kind) == W5 ? 3 : 4) /* the offset (8 or 16) times sum(q) is c >> this */
 
 typedef struct {
     const int8_t *q;  /* [B][M][QB] the quantized rows, block-major */
@@ -60,6 +69,14 @@ static inline AVX2 __attribute__((always_inline)) __m256 scales8(const int wide,
     return wide ? _mm256_loadu_ps((const float *)at + 8 * i) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at + i));
 }
 
+/* Group g's fifth bits for the 32 lanes of half h (columns 8h..8h+7) from its 8 plane bytes at `pl`, at bit 4. */
+static inline AVX2 __attribute__((always_inline)) __m256i fifth_avx2(const char *pl, int h)
+{
+    const __m256i b = _mm256_set1_epi64x(*(const int64_t *)pl);
+    const __m256i shift = h ? _mm256_setr_epi64x(4, 5, 6, 7) : _mm256_setr_epi64x(0, 1, 2, 3);
+    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(b, shift), _mm256_set1_epi8(1)), 4);
+}
+
 static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
     const int kind, const int mr, const wjob_t *j, const char *w, int64_t m0, float *out, int64_t ldo, const float *bias,
     const float *res, int64_t ldr)
@@ -76,9 +93,14 @@ static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
         for (int r = 0; r < QG / 2; r++) {
             const char *wr = blk + SCALE_BYTES(kind) + r * 64;
             const __m256i v0 = _mm256_loadu_si256((const __m256i *)wr), v1 = _mm256_loadu_si256((const __m256i *)(wr + 32));
-            const __m256i a0 = _mm256_and_si256(v0, low), a1 = _mm256_and_si256(v1, low);
-            const __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
-            const __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+            __m256i a0 = _mm256_and_si256(v0, low), a1 = _mm256_and_si256(v1, low);
+            __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
+            __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
+            if (kind == W5) {
+                const char *pl = blk + SCALE_BYTES(kind) + QB * NR / 2 + r * 16;
+                a0 = _mm256_or_si256(a0, fifth_avx2(pl, 0)), a1 = _mm256_or_si256(a1, fifth_avx2(pl, 1));
+                b0 = _mm256_or_si256(b0, fifth_avx2(pl + 8, 0)), b1 = _mm256_or_si256(b1, fifth_avx2(pl + 8, 1));
+            }
 #pragma GCC unroll 4
             for (int i = 0; i < mr; i++) {
                 const __m256i xa = _mm256_set1_epi32(xq[i * QG + 2 * r]), xb = _mm256_set1_epi32(xq[i * QG + 2 * r + 1]);
@@ -91,12 +113,13 @@ static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
         const int wide = kind == W4K;
         const char *at_m = blk + SCALE_BYTES(kind) / 2;
         const __m256 d0 = scales8(wide, blk, 0), d1 = scales8(wide, blk, 1);
-        const __m256 n0 = kind == W4S ? d0 : scales8(wide, at_m, 0), n1 = kind == W4S ? d1 : scales8(wide, at_m, 1);
+        const __m256 n0 = SYMMETRIC(kind) ? d0 : scales8(wide, at_m, 0);
+        const __m256 n1 = SYMMETRIC(kind) ? d1 : scales8(wide, at_m, 1);
 #pragma GCC unroll 4
         for (int i = 0; i < mr; i++) {
             const __m256 a = _mm256_set1_ps(j->d[b * j->M + m0 + i]), sa = _mm256_set1_ps(j->s[b * j->M + m0 + i]);
-            if (kind == W4S) { /* the offset 8 in integers */
-                const __m256i o = _mm256_set1_epi32(j->c[b * j->M + m0 + i] / 16);
+            if (SYMMETRIC(kind)) { /* the offset (8 or 16) in integers */
+                const __m256i o = _mm256_set1_epi32(j->c[b * j->M + m0 + i] >> OFFSET_SHIFT(kind));
                 s[i][0] = _mm256_sub_epi32(s[i][0], o);
                 s[i][1] = _mm256_sub_epi32(s[i][1], o);
             }
@@ -104,7 +127,7 @@ static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
             const __m256 g1 = _mm256_mul_ps(_mm256_cvtepi32_ps(s[i][1]), a);
             f[i][0] = b == 0 ? _mm256_mul_ps(g0, d0) : _mm256_fmadd_ps(g0, d0, f[i][0]);
             f[i][1] = b == 0 ? _mm256_mul_ps(g1, d1) : _mm256_fmadd_ps(g1, d1, f[i][1]);
-            if (kind != W4S) {
+            if (!SYMMETRIC(kind)) {
                 f[i][0] = _mm256_fmadd_ps(n0, sa, f[i][0]);
                 f[i][1] = _mm256_fmadd_ps(n1, sa, f[i][1]);
             }
@@ -126,10 +149,11 @@ typedef void (*wtile_fn)(const wjob_t *, const char *, int64_t, float *, int64_t
                                       const float *bias, const float *res, int64_t ldr)            \
     { wtile_avx2(W, R, j, w, m0, out, ldo, bias, res, ldr); }
 WTILE2(0, 1) WTILE2(0, 2) WTILE2(0, 3) WTILE2(0, 4) WTILE2(1, 1) WTILE2(1, 2) WTILE2(1, 3) WTILE2(1, 4)
-WTILE2(2, 1) WTILE2(2, 2) WTILE2(2, 3) WTILE2(2, 4)
-static const wtile_fn WTILES2[3][MR2 + 1] = {{0, wtile2_0_1, wtile2_0_2, wtile2_0_3, wtile2_0_4},
+WTILE2(2, 1) WTILE2(2, 2) WTILE2(2, 3) WTILE2(2, 4) WTILE2(3, 1) WTILE2(3, 2) WTILE2(3, 3) WTILE2(3, 4)
+static const wtile_fn WTILES2[4][MR2 + 1] = {{0, wtile2_0_1, wtile2_0_2, wtile2_0_3, wtile2_0_4},
                                              {0, wtile2_1_1, wtile2_1_2, wtile2_1_3, wtile2_1_4},
-                                             {0, wtile2_2_1, wtile2_2_2, wtile2_2_3, wtile2_2_4}};
+                                             {0, wtile2_2_1, wtile2_2_2, wtile2_2_3, wtile2_2_4},
+                                             {0, wtile2_3_1, wtile2_3_2, wtile2_3_3, wtile2_3_4}};
 
 /* ---------------------------------------------------------------- AVX-512 VNNI */
 
@@ -142,6 +166,14 @@ static const wtile_fn WTILES2[3][MR2 + 1] = {{0, wtile2_0_1, wtile2_0_2, wtile2_
 static inline VNNI __attribute__((always_inline)) __m512 scales16(const int wide, const char *at)
 { /* 16 fp16 (wide: fp32) values from `at` */
     return wide ? _mm512_loadu_ps(at) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
+}
+
+/* Group g's fifth bits for its 64 lanes, from its 8 plane bytes at `pl`, at bit 4. */
+static inline VNNI __attribute__((always_inline)) __m512i fifth_z(const char *pl)
+{
+    const __m512i b = _mm512_set1_epi64(*(const int64_t *)pl);
+    const __m512i shift = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    return _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(b, shift), _mm512_set1_epi8(1)), 4);
 }
 
 static inline VNNI __attribute__((always_inline)) void wtile_z(
@@ -168,6 +200,11 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
                 const __m512i v = _mm512_loadu_si512(blk + q * pb + SCALE_BYTES(kind) + r * 64);
                 lo[q] = _mm512_and_si512(v, low);
                 hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                if (kind == W5) {
+                    const char *pl = blk + q * pb + SCALE_BYTES(kind) + QB * NR / 2 + r * 16;
+                    lo[q] = _mm512_or_si512(lo[q], fifth_z(pl));
+                    hi[q] = _mm512_or_si512(hi[q], fifth_z(pl + 8));
+                }
             }
 #pragma GCC unroll 6
             for (int i = 0; i < mr; i++) {
@@ -182,15 +219,15 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
 #pragma GCC unroll 4
         for (int q = 0; q < np; q++) {
             const __m512 d = scales16(wide, blk + q * pb);
-            const __m512 n = kind == W4S ? d : scales16(wide, blk + q * pb + SCALE_BYTES(kind) / 2);
+            const __m512 n = SYMMETRIC(kind) ? d : scales16(wide, blk + q * pb + SCALE_BYTES(kind) / 2);
 #pragma GCC unroll 6
             for (int i = 0; i < mr; i++) {
                 __m512i sum = _mm512_add_epi32(s[i][q], t[i][q]);
-                if (kind == W4S) /* the offset 8 in integers */
-                    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(j->c[b * j->M + m0 + i] / 16));
+                if (SYMMETRIC(kind)) /* the offset (8 or 16) in integers */
+                    sum = _mm512_sub_epi32(sum, _mm512_set1_epi32(j->c[b * j->M + m0 + i] >> OFFSET_SHIFT(kind)));
                 const __m512 g = _mm512_mul_ps(_mm512_cvtepi32_ps(sum), _mm512_set1_ps(j->d[b * j->M + m0 + i]));
                 const __m512 acc = b == 0 ? _mm512_mul_ps(g, d) : _mm512_fmadd_ps(g, d, f[i][q]);
-                f[i][q] = kind == W4S ? acc : _mm512_fmadd_ps(n, _mm512_set1_ps(j->s[b * j->M + m0 + i]), acc);
+                f[i][q] = SYMMETRIC(kind) ? acc : _mm512_fmadd_ps(n, _mm512_set1_ps(j->s[b * j->M + m0 + i]), acc);
             }
         }
     }
@@ -212,10 +249,10 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
 #define WTILESZ_OF(W)                                                                                \
     WTILEZ(W, 1, 1) WTILEZ(W, 1, 2) WTILEZ(W, 1, 3) WTILEZ(W, 1, 4) WTILEZ(W, 1, 5) WTILEZ(W, 1, 6)    \
     WTILEZ(W, 2, 1) WTILEZ(W, 2, 2) WTILEZ(W, 2, 3) WTILEZ(W, 4, 1)
-WTILESZ_OF(0) WTILESZ_OF(1) WTILESZ_OF(2)
+WTILESZ_OF(0) WTILESZ_OF(1) WTILESZ_OF(2) WTILESZ_OF(3)
 #define WTABLE(W) {{0}, {0, wtilez##W##_1_1, wtilez##W##_1_2, wtilez##W##_1_3, wtilez##W##_1_4, wtilez##W##_1_5,  \
                          wtilez##W##_1_6}, {0, wtilez##W##_2_1, wtilez##W##_2_2, wtilez##W##_2_3}, {0}, {0, wtilez##W##_4_1}}
-static const wtile_fn WTILESZ[3][5][7] = {WTABLE(0), WTABLE(1), WTABLE(2)};
+static const wtile_fn WTILESZ[4][5][7] = {WTABLE(0), WTABLE(1), WTABLE(2), WTABLE(3)};
 
 /* ---------------------------------------------------------------- driver */
 
@@ -279,7 +316,7 @@ void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const voi
     int32_t *c = (int32_t *)(s + M * B);
     sp_quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
     for (int64_t i = 0; i < M * B; i++) s[i] = d[i] * (float)(c[i] / 128);
-    if (kind < W4 || kind > W4S) return;
+    if (kind < W4 || kind > W5) return;
     const wjob_t job = {q, d, s, c, w, bias, res, y, M, N, B, ldy, ldr, (isa & 1) && sp_vnni(), (isa & 2) && sp_vnni(),
                         kind};
     sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES(kind), nthreads);
