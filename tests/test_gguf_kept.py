@@ -223,3 +223,17 @@ def test_the_batched_engine_on_blocks_equals_single_requests(kept_artifacts, kin
     engine = Engine(m.target, m.drafter, slots=3, max_len=64, prefill_chunk=5)
     got = drive(engine, {0: reqs[:2], 1: reqs[2:4], 4: reqs[4:]})
     assert got == dict(enumerate(want))
+
+
+def test_a_fused_layer_of_int8_exact_types_runs_on_int8_panels(tmp_path):
+    """Q5_0 q and k rows beside Q8_0 v rows (llama-quantize's Q4_K_M on rows not 256 wide): every value is an int8
+    multiple of its block's d, so the fused q/k/v runs on w8a8 panels exactly, not widened."""
+    tok = tmp_path / "tok"
+    tiny.make_tokenizer(tok)
+    path = write_llama_gguf(tmp_path / "m.gguf", tiny.build_model("llama"), tok,
+                            types={r"attn_v\.": T.Q8_0, r"attn_q\.": T.Q4_0, r"attn_|ffn_": T.Q5_0})
+    import_gguf(path, tmp_path / "kept", progress=False)
+    import_gguf(path, tmp_path / "f32", progress=False, dequantize=True)
+    qkv = load_target(tmp_path / "kept").layers[0].self_attn.qkv_proj
+    assert qkv.packed.weights == "w8a8"
+    assert torch.equal(qkv.dense_weight(), load_target(tmp_path / "f32").layers[0].self_attn.qkv_proj.weight)

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 # and Q5_0 its 5.5 bits: w4a8s with a plane of fifth bits (w5a8)
 NATIVE = {"Q4_0": "w4a8s", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w5a8", "Q4_K": "w4a8k", "Q6_K": "w6a8"}
 W4_ORDER = ("w4a8s", "w4a8", "w4a8k")  # each reads the blocks of those before it (Q4_0's offset is m = -8 d)
+# int8 panels hold every type whose values are int8 multiples of one fp16 d per 32: beside Q8_0 in a fused layer
+# (Q4_K_M's q/k in Q5_0 and v in Q8_0), Q5_0 and Q4_0 go there exactly
+INT8_EXACT = {"Q8_0": 0, "Q5_0": 0, "Q4_0": 8}  # type -> what to subtract from its decoded q
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,8 @@ class Blocks:
         formats = {NATIVE.get(kind) for kind in self.kinds}
         if len(formats) > 1 and formats <= set(W4_ORDER):  # the widest reads them all
             return max(formats, key=W4_ORDER.index)
+        if len(formats) > 1 and set(self.kinds) <= set(INT8_EXACT):
+            return "w8a8"
         return formats.pop() if len(formats) == 1 else None
 
     def dense(self) -> Tensor:
@@ -89,6 +94,8 @@ def packed(blocks: Blocks, bias: Tensor | None = None, threads: int | None = Non
             halves = scale.view(len(q), -1, 2)
             chunk = pack_w6a8((q.to(torch.int16) + 32).to(torch.uint8), halves[..., 0], halves[..., 1])
         elif fmt == "w8a8":
+            q = torch.cat([(a.q.to(torch.int16) - INT8_EXACT[kind]).to(torch.int8) for a, (kind, _) in
+                           zip(decoded, _rows(blocks.parts, r0, r0 + CHUNK_ROWS))]).view(-1, k // Q8_BLOCK, Q8_BLOCK)
             chunk = pack_q8_blocks(q, scale)
         else:
             offsets = None if fmt == "w4a8s" else torch.cat([a.min for a in decoded])
