@@ -293,8 +293,8 @@ def w4a8_values(panels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
 
 def pack_w5a8(u: Tensor, d: Tensor) -> Tensor:
     """5-bit blocks (u uint8 [N, B, 32] in 0..31, d fp32 [N, B] exactly fp16: value d (u - 16), Q5_0) ->
-    [ceil(N/16), B, 352] bytes: `pack_w4a8`'s w4a8s bytes of the low 4 bits, then the fifth bits, 8 bytes a group
-    of 4 k: byte t holding lanes t, t + 8, ..., t + 56 (lane 4 j + i: column j, k 4 g + i) at bits 0..7."""
+    [ceil(N/16), B, 352] bytes: `pack_w4a8`'s w4a8s bytes of the low 4 bits, then the fifth bits, a 64-bit
+    little-endian mask a group of 4 k: bit L for lane L = 4 j + i (column j, k 4 g + i)."""
     N, B, _ = u.shape
     low = pack_w4a8(u & 0x0F, d, None)
     P = len(low)
@@ -308,9 +308,9 @@ def pack_w5a8(u: Tensor, d: Tensor) -> Tensor:
         rows = torch.zeros((p1 - p0) * NR, B, Q8_BLOCK, dtype=torch.uint8)
         n = min(N, p1 * NR) - p0 * NR
         rows[:n] = u[p0 * NR: p0 * NR + n] >> 4
-        # [p, 16 (j), B, 8 (g), 4 (i)] -> lanes [p, B, g, 64] -> [p, B, g, 8 (e), 8 (t)]: byte t = sum of bit e << e
+        # [p, 16 (j), B, 8 (g), 4 (i)] -> lanes [p, B, g, 64] -> [p, B, g, 8 (byte), 8 (bit)]
         lanes = rows.view(p1 - p0, NR, B, 8, 4).permute(0, 2, 3, 1, 4).reshape(p1 - p0, B, 8, 8, 8)
-        out[p0:p1, :, W4S_BLOCK_BYTES:] = (lanes * weights.view(8, 1)).sum(-2, dtype=torch.uint8).reshape(p1 - p0, B, -1)
+        out[p0:p1, :, W4S_BLOCK_BYTES:] = (lanes * weights).sum(-1, dtype=torch.uint8).reshape(p1 - p0, B, -1)
     return out
 
 
@@ -318,8 +318,8 @@ def w5a8_values(panels: Tensor) -> tuple[Tensor, Tensor, None]:
     """The blocks of w5a8 panels: values u [N', B, 32] (as floats) and scales d [N', B] (values d (u - 16))."""
     P, B, _ = panels.shape
     u, d, _ = w4a8_values(panels[..., :W4S_BLOCK_BYTES])
-    plane = panels[..., W4S_BLOCK_BYTES:].reshape(P, B, 8, 1, 8)  # [p, B, g, 1, t]
-    bits = (plane >> torch.arange(8, dtype=torch.uint8).view(8, 1)) & 1  # [p, B, g, e, t]: lane 8 e + t
+    plane = panels[..., W4S_BLOCK_BYTES:].reshape(P, B, 8, 8, 1)  # [p, B, g, byte, 1]
+    bits = (plane >> torch.arange(8, dtype=torch.uint8)) & 1  # [p, B, g, byte, bit]: lane 8 byte + bit
     high = bits.reshape(P, B, 8, NR, 4).permute(0, 3, 1, 2, 4).reshape(P * NR, B, Q8_BLOCK)
     return u + 16 * high.float(), d, None
 

@@ -7,8 +7,8 @@
  * 320 bytes: the 16 columns' scales d (fp16), their offsets m (fp16: Q4_1's m, Q4_0's -8 d), then the 32 x 16
  * values u (0..15) as nibbles in VNNI order (w4a8k: d and m in fp32, 384 bytes: Q4_K's d * sc_j and
  * -dmin * m_j, exact in fp32, not in fp16; w4a8s: d alone, 288 bytes, a value d (u - 8): Q4_0's 4.5 bits;
- * w5a8: d alone, then after the nibbles the values' fifth bits, 8 bytes a group of 4 k, byte t holding lanes
- * t, t + 8, ..., t + 56 (lane 4j + i: column j, k 4g + i) at bits 0..7, 352 bytes, a value d (u - 16): Q5_0's
+ * w5a8: d alone, then after the nibbles the values' fifth bits, a 64-bit mask a group of 4 k (bit L: lane L =
+ * 4j + i, column j, k 4g + i; one kmov and one masked add on AVX-512), 352 bytes, a value d (u - 16): Q5_0's
  * 5.5 bits): region r (0..3) is 64 bytes, its byte 4j + i holding column j's
  * value at k = 8r + i in the low nibble and at k = 8r + 4 + i in the high one, so masking a region gives one
  * group of 4 k x 16 columns (as w8a8.c stores bytes) and shifting it the next. A value is d u + m.
@@ -69,12 +69,14 @@ static inline AVX2 __attribute__((always_inline)) __m256 scales8(const int wide,
     return wide ? _mm256_loadu_ps((const float *)at + 8 * i) : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)at + i));
 }
 
-/* Group g's fifth bits for the 32 lanes of half h (columns 8h..8h+7) from its 8 plane bytes at `pl`, at bit 4. */
+/* Group g's fifth bits for the 32 lanes of half h (columns 8h..8h+7), from its 64-bit mask at `pl`, as 16 or 0. */
 static inline AVX2 __attribute__((always_inline)) __m256i fifth_avx2(const char *pl, int h)
 {
-    const __m256i b = _mm256_set1_epi64x(*(const int64_t *)pl);
-    const __m256i shift = h ? _mm256_setr_epi64x(4, 5, 6, 7) : _mm256_setr_epi64x(0, 1, 2, 3);
-    return _mm256_slli_epi16(_mm256_and_si256(_mm256_srlv_epi64(b, shift), _mm256_set1_epi8(1)), 4);
+    const __m256i word = _mm256_set1_epi32(*(const int32_t *)(pl + 4 * h));
+    const __m256i spread = _mm256_shuffle_epi8(word, _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                                                       2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ULL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
 }
 
 static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
@@ -168,12 +170,10 @@ static inline VNNI __attribute__((always_inline)) __m512 scales16(const int wide
     return wide ? _mm512_loadu_ps(at) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)at));
 }
 
-/* Group g's fifth bits for its 64 lanes, from its 8 plane bytes at `pl`, at bit 4. */
-static inline VNNI __attribute__((always_inline)) __m512i fifth_z(const char *pl)
+/* v plus 16 in the lanes whose bit is set in group g's 64-bit mask at `pl`. */
+static inline VNNI __attribute__((always_inline)) __m512i fifth_z(__m512i v, const char *pl)
 {
-    const __m512i b = _mm512_set1_epi64(*(const int64_t *)pl);
-    const __m512i shift = _mm512_setr_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-    return _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi64(b, shift), _mm512_set1_epi8(1)), 4);
+    return _mm512_mask_add_epi8(v, _load_mask64((__mmask64 *)pl), v, _mm512_set1_epi8(16));
 }
 
 static inline VNNI __attribute__((always_inline)) void wtile_z(
@@ -202,8 +202,8 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
                 hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
                 if (kind == W5) {
                     const char *pl = blk + q * pb + SCALE_BYTES(kind) + QB * NR / 2 + r * 16;
-                    lo[q] = _mm512_or_si512(lo[q], fifth_z(pl));
-                    hi[q] = _mm512_or_si512(hi[q], fifth_z(pl + 8));
+                    lo[q] = fifth_z(lo[q], pl);
+                    hi[q] = fifth_z(hi[q], pl + 8);
                 }
             }
 #pragma GCC unroll 6
