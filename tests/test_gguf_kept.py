@@ -166,22 +166,24 @@ def test_a_fused_layer_of_two_kernels_is_widened_and_says_so(tmp_path, caplog):
     assert q.layers[0].mlp.gate_up_proj.packed.weights == "w4a8"
 
 
-def test_a_k_quant_file_runs_its_q4_k_blocks_natively(tmp_path):
-    """A Q4_K_M-style mix (Q4_K, Q6_K feed-forward down, Q8_0 embedding and head) on rows 256 wide: the Q4_K
-    layers run on fp32-scaled 4-bit panels (w4a8k), Q6_K on 6-bit ones (w6a8), with gguf-py's values; greedy
-    speculative == plain."""
+def test_a_k_quant_file_runs_its_blocks_natively(tmp_path):
+    """A Q4_K_M / Q5_K_M-style mix (Q4_K, Q5_K, Q6_K feed-forward down, Q8_0 embedding and head) on rows 256 wide:
+    Q4_K on fp32-scaled 4-bit panels (w4a8k), Q5_K on 5-bit ones (w5a8k), Q6_K on 6-bit ones (w6a8), with
+    gguf-py's values; greedy speculative == plain."""
     tok = tmp_path / "tok"
     tiny.make_tokenizer(tok)
     model = tiny.build_model("llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2, head_dim=64)
     path = write_llama_gguf(tmp_path / "m.gguf", model, tok,
-                            types={r"token_embd|^output\.": T.Q8_0, r"ffn_down": T.Q6_K, r"attn_|ffn_": T.Q4_K})
+                            types={r"token_embd|^output\.": T.Q8_0, r"ffn_down": T.Q6_K, r"attn_output": T.Q5_K,
+                                   r"ffn_up": T.Q5_K, r"attn_|ffn_": T.Q4_K})
     import_gguf(path, tmp_path / "kept", progress=False)
     import_gguf(path, tmp_path / "f32", progress=False, dequantize=True)
     q, ref = load_target(tmp_path / "kept"), load_target(tmp_path / "f32")
     for i in range(2):
-        for name in ("self_attn.qkv_proj", "mlp.gate_up_proj", "self_attn.o_proj"):
+        # Q4_K q/k/v; Q5_K o; Q4_K gate beside Q5_K up: the 5-bit format reads both
+        for name, fmt in (("self_attn.qkv_proj", "w4a8k"), ("mlp.gate_up_proj", "w5a8k"), ("self_attn.o_proj", "w5a8k")):
             a, b = q.layers[i].get_submodule(name), ref.layers[i].get_submodule(name)
-            assert a.packed.weights == "w4a8k" and torch.equal(a.dense_weight(), b.weight), (i, name)
+            assert a.packed.weights == fmt and torch.equal(a.dense_weight(), b.weight), (i, name)
         down = q.layers[i].mlp.down_proj
         assert down.packed.weights == "w6a8" and torch.equal(down.dense_weight(), ref.layers[i].mlp.down_proj.weight)
     d = load_drafter("ngram", {"min_n": 1, "max_n": 3}, None, q)

@@ -23,7 +23,7 @@ def _fresh_state(monkeypatch):
 
 
 def blocks(kind: str, n: int, k: int, seed: int = 0):
-    if kind in ("Q4_K", "Q6_K"):  # gguf-py cannot quantize K-quants: random blocks (test_gguf_blocks' generator)
+    if kind in ("Q4_K", "Q5_K", "Q6_K"):  # gguf-py cannot quantize K-quants: random blocks (test_gguf_blocks' generator)
         from test_gguf_blocks import random_blocks
 
         raw = random_blocks(kind, n, k, seed)
@@ -41,6 +41,9 @@ def layer(kind: str, raw: torch.Tensor, n: int, k: int, bias=None, tuned=None) -
     if kind == "Q5_0":
         panels = kl.pack_w5a8((a.q.view(n, k // 32, 32).to(torch.int16) + 16).to(torch.uint8), a.scale)
         return PackedLinear.of_panels(panels, "w5a8", (n, k), bias, tuned=tuned)
+    if kind == "Q5_K":
+        panels = kl.pack_w5a8(a.q.view(n, k // 32, 32), a.scale, a.min, wide=True)
+        return PackedLinear.of_panels(panels, "w5a8k", (n, k), bias, tuned=tuned)
     if kind == "Q6_K":
         halves = a.scale.view(n, -1, 2)
         panels = kl.pack_w6a8((a.q.view(n, k // 32, 32).to(torch.int16) + 32).to(torch.uint8), halves[..., 0],
@@ -52,7 +55,7 @@ def layer(kind: str, raw: torch.Tensor, n: int, k: int, bias=None, tuned=None) -
                                   tuned=tuned)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_K"])
 def test_the_kernel_computes_with_gguf_pys_values(kind):
     n, k = 45, 256 if kind.endswith("_K") else 96  # a partial last panel
     raw, dense = blocks(kind, n, k)
@@ -71,7 +74,7 @@ def test_q8_0_blocks_are_the_panels_w8a8_packs_from_their_values():
     assert torch.equal(kl.pack_q8_blocks(a.q.view(40, 4, 32), a.scale), kl.pack_w8a8(dense))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_K"])
 def test_fallback_is_the_kernel_arithmetic_on_both_tile_sets(kind, monkeypatch):
     if not kl.available():
         pytest.skip(kl.unavailable_reason())
@@ -89,7 +92,7 @@ def test_fallback_is_the_kernel_arithmetic_on_both_tile_sets(kind, monkeypatch):
     assert torch.equal(fallback(x, residual=r), outs["avx2"])
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_K"])
 @pytest.mark.parametrize("isa", list(ISAS))
 def test_rows_are_exact_whatever_their_number(isa, kind):
     if not kl.available():

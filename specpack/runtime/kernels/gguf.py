@@ -1,7 +1,7 @@
 """GGUF blocks (import-gguf's layout, families/gguf_blocks.py) as packed linear layers, without an fp32 weight
-in between: Q4_0 and Q4_1 as w4a8 panels (w4a8.c), Q8_0 as w8a8 panels (w8a8.c: llama.cpp's Q8_0 x Q8_0).
-Other types, and a fused matrix whose parts need different kernels, are widened to fp32 panels for now (a
-warning says so, once per load).
+in between, each type on the kernel that reads it (`NATIVE`; docs/running.md "GGUF blocks"). Other types
+(Q5_1, Q5_K), and a fused matrix whose parts no one kernel reads, are widened to fp32 panels of the same values
+(weights.py warns, once per load).
 
 `Blocks` is one such matrix as the checkpoint holds it (views of the mapped file until packed); `cat` joins
 the rows of several (fused q/k/v, gate/up), which keeps every block whole."""
@@ -19,13 +19,12 @@ from specpack.runtime.kernels.linear import (NR, PACKED_BYTES, Q8_BLOCK, PackedL
                                              pack_w5a8, pack_w6a8)
 
 log = logging.getLogger(__name__)
-# GGML type -> the packed format that reads it (Q5_0's values d (q - 16) are int8 multiples of d: w8a8 exactly)
-# and Q4_K's 32-value sub-blocks are Q4_1-like blocks whose scales are exact in fp32 only (w4a8k); Q4_0 keeps
-# its 4.5 bits, scales alone (w4a8s)
-# and Q6_K's 6-bit values with a scale per 16 (w6a8)
-# and Q5_0 its 5.5 bits: w4a8s with a plane of fifth bits (w5a8)
-NATIVE = {"Q4_0": "w4a8s", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w5a8", "Q4_K": "w4a8k", "Q6_K": "w6a8"}
-W4_ORDER = ("w4a8s", "w4a8", "w4a8k")  # each reads the blocks of those before it (Q4_0's offset is m = -8 d)
+# GGML type -> the packed format that reads it at the file's size (kernels/linear.py): Q4_1 w4a8 (fp16 d, m);
+# Q4_0 w4a8s (d alone, offset 8); Q4_K's 32-value sub-blocks w4a8k (d * sc, -dmin * m: exact in fp32 only);
+# Q5_0 w5a8 (w4a8s plus the fifth bits); Q5_K w5a8k (w4a8k plus the fifth bits); Q6_K w6a8 (a scale per 16); Q8_0 w8a8 (llama.cpp's Q8_0 x Q8_0)
+NATIVE = {"Q4_0": "w4a8s", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w5a8", "Q4_K": "w4a8k", "Q5_K": "w5a8k",
+          "Q6_K": "w6a8"}
+W4_ORDER = ("w4a8s", "w4a8", "w4a8k", "w5a8k")  # each reads the blocks of those before it (Q4_0's m = -8 d)
 # int8 panels hold every type whose values are int8 multiples of one fp16 d per 32: beside Q8_0 in a fused layer
 # (Q4_K_M's q/k in Q5_0 and v in Q8_0), Q5_0 and Q4_0 go there exactly
 INT8_EXACT = {"Q8_0": 0, "Q5_0": 0, "Q4_0": 8}  # type -> what to subtract from its decoded q
@@ -90,6 +89,8 @@ def packed(blocks: Blocks, bias: Tensor | None = None, threads: int | None = Non
         scale = torch.cat([a.scale for a in decoded])
         if fmt == "w5a8":  # Q5_0: q - 16
             chunk = pack_w5a8((q.to(torch.int16) + 16).to(torch.uint8), scale)
+        elif fmt == "w5a8k":  # Q5_K's sub-blocks: d u + m
+            chunk = pack_w5a8(q, scale, torch.cat([a.min for a in decoded]), wide=True)
         elif fmt == "w6a8":  # Q6_K: q - 32 per 16 values, a scale each
             halves = scale.view(len(q), -1, 2)
             chunk = pack_w6a8((q.to(torch.int16) + 32).to(torch.uint8), halves[..., 0], halves[..., 1])

@@ -45,7 +45,7 @@ Q8_BLOCK = 32  # k per int8 scale block (linear.c)
 Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
 # weight format name -> linear.c's code
 FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4, "bf16-amx": 7, "w4a8": 8, "w4a8k": 9, "w4a8s": 10,
-           "w6a8": 11, "w5a8": 12}
+           "w6a8": 11, "w5a8": 12, "w5a8k": 13}
 BF16_TILES = "bf16-amx"  # bf16 on AMX tiles (bf16_tiles.c): packed only where `bf16_tiles()` says they run
 TILE_K = 32  # k per AMX block (bf16_tiles.c)
 QUANTIZED = ("int8", "w8a8")  # the formats in Q8_0 blocks
@@ -59,11 +59,15 @@ W4S_BLOCK_BYTES = NR * 2 + Q8_BLOCK * NR // 2  # fp16 scales alone: 288
 W4_BYTES = {W4A8: W4_BLOCK_BYTES, W4A8K: W4K_BLOCK_BYTES, W4A8S: W4S_BLOCK_BYTES}
 W5A8 = "w5a8"  # GGUF Q5_0: w4a8s with the values' fifth bits in a plane, values d (u - 16), 5.5 bits (w4a8.c)
 W5_BLOCK_BYTES = W4S_BLOCK_BYTES + Q8_BLOCK * NR // 8  # 352
+W5A8K = "w5a8k"  # GGUF Q5_K's sub-blocks: w4a8k (fp32 d, m) plus w5a8's fifth bits, 448 bytes (w4a8.c)
+W5K_BLOCK_BYTES = W4K_BLOCK_BYTES + Q8_BLOCK * NR // 8
+W5_FORMATS = (W5A8, W5A8K)
 OFFSETS = {W4A8S: 8, W5A8: 16}  # the integer offset of the formats that store no m
 W6A8 = "w6a8"  # GGUF Q6_K's 6-bit values, a scale per 16 k, int8 activations (w6a8.c); packed from blocks only
 W6_BLOCK_BYTES = NR * 8 + Q8_BLOCK * NR // 2 + Q8_BLOCK * NR // 4  # 2 x 16 fp32 scales, nibbles, high bits: 512
-PACKED_BYTES = {"w8a8": Q8_BLOCK_BYTES, **W4_BYTES, W5A8: W5_BLOCK_BYTES, W6A8: W6_BLOCK_BYTES}  # per panel, 32 k
-BLOCK_FORMATS = (*W4_FORMATS, W5A8, W6A8)  # packed from GGUF blocks only
+PACKED_BYTES = {"w8a8": Q8_BLOCK_BYTES, **W4_BYTES, W5A8: W5_BLOCK_BYTES, W5A8K: W5K_BLOCK_BYTES,
+                W6A8: W6_BLOCK_BYTES}  # per panel and block of 32 k
+BLOCK_FORMATS = (*W4_FORMATS, *W5_FORMATS, W6A8)  # packed from GGUF blocks only
 ISAS = ("avx2", "avx512")  # the tile sets (linear.c): the same bits, AVX-512 where the CPU has it
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Below this many weight bytes one thread wins: waking the pool costs more than it saves.
@@ -184,8 +188,8 @@ def unpack(panels: Tensor, weights: str, N: int, K: int) -> Tensor:
         u, lo, hi = w6a8_values(panels)
         v = (u - 32) * torch.stack([lo, hi], dim=-1).repeat_interleave(16, dim=-1)
         return v.reshape(len(u), -1)[:N, :K].contiguous()
-    if weights in (*W4_FORMATS, W5A8):
-        u, d, m = w5a8_values(panels) if weights == W5A8 else w4a8_values(panels)
+    if weights in (*W4_FORMATS, *W5_FORMATS):
+        u, d, m = w5a8_values(panels) if weights in W5_FORMATS else w4a8_values(panels)
         v = d[..., None] * (u - OFFSETS.get(weights, 0)) if m is None else u * d[..., None] + m[..., None]
         return v.reshape(len(u), -1)[:N, :K].contiguous()
     if weights not in QUANTIZED:
@@ -291,16 +295,17 @@ def w4a8_values(panels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
     return u, scales[0], scales[1] if count == 2 else None
 
 
-def pack_w5a8(u: Tensor, d: Tensor) -> Tensor:
-    """5-bit blocks (u uint8 [N, B, 32] in 0..31, d fp32 [N, B] exactly fp16: value d (u - 16), Q5_0) ->
-    [ceil(N/16), B, 352] bytes: `pack_w4a8`'s w4a8s bytes of the low 4 bits, then the fifth bits, a 64-bit
-    little-endian mask a group of 4 k: bit L for lane L = 4 j + i (column j, k 4 g + i)."""
+def pack_w5a8(u: Tensor, d: Tensor, m: Tensor | None = None, wide: bool = False) -> Tensor:
+    """5-bit blocks (u uint8 [N, B, 32] in 0..31, d fp32 [N, B] exactly fp16: value d (u - 16), Q5_0; with m
+    and `wide`: value d u + m, d and m any fp32, Q5_K's sub-blocks) -> [ceil(N/16), B, 352] bytes (448):
+    `pack_w4a8`'s w4a8s (w4a8k) bytes of the low 4 bits, then the fifth bits, a 64-bit little-endian mask a
+    group of 4 k: bit L for lane L = 4 j + i (column j, k 4 g + i)."""
     N, B, _ = u.shape
-    low = pack_w4a8(u & 0x0F, d, None)
-    P = len(low)
-    out = torch.zeros(P, B, W5_BLOCK_BYTES, dtype=torch.uint8)
+    low = pack_w4a8(u & 0x0F, d, m, wide)
+    P, head = len(low), low.shape[-1]
+    out = torch.zeros(P, B, head + Q8_BLOCK * NR // 8, dtype=torch.uint8)
     _advise_huge_pages(out)
-    out[..., :W4S_BLOCK_BYTES] = low
+    out[..., :head] = low
     del low
     weights = torch.tensor([1 << e for e in range(8)], dtype=torch.uint8)
     for p0 in range(0, P, PACK_PANELS):
@@ -310,18 +315,20 @@ def pack_w5a8(u: Tensor, d: Tensor) -> Tensor:
         rows[:n] = u[p0 * NR: p0 * NR + n] >> 4
         # [p, 16 (j), B, 8 (g), 4 (i)] -> lanes [p, B, g, 64] -> [p, B, g, 8 (byte), 8 (bit)]
         lanes = rows.view(p1 - p0, NR, B, 8, 4).permute(0, 2, 3, 1, 4).reshape(p1 - p0, B, 8, 8, 8)
-        out[p0:p1, :, W4S_BLOCK_BYTES:] = (lanes * weights).sum(-1, dtype=torch.uint8).reshape(p1 - p0, B, -1)
+        out[p0:p1, :, head:] = (lanes * weights).sum(-1, dtype=torch.uint8).reshape(p1 - p0, B, -1)
     return out
 
 
-def w5a8_values(panels: Tensor) -> tuple[Tensor, Tensor, None]:
-    """The blocks of w5a8 panels: values u [N', B, 32] (as floats) and scales d [N', B] (values d (u - 16))."""
-    P, B, _ = panels.shape
-    u, d, _ = w4a8_values(panels[..., :W4S_BLOCK_BYTES])
-    plane = panels[..., W4S_BLOCK_BYTES:].reshape(P, B, 8, 8, 1)  # [p, B, g, byte, 1]
+def w5a8_values(panels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    """The blocks of w5a8 (w5a8k) panels: values u [N', B, 32] (as floats), scales d [N', B] and offsets m
+    (None for w5a8: values d (u - 16))."""
+    P, B, per_block = panels.shape
+    head = per_block - Q8_BLOCK * NR // 8
+    u, d, m = w4a8_values(panels[..., :head])
+    plane = panels[..., head:].reshape(P, B, 8, 8, 1)  # [p, B, g, byte, 1]
     bits = (plane >> torch.arange(8, dtype=torch.uint8)) & 1  # [p, B, g, byte, bit]: lane 8 byte + bit
     high = bits.reshape(P, B, 8, NR, 4).permute(0, 3, 1, 2, 4).reshape(P * NR, B, Q8_BLOCK)
-    return u + 16 * high.float(), d, None
+    return u + 16 * high.float(), d, m
 
 
 def pack_w6a8(u: Tensor, lo: Tensor, hi: Tensor) -> Tensor:
@@ -482,8 +489,8 @@ class PackedLinear:
         self._parallel = self.weight.numel() * self.weight.element_size() >= MIN_PARALLEL_BYTES
         if self.backend == "torch" and self.weights == "w8a8":  # the fallback's integer values and scales
             self._q8 = q8_values(self.weight, self.weights)
-        if self.backend == "torch" and self.weights in (*W4_FORMATS, W5A8):
-            self._q4 = w5a8_values(self.weight) if self.weights == W5A8 else w4a8_values(self.weight)
+        if self.backend == "torch" and self.weights in (*W4_FORMATS, *W5_FORMATS):
+            self._q4 = w5a8_values(self.weight) if self.weights in W5_FORMATS else w4a8_values(self.weight)
         if self.backend == "torch" and self.weights == W6A8:
             self._q6 = w6a8_values(self.weight)
         if self.backend == "avx2":  # looked up once: a call costs a few microseconds in all
@@ -517,7 +524,7 @@ class PackedLinear:
         if residual is not None and (residual.shape != (*lead, N) or residual.dtype != torch.float32):
             raise TypeError(f"residual must be an fp32 tensor of shape {(*lead, N)}")
         if self.backend == "torch":
-            if self.weights in (*W4_FORMATS, W5A8):
+            if self.weights in (*W4_FORMATS, *W5_FORMATS):
                 y = w4a8_linear(x, *self._q4, self.bias, N, OFFSETS.get(self.weights, 8))
             elif self.weights == W6A8:
                 y = w6a8_linear(x, *self._q6, self.bias, N)

@@ -7,7 +7,8 @@
  * 320 bytes: the 16 columns' scales d (fp16), their offsets m (fp16: Q4_1's m, Q4_0's -8 d), then the 32 x 16
  * values u (0..15) as nibbles in VNNI order (w4a8k: d and m in fp32, 384 bytes: Q4_K's d * sc_j and
  * -dmin * m_j, exact in fp32, not in fp16; w4a8s: d alone, 288 bytes, a value d (u - 8): Q4_0's 4.5 bits;
- * w5a8: d alone, then after the nibbles the values' fifth bits, a 64-bit mask a group of 4 k (bit L: lane L =
+ * w5a8k: w4a8k's fp32 d and m with w5a8's plane, 448 bytes (Q5_K's sub-blocks, exact in fp32); w5a8: d alone,
+ * then after the nibbles the values' fifth bits, a 64-bit mask a group of 4 k (bit L: lane L =
  * 4j + i, column j, k 4g + i; one kmov and one masked add on AVX-512), 352 bytes, a value d (u - 16): Q5_0's
  * 5.5 bits): region r (0..3) is 64 bytes, its byte 4j + i holding column j's
  * value at k = 8r + i in the low nibble and at k = 8r + 4 + i in the high one, so masking a region gives one
@@ -37,11 +38,14 @@
 #define QB 32                          /* k per block */
 #define QG (QB / 4)                    /* groups of 4 k per block */
 /* the layouts: fp16 d and m, fp32 d and m, fp16 d alone (offset 8), fp16 d alone and a bit plane (offset 16) */
-enum { W4 = 0, W4K = 1, W4S = 2, W5 = 3 };
-#define SCALE_BYTES(kind) ((kind) == W4K ? NR * 8 : (kind) >= W4S ? NR * 2 : NR * 4) /* of 16 columns */
-#define PLANE_BYTES(kind) ((kind) == W5 ? QB * NR / 8 : 0)                       /* fifth bits */
+/* ... and w5a8k: w4a8k plus the fifth bits (Q5_K's sub-blocks; 448 bytes) */
+enum { W4 = 0, W4K = 1, W4S = 2, W5 = 3, W5K = 4 };
+#define WIDE(kind) ((kind) == W4K || (kind) == W5K)                            /* fp32 d and m */
+#define FIFTH(kind) ((kind) == W5 || (kind) == W5K)                            /* a plane of fifth bits */
+#define SCALE_BYTES(kind) (WIDE(kind) ? NR * 8 : (kind) == W4S || (kind) == W5 ? NR * 2 : NR * 4) /* of 16 columns */
+#define PLANE_BYTES(kind) (FIFTH(kind) ? QB * NR / 8 : 0)
 #define BLOCK_BYTES(kind) (SCALE_BYTES(kind) + QB * NR / 2 + PLANE_BYTES(kind)) /* 320, 384, 288 or 352 */
-#define SYMMETRIC(kind) ((kind) >= W4S)                                       /* no m: an integer offset */
+#define SYMMETRIC(kind) ((kind) == W4S || (kind) == W5)                      /* no m: an integer offset */
 #define OFFSET_SHIFT(kind) ((kind) == W5 ? 3 : 4) /* the offset (8 or 16) times sum(q) is c >> this */
 
 typedef struct {
@@ -54,7 +58,7 @@ typedef struct {
     float *y;
     int64_t M, N, B, ldy, ldr;
     int vnni_few, vnni_many; /* VNNI tiles for slabs of 1-2 / 3+ rows (sp_linear's isa bits) */
-    int kind;                /* W4, W4K or W4S */
+    int kind;                /* W4, W4K, W4S, W5 or W5K */
 } wjob_t;
 
 /* ---------------------------------------------------------------- AVX2 */
@@ -98,7 +102,7 @@ static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
             __m256i a0 = _mm256_and_si256(v0, low), a1 = _mm256_and_si256(v1, low);
             __m256i b0 = _mm256_and_si256(_mm256_srli_epi16(v0, 4), low);
             __m256i b1 = _mm256_and_si256(_mm256_srli_epi16(v1, 4), low);
-            if (kind == W5) {
+            if (FIFTH(kind)) {
                 const char *pl = blk + SCALE_BYTES(kind) + QB * NR / 2 + r * 16;
                 a0 = _mm256_or_si256(a0, fifth_avx2(pl, 0)), a1 = _mm256_or_si256(a1, fifth_avx2(pl, 1));
                 b0 = _mm256_or_si256(b0, fifth_avx2(pl + 8, 0)), b1 = _mm256_or_si256(b1, fifth_avx2(pl + 8, 1));
@@ -112,7 +116,7 @@ static inline AVX2 __attribute__((always_inline)) void wtile_avx2(
                 s[i][1] = _mm256_add_epi32(s[i][1], _mm256_madd_epi16(p1, ones));
             }
         }
-        const int wide = kind == W4K;
+        const int wide = WIDE(kind);
         const char *at_m = blk + SCALE_BYTES(kind) / 2;
         const __m256 d0 = scales8(wide, blk, 0), d1 = scales8(wide, blk, 1);
         const __m256 n0 = SYMMETRIC(kind) ? d0 : scales8(wide, at_m, 0);
@@ -152,10 +156,12 @@ typedef void (*wtile_fn)(const wjob_t *, const char *, int64_t, float *, int64_t
     { wtile_avx2(W, R, j, w, m0, out, ldo, bias, res, ldr); }
 WTILE2(0, 1) WTILE2(0, 2) WTILE2(0, 3) WTILE2(0, 4) WTILE2(1, 1) WTILE2(1, 2) WTILE2(1, 3) WTILE2(1, 4)
 WTILE2(2, 1) WTILE2(2, 2) WTILE2(2, 3) WTILE2(2, 4) WTILE2(3, 1) WTILE2(3, 2) WTILE2(3, 3) WTILE2(3, 4)
-static const wtile_fn WTILES2[4][MR2 + 1] = {{0, wtile2_0_1, wtile2_0_2, wtile2_0_3, wtile2_0_4},
+WTILE2(4, 1) WTILE2(4, 2) WTILE2(4, 3) WTILE2(4, 4)
+static const wtile_fn WTILES2[5][MR2 + 1] = {{0, wtile2_0_1, wtile2_0_2, wtile2_0_3, wtile2_0_4},
                                              {0, wtile2_1_1, wtile2_1_2, wtile2_1_3, wtile2_1_4},
                                              {0, wtile2_2_1, wtile2_2_2, wtile2_2_3, wtile2_2_4},
-                                             {0, wtile2_3_1, wtile2_3_2, wtile2_3_3, wtile2_3_4}};
+                                             {0, wtile2_3_1, wtile2_3_2, wtile2_3_3, wtile2_3_4},
+                                             {0, wtile2_4_1, wtile2_4_2, wtile2_4_3, wtile2_4_4}};
 
 /* ---------------------------------------------------------------- AVX-512 VNNI */
 
@@ -181,7 +187,7 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
     const float *bias, const float *res, int64_t ldr)
 {
     const int64_t pb = j->B * BLOCK_BYTES(kind);
-    const int wide = kind == W4K;
+    const int wide = WIDE(kind);
     const __m512i low = _mm512_set1_epi8(0x0F);
     __m512 f[6][4];
     for (int64_t b = 0; b < j->B; b++) {
@@ -200,7 +206,7 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
                 const __m512i v = _mm512_loadu_si512(blk + q * pb + SCALE_BYTES(kind) + r * 64);
                 lo[q] = _mm512_and_si512(v, low);
                 hi[q] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-                if (kind == W5) {
+                if (FIFTH(kind)) {
                     const char *pl = blk + q * pb + SCALE_BYTES(kind) + QB * NR / 2 + r * 16;
                     lo[q] = fifth_z(lo[q], pl);
                     hi[q] = fifth_z(hi[q], pl + 8);
@@ -249,10 +255,10 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
 #define WTILESZ_OF(W)                                                                                \
     WTILEZ(W, 1, 1) WTILEZ(W, 1, 2) WTILEZ(W, 1, 3) WTILEZ(W, 1, 4) WTILEZ(W, 1, 5) WTILEZ(W, 1, 6)    \
     WTILEZ(W, 2, 1) WTILEZ(W, 2, 2) WTILEZ(W, 2, 3) WTILEZ(W, 4, 1)
-WTILESZ_OF(0) WTILESZ_OF(1) WTILESZ_OF(2) WTILESZ_OF(3)
+WTILESZ_OF(0) WTILESZ_OF(1) WTILESZ_OF(2) WTILESZ_OF(3) WTILESZ_OF(4)
 #define WTABLE(W) {{0}, {0, wtilez##W##_1_1, wtilez##W##_1_2, wtilez##W##_1_3, wtilez##W##_1_4, wtilez##W##_1_5,  \
                          wtilez##W##_1_6}, {0, wtilez##W##_2_1, wtilez##W##_2_2, wtilez##W##_2_3}, {0}, {0, wtilez##W##_4_1}}
-static const wtile_fn WTILESZ[4][5][7] = {WTABLE(0), WTABLE(1), WTABLE(2), WTABLE(3)};
+static const wtile_fn WTILESZ[5][5][7] = {WTABLE(0), WTABLE(1), WTABLE(2), WTABLE(3), WTABLE(4)};
 
 /* ---------------------------------------------------------------- driver */
 
@@ -316,7 +322,7 @@ void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const voi
     int32_t *c = (int32_t *)(s + M * B);
     sp_quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
     for (int64_t i = 0; i < M * B; i++) s[i] = d[i] * (float)(c[i] / 128);
-    if (kind < W4 || kind > W5) return;
+    if (kind < W4 || kind > W5K) return;
     const wjob_t job = {q, d, s, c, w, bias, res, y, M, N, B, ldy, ldr, (isa & 1) && sp_vnni(), (isa & 2) && sp_vnni(),
                         kind};
     sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES(kind), nthreads);
