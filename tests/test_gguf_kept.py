@@ -72,7 +72,7 @@ def test_the_target_computes_with_the_files_values(files):
     layer = q.layers[0].self_attn.qkv_proj
     assert isinstance(layer, PackedLinearModule) and layer.packed.weights == "w4a8"
     down = [q.layers[i].mlp.down_proj.packed.weights for i in range(6)]
-    assert down == ["w4a8"] * 3 + ["fp32", "w5a8", "w8a8"]  # Q5_1 widened; Q5_0 at its 5.5 bits, Q8_0 on int8
+    assert down == ["w4a8"] * 3 + ["w5a8", "w5a8s", "w8a8"]  # Q5_1, Q5_0 at their 6 and 5.5 bits, Q8_0 on int8
     for i in (3, 4):
         assert torch.equal(q.layers[i].mlp.down_proj.dense_weight(), ref.layers[i].mlp.down_proj.weight)
     assert q.lm_head.packed.weights == "w8a8"  # a Q8_0 head: llama.cpp's Q8_0 x Q8_0

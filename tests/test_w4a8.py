@@ -40,6 +40,9 @@ def layer(kind: str, raw: torch.Tensor, n: int, k: int, bias=None, tuned=None) -
         return PackedLinear.of_panels(kl.pack_q8_blocks(q, a.scale), "w8a8", (n, k), bias, tuned=tuned)
     if kind == "Q5_0":
         panels = kl.pack_w5a8((a.q.view(n, k // 32, 32).to(torch.int16) + 16).to(torch.uint8), a.scale)
+        return PackedLinear.of_panels(panels, "w5a8s", (n, k), bias, tuned=tuned)
+    if kind == "Q5_1":
+        panels = kl.pack_w5a8(a.q.view(n, k // 32, 32), a.scale, a.min)
         return PackedLinear.of_panels(panels, "w5a8", (n, k), bias, tuned=tuned)
     if kind == "Q5_K":
         panels = kl.pack_w5a8(a.q.view(n, k // 32, 32), a.scale, a.min, wide=True)
@@ -55,7 +58,7 @@ def layer(kind: str, raw: torch.Tensor, n: int, k: int, bias=None, tuned=None) -
                                   tuned=tuned)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q5_1"])
 def test_the_kernel_computes_with_gguf_pys_values(kind):
     n, k = 45, 256 if kind.endswith("_K") else 96  # a partial last panel
     raw, dense = blocks(kind, n, k)
@@ -74,7 +77,7 @@ def test_q8_0_blocks_are_the_panels_w8a8_packs_from_their_values():
     assert torch.equal(kl.pack_q8_blocks(a.q.view(40, 4, 32), a.scale), kl.pack_w8a8(dense))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q5_1"])
 def test_fallback_is_the_kernel_arithmetic_on_both_tile_sets(kind, monkeypatch):
     if not kl.available():
         pytest.skip(kl.unavailable_reason())
@@ -92,7 +95,7 @@ def test_fallback_is_the_kernel_arithmetic_on_both_tile_sets(kind, monkeypatch):
     assert torch.equal(fallback(x, residual=r), outs["avx2"])
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q6_K", "Q5_0", "Q5_K", "Q5_1"])
 @pytest.mark.parametrize("isa", list(ISAS))
 def test_rows_are_exact_whatever_their_number(isa, kind):
     if not kl.available():

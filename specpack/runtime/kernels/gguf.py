@@ -21,10 +21,13 @@ from specpack.runtime.kernels.linear import (NR, PACKED_BYTES, Q8_BLOCK, PackedL
 log = logging.getLogger(__name__)
 # GGML type -> the packed format that reads it at the file's size (kernels/linear.py): Q4_1 w4a8 (fp16 d, m);
 # Q4_0 w4a8s (d alone, offset 8); Q4_K's 32-value sub-blocks w4a8k (d * sc, -dmin * m: exact in fp32 only);
-# Q5_0 w5a8 (w4a8s plus the fifth bits); Q5_K w5a8k (w4a8k plus the fifth bits); Q6_K w6a8 (a scale per 16); Q8_0 w8a8 (llama.cpp's Q8_0 x Q8_0)
-NATIVE = {"Q4_0": "w4a8s", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w5a8", "Q4_K": "w4a8k", "Q5_K": "w5a8k",
-          "Q6_K": "w6a8"}
-W4_ORDER = ("w4a8s", "w4a8", "w4a8k", "w5a8k")  # each reads the blocks of those before it (Q4_0's m = -8 d)
+# Q5_0, Q5_1, Q5_K: w5a8s, w5a8, w5a8k (those layouts plus the fifth bits); Q6_K w6a8 (a scale per 16); Q8_0 w8a8 (llama.cpp's Q8_0 x Q8_0)
+NATIVE = {"Q4_0": "w4a8s", "Q4_1": "w4a8", "Q8_0": "w8a8", "Q5_0": "w5a8s", "Q5_1": "w5a8", "Q4_K": "w4a8k",
+          "Q5_K": "w5a8k", "Q6_K": "w6a8"}
+# in a fused layer, the narrowest format that reads every part's blocks (Q4_0's offset as m = -8 d; fp16 values
+# are fp32 ones; 4-bit values are 5-bit ones)
+READS = {"w4a8s": {"w4a8s"}, "w4a8": {"w4a8s", "w4a8"}, "w5a8": {"w4a8s", "w4a8", "w5a8"},
+         "w4a8k": {"w4a8s", "w4a8", "w4a8k"}, "w5a8k": {"w4a8s", "w4a8", "w4a8k", "w5a8", "w5a8k"}}
 # int8 panels hold every type whose values are int8 multiples of one fp16 d per 32: beside Q8_0 in a fused layer
 # (Q4_K_M's q/k in Q5_0 and v in Q8_0), Q5_0 and Q4_0 go there exactly
 INT8_EXACT = {"Q8_0": 0, "Q5_0": 0, "Q4_0": 8}  # type -> what to subtract from its decoded q
@@ -54,8 +57,10 @@ class Blocks:
     def format(self) -> str | None:
         """The packed format every part is read in natively, None where there is none."""
         formats = {NATIVE.get(kind) for kind in self.kinds}
-        if len(formats) > 1 and formats <= set(W4_ORDER):  # the widest reads them all
-            return max(formats, key=W4_ORDER.index)
+        if len(formats) > 1:
+            reader = next((f for f, reads in READS.items() if formats <= reads), None)
+            if reader is not None:
+                return reader
         if len(formats) > 1 and set(self.kinds) <= set(INT8_EXACT):
             return "w8a8"
         return formats.pop() if len(formats) == 1 else None
@@ -87,10 +92,10 @@ def packed(blocks: Blocks, bias: Tensor | None = None, threads: int | None = Non
         decoded = [gguf_blocks.decode(kind, raw, k) for kind, raw in _rows(blocks.parts, r0, r0 + CHUNK_ROWS)]
         q = torch.cat([a.q for a in decoded]).view(-1, k // Q8_BLOCK, Q8_BLOCK)
         scale = torch.cat([a.scale for a in decoded])
-        if fmt == "w5a8":  # Q5_0: q - 16
+        if fmt == "w5a8s":  # Q5_0: q - 16
             chunk = pack_w5a8((q.to(torch.int16) + 16).to(torch.uint8), scale)
-        elif fmt == "w5a8k":  # Q5_K's sub-blocks: d u + m
-            chunk = pack_w5a8(q, scale, torch.cat([a.min for a in decoded]), wide=True)
+        elif fmt in ("w5a8", "w5a8k"):  # Q5_1, Q5_K's sub-blocks (or 4-bit ones beside them): d u + m
+            chunk = pack_w5a8(q, scale, torch.cat([a.min for a in decoded]), wide=fmt == "w5a8k")
         elif fmt == "w6a8":  # Q6_K: q - 32 per 16 values, a scale each
             halves = scale.view(len(q), -1, 2)
             chunk = pack_w6a8((q.to(torch.int16) + 32).to(torch.uint8), halves[..., 0], halves[..., 1])

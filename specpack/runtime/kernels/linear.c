@@ -39,7 +39,7 @@
 
 enum { SP_F32 = 0, SP_F16 = 1, SP_BF16 = 2, SP_Q8 = 3, SP_W8A8 = 4 /* w8a8.c */, SP_BF16T = 7 /* bf16_tiles.c */,
        SP_W4A8 = 8, SP_W4A8K = 9, SP_W4A8S = 10 /* w4a8.c */, SP_W6A8 = 11 /* w6a8.c */,
-       SP_W5A8 = 12, SP_W5A8K = 13 /* w4a8.c */ };
+       SP_W5A8S = 12, SP_W5A8K = 13, SP_W5A8 = 14 /* w4a8.c */ };
 #define Q8_BLOCK 32                                  /* k per int8 scale block */
 #define Q8_BLOCK_BYTES (NR * 4 + Q8_BLOCK * NR)      /* 16 fp32 scales + 32 x 16 int8 = 576 */
 
@@ -624,9 +624,9 @@ void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w,
         sp_linear_w6a8(x, M, K, ldx, w, N, bias, res, ldr, y, ldy, nthreads, isa);
         return;
     }
-    if ((fmt >= SP_W4A8 && fmt <= SP_W4A8S) || fmt == SP_W5A8 || fmt == SP_W5A8K) { /* 4/5-bit weights */
+    if ((fmt >= SP_W4A8 && fmt <= SP_W4A8S) || (fmt >= SP_W5A8S && fmt <= SP_W5A8)) { /* 4/5-bit weights */
         sp_linear_w4a8(x, M, K, ldx, w, N, bias, res, ldr, y, ldy, nthreads, isa,
-                       fmt >= SP_W5A8 ? fmt - SP_W5A8 + 3 : fmt - SP_W4A8);
+                       fmt >= SP_W5A8S ? fmt - SP_W5A8S + 3 : fmt - SP_W4A8);
         return;
     }
     if (fmt == SP_BF16T) { /* bf16 on AMX tiles: its own kernel and reduction order */

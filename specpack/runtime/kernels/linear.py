@@ -45,7 +45,7 @@ Q8_BLOCK = 32  # k per int8 scale block (linear.c)
 Q8_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR  # 16 fp32 scales + 32 x 16 int8
 # weight format name -> linear.c's code
 FORMATS = {"fp32": 0, "fp16": 1, "bf16": 2, "int8": 3, "w8a8": 4, "bf16-amx": 7, "w4a8": 8, "w4a8k": 9, "w4a8s": 10,
-           "w6a8": 11, "w5a8": 12, "w5a8k": 13}
+           "w6a8": 11, "w5a8s": 12, "w5a8k": 13, "w5a8": 14}
 BF16_TILES = "bf16-amx"  # bf16 on AMX tiles (bf16_tiles.c): packed only where `bf16_tiles()` says they run
 TILE_K = 32  # k per AMX block (bf16_tiles.c)
 QUANTIZED = ("int8", "w8a8")  # the formats in Q8_0 blocks
@@ -57,16 +57,17 @@ W4_BLOCK_BYTES = NR * 4 + Q8_BLOCK * NR // 2  # 16 fp16 scales + 16 fp16 offsets
 W4K_BLOCK_BYTES = NR * 8 + Q8_BLOCK * NR // 2  # fp32 scales and offsets: 384
 W4S_BLOCK_BYTES = NR * 2 + Q8_BLOCK * NR // 2  # fp16 scales alone: 288
 W4_BYTES = {W4A8: W4_BLOCK_BYTES, W4A8K: W4K_BLOCK_BYTES, W4A8S: W4S_BLOCK_BYTES}
-W5A8 = "w5a8"  # GGUF Q5_0: w4a8s with the values' fifth bits in a plane, values d (u - 16), 5.5 bits (w4a8.c)
-W5_BLOCK_BYTES = W4S_BLOCK_BYTES + Q8_BLOCK * NR // 8  # 352
-W5A8K = "w5a8k"  # GGUF Q5_K's sub-blocks: w4a8k (fp32 d, m) plus w5a8's fifth bits, 448 bytes (w4a8.c)
-W5K_BLOCK_BYTES = W4K_BLOCK_BYTES + Q8_BLOCK * NR // 8
-W5_FORMATS = (W5A8, W5A8K)
-OFFSETS = {W4A8S: 8, W5A8: 16}  # the integer offset of the formats that store no m
+# the 5-bit formats: each a 4-bit layout plus a mask of the values' fifth bits a group of 4 k (w4a8.c)
+W5A8S = "w5a8s"  # GGUF Q5_0: w4a8s's layout, values d (u - 16), 5.5 bits
+W5A8 = "w5a8"  # GGUF Q5_1: w4a8's (fp16 d, m)
+W5A8K = "w5a8k"  # GGUF Q5_K's sub-blocks: w4a8k's (fp32 d, m)
+PLANE = Q8_BLOCK * NR // 8  # 64 bytes of fifth bits a block
+W5_BYTES = {W5A8S: W4S_BLOCK_BYTES + PLANE, W5A8: W4_BLOCK_BYTES + PLANE, W5A8K: W4K_BLOCK_BYTES + PLANE}
+W5_FORMATS = tuple(W5_BYTES)
+OFFSETS = {W4A8S: 8, W5A8S: 16}  # the integer offset of the formats that store no m
 W6A8 = "w6a8"  # GGUF Q6_K's 6-bit values, a scale per 16 k, int8 activations (w6a8.c); packed from blocks only
 W6_BLOCK_BYTES = NR * 8 + Q8_BLOCK * NR // 2 + Q8_BLOCK * NR // 4  # 2 x 16 fp32 scales, nibbles, high bits: 512
-PACKED_BYTES = {"w8a8": Q8_BLOCK_BYTES, **W4_BYTES, W5A8: W5_BLOCK_BYTES, W5A8K: W5K_BLOCK_BYTES,
-                W6A8: W6_BLOCK_BYTES}  # per panel and block of 32 k
+PACKED_BYTES = {"w8a8": Q8_BLOCK_BYTES, **W4_BYTES, **W5_BYTES, W6A8: W6_BLOCK_BYTES}  # per panel and block of 32 k
 BLOCK_FORMATS = (*W4_FORMATS, *W5_FORMATS, W6A8)  # packed from GGUF blocks only
 ISAS = ("avx2", "avx512")  # the tile sets (linear.c): the same bits, AVX-512 where the CPU has it
 _HALF = {"fp16": torch.float16, "bf16": torch.bfloat16}
@@ -296,14 +297,14 @@ def w4a8_values(panels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
 
 
 def pack_w5a8(u: Tensor, d: Tensor, m: Tensor | None = None, wide: bool = False) -> Tensor:
-    """5-bit blocks (u uint8 [N, B, 32] in 0..31, d fp32 [N, B] exactly fp16: value d (u - 16), Q5_0; with m
-    and `wide`: value d u + m, d and m any fp32, Q5_K's sub-blocks) -> [ceil(N/16), B, 352] bytes (448):
-    `pack_w4a8`'s w4a8s (w4a8k) bytes of the low 4 bits, then the fifth bits, a 64-bit little-endian mask a
-    group of 4 k: bit L for lane L = 4 j + i (column j, k 4 g + i)."""
+    """5-bit blocks (u uint8 [N, B, 32] in 0..31, d fp32 [N, B] exactly fp16: value d (u - 16), Q5_0, w5a8s;
+    with m: value d u + m, d and m fp16 (Q5_1, w5a8) or, `wide`, any fp32 (Q5_K's sub-blocks, w5a8k)) ->
+    [ceil(N/16), B, 352 | 384 | 448] bytes: `pack_w4a8`'s bytes of the low 4 bits, then the fifth bits, a 64-bit
+    little-endian mask a group of 4 k: bit L for lane L = 4 j + i (column j, k 4 g + i)."""
     N, B, _ = u.shape
     low = pack_w4a8(u & 0x0F, d, m, wide)
     P, head = len(low), low.shape[-1]
-    out = torch.zeros(P, B, head + Q8_BLOCK * NR // 8, dtype=torch.uint8)
+    out = torch.zeros(P, B, head + PLANE, dtype=torch.uint8)
     _advise_huge_pages(out)
     out[..., :head] = low
     del low
@@ -320,10 +321,10 @@ def pack_w5a8(u: Tensor, d: Tensor, m: Tensor | None = None, wide: bool = False)
 
 
 def w5a8_values(panels: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-    """The blocks of w5a8 (w5a8k) panels: values u [N', B, 32] (as floats), scales d [N', B] and offsets m
-    (None for w5a8: values d (u - 16))."""
+    """The blocks of 5-bit panels: values u [N', B, 32] (as floats), scales d [N', B] and offsets m (None for
+    w5a8s: values d (u - 16))."""
     P, B, per_block = panels.shape
-    head = per_block - Q8_BLOCK * NR // 8
+    head = per_block - PLANE
     u, d, m = w4a8_values(panels[..., :head])
     plane = panels[..., head:].reshape(P, B, 8, 8, 1)  # [p, B, g, byte, 1]
     bits = (plane >> torch.arange(8, dtype=torch.uint8)) & 1  # [p, B, g, byte, bit]: lane 8 byte + bit

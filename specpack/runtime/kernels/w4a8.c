@@ -1,5 +1,5 @@
-/* 4- and 5-bit weights times int8 activations (weight formats SP_W4A8 "w4a8", SP_W4A8K "w4a8k", SP_W4A8S "w4a8s",
- * SP_W5A8 "w5a8"): llama.cpp's Q4_1 blocks (Q4_K's 32-value sub-blocks in w4a8k, Q4_0's in w4a8s, Q5_0's in w5a8)
+/* 4- and 5-bit weights times int8 activations (weight formats w4a8, w4a8k, w4a8s, w5a8s, w5a8k, w5a8): llama.cpp's
+ * Q4_1 blocks (Q4_K's 32-value sub-blocks in w4a8k, Q4_0's in w4a8s; Q5_0, Q5_K and Q5_1 in the 5-bit three)
  * kept quantized, multiplied as llama.cpp's vec_dot_q4_1_q8_1 does (integer dot products, one float fold per block),
  * with AVX-512 VNNI where the CPU has it, else AVX2. sp_linear (linear.c) hands fmt SP_W4A8 here.
  *
@@ -7,8 +7,8 @@
  * 320 bytes: the 16 columns' scales d (fp16), their offsets m (fp16: Q4_1's m, Q4_0's -8 d), then the 32 x 16
  * values u (0..15) as nibbles in VNNI order (w4a8k: d and m in fp32, 384 bytes: Q4_K's d * sc_j and
  * -dmin * m_j, exact in fp32, not in fp16; w4a8s: d alone, 288 bytes, a value d (u - 8): Q4_0's 4.5 bits;
- * w5a8k: w4a8k's fp32 d and m with w5a8's plane, 448 bytes (Q5_K's sub-blocks, exact in fp32); w5a8: d alone,
- * then after the nibbles the values' fifth bits, a 64-bit mask a group of 4 k (bit L: lane L =
+ * w5a8k: w4a8k's layout plus the plane below, 448 bytes (Q5_K's sub-blocks); w5a8: w4a8's plus the plane, 384
+ * bytes (Q5_1); w5a8s: d alone, then after the nibbles the values' fifth bits, a 64-bit mask a group of 4 k (bit L: lane L =
  * 4j + i, column j, k 4g + i; one kmov and one masked add on AVX-512), 352 bytes, a value d (u - 16): Q5_0's
  * 5.5 bits): region r (0..3) is 64 bytes, its byte 4j + i holding column j's
  * value at k = 8r + i in the low nibble and at k = 8r + 4 + i in the high one, so masking a region gives one
@@ -21,7 +21,7 @@
  * t_b = sum over the block's k of u * q is exact (at most 32 * 15 * 127), g_b = float(t_b) * d_a,
  * acc = g_0 * d_0 then acc = fma(g_b, d_b, acc) for b > 0, and after each block acc = fma(m_b, s_a, acc)
  * (w4a8s: t_b = sum of u * q - 8 * sum of q, still exact, and no m term: llama.cpp's Q4_0 x Q8_0 dot;
- * w5a8 likewise with 16);
+ * w5a8s likewise with 16);
  * then acc + bias, then residual + that. A row's quantization and sums involve that row only, so row i of
  * an M-row product is bit-identical to the 1-row product of row i on any thread count, and the AVX2
  * tiles give the bits of the VNNI ones (linear.py's `w4a8_linear` is the same arithmetic in torch). */
@@ -38,15 +38,15 @@
 #define QB 32                          /* k per block */
 #define QG (QB / 4)                    /* groups of 4 k per block */
 /* the layouts: fp16 d and m, fp32 d and m, fp16 d alone (offset 8), fp16 d alone and a bit plane (offset 16) */
-/* ... and w5a8k: w4a8k plus the fifth bits (Q5_K's sub-blocks; 448 bytes) */
-enum { W4 = 0, W4K = 1, W4S = 2, W5 = 3, W5K = 4 };
+/* ... and the 5-bit ones, each its 4-bit layout plus the plane: w5a8s (Q5_0), w5a8k (Q5_K), w5a8 (Q5_1) */
+enum { W4 = 0, W4K = 1, W4S = 2, W5S = 3, W5K = 4, W5 = 5 };
 #define WIDE(kind) ((kind) == W4K || (kind) == W5K)                            /* fp32 d and m */
-#define FIFTH(kind) ((kind) == W5 || (kind) == W5K)                            /* a plane of fifth bits */
-#define SCALE_BYTES(kind) (WIDE(kind) ? NR * 8 : (kind) == W4S || (kind) == W5 ? NR * 2 : NR * 4) /* of 16 columns */
+#define FIFTH(kind) ((kind) >= W5S)                                            /* a plane of fifth bits */
+#define SCALE_BYTES(kind) (WIDE(kind) ? NR * 8 : SYMMETRIC(kind) ? NR * 2 : NR * 4) /* of 16 columns */
 #define PLANE_BYTES(kind) (FIFTH(kind) ? QB * NR / 8 : 0)
-#define BLOCK_BYTES(kind) (SCALE_BYTES(kind) + QB * NR / 2 + PLANE_BYTES(kind)) /* 320, 384, 288 or 352 */
-#define SYMMETRIC(kind) ((kind) == W4S || (kind) == W5)                      /* no m: an integer offset */
-#define OFFSET_SHIFT(kind) ((kind) == W5 ? 3 : 4) /* the offset (8 or 16) times sum(q) is c >> this */
+#define BLOCK_BYTES(kind) (SCALE_BYTES(kind) + QB * NR / 2 + PLANE_BYTES(kind)) /* 320 384 288 352 448 384 */
+#define SYMMETRIC(kind) ((kind) == W4S || (kind) == W5S)                     /* no m: an integer offset */
+#define OFFSET_SHIFT(kind) ((kind) == W5S ? 3 : 4) /* the offset (8 or 16) times sum(q) is c >> this */
 
 typedef struct {
     const int8_t *q;  /* [B][M][QB] the quantized rows, block-major */
@@ -58,7 +58,7 @@ typedef struct {
     float *y;
     int64_t M, N, B, ldy, ldr;
     int vnni_few, vnni_many; /* VNNI tiles for slabs of 1-2 / 3+ rows (sp_linear's isa bits) */
-    int kind;                /* W4, W4K, W4S, W5 or W5K */
+    int kind;                /* W4 ... W5 */
 } wjob_t;
 
 /* ---------------------------------------------------------------- AVX2 */
@@ -156,12 +156,13 @@ typedef void (*wtile_fn)(const wjob_t *, const char *, int64_t, float *, int64_t
     { wtile_avx2(W, R, j, w, m0, out, ldo, bias, res, ldr); }
 WTILE2(0, 1) WTILE2(0, 2) WTILE2(0, 3) WTILE2(0, 4) WTILE2(1, 1) WTILE2(1, 2) WTILE2(1, 3) WTILE2(1, 4)
 WTILE2(2, 1) WTILE2(2, 2) WTILE2(2, 3) WTILE2(2, 4) WTILE2(3, 1) WTILE2(3, 2) WTILE2(3, 3) WTILE2(3, 4)
-WTILE2(4, 1) WTILE2(4, 2) WTILE2(4, 3) WTILE2(4, 4)
-static const wtile_fn WTILES2[5][MR2 + 1] = {{0, wtile2_0_1, wtile2_0_2, wtile2_0_3, wtile2_0_4},
+WTILE2(4, 1) WTILE2(4, 2) WTILE2(4, 3) WTILE2(4, 4) WTILE2(5, 1) WTILE2(5, 2) WTILE2(5, 3) WTILE2(5, 4)
+static const wtile_fn WTILES2[6][MR2 + 1] = {{0, wtile2_0_1, wtile2_0_2, wtile2_0_3, wtile2_0_4},
                                              {0, wtile2_1_1, wtile2_1_2, wtile2_1_3, wtile2_1_4},
                                              {0, wtile2_2_1, wtile2_2_2, wtile2_2_3, wtile2_2_4},
                                              {0, wtile2_3_1, wtile2_3_2, wtile2_3_3, wtile2_3_4},
-                                             {0, wtile2_4_1, wtile2_4_2, wtile2_4_3, wtile2_4_4}};
+                                             {0, wtile2_4_1, wtile2_4_2, wtile2_4_3, wtile2_4_4},
+                                             {0, wtile2_5_1, wtile2_5_2, wtile2_5_3, wtile2_5_4}};
 
 /* ---------------------------------------------------------------- AVX-512 VNNI */
 
@@ -255,10 +256,10 @@ static inline VNNI __attribute__((always_inline)) void wtile_z(
 #define WTILESZ_OF(W)                                                                                \
     WTILEZ(W, 1, 1) WTILEZ(W, 1, 2) WTILEZ(W, 1, 3) WTILEZ(W, 1, 4) WTILEZ(W, 1, 5) WTILEZ(W, 1, 6)    \
     WTILEZ(W, 2, 1) WTILEZ(W, 2, 2) WTILEZ(W, 2, 3) WTILEZ(W, 4, 1)
-WTILESZ_OF(0) WTILESZ_OF(1) WTILESZ_OF(2) WTILESZ_OF(3) WTILESZ_OF(4)
+WTILESZ_OF(0) WTILESZ_OF(1) WTILESZ_OF(2) WTILESZ_OF(3) WTILESZ_OF(4) WTILESZ_OF(5)
 #define WTABLE(W) {{0}, {0, wtilez##W##_1_1, wtilez##W##_1_2, wtilez##W##_1_3, wtilez##W##_1_4, wtilez##W##_1_5,  \
                          wtilez##W##_1_6}, {0, wtilez##W##_2_1, wtilez##W##_2_2, wtilez##W##_2_3}, {0}, {0, wtilez##W##_4_1}}
-static const wtile_fn WTILESZ[5][5][7] = {WTABLE(0), WTABLE(1), WTABLE(2), WTABLE(3), WTABLE(4)};
+static const wtile_fn WTILESZ[6][5][7] = {WTABLE(0), WTABLE(1), WTABLE(2), WTABLE(3), WTABLE(4), WTABLE(5)};
 
 /* ---------------------------------------------------------------- driver */
 
@@ -322,7 +323,7 @@ void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const voi
     int32_t *c = (int32_t *)(s + M * B);
     sp_quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
     for (int64_t i = 0; i < M * B; i++) s[i] = d[i] * (float)(c[i] / 128);
-    if (kind < W4 || kind > W5K) return;
+    if (kind < W4 || kind > W5) return;
     const wjob_t job = {q, d, s, c, w, bias, res, y, M, N, B, ldy, ldr, (isa & 1) && sp_vnni(), (isa & 2) && sp_vnni(),
                         kind};
     sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES(kind), nthreads);
