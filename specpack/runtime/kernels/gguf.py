@@ -89,7 +89,8 @@ def packed(blocks: Blocks, bias: Tensor | None = None, threads: int | None = Non
     per_block = PACKED_BYTES[fmt]
     panels = torch.empty(-(-n // NR), k // Q8_BLOCK, per_block, dtype=torch.uint8)
     for r0 in range(0, n, CHUNK_ROWS):
-        decoded = [gguf_blocks.decode(kind, raw, k) for kind, raw in _rows(blocks.parts, r0, r0 + CHUNK_ROWS)]
+        parts = _rows(blocks.parts, r0, r0 + CHUNK_ROWS)
+        decoded = [gguf_blocks.decode(kind, raw, k) for kind, raw in parts]
         q = torch.cat([a.q for a in decoded]).view(-1, k // Q8_BLOCK, Q8_BLOCK)
         scale = torch.cat([a.scale for a in decoded])
         if fmt == "w5a8s":  # Q5_0: q - 16
@@ -101,7 +102,7 @@ def packed(blocks: Blocks, bias: Tensor | None = None, threads: int | None = Non
             chunk = pack_w6a8((q.to(torch.int16) + 32).to(torch.uint8), halves[..., 0], halves[..., 1])
         elif fmt == "w8a8":
             q = torch.cat([(a.q.to(torch.int16) - INT8_EXACT[kind]).to(torch.int8) for a, (kind, _) in
-                           zip(decoded, _rows(blocks.parts, r0, r0 + CHUNK_ROWS))]).view(-1, k // Q8_BLOCK, Q8_BLOCK)
+                           zip(decoded, parts)]).view(-1, k // Q8_BLOCK, Q8_BLOCK)
             chunk = pack_q8_blocks(q, scale)
         else:
             offsets = None if fmt == "w4a8s" else torch.cat([a.min for a in decoded])

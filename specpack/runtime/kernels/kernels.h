@@ -46,10 +46,20 @@ void sp_linear(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w,
 void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N,
                     const float *bias, const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads,
                     int prefetch, int isa);
-/* w8a8.c's activations, which w4a8.c shares: x [M, K] (row stride ldx) -> per block of 32 k, block-major,
- * q [B][M][32] int8, d [B][M] (amax / 127) and c [B][M] (128 * sum(q)); `fast`: AVX-512 (the same bits). */
-void sp_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t B, int8_t *q, float *d, int32_t *c,
-                      int fast);
+/* w8a8.c's activations, which w4a8.c and w6a8.c share: x [M, K] (row stride ldx) quantized per block of 32 k into
+ * the calling thread's scratch, block-major: q [B][M][32] int8, d [B][M] (amax / 127), c [B][M] (128 * sum(q)),
+ * then `extra` bytes per row and block for the caller's own values. Returns 0 where there is nothing to multiply,
+ * y then written: the empty product (K = 0: y = res + bias), or NaN (no memory for the rows: said in the output
+ * rather than left stale). `isa` as sp_linear's: AVX-512 quantization (the same bits) where either bit is set. */
+typedef struct {
+    int8_t *q;
+    float *d;
+    int32_t *c;
+    void *extra;
+    int64_t B;
+} sp_rows_t;
+int sp_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const float *bias, const float *res,
+                  int64_t ldr, float *y, int64_t ldy, int isa, int64_t extra, sp_rows_t *rows);
 /* 4/5-bit weights times int8 activations (w4a8.c; `kind` 0 w4a8, 1 w4a8k: fp32 scales, 2 w4a8s: no offsets, 3 w5a8) and
  * whether AVX-512 VNNI runs here (w8a8.c). */
 void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N,

@@ -14,7 +14,7 @@
  * value at k = 8r + i in the low nibble and at k = 8r + 4 + i in the high one, so masking a region gives one
  * group of 4 k x 16 columns (as w8a8.c stores bytes) and shifting it the next. A value is d u + m.
  *
- * Activations: w8a8.c's (sp_quantize_rows): per block d_a = amax / 127, q = round-half-even(x / d_a), and
+ * Activations: w8a8.c's (sp_block_rows): per block d_a = amax / 127, q = round-half-even(x / d_a), and
  * the block's sum of q, from which s_a = d_a * (float)sum (llama.cpp's Q8_1 `s`, here in fp32).
  *
  * Reduction order (the determinism contract): per row, block and column the integer sum
@@ -28,7 +28,6 @@
 #pragma GCC optimize("fp-contract=off") /* every multiply and add as written, on both paths */
 #define _GNU_SOURCE
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -307,24 +306,12 @@ static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, flo
 void sp_linear_w4a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N, const float *bias,
                     const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int isa, int kind)
 {
-    const int64_t B = (K + QB - 1) / QB;
-    if (B == 0) {
-        sp_empty_product(M, N, bias, res, ldr, y, ldy);
+    sp_rows_t r;
+    if (kind < W4 || kind > W5 || !sp_block_rows(x, M, K, ldx, N, bias, res, ldr, y, ldy, isa, sizeof(float), &r))
         return;
-    }
-    char *mem = sp_rows_memory(M * B * (QB + 12));
-    if (!mem) {
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t n = 0; n < N; n++) y[i * ldy + n] = NAN;
-        return;
-    }
-    int8_t *q = (int8_t *)mem;
-    float *d = (float *)(mem + M * B * QB), *s = d + M * B;
-    int32_t *c = (int32_t *)(s + M * B);
-    sp_quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
-    for (int64_t i = 0; i < M * B; i++) s[i] = d[i] * (float)(c[i] / 128);
-    if (kind < W4 || kind > W5) return;
-    const wjob_t job = {q, d, s, c, w, bias, res, y, M, N, B, ldy, ldr, (isa & 1) && sp_vnni(), (isa & 2) && sp_vnni(),
-                        kind};
-    sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES(kind), nthreads);
+    float *s = r.extra; /* d_a * sum(q) per row and block */
+    for (int64_t i = 0; i < M * r.B; i++) s[i] = r.d[i] * (float)(r.c[i] / 128);
+    const wjob_t job = {r.q, r.d, s, r.c, w, bias, res, y, M, N, r.B, ldy, ldr, (isa & 1) && sp_vnni(),
+                        (isa & 2) && sp_vnni(), kind};
+    sp_parallel_slabs(slab, &job, M, N, 4 * r.B * BLOCK_BYTES(kind), nthreads);
 }

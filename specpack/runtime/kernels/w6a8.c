@@ -8,7 +8,7 @@
  * j's four k at bytes 4j..4j+3 of a group), then their high 2 bits, 16 bytes a group: byte t holds those of the
  * group's lanes t, t + 16, t + 32 and t + 48 (lane 4j + i: column j, k 4g + i) at bits 0-1, 2-3, 4-5 and 6-7.
  *
- * Activations: w8a8.c's (sp_quantize_rows), and per row and block the sums of q over k 0..15 and 16..31.
+ * Activations: w8a8.c's (sp_block_rows), and per row and block the sums of q over k 0..15 and 16..31.
  *
  * Reduction order (the determinism contract): per row, block, half h (k 0..15, 16..31) and column the integer
  * t_h = sum over the half's k of u * q - 32 * sum of q is exact; g_h = float(t_h) * d_a; acc = g_lo * s_lo for
@@ -18,7 +18,6 @@
 #pragma GCC optimize("fp-contract=off")
 #define _GNU_SOURCE
 #include <immintrin.h>
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -207,26 +206,16 @@ static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, flo
 void sp_linear_w6a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N, const float *bias,
                     const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int isa)
 {
-    const int64_t B = (K + QB - 1) / QB;
-    if (B == 0) {
-        sp_empty_product(M, N, bias, res, ldr, y, ldy);
+    sp_rows_t r;
+    if (!sp_block_rows(x, M, K, ldx, N, bias, res, ldr, y, ldy, isa, 2 * sizeof(int32_t), &r))
         return;
-    }
-    char *mem = sp_rows_memory(M * B * (QB + 16));
-    if (!mem) {
-        for (int64_t i = 0; i < M; i++)
-            for (int64_t n = 0; n < N; n++) y[i * ldy + n] = NAN;
-        return;
-    }
-    int8_t *q = (int8_t *)mem;
-    float *d = (float *)(mem + M * B * QB);
-    int32_t *c = (int32_t *)(d + M * B), *half = c + M * B;
-    sp_quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
-    for (int64_t i = 0; i < M * B; i++) {
+    int32_t *half = r.extra; /* 32 * the sums of q over k 0..15 and 16..31, per row and block */
+    for (int64_t i = 0; i < M * r.B; i++) {
         int32_t lo = 0, hi = 0;
-        for (int k = 0; k < QB / 2; k++) lo += q[i * QB + k], hi += q[i * QB + QB / 2 + k];
+        for (int k = 0; k < QB / 2; k++) lo += r.q[i * QB + k], hi += r.q[i * QB + QB / 2 + k];
         half[2 * i] = 32 * lo, half[2 * i + 1] = 32 * hi;
     }
-    const job6_t job = {q, d, half, w, bias, res, y, M, N, B, ldy, ldr, (isa & 1) && sp_vnni(), (isa & 2) && sp_vnni()};
-    sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES, nthreads);
+    const job6_t job = {r.q, r.d, half, w, bias, res, y, M, N, r.B, ldy, ldr, (isa & 1) && sp_vnni(),
+                        (isa & 2) && sp_vnni()};
+    sp_parallel_slabs(slab, &job, M, N, 4 * r.B * BLOCK_BYTES, nthreads);
 }

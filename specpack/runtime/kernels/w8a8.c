@@ -85,7 +85,7 @@ static __attribute__((target("avx512f,avx512bw,avx512vl"))) void quantize_block_
 }
 
 /* x [M, K] (row stride ldx) -> q [B][M][32], d and c [B][M]. `fast`: AVX-512 (the same bits). */
-void sp_quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t B, int8_t *q, float *d,
+static void quantize_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t B, int8_t *q, float *d,
                           int32_t *c, int fast)
 {
     for (int64_t i = 0; i < M; i++)
@@ -459,25 +459,36 @@ static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, flo
         sp_store_partial(scratch, m0, ms, n0, cols, j->res, j->ldr, j->y, j->ldy);
 }
 
-void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N, const float *bias,
-                   const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int prefetch, int isa)
+int sp_block_rows(const float *x, int64_t M, int64_t K, int64_t ldx, int64_t N, const float *bias, const float *res,
+                  int64_t ldr, float *y, int64_t ldy, int isa, int64_t extra, sp_rows_t *rows)
 {
     const int64_t B = (K + QB - 1) / QB;
     if (B == 0) { /* no k: the sums are empty */
         sp_empty_product(M, N, bias, res, ldr, y, ldy);
-        return;
+        return 0;
     }
-    char *mem = sp_rows_memory(M * B * (QB + 8));
+    char *mem = sp_rows_memory(M * B * (QB + 8 + extra));
     if (!mem) { /* out of memory for M x K bytes: say so in the output rather than leave it stale */
         for (int64_t i = 0; i < M; i++)
             for (int64_t n = 0; n < N; n++) y[i * ldy + n] = NAN;
-        return;
+        return 0;
     }
-    int8_t *q = (int8_t *)mem;
-    float *d = (float *)(mem + M * B * QB);
-    int32_t *c = (int32_t *)(d + M * B);
-    sp_quantize_rows(x, M, K, ldx, B, q, d, c, (isa & 3) && sp_avx512());
-    const qjob_t job = {q, d, c, w, bias, res, y, M, N, B, ldy, ldr, prefetch > 0 ? prefetch : 0,
+    rows->B = B;
+    rows->q = (int8_t *)mem;
+    rows->d = (float *)(mem + M * B * QB);
+    rows->c = (int32_t *)(rows->d + M * B);
+    rows->extra = rows->c + M * B;
+    quantize_rows(x, M, K, ldx, B, rows->q, rows->d, rows->c, (isa & 3) && sp_avx512());
+    return 1;
+}
+
+void sp_linear_w8a8(const float *x, int64_t M, int64_t K, int64_t ldx, const void *w, int64_t N, const float *bias,
+                   const float *res, int64_t ldr, float *y, int64_t ldy, int nthreads, int prefetch, int isa)
+{
+    sp_rows_t r;
+    if (!sp_block_rows(x, M, K, ldx, N, bias, res, ldr, y, ldy, isa, 0, &r))
+        return;
+    const qjob_t job = {r.q, r.d, r.c, w, bias, res, y, M, N, r.B, ldy, ldr, prefetch > 0 ? prefetch : 0,
                         (isa & 1) && vnni_ok(), (isa & 2) && vnni_ok(), (isa & 2) && M >= 3 && amx_on && amx_ok()};
-    sp_parallel_slabs(slab, &job, M, N, 4 * B * BLOCK_BYTES, nthreads);
+    sp_parallel_slabs(slab, &job, M, N, 4 * r.B * BLOCK_BYTES, nthreads);
 }
