@@ -394,13 +394,12 @@ def _float_bytes(tensors) -> int:
 
 def _values(name: str, meta, q) -> int:
     """The values a tensor holds: its elements, or, for GGUF blocks (U8 [rows, row bytes]), what they decode to."""
-    from specpack.families.gguf_blocks import BLOCKS
+    from specpack.families.gguf_blocks import columns
 
     kind = q.layer_algos.get(name) if q is not None else None
     if kind is None or meta.dtype != "U8" or len(meta.shape) != 2:
         return meta.numel
-    qk, nbytes = BLOCKS[kind]
-    return meta.shape[0] * (meta.shape[1] // nbytes * qk)
+    return meta.shape[0] * columns(kind, meta.shape[1])
 
 
 def _dominant_dtype(tensors) -> str:

@@ -43,6 +43,12 @@ def row_bytes(kind: str, cols: int) -> int:
     return cols // qk * nbytes
 
 
+def columns(kind: str, nbytes: int) -> int:
+    """The values a row of `nbytes` of `kind` blocks holds (`row_bytes` backwards)."""
+    qk, size = BLOCKS[kind]
+    return nbytes // size * qk
+
+
 def shape_problems(name: str, kind: str, shape: tuple[int, ...], nbytes: int) -> list[str]:
     """Why `nbytes` of `kind` blocks cannot hold a tensor of logical `shape` (empty when they can)."""
     if kind not in BLOCKS:

@@ -114,13 +114,12 @@ def gguf_types(model_dir) -> dict[str, str]:
 
 def _block_shapes(found: dict[str, tuple], types: dict[str, str]) -> tuple[dict, dict]:
     """(the shapes with every GGUF block tensor's logical one, name -> (type, columns) of those tensors)."""
-    from specpack.families.gguf_blocks import BLOCKS
+    from specpack.families.gguf_blocks import columns
 
     shapes, blocks = dict(found), {}
     for name, kind in types.items():
         if name in found and len(found[name]) == 2:
-            qk, nbytes = BLOCKS[kind]
-            cols = found[name][1] // nbytes * qk
+            cols = columns(kind, found[name][1])
             shapes[name], blocks[name] = (found[name][0], cols), (kind, cols)
     return shapes, blocks
 
@@ -247,8 +246,8 @@ def build_decoder(model_dir, spec, shapes, layer_state, decoder_cls, device, dty
 
 def _bind_blocks(model: torch.nn.Module, state: dict, device, dtype) -> dict:
     """Each linear layer whose weight is GGUF blocks replaced by a packed layer over them (kernels/gguf.py),
-    its weight and bias taken out of `state`; an embedding table of blocks dequantized (rows are gathered
-    from it). The rest of `state`, for assign_weights."""
+    its weight and bias taken out of `state`; an embedding table of blocks by a BlockEmbedding (a lookup
+    dequantizes its rows). The rest of `state`, for assign_weights."""
     from specpack.errors import InputError
     from specpack.runtime.kernels.accelerate import PackedLinearModule
     from specpack.runtime.kernels.gguf import NATIVE, BlockEmbedding, Blocks
