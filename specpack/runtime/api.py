@@ -42,6 +42,7 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
     from specpack.packager.artifact import read_manifest
     from specpack.packager.verify import check_paths
     from specpack.runtime import backends
+    from specpack.runtime.models.weights import trim_heap
     from specpack.runtime.spec_model import SpecModel
     from specpack.schemas import MANIFEST_NAME
 
@@ -63,6 +64,7 @@ def load(path, public_key=None, require_signature: bool | None = None, device: s
     target, drafter = backends.load(backend, path, manifest, device, dtype, **backend_options)
     model = SpecModel(target, drafter).eval()
     model.manifest, model.verification, model.tokenizer = manifest, report, load_tokenizer(path)
+    trim_heap()  # what packing and the tokenizer's loading freed, back to the system
     model.identity = {"artifact": _digest(path / MANIFEST_NAME), "backend": backend, "device": device, "dtype": dtype,
                       "weights": weights, "kv_cache": kv_cache,
                       "options": sorted((k, str(v)) for k, v in backend_options.items())}

@@ -26,14 +26,16 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", cpu_ke
 
     as_stored = (weights != "fp32" and dtype == "float32" and device == "cpu"
                  and manifest.target.dtype in ("float16", "bfloat16"))
-    target = load_target(artifact, _device(device), _dtype(manifest.target.dtype if as_stored else dtype))
+    packs = cpu_kernels or weights != "fp32"
+    target = load_target(artifact, _device(device), _dtype(manifest.target.dtype if as_stored else dtype),
+                         weights if packs else None)
     if kv_cache == "fp16":
         _narrow_cache(target)
     entry = manifest.drafter
     params = entry.model_dump(exclude={"kind"}) if entry.kind == "ngram" else None
     drafter_dir = Path(artifact) / "drafter" if entry.kind != "ngram" else None
     drafter = load_drafter(entry.kind, params, drafter_dir, target)
-    if cpu_kernels or weights != "fp32":
+    if packs:
         use_cpu_kernels(target, weights, widen=as_stored)
         use_cpu_kernels(drafter, weights, widen=as_stored)
     return target, drafter

@@ -22,7 +22,7 @@ import logging
 import torch
 from torch import Tensor, nn
 
-from specpack.runtime.kernels.linear import BF16_TILES, bf16_tiles
+from specpack.runtime.kernels.linear import BF16_TILES, available, bf16_tiles
 from specpack.runtime.options import WEIGHTS
 
 HEAD = "lm_head"  # the vocabulary head's name in every model here (screened for greedy rows)
@@ -38,10 +38,8 @@ class PackedLinearModule(nn.Module):
 
     def __init__(self, linear: nn.Linear | None, weights: str = "fp32", packed=None):
         super().__init__()
-        from specpack.runtime.kernels import pack
-
         if packed is None:
-            packed = pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(), weights=weights)
+            packed = _pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach(), weights)
         self.packed = packed
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.register_buffer("weight", self.packed.weight, persistent=False)
@@ -74,7 +72,7 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
     own pool drops to one thread: the kernel's threads have the cores during the matmuls, and two
     pools spinning on two cores fight.
     """
-    from specpack.runtime.kernels import available, unavailable_reason
+    from specpack.runtime.kernels import unavailable_reason
     from specpack.runtime.kernels._lib import _library
 
     if weights not in WEIGHTS:
@@ -88,22 +86,17 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
     elif weights == "w8a8" and not _library()[0].sp_vnni():
         log.warning("this CPU has no AVX-512 VNNI: w8a8 runs AVX2 integer tiles (the same results), about as fast as "
                     "int8 and twice as far from fp32; --weights int8 is the better int8 precision here")
-    # bf16 asked for: AMX tiles where they run (every row count alike; not the head, which the greedy
-    # screen recomputes columns of in linear.c's bf16 arithmetic)
-    tiles = BF16_TILES if weights == "bf16" and bf16_tiles() else "bf16"
-    swapped, narrowed = 0, 0
+    swapped = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if _eligible(child, widen and weights != "fp32"):
-                fmt = weights if weights != "fp32" or not available() else exact_format(child.weight)
-                setattr(parent, name, PackedLinearModule(child, tiles if fmt == "bf16" and name != HEAD else fmt))
-                swapped, narrowed = swapped + 1, narrowed + (fmt != weights)
-    if narrowed:
-        log.info("%d fp32 linear layers hold only 16-bit values: packed in 16 bits (the same bits, half the bytes)",
-                 narrowed)
+                packed = packed_linear(child.weight, child.bias, weights, head=name == HEAD)
+                setattr(parent, name, packed)
+                swapped.append(packed)
+    say_narrowed(swapped, weights)
     if widen and weights != "fp32":
         _widen(model)
-    held = sum(isinstance(m, PackedLinearModule) for m in model.modules())  # packed at load (GGUF blocks) too
+    held = sum(isinstance(m, PackedLinearModule) for m in model.modules())  # packed at load too
     if held and available():
         torch.set_num_threads(1)
         for m in model.modules():  # products outside nn.Linear (DeepSeek's router and MLA's absorbed ones)
@@ -112,9 +105,37 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
         fused = sum(m.fuse_layers() for m in model.modules() if hasattr(m, "fuse_layers"))
         screened = hasattr(model, "screen_head") and model.screen_head()  # the target's head, or a draft model's
         log.info("CPU kernels: %d linear layers packed (%s), %d decoders fused%s; torch ops on 1 thread",
-                 held, f"{weights} weights" if swapped == held else f"{held - swapped} from GGUF blocks",
+                 held, f"{weights} weights" if len(swapped) == held else f"{held - len(swapped)} at load",
                  fused, ", greedy head screened" if screened else "")
-    return swapped
+    return len(swapped)
+
+
+def packed_linear(weight: Tensor, bias: Tensor | None, weights: str = "fp32", head: bool = False) -> PackedLinearModule:
+    """A linear layer's weight (and bias) on the packed kernel in `weights`: at fp32 in the narrowest format that
+    holds its values exactly (`exact_format`); bf16 on AMX tiles where they run, except for the vocabulary `head`
+    (the greedy screen recomputes its columns in linear.c's bf16 arithmetic). What `use_cpu_kernels` puts in place
+    of each nn.Linear, and the loader (models/weights.py) as it reads each layer."""
+    weight, bias = weight.detach(), None if bias is None else bias.detach()
+    fmt = weights if weights != "fp32" or not available() else exact_format(weight)
+    if fmt == "bf16" and weights == "bf16" and not head and bf16_tiles():
+        fmt = BF16_TILES
+    module = PackedLinearModule(None, fmt, packed=_pack(weight, bias, fmt))
+    module.narrowed = fmt != weights and fmt != BF16_TILES
+    return module
+
+
+def say_narrowed(modules, weights: str) -> None:
+    """Log how many fp32 layers `packed_linear` kept in 16 bits (their values are 16-bit ones)."""
+    narrowed = sum(getattr(m, "narrowed", False) for m in modules)
+    if narrowed and weights == "fp32":
+        log.info("%d fp32 linear layers hold only 16-bit values: packed in 16 bits (the same bits, half the bytes)",
+                 narrowed)
+
+
+def _pack(weight: Tensor, bias: Tensor | None, fmt: str):
+    from specpack.runtime.kernels import pack
+
+    return pack(weight, bias, weights=fmt)
 
 
 def exact_format(weight: Tensor) -> str:
@@ -123,10 +144,12 @@ def exact_format(weight: Tensor) -> str:
     most fp32 weights before the whole one is compared."""
     flat = weight.detach().reshape(-1)
     for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
-        probe = flat[:4096]
-        if torch.equal(probe.to(dtype).float(), probe) and torch.equal(flat.to(dtype).float(), flat):
+        if all(torch.equal(part.to(dtype).float(), part) for part in (flat[:4096], *flat.split(EXACT_CHUNK))):
             return name
     return "fp32"
+
+
+EXACT_CHUNK = 1 << 22  # values compared at a time (16 MiB of fp32): never a whole copy of a large weight
 
 
 def pack_exact(weight: Tensor):

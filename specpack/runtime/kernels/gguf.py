@@ -133,7 +133,7 @@ class BlockEmbedding(nn.Module):
     def __init__(self, blocks: Blocks):
         super().__init__()
         (self.kind, raw), = blocks.parts
-        self.raw = raw.clone()  # its own memory: the checkpoint's mapping can go
+        self.raw = raw  # a view of the mapped file: a lookup reads only its rows' pages
         self.num_embeddings, self.embedding_dim = blocks.shape
         self._dense = None
 

@@ -25,8 +25,9 @@ import torch
 from torch import Tensor
 
 from specpack.runtime.kernels._lib import _library
-from specpack.runtime.kernels.linear import FORMATS, PackedLinear, q8_values
-from specpack.runtime.kernels.tuning import pack
+from specpack.runtime.kernels.linear import (FORMATS, NR, Q8_BLOCK, Q8_BLOCK_BYTES, PackedLinear, pack_w8a8, q8_values,
+                                             unpack)
+from specpack.runtime.kernels.tuning import settings
 
 CAP = 256  # candidates per row before the row is computed in full (screen.c keeps at most 256)
 SCREENED = ("fp32", "fp16", "bf16", "int8")  # the head's formats screen.c recomputes columns of
@@ -46,9 +47,7 @@ class GreedyScreen:
 
     def __init__(self, head: PackedLinear):
         self.head = head
-        dense = head.dense()  # [V, K]: the values the full kernel multiplies by
-        self.cheap = pack(dense, weights="w8a8", threads=head.threads)
-        self.bounds = _bounds(dense, self.cheap)  # [2, V]: e_v, m_v
+        self.cheap, self.bounds = _cheap_pass(head)  # the w8a8 copy; [2, V]: e_v, m_v
         self._fn = _library()[0].sp_screen
         self.max_rows = None if _library()[0].sp_vnni() else MAX_ROWS_WITHOUT_VNNI
 
@@ -96,17 +95,28 @@ class GreedyScreen:
         return y
 
 
-def _bounds(dense: Tensor, cheap: PackedLinear) -> Tensor:
-    """[2, V] fp32: per output v, e_v = ||W_v - Q_v|| and m_v = ||W_v||, from float64 and rounded up
-    (never below the exact value)."""
-    V, K = dense.shape
-    q, scales = q8_values(cheap.weight, "w8a8")  # [V', B, 32], [V', B]
-    out = torch.empty(2, V, dtype=torch.float64)
+def _cheap_pass(head: PackedLinear) -> tuple[PackedLinear, Tensor]:
+    """The head's w8a8 copy (what `pack(dense, weights="w8a8")` makes of the values the head multiplies by, bit for
+    bit) and its bounds, made CHUNK rows at a time: never the whole fp32 head beside its panels."""
+    V, K = head.out_features, head.in_features
+    panels = torch.empty(-(-V // NR), -(-K // Q8_BLOCK), Q8_BLOCK_BYTES, dtype=torch.uint8)
+    bounds = torch.empty(2, V, dtype=torch.float32)
     for a in range(0, V, CHUNK):
         b = min(V, a + CHUNK)
-        w = dense[a:b].double()
-        qv = (q[a:b].double() * scales[a:b].double()[..., None]).reshape(b - a, -1)[:, :K]
-        out[0, a:b] = (w - qv).norm(dim=1)
-        out[1, a:b] = w.norm(dim=1)
+        dense = unpack(head.weight[a // NR: -(-b // NR)], head.weights, b - a, K)  # [b - a, K]
+        panels[a // NR: -(-b // NR)] = pack_w8a8(dense)
+        bounds[:, a:b] = _bounds(dense, panels[a // NR: -(-b // NR)])
+    cheap = PackedLinear.of_panels(panels, "w8a8", (V, K), threads=head.threads, tuned=settings("w8a8"))
+    return cheap, bounds
+
+
+def _bounds(dense: Tensor, panels: Tensor) -> Tensor:
+    """[2, N] fp32 for dense [N, K] and its w8a8 panels: per output v, e_v = ||W_v - Q_v|| and m_v = ||W_v||, from
+    float64 and rounded up (never below the exact value)."""
+    N, K = dense.shape
+    q, scales = q8_values(panels, "w8a8")  # [N', B, 32], [N', B]
+    w = dense.double()
+    qv = (q[:N].double() * scales[:N].double()[..., None]).reshape(N, -1)[:, :K]
+    out = torch.stack([(w - qv).norm(dim=1), w.norm(dim=1)])
     up = out.float()
-    return torch.where(up.double() < out, torch.nextafter(up, torch.tensor(float("inf"))), up).contiguous()
+    return torch.where(up.double() < out, torch.nextafter(up, torch.tensor(float("inf"))), up)

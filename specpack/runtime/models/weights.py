@@ -1,13 +1,16 @@
 """Load safetensors checkpoints (single file or sharded) by memory-mapping them, and check every tensor.
 
 Only fused matrices (q/k/v, gate/up) and dtype or device changes make copies; everything else stays
-a view of the mapped file until used.
+a view of the mapped file until used. Where the CPU kernels will run the model, each decoder layer's linear
+layers are packed as the layer is read and its pages of the mapping are handed back (`Checkpoint.release`):
+loading holds the packed weights plus one layer, never the file and the packed copy side by side.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import mmap
 from pathlib import Path
 
 import torch
@@ -83,20 +86,78 @@ def check_shapes(found: dict[str, tuple], expected: dict[str, tuple], what: str)
                          hint="the checkpoint and config.json must come from the same model")
 
 
+class Checkpoint:
+    """A checkpoint's safetensors files, each mapped once, copy-on-write and never written: `read(names)` gives
+    views of the mappings (a page is read from the file when first touched), `release(tensors)` hands their
+    pages back to the kernel once a packed copy exists. A released page that is touched again is read from the
+    file again: nothing is lost, only the memory while it is not used."""
+
+    def __init__(self, files: dict[str, Path]):
+        self.files = files
+        self._maps: dict[Path, tuple] = {}  # path -> (mmap, its address, data start, header)
+
+    def _mapped(self, path: Path) -> tuple:
+        if path not in self._maps:
+            from specpack.converters.safetensors_header import data_start, read_header
+
+            header = read_header(path)
+            with open(path, "rb") as f:
+                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr(), data_start(path),
+                                header)
+        return self._maps[path]
+
+    def tensor(self, name: str) -> Tensor:
+        from specpack.converters.safetensors_header import TORCH_NAMES
+
+        path = self.files[name]
+        mm, _, start, header = self._mapped(path)
+        meta = header[name]
+        dtype = getattr(torch, TORCH_NAMES.get(meta.dtype, ""), None)
+        if not isinstance(dtype, torch.dtype):
+            raise InputError(f"{name} in {path} is stored as {meta.dtype}, which specpack's runtime does not read",
+                             hint="store the checkpoint's tensors as F32, F16, BF16 or U8")
+        if meta.numel == 0:
+            return torch.empty(meta.shape, dtype=dtype)
+        offset = start + meta.start
+        if offset % dtype.itemsize:  # a misaligned tensor (no writer makes one): a copy of its own
+            return torch.frombuffer(mm, dtype=torch.uint8, count=meta.end - meta.start, offset=offset).clone() \
+                .view(dtype).view(meta.shape)
+        return torch.frombuffer(mm, dtype=dtype, count=meta.numel, offset=offset).view(meta.shape)
+
+    def read(self, names, blocks: dict[str, tuple[str, int]] | None = None) -> dict:
+        """The named tensors as views of the mappings; those in `blocks` (name -> (GGML type, columns)) as
+        kernels.gguf.Blocks over their mapped bytes."""
+        from specpack.runtime.kernels.gguf import Blocks
+
+        blocks = blocks or {}
+        return {n: Blocks.of(blocks[n][0], self.tensor(n), blocks[n][1]) if n in blocks else self.tensor(n)
+                for n in names}
+
+    def release(self, tensors) -> None:
+        """Hand back the pages of each tensor (or Blocks) that is a view of a mapping here; others are left."""
+        from specpack.runtime.kernels.gguf import Blocks
+
+        for t in tensors:
+            for raw in [r for _, r in t.parts] if isinstance(t, Blocks) else [t]:
+                if isinstance(raw, Tensor) and raw.is_contiguous() and raw.numel():
+                    self._release(raw.data_ptr(), raw.numel() * raw.element_size())
+
+    def _release(self, address: int, size: int) -> None:
+        if not hasattr(mmap, "MADV_DONTNEED"):  # no such advice here (Windows): the pages stay until unmapped
+            return
+        for mm, base, _, _ in self._maps.values():
+            offset = address - base
+            if 0 <= offset and offset + size <= len(mm):
+                start = offset - offset % mmap.PAGESIZE
+                mm.madvise(mmap.MADV_DONTNEED, start, offset + size - start)
+                return
+
+
 def read_tensors(files: dict[str, Path], names, blocks: dict[str, tuple[str, int]] | None = None) -> dict[str, Tensor]:
-    """The named tensors, memory-mapped (safetensors maps the file; get_tensor does not copy); those in
-    `blocks` (name -> (GGML type, columns)) as kernels.gguf.Blocks over their mapped bytes."""
-    from safetensors import safe_open
-
-    from specpack.runtime.kernels.gguf import Blocks
-
-    out, by_file, blocks = {}, {}, blocks or {}
-    for name in names:
-        by_file.setdefault(files[name], []).append(name)
-    for path, group in by_file.items():
-        with safe_open(path, framework="pt") as f:
-            out.update({name: f.get_tensor(name) for name in group})
-    return {n: Blocks.of(blocks[n][0], t, blocks[n][1]) if n in blocks else t for n, t in out.items()}
+    """The named tensors, views of the memory-mapped files (nothing copied); those in `blocks` (name -> (GGML
+    type, columns)) as kernels.gguf.Blocks over their mapped bytes."""
+    return Checkpoint(files).read(names, blocks)
 
 
 def gguf_types(model_dir) -> dict[str, str]:
@@ -177,9 +238,12 @@ def target_spec(model_dir):
     return load_target_spec(model_dir)
 
 
-def load_target(model_dir, device="cpu", dtype=torch.float32):
+def load_target(model_dir, device="cpu", dtype=torch.float32, weights: str | None = None):
     """Build our decoder from a transformers model directory (config.json + safetensors): a
-    `DeepseekTransformer` for DeepSeek-V3-style architectures, else our `Transformer`."""
+    `DeepseekTransformer` for DeepSeek-V3-style architectures, else our `Transformer`. `weights`: the format the
+    CPU kernels will keep a dense decoder's linear layers in (fp32, fp16, bf16, int8, w8a8), packed as each layer is
+    read (`pack_at_load`); None leaves them nn.Linear over the mapped file (`use_cpu_kernels` may pack them later,
+    with the file and the packed copy both resident meanwhile)."""
     from specpack.runtime.models.dense import Transformer
     from specpack.runtime.models.moe import keep_routers_fp32
 
@@ -187,7 +251,7 @@ def load_target(model_dir, device="cpu", dtype=torch.float32):
         return load_deepseek(model_dir, device, dtype)
     spec = load_target_spec(model_dir)
     return keep_routers_fp32(build_decoder(model_dir, spec, target_tensor_shapes, fuse_layer, Transformer, device,
-                                           dtype))
+                                           dtype, weights))
 
 
 def load_deepseek(model_dir, device="cpu", dtype=torch.float32):
@@ -221,9 +285,12 @@ def _named(shapes: dict, prefix: str, head: str) -> dict:
             for n, v in shapes.items()}
 
 
-def build_decoder(model_dir, spec, shapes, layer_state, decoder_cls, device, dtype) -> torch.nn.Module:
+def build_decoder(model_dir, spec, shapes, layer_state, decoder_cls, device, dtype, weights: str | None = None
+                  ) -> torch.nn.Module:
     """Check a checkpoint's tensors against `shapes(spec)`, map them into `decoder_cls(spec)`'s names
-    (`layer_state` per layer) and assign them: the loading every target family shares."""
+    (`layer_state` per layer) and assign them: the loading every target family shares. GGUF blocks are packed as
+    each layer is read, and so are float linear layers where `weights` says the CPU kernels will run them
+    (`pack_at_load`); each layer's pages of the mapped file are handed back once it is packed."""
     files = checkpoint_files(Path(model_dir))
     prefix, head = decoder_names(files)
     found, blocks = _block_shapes(tensor_shapes(files), gguf_types(model_dir))
@@ -232,53 +299,108 @@ def build_decoder(model_dir, spec, shapes, layer_state, decoder_cls, device, dty
     unused = sorted(set(files) - set(expected) - {head})
     if unused:
         log.info("ignoring %d tensors not used by %s: %s", len(unused), decoder_cls.__name__, unused[:5])
-    t = read_tensors(files, expected, blocks)
-    state = {"embed_tokens.weight": t[prefix + "embed_tokens.weight"], "norm.weight": t[prefix + "norm.weight"],
-             "lm_head.weight": t[prefix + "embed_tokens.weight" if spec.tie_word_embeddings else head]}
-    for i in range(spec.num_layers):
-        state.update(layer_state(t, f"{prefix}layers.{i}.", f"layers.{i}."))
-    with torch.device("meta"):
-        model = decoder_cls(spec)
-    if blocks:
-        state = _bind_blocks(model, state, device, dtype)
-    return assign_weights(model, state, device, dtype)
-
-
-def _bind_blocks(model: torch.nn.Module, state: dict, device, dtype) -> dict:
-    """Each linear layer whose weight is GGUF blocks replaced by a packed layer over them (kernels/gguf.py),
-    its weight and bias taken out of `state`; an embedding table of blocks by a BlockEmbedding (a lookup
-    dequantizes its rows). The rest of `state`, for assign_weights."""
-    from specpack.errors import InputError
-    from specpack.runtime.kernels.accelerate import PackedLinearModule
-    from specpack.runtime.kernels.gguf import NATIVE, BlockEmbedding, Blocks
-
-    if torch.device(device).type != "cpu" or dtype != torch.float32:
+    if blocks and (torch.device(device).type != "cpu" or dtype != torch.float32):
         raise InputError(f"this target keeps GGUF blocks (import-gguf), which run on the CPU in float32, not "
                          f"{device} {str(dtype).removeprefix('torch.')}",
                          hint="use --device cpu --dtype float32, or import the GGUF with --dequantize")
-    state, widened = dict(state), set()
-    for name, value in list(state.items()):
-        if not isinstance(value, Blocks):
-            continue
-        module_name = name.removesuffix(".weight")
-        module = model.get_submodule(module_name)
-        del state[name]
+    checkpoint = Checkpoint(files)
+    t = checkpoint.read(expected, blocks)
+    with torch.device("meta"):
+        model = decoder_cls(spec)
+    packer = _Packer(model, weights if pack_at_load(device, dtype, weights) else None)
+    state = {}
+    for i in range(spec.num_layers):
+        src = f"{prefix}layers.{i}."
+        state.update(packer.bind(layer_state(t, src, f"layers.{i}.")))
+        if packer.packed:
+            checkpoint.release(v for k, v in t.items() if k.startswith(src))
+    state.update(packer.bind({"embed_tokens.weight": t[prefix + "embed_tokens.weight"],
+                              "norm.weight": t[prefix + "norm.weight"],
+                              "lm_head.weight": t[prefix + "embed_tokens.weight" if spec.tie_word_embeddings else head]}))
+    if packer.packed:
+        checkpoint.release(t.values())
+    packer.done()
+    return assign_weights(model, state, device, dtype)
+
+
+def pack_at_load(device, dtype, weights: str | None) -> bool:
+    """Whether float linear layers are packed as the checkpoint is read: `weights` given (the format the CPU
+    kernels keep them in, as `use_cpu_kernels` would), a float32 model on the CPU, and the kernels there
+    (or `weights` other than fp32: their torch fallback keeps that format's values too)."""
+    from specpack.runtime.kernels import available
+
+    return (weights is not None and torch.device(device).type == "cpu" and dtype == torch.float32
+            and (weights != "fp32" or available()))
+
+
+class _Packer:
+    """Replaces `model`'s linear layers by packed ones as their weights are read (`bind`): GGUF blocks always
+    (kernels/gguf.py), float weights when `weights` is given (accelerate.packed_linear); an embedding table of
+    blocks by a BlockEmbedding (a lookup dequantizes its rows)."""
+
+    def __init__(self, model: torch.nn.Module, weights: str | None):
+        self.model, self.weights = model, weights
+        self.packed, self.widened, self.modules = 0, set(), []
+
+    def bind(self, state: dict) -> dict:
+        """`state` less the weights (and biases) of the layers it packed."""
+        from specpack.runtime.kernels.gguf import Blocks
+
+        state = dict(state)
+        for name, value in list(state.items()):
+            if not name.endswith(".weight"):
+                continue
+            module_name = name.removesuffix(".weight")
+            module = self.model.get_submodule(module_name)
+            if isinstance(value, Blocks):
+                replacement = self._blocks(name, module, value, state)
+            elif self.weights and isinstance(module, torch.nn.Linear) and value.is_floating_point():
+                from specpack.runtime.kernels.accelerate import HEAD, packed_linear
+
+                bias = state.pop(module_name + ".bias", None)
+                replacement = packed_linear(value.float(), None if bias is None else bias.float(), self.weights,
+                                            head=module_name == HEAD)
+            else:
+                continue
+            del state[name]
+            parent, _, leaf = module_name.rpartition(".")
+            setattr(self.model.get_submodule(parent) if parent else self.model, leaf, replacement)
+            self.packed += 1
+            self.modules.append(replacement)
+        return state
+
+    def _blocks(self, name: str, module, value, state: dict):
+        from specpack.runtime.kernels.accelerate import PackedLinearModule
+        from specpack.runtime.kernels.gguf import BlockEmbedding
+
         if isinstance(module, torch.nn.Linear):
-            bias = state.pop(module_name + ".bias", None)
-            replacement = PackedLinearModule.of_blocks(value, bias)
             if value.format is None:
-                widened.add(" + ".join(dict.fromkeys(value.kinds)))
-        elif isinstance(module, torch.nn.Embedding) and len(value.parts) == 1:
-            replacement = BlockEmbedding(value)
-        else:
-            raise InputError(f"{name} is stored as GGUF blocks, which {type(module).__name__} does not read",
-                             hint="import the GGUF with --dequantize")
-        parent, _, leaf = module_name.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, leaf, replacement)
-    # the rest (norms) in memory of their own, so the checkpoint's mapping, every page of which packing read,
-    # is released once loading ends
-    state = {k: v.clone() for k, v in state.items()}
-    if widened:
-        log.warning("%s layers run widened to fp32 (kernels read %s blocks as they are, one kind of kernel a layer): "
-                    "more memory and time than the file's size suggests", ", ".join(sorted(widened)), ", ".join(NATIVE))
-    return state
+                self.widened.add(" + ".join(dict.fromkeys(value.kinds)))
+            return PackedLinearModule.of_blocks(value, state.pop(name.removesuffix(".weight") + ".bias", None))
+        if isinstance(module, torch.nn.Embedding) and len(value.parts) == 1:
+            return BlockEmbedding(value)
+        raise InputError(f"{name} is stored as GGUF blocks, which {type(module).__name__} does not read",
+                         hint="import the GGUF with --dequantize")
+
+    def done(self) -> None:
+        """Say what loading packed."""
+        from specpack.runtime.kernels.accelerate import say_narrowed
+        from specpack.runtime.kernels.gguf import NATIVE
+
+        if self.widened:
+            log.warning("%s layers run widened to fp32 (kernels read %s blocks as they are, one kind of kernel a "
+                        "layer): more memory and time than the file's size suggests", ", ".join(sorted(self.widened)),
+                        ", ".join(NATIVE))
+        if self.weights:
+            say_narrowed(self.modules, self.weights)
+
+
+def trim_heap() -> None:
+    """Return the C heap's free memory to the system (glibc keeps what packing's temporaries freed: 240 MiB after
+    SmolLM2 fp32); nothing where the C library has no malloc_trim."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass

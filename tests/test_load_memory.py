@@ -1,0 +1,96 @@
+"""Loading holds the packed weights, not the file beside them (issue 62 point 1): the CPU kernels' layers are
+packed as each decoder layer is read, and the mapped file's pages are handed back once their packed copy
+exists. Memory is read from /proc (Linux), never timed."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specpack.runtime import kernels
+from specpack.runtime.models.weights import Checkpoint, checkpoint_files, load_target
+
+import tiny
+
+pytestmark = [pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps"),
+              pytest.mark.skipif(not kernels.available(), reason=f"CPU kernel: {kernels.unavailable_reason()}")]
+MiB = 1 << 20
+
+
+def resident(path: Path) -> int:
+    """Bytes of `path` resident in this process (every mapping of it, from /proc/self/smaps)."""
+    total, inside, name = 0, False, str(Path(path).resolve())
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if fields and "-" in fields[0] and not fields[0].endswith(":"):
+            inside = fields[-1] == name
+        elif inside and fields[0] == "Rss:":
+            total += int(fields[1]) * 1024
+    return total
+
+
+@pytest.fixture(scope="module")
+def wide_target(tmp_path_factory):
+    """Big enough (~20 MiB) that its pages are measurable: 4 layers, a 4096-token vocabulary, an untied head."""
+    return tiny.make_target(tmp_path_factory.mktemp("mem") / "target", "llama", vocab_size=4096, hidden_size=256,
+                            intermediate_size=1024, num_hidden_layers=4)
+
+
+def test_released_pages_leave_the_process_and_the_values_stay(tmp_path):
+    path = tmp_path / "model.safetensors"
+    save_file({"a": torch.arange(16 * MiB // 4, dtype=torch.float32), "b": torch.ones(3, 5)}, path)
+    checkpoint = Checkpoint(checkpoint_files(tmp_path))
+    t = checkpoint.read(["a", "b"])
+    before = t["a"].sum().item()  # every page read
+    assert resident(path) >= 16 * MiB
+    checkpoint.release([t["a"]])
+    assert resident(path) < 1 * MiB
+    assert t["a"].sum().item() == before and torch.equal(t["b"], torch.ones(3, 5))  # read from the file again
+    checkpoint.release([torch.zeros(4)])  # not a view of the mapping: left alone
+    assert not t["a"].is_shared() and t["a"].dtype == torch.float32 and t["a"].shape == (16 * MiB // 4,)
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16", "w8a8"])
+def test_packing_at_load_is_packing_after_load(wide_target, weights):
+    from specpack.runtime.kernels.accelerate import PackedLinearModule, use_cpu_kernels
+
+    threads = torch.get_num_threads()
+    try:
+        early, late = load_target(wide_target, weights=weights), load_target(wide_target)
+        assert not any(isinstance(m, torch.nn.Linear) for m in early.modules())
+        use_cpu_kernels(early, weights), use_cpu_kernels(late, weights)
+    finally:
+        torch.set_num_threads(threads)
+    packed = {n: m for n, m in early.named_modules() if isinstance(m, PackedLinearModule)}
+    other = {n: m for n, m in late.named_modules() if isinstance(m, PackedLinearModule)}
+    assert packed.keys() == other.keys() and len(packed) == 4 * 4 + 1
+    for name, m in packed.items():
+        assert m.packed.weights == other[name].packed.weights and torch.equal(m.weight, other[name].weight), name
+    ids = torch.tensor([5, 17, 99, 3, 250, 7])
+    for model in (early, late):
+        model.setup_cache(32)
+    assert torch.equal(early(ids).logits, late(ids).logits)
+
+
+def test_a_loaded_target_keeps_no_page_of_its_packed_layers(wide_target):
+    """After specpack.load the mapped checkpoint holds only what was touched since (an embedding row a
+    lookup read, the norms): at most a few pages a tensor, not the file."""
+    import specpack
+    from specpack.packager import BuildOptions, NgramParams, build
+
+    artifact = wide_target.parent / "art"
+    if not artifact.exists():
+        build(BuildOptions(target=wide_target, drafter="ngram", out=artifact, ngram=NgramParams(1, 3, 6)))
+    threads = torch.get_num_threads()
+    try:
+        model = specpack.load(artifact)
+    finally:
+        torch.set_num_threads(threads)
+    file = artifact / "model.safetensors"
+    assert file.stat().st_size > 15 * MiB
+    assert resident(file) < 1 * MiB
+    out = model.generate([5, 17, 99, 3], max_new_tokens=8, speculative=False)
+    # the rows looked up and the norms come back (in the page cache's folios, up to 2 MiB each), never a
+    # linear layer's pages: at most the embedding table's bytes (4 MiB here) and a little more
+    assert len(out.tokens) == 8 and resident(file) <= 4096 * 256 * 4 + 2 * MiB
