@@ -94,3 +94,24 @@ def test_a_loaded_target_keeps_no_page_of_its_packed_layers(wide_target):
     # the rows looked up and the norms come back (in the page cache's folios, up to 2 MiB each), never a
     # linear layer's pages: at most the embedding table's bytes (4 MiB here) and a little more
     assert len(out.tokens) == 8 and resident(file) <= 4096 * 256 * 4 + 2 * MiB
+
+
+def test_the_generic_tokenizer_is_the_one_autotokenizer_makes(tiny_target):
+    """load_tokenizer makes a tokenizer whose config names the generic class with that class (AutoTokenizer's
+    resolution imports ~55 MiB of modules): the same tokens, text, chat prompt and special ids."""
+    from transformers import AutoTokenizer
+
+    from specpack.runtime.api import load_tokenizer
+
+    lean, auto = load_tokenizer(tiny_target), AutoTokenizer.from_pretrained(tiny_target)
+    assert type(lean) is type(auto)
+    for text in ["def add(a, b):\n    return a + b", "<|im_start|>user\nHi<|im_end|>", "  spaces\tand\nlines ", ""]:
+        ids = auto(text)["input_ids"]
+        assert lean(text)["input_ids"] == ids and lean.decode(ids) == auto.decode(ids)
+    chat = [{"role": "user", "content": "Hello"}]
+    assert lean.apply_chat_template(chat, add_generation_prompt=True, tokenize=False) == \
+        auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    for attr in ("all_special_ids", "eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id"):
+        assert getattr(lean, attr) == getattr(auto, attr), attr
+    assert {k: str(v) for k, v in lean.added_tokens_decoder.items()} == \
+        {k: str(v) for k, v in auto.added_tokens_decoder.items()}

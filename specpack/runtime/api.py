@@ -107,11 +107,20 @@ def check_runnable(manifest) -> None:
                                 "`specpack export ART --to vllm|sglang|trtllm -o DIR`")
 
 
-def load_tokenizer(path: Path):
-    """The artifact's tokenizer. Code a model ships is never run, nor asked about (trust_remote_code=False)."""
-    from transformers import AutoTokenizer
+# tokenizer_config.json's names for transformers' generic tokenizer over tokenizer.json (one class in transformers 5)
+GENERIC_TOKENIZERS = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
+
+def load_tokenizer(path: Path):
+    """The artifact's tokenizer. Code a model ships is never run, nor asked about (trust_remote_code=False).
+    A tokenizer whose config names the generic class is made by that class itself, which is what AutoTokenizer
+    would pick, without the ~55 MiB and 670 modules AutoTokenizer imports to resolve it."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    generic = (Path(path) / "tokenizer.json").is_file() and _tokenizer_class(path) in GENERIC_TOKENIZERS
     try:
+        if generic:
+            return PreTrainedTokenizerFast.from_pretrained(path)
         return AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     except (OSError, ValueError) as exc:
         if "custom code" in str(exc):
@@ -119,3 +128,12 @@ def load_tokenizer(path: Path):
                              hint="use a target whose tokenizer transformers loads without custom code") from None
         raise InputError(f"cannot load the tokenizer of '{path}': {str(exc).splitlines()[0]}",
                          hint="the artifact's tokenizer files are missing or broken") from None
+
+
+def _tokenizer_class(path: Path) -> str | None:
+    import json
+
+    try:
+        return json.loads((Path(path) / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None  # AutoTokenizer reports what is wrong
