@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from specpack.runtime import kernels
-from specpack.runtime.models.weights import Checkpoint, checkpoint_files, load_target
+from specpack.runtime.models.weights import Checkpoint, FileEmbedding, checkpoint_files, load_target
 
 import tiny
 
@@ -91,9 +91,12 @@ def test_a_loaded_target_keeps_no_page_of_its_packed_layers(wide_target):
     assert file.stat().st_size > 15 * MiB
     assert resident(file) < 1 * MiB
     out = model.generate([5, 17, 99, 3], max_new_tokens=8, speculative=False)
-    # the rows looked up and the norms come back (in the page cache's folios, up to 2 MiB each), never a
-    # linear layer's pages: at most the embedding table's bytes (4 MiB here) and a little more
-    assert len(out.tokens) == 8 and resident(file) <= 4096 * 256 * 4 + 2 * MiB
+    assert len(out.tokens) == 8 and resident(file) < 1 * MiB  # lookups read rows with pread; norms are copies
+    assert isinstance(model.target.embed_tokens, FileEmbedding)
+    ids = torch.tensor([[0, 4095], [17, 17]])
+    assert torch.equal(model.target.embed_tokens(ids), model.target.embed_tokens.weight[ids])
+    with pytest.raises(IndexError):
+        model.target.embed_tokens(torch.tensor([4096]))
 
 
 def test_the_generic_tokenizer_is_the_one_autotokenizer_makes(tiny_target):

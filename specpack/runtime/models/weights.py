@@ -144,14 +144,54 @@ class Checkpoint:
                     self._release(raw.data_ptr(), raw.numel() * raw.element_size())
 
     def _release(self, address: int, size: int) -> None:
-        if not hasattr(mmap, "MADV_DONTNEED"):  # no such advice here (Windows): the pages stay until unmapped
-            return
-        for mm, base, _, _ in self._maps.values():
+        found = self._find(address, size)
+        if found and hasattr(mmap, "MADV_DONTNEED"):  # (no such advice on Windows: the pages stay until unmapped)
+            mm, offset = self._maps[found[0]][0], found[1]
+            start = offset - offset % mmap.PAGESIZE
+            mm.madvise(mmap.MADV_DONTNEED, start, offset + size - start)
+
+    def _find(self, address: int, size: int) -> tuple[Path, int] | None:
+        """(file, byte offset) of `size` bytes at `address` inside a mapping here, else None."""
+        for path, (mm, base, _, _) in self._maps.items():
             offset = address - base
             if 0 <= offset and offset + size <= len(mm):
-                start = offset - offset % mmap.PAGESIZE
-                mm.madvise(mmap.MADV_DONTNEED, start, offset + size - start)
-                return
+                return path, offset
+        return None
+
+    def embedding(self, table: Tensor) -> "FileEmbedding | None":
+        """A FileEmbedding over `table` where it is a float32 view of a mapping here, else None."""
+        found = table.dtype == torch.float32 and table.is_contiguous() and table.dim() == 2 and \
+            self._find(table.data_ptr(), table.numel() * 4)
+        return FileEmbedding(*found, table) if found else None
+
+
+class FileEmbedding(torch.nn.Module):
+    """An fp32 embedding table left in its checkpoint file: a lookup reads its rows with pread (the page cache's
+    memory, not this process's: a fault on the mapping would bring in the page cache's whole folio, up to 2 MiB
+    a row). `weight` is the table as a view of the mapped file, for the kernels that read it whole."""
+
+    def __init__(self, path: Path, offset: int, table: Tensor):
+        super().__init__()
+        self.file, self.offset, self.table = open(path, "rb", buffering=0), offset, table
+        self.num_embeddings, self.embedding_dim = table.shape
+        self.row_bytes = self.embedding_dim * 4
+
+    @property
+    def weight(self) -> Tensor:
+        return self.table
+
+    def forward(self, ids: Tensor) -> Tensor:
+        import os
+
+        rows, size = ids.reshape(-1).tolist(), self.row_bytes
+        out = torch.empty(len(rows), self.embedding_dim)
+        buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
+        for i, row in enumerate(rows):
+            if not 0 <= row < self.num_embeddings:
+                raise IndexError(f"index {row} is out of range for {self.num_embeddings} embeddings")
+            if os.preadv(self.file.fileno(), [buffer[i * size: (i + 1) * size]], self.offset + row * size) != size:
+                raise OSError(f"{self.file.name} ended inside embedding row {row}: the file changed after loading")
+        return out.view(*ids.shape, self.embedding_dim)
 
 
 def read_tensors(files: dict[str, Path], names, blocks: dict[str, tuple[str, int]] | None = None) -> dict[str, Tensor]:
@@ -307,7 +347,7 @@ def build_decoder(model_dir, spec, shapes, layer_state, decoder_cls, device, dty
     t = checkpoint.read(expected, blocks)
     with torch.device("meta"):
         model = decoder_cls(spec)
-    packer = _Packer(model, weights if pack_at_load(device, dtype, weights) else None)
+    packer = _Packer(model, weights if pack_at_load(device, dtype, weights) else None, checkpoint)
     state = {}
     for i in range(spec.num_layers):
         src = f"{prefix}layers.{i}."
@@ -317,7 +357,8 @@ def build_decoder(model_dir, spec, shapes, layer_state, decoder_cls, device, dty
     state.update(packer.bind({"embed_tokens.weight": t[prefix + "embed_tokens.weight"],
                               "norm.weight": t[prefix + "norm.weight"],
                               "lm_head.weight": t[prefix + "embed_tokens.weight" if spec.tie_word_embeddings else head]}))
-    if packer.packed:
+    if packer.packed:  # the vectors left (norms) in memory of their own, so nothing faults the file in again
+        state = {k: v.clone() if isinstance(v, Tensor) and v.dim() == 1 else v for k, v in state.items()}
         checkpoint.release(t.values())
     packer.done()
     return assign_weights(model, state, device, dtype)
@@ -336,10 +377,11 @@ def pack_at_load(device, dtype, weights: str | None) -> bool:
 class _Packer:
     """Replaces `model`'s linear layers by packed ones as their weights are read (`bind`): GGUF blocks always
     (kernels/gguf.py), float weights when `weights` is given (accelerate.packed_linear); an embedding table of
-    blocks by a BlockEmbedding (a lookup dequantizes its rows)."""
+    blocks by a BlockEmbedding (a lookup dequantizes its rows), an fp32 one (with `weights`) by a FileEmbedding
+    (a lookup reads its rows from the file)."""
 
-    def __init__(self, model: torch.nn.Module, weights: str | None):
-        self.model, self.weights = model, weights
+    def __init__(self, model: torch.nn.Module, weights: str | None, checkpoint: Checkpoint):
+        self.model, self.weights, self.checkpoint = model, weights, checkpoint
         self.packed, self.widened, self.modules = 0, set(), []
 
     def bind(self, state: dict) -> dict:
@@ -354,6 +396,10 @@ class _Packer:
             module = self.model.get_submodule(module_name)
             if isinstance(value, Blocks):
                 replacement = self._blocks(name, module, value, state)
+            elif self.weights and isinstance(module, torch.nn.Embedding):
+                replacement = self.checkpoint.embedding(value)
+                if replacement is None:  # not fp32 in the file: assign_weights converts it
+                    continue
             elif self.weights and isinstance(module, torch.nn.Linear) and value.is_floating_point():
                 from specpack.runtime.kernels.accelerate import HEAD, packed_linear
 
