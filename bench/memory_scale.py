@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -105,6 +106,23 @@ def measure(artifact: Path, pub: Path, weights: str, slots: int, max_new: int) -
             "serve": {**s, "kv_mib": kv_token * 2048 * slots / MiB}}
 
 
+def prepare_all(shapes: list[str]) -> tuple[dict, str]:
+    """({shape: artifact}, the public key): SmolLM2's n-gram artifact and each random shape's."""
+    from specpack.demo import cache_dir, prepare, target_dir
+
+    say = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    cache = cache_dir()
+    smollm2, pub = prepare(cache, say)
+    artifacts = {}
+    for shape in shapes:
+        if shape == "smollm2":
+            artifacts[shape] = str(smollm2)
+            continue
+        target = random_target(cache / f"random-llama-{shape}", SHAPES[shape], target_dir(cache, say))
+        artifacts[shape] = str(artifact_of(target, cache / f"random-llama-{shape}-ngram", cache / "demo-signer.pem"))
+    return artifacts, str(pub)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="smollm2,1b", help=f"smollm2 and/or {', '.join(SHAPES)}")
@@ -112,22 +130,22 @@ def main() -> int:
     ap.add_argument("--slots", type=int, default=4, help="serve's sequences (--max-seqs)")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)  # the child that writes the artifacts
     args = ap.parse_args()
-    from specpack.demo import cache_dir, prepare, target_dir
-
-    say = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    cache = cache_dir()
-    smollm2, pub = prepare(cache, say)
+    if args.prepare:
+        print(json.dumps(prepare_all(args.shapes.split(","))))
+        return 0
+    # the artifacts are made in a child: a process's peak RSS counts what its parent held when it forked
+    # (Linux keeps the pre-exec high-water mark), so this one must stay small
+    made = subprocess.run([sys.executable, __file__, "--prepare", "--shapes", args.shapes], check=True,
+                          stdout=subprocess.PIPE, text=True).stdout
+    artifacts, pub = json.loads(made)
     rows = {}
-    for shape in args.shapes.split(","):
-        if shape == "smollm2":
-            artifact = smollm2
-        else:
-            target = random_target(cache / f"random-llama-{shape}", SHAPES[shape], target_dir(cache, say))
-            artifact = artifact_of(target, cache / f"random-llama-{shape}-ngram", cache / "demo-signer.pem")
+    for shape, artifact in artifacts.items():
+        artifact = Path(artifact)
         for weights in args.weights.split(","):
-            say(f"measuring {shape} {weights}")
-            rows[f"{shape} {weights}"] = measure(artifact, pub, weights, args.slots, args.max_new_tokens)
+            print(f"measuring {shape} {weights}", file=sys.stderr)
+            rows[f"{shape} {weights}"] = measure(artifact, Path(pub), weights, args.slots, args.max_new_tokens)
     print(f"\n{'':16s}{'weights MiB':>12s}{'command':>9s}{'KV MiB':>9s}{'peak RSS MiB':>14s}{'RSS / (W + KV)':>16s}"
           f"{'(RSS - 340) / (W + KV)':>24s}")
     for name, row in rows.items():

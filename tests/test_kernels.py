@@ -273,7 +273,7 @@ def test_fallback_keeps_the_precision(monkeypatch, weights):
     w, b, x, r = torch.randn(30, 40), torch.randn(30), torch.randn(5, 40), torch.randn(5, 30)
     packed = pack(w, b, weights=weights)
     assert packed.backend == "torch" and packed.weight.dtype == torch.float32
-    dense = kl.unpack(kl._packed(w, weights), weights, 30, 40)
+    dense = kl.unpack(kl.packed_panels(w, weights), weights, 30, 40)
     assert torch.equal(packed.weight, dense) and not torch.equal(dense, w)
     assert torch.equal(packed(x), F.linear(x, dense, b))
     assert torch.equal(packed(x, residual=r), r + F.linear(x, dense, b))

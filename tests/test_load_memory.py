@@ -118,3 +118,23 @@ def test_the_generic_tokenizer_is_the_one_autotokenizer_makes(tiny_target):
         assert getattr(lean, attr) == getattr(auto, attr), attr
     assert {k: str(v) for k, v in lean.added_tokens_decoder.items()} == \
         {k: str(v) for k, v in auto.added_tokens_decoder.items()}
+
+
+@pytest.mark.parametrize("weights", ["fp32", "fp16", "bf16", "int8", "w8a8", "fp32 of fp16 values"])
+def test_a_large_weight_packed_a_stretch_at_a_time_is_the_same_layer(monkeypatch, weights):
+    """packed_linear with `release` reads a weight over CHUNK_BYTES a stretch of rows at a time (the loader hands
+    each stretch's pages back): the same panels, format and products as packing it whole."""
+    from specpack.runtime.kernels import accelerate
+
+    monkeypatch.setattr(accelerate, "CHUNK_BYTES", 64 * 40 * 4)  # 64 rows of 40 a stretch
+    torch.manual_seed(0)
+    w = torch.randn(200, 40)
+    if weights == "fp32 of fp16 values":
+        w, weights = w.half().float(), "fp32"
+    released = []
+    whole = accelerate.packed_linear(w, torch.randn(200), weights)
+    parts = accelerate.packed_linear(w, whole.bias, weights, release=released.append)
+    assert parts.packed.weights == whole.packed.weights and torch.equal(parts.weight, whole.weight)
+    assert len(released) >= 4 and sum(len(r) for r in released) >= 200
+    x = torch.randn(3, 40)
+    assert torch.equal(parts(x), whole(x))

@@ -110,18 +110,51 @@ def use_cpu_kernels(model: nn.Module, weights: str = "fp32", widen: bool = False
     return len(swapped)
 
 
-def packed_linear(weight: Tensor, bias: Tensor | None, weights: str = "fp32", head: bool = False) -> PackedLinearModule:
+def packed_linear(weight: Tensor, bias: Tensor | None, weights: str = "fp32", head: bool = False,
+                  release=None) -> PackedLinearModule:
     """A linear layer's weight (and bias) on the packed kernel in `weights`: at fp32 in the narrowest format that
     holds its values exactly (`exact_format`); bf16 on AMX tiles where they run, except for the vocabulary `head`
     (the greedy screen recomputes its columns in linear.c's bf16 arithmetic). What `use_cpu_kernels` puts in place
-    of each nn.Linear, and the loader (models/weights.py) as it reads each layer."""
+    of each nn.Linear, and the loader (models/weights.py) as it reads each layer. With `release` (called on each
+    stretch of rows once it is read: the loader hands their pages of the mapped file back), a weight over
+    CHUNK_BYTES is read and packed a stretch at a time, never resident whole beside its panels."""
     weight, bias = weight.detach(), None if bias is None else bias.detach()
-    fmt = weights if weights != "fp32" or not available() else exact_format(weight)
+    chunked = release is not None and available() and weight.numel() * 4 > CHUNK_BYTES
+    fmt = weights if weights != "fp32" or not available() else exact_format(weight, release if chunked else None)
     if fmt == "bf16" and weights == "bf16" and not head and bf16_tiles():
         fmt = BF16_TILES
-    module = PackedLinearModule(None, fmt, packed=_pack(weight, bias, fmt))
+    packed = _pack_in_chunks(weight, bias, fmt, release) if chunked else _pack(weight, bias, fmt)
+    module = PackedLinearModule(None, fmt, packed=packed)
     module.narrowed = fmt != weights and fmt != BF16_TILES
     return module
+
+
+CHUNK_BYTES = 32 << 20  # fp32 bytes of a large weight read and packed at a time (packed_linear with `release`)
+
+
+def _row_chunks(weight: Tensor):
+    """`weight`'s rows in stretches of whole panels, about CHUNK_BYTES of fp32 each."""
+    from specpack.runtime.kernels.linear import NR
+
+    rows = max(NR, CHUNK_BYTES // (4 * weight.shape[1]) // NR * NR)
+    return (weight[a:a + rows] for a in range(0, len(weight), rows))
+
+
+def _pack_in_chunks(weight: Tensor, bias: Tensor | None, fmt: str, release):
+    """`_pack`'s layer, its panels filled a stretch of rows at a time (a panel holds 16 rows only: the same bytes),
+    `release(rows)` after each stretch."""
+    from specpack.runtime.kernels.linear import NR, PackedLinear, packed_panels, panel_layout
+    from specpack.runtime.kernels.tuning import settings
+
+    shape, dtype = panel_layout(fmt, *weight.shape)
+    panels, at = torch.empty(shape, dtype=dtype), 0
+    for rows in _row_chunks(weight):
+        part = packed_panels(rows.float(), fmt)
+        panels[at: at + len(part)] = part
+        at += len(part)
+        release(rows)
+    return PackedLinear.of_panels(panels, fmt, tuple(weight.shape), bias,
+                                  tuned=settings("bf16" if fmt == BF16_TILES else fmt))
 
 
 def say_narrowed(modules, weights: str) -> None:
@@ -138,18 +171,24 @@ def _pack(weight: Tensor, bias: Tensor | None, fmt: str):
     return pack(weight, bias, weights=fmt)
 
 
-def exact_format(weight: Tensor) -> str:
+def exact_format(weight: Tensor, release=None) -> str:
     """"fp16" or "bf16" when every value of `weight` is exactly one of that format's (a checkpoint
     stored in 16 bits, widened to fp32 at load), else "fp32". A probe of the first values rules out
-    most fp32 weights before the whole one is compared."""
-    flat = weight.detach().reshape(-1)
+    most fp32 weights before the whole one is compared, a stretch of rows at a time (`release(rows)` after each,
+    as packed_linear)."""
+    w = weight.detach()
     for name, dtype in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
-        if all(torch.equal(part.to(dtype).float(), part) for part in (flat[:4096], *flat.split(EXACT_CHUNK))):
+        probe = w.reshape(-1)[:4096]
+        if torch.equal(probe.to(dtype).float(), probe) and all(_exact(rows, dtype, release) for rows in _row_chunks(w)):
             return name
     return "fp32"
 
 
-EXACT_CHUNK = 1 << 22  # values compared at a time (16 MiB of fp32): never a whole copy of a large weight
+def _exact(rows: Tensor, dtype, release) -> bool:
+    same = torch.equal(rows.to(dtype).float(), rows)
+    if release is not None:
+        release(rows)
+    return same
 
 
 def pack_exact(weight: Tensor):

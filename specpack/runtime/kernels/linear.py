@@ -417,7 +417,20 @@ def w4a8_linear(x: Tensor, u: Tensor, d: Tensor, m: Tensor | None, bias: Tensor 
     return acc.reshape(*x.shape[:-1], N)
 
 
-def _packed(weight: Tensor, weights: str) -> Tensor:
+def panel_layout(weights: str, N: int, K: int) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of the panels a [N, K] weight packs into in `weights` (fp32 / fp16 / bf16: [P, K, 16];
+    int8, w8a8 and the block formats: bytes per panel and block of 32 k; bf16 AMX tiles: pairs), P = ceil(N / 16):
+    panel p holds rows 16p..16p+15 only, so rows packed apart fill the panels packed together."""
+    P, B = -(-N // NR), -(-K // Q8_BLOCK)
+    if weights in PACKED_BYTES or weights in QUANTIZED:
+        return (P, B, PACKED_BYTES.get(weights, Q8_BLOCK_BYTES)), torch.uint8
+    if weights == BF16_TILES:
+        return (P, -(-K // TILE_K), TILE_K // 2, NR, 2), torch.bfloat16
+    return (P, K, NR), _HALF.get(weights, torch.float32)
+
+
+def packed_panels(weight: Tensor, weights: str) -> Tensor:
+    """The panels the kernel reads for `weight` [N, K] in `weights` (`panel_layout`'s shape and dtype)."""
     if weights == "int8":
         return pack_q8(weight)
     if weights == "w8a8":
@@ -455,15 +468,17 @@ class PackedLinear:
     @classmethod
     def of_panels(cls, panels: Tensor, weights: str, shape: tuple[int, int], bias: Tensor | None = None,
                   threads: int | None = None, tuned: dict | None = None) -> "PackedLinear":
-        """A layer over panels already packed in `weights` ("w8a8": `pack_q8_blocks`, "w4a8": `pack_w4a8`) for
-        a weight of `shape` [out, in]: what a GGUF's blocks become without an fp32 weight in between."""
-        if weights not in PACKED_BYTES:
-            raise TypeError(f"of_panels takes {', '.join(PACKED_BYTES)} panels, not {weights!r}")
-        per_block = PACKED_BYTES[weights]
-        want = (-(-shape[0] // NR), -(-shape[1] // Q8_BLOCK), per_block)
-        if panels.dtype != torch.uint8 or tuple(panels.shape) != want:
-            raise TypeError(f"{weights} panels of a {list(shape)} weight are uint8 {list(want)}, "
-                            f"got {panels.dtype} {list(panels.shape)}")
+        """A layer over panels already packed in `weights` for a weight of `shape` [out, in] (`panel_layout`): what
+        a GGUF's blocks become without an fp32 weight in between ("w8a8": `pack_q8_blocks`, "w4a8": `pack_w4a8`,
+        ...), or a large weight packed a few rows at a time (accelerate.packed_linear: every format, the kernels'
+        only)."""
+        if weights not in PACKED_BYTES and not available():
+            raise TypeError(f"{weights} panels run on the CPU kernels, which are not available here; without them "
+                            f"of_panels takes {', '.join(PACKED_BYTES)} panels")
+        want, dtype = panel_layout(weights, *shape)
+        if panels.dtype != dtype or tuple(panels.shape) != want:
+            raise TypeError(f"{weights} panels of a {list(shape)} weight are {str(dtype).removeprefix('torch.')} "
+                            f"{list(want)}, got {panels.dtype} {list(panels.shape)}")
         self = cls.__new__(cls)
         self._setup(shape, bias, threads, weights, tuned)
         self.weight = panels
@@ -502,10 +517,10 @@ class PackedLinear:
 
     def _layout(self, weight: Tensor) -> Tensor:
         if self.backend == "avx2" or self.weights == "w8a8":
-            return _packed(weight, self.weights)
+            return packed_panels(weight, self.weights)
         if weight.dtype == torch.float32 and self.weights == "fp32":
             return weight  # as before: torch's path on the weight as given
-        packed = _packed(weight, self.weights)  # the same rounding as the kernel's
+        packed = packed_panels(weight, self.weights)  # the same rounding as the kernel's
         return unpack(packed, self.weights, self.out_features, self.in_features)
 
     def dense(self) -> Tensor:

@@ -34,7 +34,7 @@ SCREENED = ("fp32", "fp16", "bf16", "int8")  # the head's formats screen.c recom
 # Rows per call the screen takes where the CPU has no VNNI (its w8a8 pass runs AVX2 integer tiles, about
 # int8's speed: a decode step's rows); with VNNI any number (64 rows of SmolLM2's fp32 head: 13.1 -> 5.4 ms)
 MAX_ROWS_WITHOUT_VNNI = 32
-CHUNK = 4096  # head rows per step when computing the bounds (float64 temporaries)
+CHUNK = 1024  # head rows per step of the w8a8 copy and its bounds (float64 temporaries: ~25 MiB on a 576-wide head)
 
 
 def enabled() -> bool:

@@ -360,6 +360,7 @@ def build_decoder(model_dir, spec, shapes, layer_state, decoder_cls, device, dty
     if packer.packed:  # the vectors left (norms) in memory of their own, so nothing faults the file in again
         state = {k: v.clone() if isinstance(v, Tensor) and v.dim() == 1 else v for k, v in state.items()}
         checkpoint.release(t.values())
+        trim_heap()  # packing's freed temporaries, before the next phase allocates past them
     packer.done()
     return assign_weights(model, state, device, dtype)
 
@@ -405,7 +406,7 @@ class _Packer:
 
                 bias = state.pop(module_name + ".bias", None)
                 replacement = packed_linear(value.float(), None if bias is None else bias.float(), self.weights,
-                                            head=module_name == HEAD)
+                                            head=module_name == HEAD, release=self._release)
             else:
                 continue
             del state[name]
@@ -414,6 +415,9 @@ class _Packer:
             self.packed += 1
             self.modules.append(replacement)
         return state
+
+    def _release(self, rows: Tensor) -> None:
+        self.checkpoint.release([rows])
 
     def _blocks(self, name: str, module, value, state: dict):
         from specpack.runtime.kernels.accelerate import PackedLinearModule
@@ -443,7 +447,7 @@ class _Packer:
 
 def trim_heap() -> None:
     """Return the C heap's free memory to the system (glibc keeps what packing's temporaries freed: 240 MiB after
-    SmolLM2 fp32); nothing where the C library has no malloc_trim."""
+    SmolLM2 fp32 before loading packed as it read); nothing where the C library has no malloc_trim."""
     import ctypes
 
     try:
