@@ -133,20 +133,34 @@ def report(rows: dict, weights: dict, kv_mib: float, slots: int) -> None:
           "its first token is its start)")
 
 
+def prepare_files() -> list[str]:
+    """The n-gram artifact, its public key and the F32 GGUF llama.cpp runs (each made once)."""
+    from decode import f32_gguf
+    from specpack.demo import cache_dir, find_gguf, prepare
+
+    artifact, pub = prepare(cache_dir(), lambda s: print(s, file=sys.stderr))
+    gguf = f32_gguf(find_gguf(), cache_dir() / "SmolLM2-135M-Instruct.F32.gguf")
+    return [str(artifact), str(pub), str(gguf)]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-cpp", type=Path, help="a built llama.cpp tree (build/bin/llama-completion, llama-server)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--slots", type=int, default=16, help="the servers' sequences (serve --max-seqs, llama-server -np)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--prepare", action="store_true", help=argparse.SUPPRESS)  # the child that makes the files
     args = ap.parse_args()
-    from decode import f32_gguf
-    from specpack.demo import cache_dir, find_gguf, prepare
-
-    artifact, pub = prepare(cache_dir(), lambda s: print(s, file=sys.stderr))
+    if args.prepare:
+        print(json.dumps(prepare_files()))
+        return 0
+    # the files are made in a child: a process's peak RSS (wait4) counts what its parent held when it forked
+    # (Linux keeps the pre-exec high-water mark), so this one must stay small (an earlier run of this script,
+    # which wrote the F32 GGUF itself, read llama-completion at 1,102 MiB for its 592)
+    made = subprocess.run([sys.executable, __file__, "--prepare"], check=True, stdout=subprocess.PIPE, text=True)
+    artifact, pub, gguf = map(Path, json.loads(made.stdout))
     rows = specpack_rows(artifact, pub, args.max_new_tokens, args.slots)
     if args.llama_cpp:
-        gguf = f32_gguf(find_gguf(), cache_dir() / "SmolLM2-135M-Instruct.F32.gguf")
         rows.update(llama_rows(args.llama_cpp, gguf, args.max_new_tokens, args.slots))
     manifest = json.loads((artifact / "specpack.json").read_text())
     kv_mib = manifest["memory"]["target_kv_bytes_per_token"] * 2048 / MiB  # one 2048-position sequence, fp32
