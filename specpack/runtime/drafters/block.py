@@ -62,7 +62,7 @@ from specpack.runtime.drafters.block_heads import ConfidenceHead, LiLiCorrHead, 
 from specpack.runtime.drafters.block_spec import HINT, BlockSpec, block_spec_from_config, block_tensor_shapes
 from specpack.runtime.drafters.tree import Tree, branch, branching
 from specpack.runtime.kernels.argmax import argmax_rows
-from specpack.runtime.models.dense import Block, KVCache, RMSNorm, apply_rope, rope_inv_freq, rope_tables
+from specpack.runtime.models.dense import Block, KVCache, RMSNorm, apply_rope, embedding, rope_inv_freq, rope_tables
 from specpack.runtime.models.rows import Rows, Segment
 
 
@@ -97,7 +97,7 @@ class BlockDrafter(nn.Module):
         self.norm = RMSNorm(H, eps)
         # the target's tables are held outside the module tree: not a second copy in state_dict
         if spec.embedding == "drafter":
-            self.embed_tokens = nn.Embedding(spec.vocab_size, H)
+            self.embed_tokens = embedding(spec.vocab_size, H)
         else:
             object.__setattr__(self, "embed_tokens", target.embed_tokens)
         if spec.lm_head == "drafter":

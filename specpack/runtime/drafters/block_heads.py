@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from specpack.runtime.drafters.block_spec import BlockSpec, LiLiCorrSpec
-from specpack.runtime.models.dense import RMSNorm
+from specpack.runtime.models.dense import RMSNorm, embedding
 
 
 class MarkovHead(nn.Module):
@@ -35,7 +35,7 @@ class MarkovHead(nn.Module):
         super().__init__()
         r, H = s.markov.rank, s.hidden_size
         self.type = s.markov.type
-        self.markov_w1 = nn.Embedding(s.vocab_size, r)
+        self.markov_w1 = embedding(s.vocab_size, r)
         self.markov_w2 = nn.Linear(r, s.draft_vocab_size, bias=False)
         if self.type == "gated":
             self.gate_proj = nn.Linear(H + r, r)

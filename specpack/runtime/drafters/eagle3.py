@@ -17,7 +17,7 @@ from torch import Tensor, nn
 from specpack.errors import InputError
 from specpack.runtime.kernels.argmax import argmax_rows
 from specpack.families.dense import RopeScaling, rope_from_config
-from specpack.runtime.models.dense import MLP, Attention, KVCache, RMSNorm, rope_inv_freq, rope_tables
+from specpack.runtime.models.dense import MLP, Attention, KVCache, RMSNorm, embedding, rope_inv_freq, rope_tables
 from specpack.runtime.models.rows import Rows, Segment
 from specpack.runtime.drafters.base import Draft, DraftJob
 from specpack.runtime.drafters.tree import Tree, branch, branching, fed_block
@@ -140,7 +140,7 @@ class Eagle3Drafter(nn.Module):
         self.lm_head = nn.Linear(H, spec.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(spec.draft_vocab_size, dtype=torch.long))
         if spec.embedding == "drafter":
-            self.embed_tokens = nn.Embedding(spec.target_vocab_size, H)
+            self.embed_tokens = embedding(spec.target_vocab_size, H)
         else:
             # the target's table, held outside the module tree so it is not a second copy in state_dict
             object.__setattr__(self, "embed_tokens", target_embed)

@@ -157,6 +157,15 @@ class Output(NamedTuple):
     aux: Tensor | None  # [T, len(capture)·H]: hidden states entering the captured layers, concatenated
 
 
+def embedding(num: int, dim: int) -> nn.Embedding:
+    """nn.Embedding(num, dim), initialized as torch does, except on the meta device (a model about to be loaded):
+    there torch's normal_ runs its Python decomposition, which imports ~800 modules (67 MiB, once a process) for
+    values nobody reads."""
+    if torch.empty(0).is_meta:
+        return nn.Embedding(num, dim, _weight=torch.empty(num, dim))
+    return nn.Embedding(num, dim)
+
+
 class Decoder(nn.Module):
     """What our decoders share: embeddings, a stack of layers over a slotted cache, final norm and
     head; the forward over `Rows`. Subclasses build `layers` and implement `new_cache` and
@@ -165,7 +174,7 @@ class Decoder(nn.Module):
     def __init__(self, spec):
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.embed_tokens = embedding(spec.vocab_size, spec.hidden_size)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self.cache = None
