@@ -26,6 +26,7 @@ from cases import root, smollm2, wide  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.engines
 TOLERANCE = 0.05
+NEAR_TIE = 1e-3  # logits this close may round either way between two engines' fp32 paths
 NEW, D = 48, 4
 
 
@@ -101,16 +102,31 @@ def _serve(binary, export, prompts, speculative=True, extra=(), new: int = NEW):
 
 
 def _specpack(artifact, prompts, D: int = D):
-    """(speculative tokens, plain tokens, draft tokens proposed, accepted) of specpack at draft length D,
-    each stopping at the end-of-sequence token as llama-server does."""
+    """(speculative tokens, plain tokens, draft tokens proposed, accepted) of specpack at draft length D, the
+    last two per prompt, each stopping at the end-of-sequence token as llama-server does."""
     import specpack
 
     model = specpack.load(artifact)
     with torch.inference_mode():
         spec = [model.generate(p, NEW, draft_len=D, adaptive=False) for p in prompts]
         plain = [model.generate(p, NEW, speculative=False).tokens for p in prompts]
-    drafted = sum(k * n for r in spec for k, n in enumerate(r.stats.draft_len_steps))
-    return [r.tokens for r in spec], plain, drafted, sum(r.stats.accepted for r in spec)
+    drafted = [sum(k * n for k, n in enumerate(r.stats.draft_len_steps)) for r in spec]
+    return [r.tokens for r in spec], plain, drafted, [r.stats.accepted for r in spec]
+
+
+def _near_tie(artifact, prompt: list[int], ours: list[int], theirs: list[int]) -> float:
+    """Where specpack's and llama.cpp's plain texts part, how far apart the two tokens' logits are in specpack's
+    fp32 target (0 for texts that do not part)."""
+    import specpack
+
+    j = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+    if j is None:
+        return 0.0
+    model = specpack.load(artifact)
+    model.target.setup_cache(len(prompt) + j + 1)
+    with torch.inference_mode():
+        logits = model.target(torch.tensor(prompt + ours[:j])).logits[-1]
+    return abs(logits[ours[j]] - logits[theirs[j]]).item()
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dspark"])
@@ -147,17 +163,25 @@ def test_tiny_trained_heads(llama_server, wide, tmp_path, kind):
 
 def _check_head(binary, out, artifact, prompts, D: int, target: str, kind: str) -> None:
     """llama-server on the export (at p-min 0, then plain) against specpack on the artifact at draft length
-    D: the row recorded, tokens equal everywhere, acceptance rates within TOLERANCE."""
+    D: the row recorded, each engine's speculative tokens its plain ones, the two engines' tokens equal but where
+    a near tie of the target's logits parts them (a CPU's float paths round it either way: on an AVX2-only EPYC
+    one prompt of 12 of the tiny wide Llama parts at token 31), acceptance rates within TOLERANCE over the
+    prompts whose texts agree."""
     spec = _serve(binary, out, prompts, extra=("--spec-draft-p-min", "0"))
     plain = _serve(binary, out, prompts, speculative=False)
     mine, mine_plain, drafted, accepted = _specpack(artifact, prompts, D)
-    rate_llama = sum(s[2] for s in spec) / max(1, sum(s[1] for s in spec))
-    rate_mine = accepted / max(1, drafted)
-    equal = [s[0] for s in spec] == [p[0] for p in plain] == mine == mine_plain
-    record(target=target, drafter=f"{kind} (llama-server)", D=D, loads=True, equal="yes" if equal else "NO",
+    assert mine == mine_plain  # specpack's own guarantee
+    assert [s[0] for s in spec] == [p[0] for p in plain]  # llama.cpp's
+    same = [i for i in range(len(prompts)) if plain[i][0] == mine_plain[i]]
+    ties = {i: _near_tie(artifact, prompts[i], mine_plain[i], plain[i][0]) for i in range(len(prompts)) if i not in same}
+    rate_llama = sum(spec[i][2] for i in same) / max(1, sum(spec[i][1] for i in same))
+    rate_mine = sum(accepted[i] for i in same) / max(1, sum(drafted[i] for i in same))
+    record(target=target, drafter=f"{kind} (llama-server)", D=D, loads=True,
+           equal="yes" if len(same) == len(prompts) else f"{len(same)} of {len(prompts)} prompts (near ties)",
            al_vllm=1 + rate_llama * D, al_specpack=1 + rate_mine * D,
            note=f"acceptance rate llama.cpp {rate_llama:.3f}, specpack {rate_mine:.3f}")
-    assert equal
+    assert all(gap <= NEAR_TIE for gap in ties.values()), ties
+    assert len(ties) <= len(prompts) // 4, ties
     assert abs(rate_llama / rate_mine - 1) <= TOLERANCE, (rate_llama, rate_mine)
 
 
