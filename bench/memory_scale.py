@@ -1,5 +1,5 @@
 """Peak memory of `specpack run` and `specpack serve` as the model grows: a fixed cost (Python, torch, the
-tokenizer: ~340 MiB before any weight) plus what the model itself holds. On SmolLM2-135M the fixed part is
+tokenizer: ~300-340 MiB before any weight) plus what the model itself holds. On SmolLM2-135M the fixed part is
 two thirds of the weights; on a Llama-shaped model of a billion parameters it is a few percent, and the ratio
 to weights + KV is what a laptop with a 7B model sees.
 
