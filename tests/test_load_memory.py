@@ -138,3 +138,12 @@ def test_a_large_weight_packed_a_stretch_at_a_time_is_the_same_layer(monkeypatch
     assert len(released) >= 4 and sum(len(r) for r in released) >= 200
     x = torch.randn(3, 40)
     assert torch.equal(parts(x), whole(x))
+
+
+def test_a_tensor_in_a_dtype_the_runtime_does_not_read_is_refused_by_name(tmp_path):
+    from specpack.errors import InputError
+
+    save_file({"w": torch.zeros(4, 4, dtype=torch.uint16)}, tmp_path / "model.safetensors")
+    with pytest.raises(InputError, match=r"w in .*model.safetensors is stored as U16") as err:
+        Checkpoint(checkpoint_files(tmp_path)).read(["w"])
+    assert "F32, F16, BF16 or U8" in err.value.hint

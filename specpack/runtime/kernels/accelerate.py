@@ -143,8 +143,8 @@ def _row_chunks(weight: Tensor):
 def _pack_in_chunks(weight: Tensor, bias: Tensor | None, fmt: str, release):
     """`_pack`'s layer, its panels filled a stretch of rows at a time (a panel holds 16 rows only: the same bytes),
     `release(rows)` after each stretch."""
-    from specpack.runtime.kernels.linear import NR, PackedLinear, packed_panels, panel_layout
-    from specpack.runtime.kernels.tuning import settings
+    from specpack.runtime.kernels.linear import packed_panels, panel_layout
+    from specpack.runtime.kernels.tuning import of_panels
 
     shape, dtype = panel_layout(fmt, *weight.shape)
     panels, at = torch.empty(shape, dtype=dtype), 0
@@ -153,8 +153,7 @@ def _pack_in_chunks(weight: Tensor, bias: Tensor | None, fmt: str, release):
         panels[at: at + len(part)] = part
         at += len(part)
         release(rows)
-    return PackedLinear.of_panels(panels, fmt, tuple(weight.shape), bias,
-                                  tuned=settings("bf16" if fmt == BF16_TILES else fmt))
+    return of_panels(panels, fmt, tuple(weight.shape), bias)
 
 
 def say_narrowed(modules, weights: str) -> None:

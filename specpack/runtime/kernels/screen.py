@@ -25,9 +25,8 @@ import torch
 from torch import Tensor
 
 from specpack.runtime.kernels._lib import _library
-from specpack.runtime.kernels.linear import (FORMATS, NR, Q8_BLOCK, Q8_BLOCK_BYTES, PackedLinear, pack_w8a8, q8_values,
-                                             unpack)
-from specpack.runtime.kernels.tuning import settings
+from specpack.runtime.kernels.linear import FORMATS, NR, PackedLinear, pack_w8a8, panel_layout, q8_values, unpack
+from specpack.runtime.kernels.tuning import of_panels
 
 CAP = 256  # candidates per row before the row is computed in full (screen.c keeps at most 256)
 SCREENED = ("fp32", "fp16", "bf16", "int8")  # the head's formats screen.c recomputes columns of
@@ -99,15 +98,15 @@ def _cheap_pass(head: PackedLinear) -> tuple[PackedLinear, Tensor]:
     """The head's w8a8 copy (what `pack(dense, weights="w8a8")` makes of the values the head multiplies by, bit for
     bit) and its bounds, made CHUNK rows at a time: never the whole fp32 head beside its panels."""
     V, K = head.out_features, head.in_features
-    panels = torch.empty(-(-V // NR), -(-K // Q8_BLOCK), Q8_BLOCK_BYTES, dtype=torch.uint8)
+    shape, dtype = panel_layout("w8a8", V, K)
+    panels = torch.empty(shape, dtype=dtype)
     bounds = torch.empty(2, V, dtype=torch.float32)
     for a in range(0, V, CHUNK):
         b = min(V, a + CHUNK)
         dense = unpack(head.weight[a // NR: -(-b // NR)], head.weights, b - a, K)  # [b - a, K]
         panels[a // NR: -(-b // NR)] = pack_w8a8(dense)
         bounds[:, a:b] = _bounds(dense, panels[a // NR: -(-b // NR)])
-    cheap = PackedLinear.of_panels(panels, "w8a8", (V, K), threads=head.threads, tuned=settings("w8a8"))
-    return cheap, bounds
+    return of_panels(panels, "w8a8", (V, K), threads=head.threads), bounds
 
 
 def _bounds(dense: Tensor, panels: Tensor) -> Tensor:

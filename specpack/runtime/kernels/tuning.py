@@ -98,8 +98,16 @@ def pack(weight, bias=None, threads: int | None = None, weights: str = "fp32") -
     reference to `weight` afterwards to release it. Falls back to `F.linear` on an fp32 copy of
     the same (rounded) weight when the kernels are not available.
     """
-    tuned = settings("bf16" if weights == BF16_TILES else weights) if _lib.available() else {}
-    return PackedLinear(weight, bias, threads, weights, tuned)
+    return PackedLinear(weight, bias, threads, weights, _format_settings(weights))
+
+
+def of_panels(panels, weights: str, shape: tuple[int, int], bias=None, threads: int | None = None) -> PackedLinear:
+    """`pack` for panels already laid out in `weights` (linear.panel_layout), with the same tuned settings."""
+    return PackedLinear.of_panels(panels, weights, shape, bias, threads, _format_settings(weights))
+
+
+def _format_settings(weights: str) -> dict:
+    return settings("bf16" if weights == BF16_TILES else weights) if _lib.available() else {}
 
 
 def settings(weights: str = "fp32") -> dict:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import logging
 import mmap
+import os
+import struct
 from pathlib import Path
 
 import torch
@@ -98,13 +100,13 @@ class Checkpoint:
 
     def _mapped(self, path: Path) -> tuple:
         if path not in self._maps:
-            from specpack.converters.safetensors_header import data_start, read_header
+            from specpack.converters.safetensors_header import read_header
 
-            header = read_header(path)
+            header = read_header(path)  # checked: every tensor inside the file
             with open(path, "rb") as f:
                 mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr(), data_start(path),
-                                header)
+            start = 8 + struct.unpack("<Q", mm[:8])[0]  # the data after the header
+            self._maps[path] = (mm, torch.frombuffer(mm, dtype=torch.uint8, count=1).data_ptr(), start, header)
         return self._maps[path]
 
     def tensor(self, name: str) -> Tensor:
@@ -181,8 +183,6 @@ class FileEmbedding(torch.nn.Module):
         return self.table
 
     def forward(self, ids: Tensor) -> Tensor:
-        import os
-
         rows, size = ids.reshape(-1).tolist(), self.row_bytes
         out = torch.empty(len(rows), self.embedding_dim)
         buffer = memoryview(out.view(torch.uint8).numpy()).cast("B")
