@@ -15,6 +15,7 @@ from safetensors import safe_open
 import eagle_fixtures as ef
 import tiny
 from gguf_fixtures import write_llama_gguf
+from specpack.runtime.kernels import linear as kl
 from specpack.converters.gguf import gguf_name, import_gguf, unpermute_rotary
 from specpack.errors import ConversionError, InputError, UnsupportedError
 from specpack.runtime.kernels.accelerate import PackedLinearModule
@@ -239,3 +240,36 @@ def test_a_fused_layer_of_int8_exact_types_runs_on_int8_panels(tmp_path):
     qkv = load_target(tmp_path / "kept").layers[0].self_attn.qkv_proj
     assert qkv.packed.weights == "w8a8"
     assert torch.equal(qkv.dense_weight(), load_target(tmp_path / "f32").layers[0].self_attn.qkv_proj.weight)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_beside_blocks_the_drafter_is_packed_in_int8_unless_another_precision_is_asked(kept_artifacts, kind):
+    import specpack
+    from specpack.runtime.kernels._lib import _library
+
+    if not kl.available():
+        pytest.skip(kl.unavailable_reason())
+
+    def drafter_formats(m):
+        return {mod.packed.weights for mod in m.drafter.modules() if hasattr(mod, "packed")} - {"w4a8"}
+
+    blocks = "w8a8" if _library()[0].sp_vnni() else "int8"
+    assert drafter_formats(specpack.load(kept_artifacts[kind])) == {blocks}
+    assert drafter_formats(specpack.load(kept_artifacts[kind], weights="bf16")) == {"bf16"}
+
+
+def test_the_drafter_follows_weights_beside_a_float_target():
+    from types import SimpleNamespace as NS
+
+    from specpack.runtime.backends.torch_backend import drafter_weights
+
+    def manifest(scheme, kind="eagle3"):
+        quantization = NS(scheme=scheme) if scheme else None
+        return NS(target=NS(arch=NS(quantization=quantization)), drafter=NS(kind=kind))
+
+    assert drafter_weights(manifest(None), "fp32") == "fp32"
+    assert drafter_weights(manifest("fp8-block"), "fp32") == "fp32"
+    assert drafter_weights(manifest("gguf"), "int8") == "int8"
+    assert drafter_weights(manifest("gguf", "ngram"), "fp32") == "fp32"
+    if kl.available():
+        assert drafter_weights(manifest("gguf"), "fp32") in ("w8a8", "int8")
