@@ -274,3 +274,15 @@ def test_the_scheduler_serves_trees():
     assert [r.tokens for r in got] == [w[: len(r.tokens)] for w, r in zip(want, got)]
     assert sum(r.stats.accepted for r in got) > 0
     assert gauges["specpack_draft_tree_topk"][0] == 3 and gauges["specpack_draft_tree_nodes"][0] == 8
+
+
+def test_chain_rows_are_made_from_ints_as_the_general_rows_are():
+    segs = [Segment(2, 5, 3), Segment(0, 0, 1), Segment(1, 7, 2)]
+    r = Rows.of(segs)
+    assert r.slot.tolist() == [2, 2, 2, 0, 1, 1] and r.write.tolist() == [5, 6, 7, 0, 7, 8]
+    assert r.pos.tolist() == r.write.tolist() and r.ctx.tolist() == [5, 5, 5, 0, 7, 7]
+    assert r.end.tolist() == [6, 7, 8, 1, 8, 9] and r.mask is None
+    assert [a for _, a in r.segments] == [0, 3, 4] and r.last_rows() == [2, 3, 5]
+    assert all(t.dtype == torch.long for t in (r.slot, r.write, r.pos, r.ctx, r.end))
+    moved = Rows.of([Segment(0, 4, 2, positions=torch.tensor([9, 9]))])  # positions of their own: the general rows
+    assert moved.pos.tolist() == [9, 9] and moved.write.tolist() == [4, 5] and moved.end.tolist() == [5, 6]
