@@ -124,3 +124,21 @@ def test_panels_round_trip_and_refuse_what_they_cannot_hold():
         PackedLinear.of_panels(panels[:, :1], "w4a8", (20, 64))
     with pytest.raises(TypeError, match="packed from GGUF"):
         PackedLinear(dense, weights="w4a8")
+
+
+@pytest.mark.parametrize("kind", list(gb.TYPES))
+def test_an_embedding_of_blocks_looks_rows_up_with_gguf_pys_values(kind, monkeypatch):
+    from specpack.runtime.kernels.gguf import BlockEmbedding, Blocks
+
+    n, k = 40, 512
+    raw, dense = blocks(kind, n, k, seed=7)
+    ids = torch.tensor([[3, 0, 39], [17, 17, 5]])
+    emb = BlockEmbedding(Blocks.of(kind, raw, k))
+    got = emb(ids)
+    assert torch.equal(got, dense[ids]) and torch.equal(got, gb.dequantize(kind, raw, k)[ids])
+    for bad in (40, -1):
+        with pytest.raises(IndexError, match=f"token id {bad} is outside the 40-row"):
+            emb(torch.tensor([1, bad]))
+    monkeypatch.setenv("SPECPACK_KERNELS", "0")  # the torch path: the same values
+    kl._library.cache_clear()
+    assert torch.equal(BlockEmbedding(Blocks.of(kind, raw, k))(ids), got)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "panels.c", "linear.c", "w8a8.c", "w4a8.c", "w6a8.c", "amx.c", "bf16_tiles.c", "attention.c", "argmax.c", "layers.c", "decoder.c", "screen.c")]
+SOURCES = [Path(__file__).with_name(n) for n in ("pool.c", "panels.c", "linear.c", "w8a8.c", "w4a8.c", "w6a8.c", "amx.c", "bf16_tiles.c", "attention.c", "argmax.c", "layers.c", "decoder.c", "screen.c", "gguf_rows.c")]
 HEADERS = [Path(__file__).with_name(n) for n in ("kernels.h", "simd.h", "attention_kv.h")]
 COMPILE_FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-std=gnu11", "-pthread"]
 CFLAGS = [*COMPILE_FLAGS, "-fPIC", "-shared"]
@@ -110,6 +110,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sp_block_draft.argtypes = [p, i64, p, p, p, p, p, p, p, i64, p, p, i64, p, p]
     lib.sp_block_draft.restype = None
     lib.sp_argmax.argtypes = [p, i64, i64, i64, p]
+    lib.sp_gguf_rows.argtypes = [c_int, p, i64, i64, p, i64, i64, p]
+    lib.sp_gguf_rows.restype = i64
     lib.sp_argmax.restype = None
     lib.sp_screen.argtypes = [p, i64, i64, i64, p, i64, i64, p, p, c_int, i64, p, c_int]
     lib.sp_screen.restype = None

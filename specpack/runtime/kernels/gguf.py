@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from specpack.families import gguf_blocks
+from specpack.runtime.kernels._lib import _library, available
 from specpack.runtime.kernels.linear import (NR, PACKED_BYTES, Q8_BLOCK, PackedLinear, pack_q8_blocks, pack_w4a8,
                                              pack_w5a8, pack_w6a8)
 
@@ -127,7 +128,7 @@ def _rows(parts, r0: int, r1: int) -> list[tuple[str, Tensor]]:
 
 class BlockEmbedding(nn.Module):
     """An embedding table kept as GGUF blocks: each lookup dequantizes only the rows it gathers (the same
-    values as the whole table's dequantization). `weight`, for the few kernels that read the table as fp32
+    values as the whole table's dequantization; one C call, gguf_rows.c, where the kernels are built). `weight`, for the few kernels that read the table as fp32
     (a block drafter's fused step), is made on first use and kept."""
 
     def __init__(self, blocks: Blocks):
@@ -135,11 +136,21 @@ class BlockEmbedding(nn.Module):
         (self.kind, raw), = blocks.parts
         self.raw = raw  # a view of the mapped file: a lookup reads only its rows' pages
         self.num_embeddings, self.embedding_dim = blocks.shape
+        self._type = gguf_blocks.TYPES.index(self.kind)  # gguf_rows.c's enum
         self._dense = None
 
     def forward(self, ids: Tensor) -> Tensor:
-        rows = self.raw[ids.reshape(-1)]
-        return gguf_blocks.dequantize(self.kind, rows, self.embedding_dim).view(*ids.shape, self.embedding_dim)
+        flat = ids.reshape(-1)
+        if not (available() and self.raw.is_cpu and self.raw.is_contiguous()):
+            rows = self.raw[flat]
+            return gguf_blocks.dequantize(self.kind, rows, self.embedding_dim).view(*ids.shape, self.embedding_dim)
+        flat = flat.to(torch.int64).contiguous()
+        out = torch.empty(len(flat), self.embedding_dim)
+        bad = _library()[0].sp_gguf_rows(self._type, self.raw.data_ptr(), self.num_embeddings, self.raw.shape[1],
+                                         flat.data_ptr(), len(flat), self.embedding_dim, out.data_ptr())
+        if bad:
+            raise IndexError(f"token id {int(flat[bad - 1])} is outside the {self.num_embeddings}-row embedding table")
+        return out.view(*ids.shape, self.embedding_dim)
 
     @property
     def weight(self) -> Tensor:
