@@ -209,8 +209,12 @@ class Eagle3Drafter(nn.Module):
             live = [i for i, j in enumerate(jobs) if j.k > step]
             rows = Rows.of([Segment(jobs[i].slot, self.lengths[jobs[i].slot] + step - 1, 1) for i in live], dev)
             last = torch.tensor([drafts[i][-1] for i in live], device=dev)
-            out, logits = self._forward(h[live], last, rows, list(range(len(live))))
-            h[live] = out
+            every = len(live) == len(jobs)
+            out, logits = self._forward(h if every else h[live], last, rows, list(range(len(live))))
+            if every:
+                h = out
+            else:
+                h[live] = out
             for i, t in zip(live, self._choose(logits, [jobs[i] for i in live], step)):
                 drafts[i].append(t)
         return [Draft(torch.tensor(d, dtype=torch.long)) for d in drafts]
