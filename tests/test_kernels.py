@@ -356,6 +356,7 @@ def test_settings_are_measured_once_per_cpu_model_and_cached(kernel, tmp_path, m
     monkeypatch.setattr(tuning, "_l3_bytes", lambda: 1 << 20)
     monkeypatch.setattr(tuning, "MIN_STREAM", 1 << 20)
     monkeypatch.setattr(tuning, "REPS", 1)
+    monkeypatch.setattr(tuning, "BUSY_SHARE", 1.0)  # cached however busy the machine is (the next test: not)
     tuning._tuned.cache_clear()
     try:
         torch.manual_seed(7)
@@ -595,3 +596,32 @@ def test_bf16_asked_for_runs_on_tiles_but_the_head_and_narrowed_layers_do_not(ti
         narrowed.proj.weight.copy_((narrowed.proj.weight * 1e6).bfloat16().float())  # beyond fp16's range
     accelerate.use_cpu_kernels(narrowed, "fp32")
     assert narrowed.proj.packed.weights == "bf16"
+
+
+def test_settings_measured_on_a_busy_machine_are_used_but_not_cached(kernel, tmp_path, monkeypatch, caplog):
+    from specpack.runtime.kernels import tuning
+
+    monkeypatch.setenv("SPECPACK_CACHE", str(tmp_path))
+    monkeypatch.setenv("SPECPACK_KERNEL_TUNE", "1")
+    chosen = dict(tuning.DEFAULTS, threads=1)
+    monkeypatch.setattr(tuning, "measure", lambda weights: {"settings": chosen, "busy": 0.6})
+    tuning._tuned.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert tuning.settings("int8") == chosen
+        assert "other work took 60% of the CPU" in caplog.text and "not cached" in caplog.text
+        assert not (tmp_path / "kernels" / "tuning.json").exists()
+    finally:
+        tuning._tuned.cache_clear()
+        tuning._lib.set_tuned_threads(None)
+
+
+def test_the_share_of_the_cpu_others_took_is_what_this_process_did_not_use():
+    from specpack.runtime.kernels import tuning
+
+    # 2 s on 2 cores: 4 CPU seconds; the machine was busy 3.5 of them, 1.5 of those this process's
+    assert tuning._others_share((0.0, 10.0, 1.0), (2.0, 13.5, 2.5), 2) == 0.5
+    assert tuning._others_share((0.0, 10.0, 1.0), (2.0, 11.0, 2.1), 2) == 0.0  # accounting jitter: not negative
+    assert tuning._others_share((0.0, float("nan"), 0.0), (1.0, float("nan"), 1.0), 2) == 0.0
+    wall, busy, own = tuning._cpu_times()
+    assert wall > 0 and busy > 0 and own > 0

@@ -47,6 +47,11 @@ REPS = 3
 # format then ran its layers on one), and on a 2-core machine both cores stream faster in a quiet one.
 FEWER_THREADS_MARGIN = 1.10
 TUNING_VERSION = 2  # in the cache key: settings chosen by an older rule are measured again
+# Settings measured while other work took more than this share of the machine's CPU time (other processes, or a
+# VM's steal) are used by the process that measured them but not cached: a compiler on the other core made the
+# two-core EPYC pick one thread for w8a8 (beyond FEWER_THREADS_MARGIN), and every block format then ran on one
+# (SmolLM2 Q4_1 verify layers 1.28x -> 1.77x one row's cost) in every later process.
+BUSY_SHARE = 0.25
 
 
 def _setting() -> str:
@@ -124,10 +129,15 @@ def _tuned(weights: str) -> dict:
     entry = _read_cache().get(key)
     if not entry or _setting() == "force" or not _valid(entry.get("settings")):
         entry = measure(weights)
-        try:
-            _write_cache(key, entry)
-        except OSError as exc:
-            log.warning("cannot cache the kernel settings in %s: %s", _cache_path(), exc)
+        if entry.get("busy", 0.0) > BUSY_SHARE:
+            log.warning("other work took %.0f%% of the CPU while the %s kernel settings were measured: they are used "
+                        "by this process only, not cached (the next start measures again)", 100 * entry["busy"],
+                        weights)
+        else:
+            try:
+                _write_cache(key, entry)
+            except OSError as exc:
+                log.warning("cannot cache the kernel settings in %s: %s", _cache_path(), exc)
     _lib.set_tuned_threads(entry["settings"]["threads"])  # attention's too
     return entry
 
@@ -145,7 +155,7 @@ def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> 
     n = _lib.cores()
     total = stream_bytes or min(MAX_STREAM, max(MIN_STREAM, 2 * _l3_bytes()))
     log.info("measuring the CPU kernels' settings for %s weights on %s (once per CPU model)", weights, cpu_model())
-    start = time.perf_counter()
+    start, before = time.perf_counter(), _cpu_times()
     stream = _random_stream(weights, total)
     x1, x9 = torch.randn(1, SHAPE[1]), torch.randn(9, SHAPE[1])
     isa, isa_ms = _isa(stream[0], n, reps)
@@ -164,13 +174,34 @@ def measure(weights: str, stream_bytes: int | None = None, reps: int = REPS) -> 
     entry = {"settings": chosen, "ms_one_row": round(one_row, 3), "stream_mb": round(total / 2**20),
              "torch_ms_one_row": None if torch_ms is None else round(torch_ms, 3),
              "isa_ms_64_rows": isa_ms,
-             "seconds": round(time.perf_counter() - start, 2)}
+             "seconds": round(time.perf_counter() - start, 2), "busy": _others_share(before, _cpu_times(), n)}
     log.info("kernel settings for %s weights on %s: %s", weights, cpu_model(), entry)
     if torch_ms is not None and one_row > torch_ms:
         log.warning("the packed kernel streams fp32 weights slower than torch's F.linear at one row here "
                     "(%.2f vs %.2f ms over %d MB): report it with `specpack --version` and your CPU model",
                     one_row, torch_ms, entry["stream_mb"])
     return entry
+
+
+def _cpu_times() -> tuple[float, float, float]:
+    """(wall seconds, CPU seconds the machine spent busy: /proc/stat's user to steal, this process's and its finished
+    children's CPU seconds)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]
+        ticks = [int(f) for f in fields]  # user nice system idle iowait irq softirq steal
+        busy = (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        busy = float("nan")
+    own = os.times()  # its children too: a compiler building the kernels is this process's work
+    return time.monotonic(), busy, own.user + own.system + own.children_user + own.children_system
+
+
+def _others_share(before, after, cores: int) -> float:
+    """The share of the machine's CPU time (wall x cores) that went to anything but this process between the two
+    `_cpu_times` readings (0 where /proc/stat cannot be read)."""
+    wall = (after[0] - before[0]) * cores
+    others = (after[1] - before[1]) - (after[2] - before[2])
+    return round(max(0.0, others / wall), 3) if wall > 0 and others == others else 0.0
 
 
 def _fastest(candidates: list[dict], ms: dict[int, float], cores: int) -> dict:
