@@ -221,6 +221,9 @@ def test_the_batched_engine_on_blocks_equals_single_requests(kept_artifacts, kin
 
     m = specpack.load(kept_artifacts[kind])
     assert m.target.layers[0].mlp.gate_up_proj.packed.weights == "w4a8"
+    assert m.target.embed_tokens._dense is None  # a block drafter's fused step reads the blocks too: no fp32 table
+    if kind == "block" and kl.available():
+        assert m.drafter.fused_block is not None
     reqs = requests(m)
     want = [alone(m, r) for r in reqs]
     engine = Engine(m.target, m.drafter, slots=3, max_len=64, prefill_chunk=5)

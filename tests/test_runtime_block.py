@@ -271,6 +271,44 @@ def test_packed_drafter_runs_fused_as_the_module_path_does(llama, tmp_path, vari
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no CPU kernel")
+def test_a_fused_block_reads_an_embedding_of_gguf_blocks_a_row_at_a_time(llama, tmp_path):
+    """A target kept in GGUF blocks embeds with a BlockEmbedding: the fused draft forward dequantizes the rows it
+    embeds (gguf_rows.c) instead of an fp32 table of the whole vocabulary, and drafts what the module path does
+    with the same blocks."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    from specpack.runtime.kernels.accelerate import use_cpu_kernels
+    from specpack.runtime.kernels.gguf import BlockEmbedding, Blocks
+    from specpack.runtime.kernels.layers import FusedBlock
+
+    _, hf = llama
+    target = load_target(target_dir("llama"))
+    use_cpu_kernels(target)
+    table = target.embed_tokens.weight.detach().numpy().astype(np.float32)
+    raw = torch.from_numpy(quantize(table, GGMLQuantizationType.Q8_0))
+    blocks = BlockEmbedding(Blocks.of("Q8_0", raw, table.shape[1]))
+    target.embed_tokens = blocks
+    drafter = load_block(None, head(tmp_path / "h", "dspark"), target)
+    use_cpu_kernels(drafter)
+    assert drafter.embed_tokens is blocks and isinstance(drafter.fused_block, FusedBlock)
+    seq = sequence(hf, 5)
+    jobs = [DraftJob(0, seq[:9], features(hf, seq)[:8], 4, None)]
+    runs = {}
+    with torch.inference_mode():
+        for path in ("block", "modules"):
+            if path == "modules":
+                drafter.fused_block, drafter.fused = None, None
+            drafter.reserve(1, 64)
+            drafter._absorb(jobs)
+            runs[path] = drafter._block(jobs)
+    assert blocks._dense is None  # no fp32 table was made
+    torch.testing.assert_close(runs["block"].hidden, runs["modules"].hidden, atol=1e-5, rtol=0)
+    torch.testing.assert_close(runs["block"].logits, runs["modules"].logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no CPU kernel")
 def test_fused_block_refuses_rows_past_its_cache_tables_and_embedding(llama, tmp_path):
     """The C calls index the cache, the RoPE tables and the embedding unchecked: a position past the
     reserve, a slot past the cache or a token id past the embedding is an IndexError, as on the module

@@ -12,6 +12,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "kernels.h"
+
 enum { Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K }; /* gguf_blocks.TYPES' order */
 
 static float f16(const uint8_t *p)

@@ -111,3 +111,8 @@ void sp_linear_bf16t(const float *x, int64_t M, int64_t K, int64_t ldx, const vo
 
 /* The norms of a row as w8a8 rounds it and of its rounding error (w8a8.c), for screen.c. */
 void sp_w8a8_norms(const float *x, int64_t K, double *hat, double *err);
+
+/* Rows ids[0..n) of a GGUF block table as fp32 (gguf_rows.c; kind: gguf_blocks.TYPES' index): 0, or 1 + the
+ * index of the first id outside 0..rows-1. */
+int64_t sp_gguf_rows(int kind, const uint8_t *raw, int64_t rows, int64_t row_bytes, const int64_t *ids, int64_t n,
+                     int64_t cols, float *out);

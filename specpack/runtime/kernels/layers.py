@@ -25,6 +25,7 @@ from torch import Tensor
 
 from specpack.runtime.kernels._lib import _library, available
 from specpack.runtime.kernels.attention import CACHE_DTYPES
+from specpack.runtime.kernels.gguf import BlockEmbedding
 
 MAX_HEAD_DIM = 1024  # sp_rope_cache's scratch
 
@@ -267,7 +268,9 @@ class FusedEagle3Layer:
 
 class _Block(ctypes.Structure):  # decoder.c's sp_block_t
     _fields_ = [("fc", _Lin), ("hidden_norm", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", _Lin),
-                ("embed", ctypes.c_void_p), ("mask_embed", ctypes.c_void_p), ("mask_token", ctypes.c_int64),
+                ("embed", ctypes.c_void_p), ("embed_blocks", ctypes.c_void_p), ("embed_kind", ctypes.c_int64),
+                ("embed_rows", ctypes.c_int64), ("embed_row_bytes", ctypes.c_int64),
+                ("mask_embed", ctypes.c_void_p), ("mask_token", ctypes.c_int64),
                 ("causal", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
 
 
@@ -289,25 +292,31 @@ class FusedBlock:
         mask = drafter.mask_embedding
         self._mask = None if mask is None else mask.detach().float().contiguous()
         self._causal = (ctypes.c_uint8 * len(s.layer_causal))(*map(int, s.layer_causal))
-        self.embed = drafter.embed_tokens.weight
+        e = drafter.embed_tokens
+        blocks = isinstance(e, BlockEmbedding)  # rows dequantized as they are read, no fp32 table
+        self.embed = e.raw if blocks else e.weight
         self.head_rows = drafter.lm_head.out_features
         self.table = _Block(_lin(drafter.fc.packed), _ptr(self._keep[0]), _ptr(self._keep[1]),
-                            _lin(drafter.lm_head.packed), _ptr(self.embed), _ptr(self._mask), s.mask_token_id,
-                            ctypes.cast(self._causal, ctypes.c_void_p), None, None)
+                            _lin(drafter.lm_head.packed), None if blocks else _ptr(self.embed),
+                            _ptr(self.embed) if blocks else None, e._type if blocks else 0,
+                            e.num_embeddings if blocks else 0, self.embed.shape[1] if blocks else 0,
+                            _ptr(self._mask), s.mask_token_id, ctypes.cast(self._causal, ctypes.c_void_p), None, None)
         self.tables = None  # the cos/sin tables the table points at (set_tables)
         self.scratch = torch.empty(0)
 
     @classmethod
     def of(cls, drafter) -> FusedBlock | None:
         """None unless the drafter's layers run fused, its fc and lm_head on the packed kernel and
-        its embedding table fp32 on the CPU."""
+        its embedding table fp32 or GGUF blocks on the CPU."""
         layers = getattr(drafter, "fused", None)
         if not isinstance(layers, FusedLayers):
             return None
         linears = (drafter.fc, drafter.lm_head)
-        e = drafter.embed_tokens.weight
+        e = drafter.embed_tokens
+        table = e.raw if isinstance(e, BlockEmbedding) else e.weight
         if not (all(getattr(m, "packed", None) is not None and m.packed.backend == "avx2" for m in linears)
-                and e.dtype == torch.float32 and e.device.type == "cpu" and e.is_contiguous()):
+                and (isinstance(e, BlockEmbedding) or table.dtype == torch.float32) and table.device.type == "cpu"
+                and table.is_contiguous()):
             return None
         return cls(drafter, layers)
 
