@@ -147,3 +147,26 @@ def test_a_tensor_in_a_dtype_the_runtime_does_not_read_is_refused_by_name(tmp_pa
     with pytest.raises(InputError, match=r"w in .*model.safetensors is stored as U16") as err:
         Checkpoint(checkpoint_files(tmp_path)).read(["w"])
     assert "F32, F16, BF16 or U8" in err.value.hint
+
+
+def test_a_draft_model_is_packed_as_it_is_read_too(wide_target):
+    """A draft model (a whole decoder) goes through the target's loader with the drafter's weight format: after
+    specpack.load its file keeps no page of the packed layers, and speculation stays lossless."""
+    import specpack
+    from specpack.packager import BuildOptions, build
+    from test_draft_model import make_draft
+
+    artifact = wide_target.parent / "art-draft"
+    if not artifact.exists():
+        draft = make_draft(wide_target.parent / "draft", wide_target, layers=2)
+        build(BuildOptions(target=wide_target, drafter=str(draft), out=artifact))
+    threads = torch.get_num_threads()
+    try:
+        model = specpack.load(artifact)
+    finally:
+        torch.set_num_threads(threads)
+    assert not any(isinstance(m, torch.nn.Linear) for m in model.drafter.modules())
+    file = next((artifact / "drafter").glob("*.safetensors"))
+    assert file.stat().st_size > 8 * MiB and resident(file) < 1 * MiB
+    plain = model.generate([5, 17, 99, 3], max_new_tokens=8, speculative=False, eos_ids=()).tokens
+    assert model.generate([5, 17, 99, 3], max_new_tokens=8, draft_len=3, eos_ids=()).tokens == plain

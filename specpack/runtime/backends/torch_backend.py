@@ -34,10 +34,11 @@ def load(artifact, manifest, device: str = "cpu", dtype: str = "float32", cpu_ke
     entry = manifest.drafter
     params = entry.model_dump(exclude={"kind"}) if entry.kind == "ngram" else None
     drafter_dir = Path(artifact) / "drafter" if entry.kind != "ngram" else None
-    drafter = load_drafter(entry.kind, params, drafter_dir, target)
+    own = drafter_weights(manifest, weights)
+    drafter = load_drafter(entry.kind, params, drafter_dir, target, own if packs else None)
     if packs:
         use_cpu_kernels(target, weights, widen=as_stored)
-        use_cpu_kernels(drafter, drafter_weights(manifest, weights), widen=as_stored)
+        use_cpu_kernels(drafter, own, widen=as_stored)
     return target, drafter
 
 

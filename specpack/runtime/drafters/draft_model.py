@@ -94,9 +94,10 @@ class DraftModelDrafter(nn.Module):
         return self.draft([DraftJob(0, context, None, draft_len, sampler)])[0]
 
 
-def load_draft_model(params: dict | None, drafter_dir, target) -> DraftModelDrafter:
-    """The draft model in `drafter_dir` (a Hugging Face model dir) on the target's device and dtype."""
+def load_draft_model(params: dict | None, drafter_dir, target, weights: str | None = None) -> DraftModelDrafter:
+    """The draft model in `drafter_dir` (a Hugging Face model dir) on the target's device and dtype; with
+    `weights`, its linear layers packed in that format as they are read (models.weights.load_target)."""
     from specpack.runtime.models.weights import load_target
 
-    model = load_target(drafter_dir, target.device, target.dtype)
+    model = load_target(drafter_dir, target.device, target.dtype, weights)
     return DraftModelDrafter(model, target.spec.vocab_size)
