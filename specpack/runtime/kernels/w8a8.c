@@ -417,6 +417,12 @@ static AMX void amx_slab(const qjob_t *j, const char *w, int np, int64_t m0, int
 
 /* Rows [m0, m0 + ms) (ms <= 16) times panels [p, p + np): full panels straight into y, a partial
  * last one through scratch [16][16]. */
+/* Lines ahead that a lone tile of two or more rows prefetches at least, whatever the tuned distance (measured at
+ * one and nine rows, one row weighing double: it often picks none): the dots of several rows keep the hardware
+ * prefetcher behind, as in w4a8.c. SmolLM2's 49152 x 576 head over 4 rows, quiet Zen 4, tuned 0 -> 256 lines:
+ * 1.40 -> 1.02 ms (one row 1.0 ms either way). */
+#define ROWS_PREFETCH 256
+
 static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, float *scratch)
 {
     const qjob_t *j = job;
@@ -450,8 +456,9 @@ static void slab(const void *job, int64_t p, int np, int64_t m0, int64_t ms, flo
              * later tiles compute from cache */
             int mask = 0;
             for (int q = 0; q < np; q++) mask |= (q % ntiles == t) << q;
+            const int64_t lines = mr >= 2 && j->prefetch < ROWS_PREFETCH ? ROWS_PREFETCH : j->prefetch;
             QTILES[np][mr](j, w, m0 + r, out + r * ldo, ldo, j->bias ? bias : 0, res ? res + r * j->ldr : 0,
-                           j->ldr, ntiles == 1 ? j->prefetch * 64 : np * pb, ntiles == 1 ? 15 : mask);
+                           j->ldr, ntiles == 1 ? lines * 64 : np * pb, ntiles == 1 ? 15 : mask);
             r += mr;
         }
     }
