@@ -100,7 +100,9 @@ WEIGHTS = click.option("--weights", default="fp32", show_default=True,
                             "(exact for a checkpoint stored so), int8 a quarter (per-block scales, like Q8_0) with fp32 "
                             "activations; w8a8 rounds the activations to int8 blocks too (llama.cpp's Q8_0 "
                             "arithmetic: int8 dot products, several rows about the price of one). Speculation "
-                            "stays lossless at each (torch backend, cpu, float32).")
+                            "stays lossless at each (torch backend, cpu, float32). A target imported with its GGUF "
+                            "blocks keeps them whatever this says; its drafter is packed in this precision, fp32 "
+                            "meaning int8 blocks beside it (docs/running.md, GGUF blocks).")
 KV_CACHE = click.option("--kv-cache", default="model", show_default=True, type=click.Choice(KV_CACHES),
                         help="The target's KV cache: the model's dtype, or fp16 (a float32 model's keys and values "
                              "rounded to fp16 as written: half the bytes each step reads per cached position, "
