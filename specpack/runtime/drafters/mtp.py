@@ -93,7 +93,8 @@ class _DenseKit:
         return fuse_layer(t, prefix, prefix)
 
     def cache(self, max_len: int, slots: int = 1) -> KVCache:
-        s, w = self.spec, self.target.embed_tokens.weight
+        # the model's dtype and device from its final norm: a GGUF-block embedding's `weight` is a whole fp32 copy
+        s, w = self.spec, self.target.norm.weight
         return KVCache(1, s.num_kv_heads, s.head_dim, max_len, w.dtype, w.device, slots)
 
 
