@@ -234,3 +234,55 @@ def test_the_eagle3_heads_whole_step_is_one_call_matching_its_module_path():
         with pytest.raises(ValueError, match="logit rows"):
             layer.fused.step(d.embed_tokens(tokens), h, d.cos[rows.pos, None], d.sin[rows.pos, None],
                              d.cache.k[0], d.cache.v[0], rows, [6], d.norm, d.lm_head)
+
+
+@pytest.mark.parametrize("table", ["file", "blocks", "module"])
+def test_the_eagle3_greedy_chain_in_one_call_drafts_what_the_step_loop_drafts(table, monkeypatch):
+    """After its first step a greedy EAGLE-3 chain runs as one C call (FusedEagle3Layer.chain: embedding row,
+    layer, norm, lm_head, argmax, draft-to-target map, per step): the same drafts and the same cache as the
+    Python loop of fused steps, for three sequences drafting 3, 1 and 4 tokens, whichever table the token
+    embeddings come from (the target's fp32 table left in its file, GGUF blocks, an fp32 module)."""
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf.quants import quantize
+
+    import specpack
+    from specpack.runtime.drafters.base import DraftJob
+    from specpack.runtime.kernels.gguf import BlockEmbedding, Blocks
+    from test_engine import artifact
+
+    d = specpack.load(artifact("eagle3")).drafter
+    dense = d.embed_tokens.weight.detach().clone()
+    if table == "blocks":
+        raw = torch.from_numpy(quantize(dense.numpy().astype(np.float32), GGMLQuantizationType.Q8_0))
+        object.__setattr__(d, "embed_tokens", BlockEmbedding(Blocks.of("Q8_0", raw, dense.shape[1])))
+    elif table == "module":
+        object.__setattr__(d, "embed_tokens", torch.nn.Embedding.from_pretrained(dense))
+    else:
+        assert d.embed_tokens.pread_source is not None
+    g = torch.Generator().manual_seed(11)
+    F_ = len(d.spec.aux_layer_ids) * d.spec.target_hidden_size
+    V = d.spec.target_vocab_size
+    jobs = [DraftJob(slot, torch.randint(0, V, (n,), generator=g), torch.randn(r, F_, generator=g), k, None)
+            for slot, n, r, k in ((2, 9, 3, 3), (0, 5, 2, 1), (1, 7, 7, 4))]
+    steps = []
+    monkeypatch.setattr(d.layers[0].fused, "step", _counting(d.layers[0].fused.step, steps))
+    results = {}
+    with torch.inference_mode():
+        for flag in ("1", "0"):
+            monkeypatch.setenv("SPECPACK_EAGLE3_CHAIN", flag)
+            d.reserve(3, 32)
+            steps.clear()
+            drafts = d.draft(jobs)
+            results[flag] = ([x.tokens.tolist() for x in drafts], d.cache.k[0].clone(), len(steps))
+    (chain, chain_cache, chain_steps), (loop, loop_cache, loop_steps) = results["1"], results["0"]
+    assert [len(x) for x in chain] == [3, 1, 4] and chain == loop
+    assert torch.equal(chain_cache, loop_cache)
+    assert (chain_steps, loop_steps) == (1, 4)  # the first step from Python, then one call (the loop: 3 more)
+
+
+def _counting(fn, calls: list):
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+    return counted

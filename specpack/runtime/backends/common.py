@@ -361,6 +361,9 @@ class GraphEagle3(ManySequenceGraph):
         self._reserve(slots, max_len)
         self.lengths = [0] * len(self.caches)
 
+    def _chain_in_c(self, jobs, h, drafts) -> bool:
+        return False  # each chain step is a run of the graph
+
     def fc(self, feats: Tensor) -> _Features:
         return _Features(feats)
 

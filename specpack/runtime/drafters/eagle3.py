@@ -8,6 +8,7 @@ head's own output hidden state (before the final norm) in place of f.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -205,6 +206,8 @@ class Eagle3Drafter(nn.Module):
         if any(branching(j) for j in jobs):
             return self._grow(jobs, h, logits)
         drafts = [[t] for t in self._choose(logits, jobs, 0)]
+        if self._chain_in_c(jobs, h, drafts):
+            return [Draft(torch.tensor(d, dtype=torch.long)) for d in drafts]
         for step in range(1, max(j.k for j in jobs)):
             live = [i for i, j in enumerate(jobs) if j.k > step]
             rows = Rows.of([Segment(jobs[i].slot, self.lengths[jobs[i].slot] + step - 1, 1) for i in live], dev)
@@ -218,6 +221,19 @@ class Eagle3Drafter(nn.Module):
             for i, t in zip(live, self._choose(logits, [jobs[i] for i in live], step)):
                 drafts[i].append(t)
         return [Draft(torch.tensor(d, dtype=torch.long)) for d in drafts]
+
+    def _chain_in_c(self, jobs: list[DraftJob], h: Tensor, drafts: list[list[int]]) -> bool:
+        """Greedy chains' later steps as one C call (kernels.layers.FusedEagle3Layer.chain) where the head runs
+        fused with its lm_head and every job is greedy: the loop below, without its Python and torch ops between
+        the steps (each 10-50 us right after the target's weight stream). False: the loop drafts instead
+        (`SPECPACK_EAGLE3_CHAIN=0` keeps the loop, for comparison)."""
+        fused = self.layers[0].fused
+        if (fused is None or any(j.sampler is not None for j in jobs) or max(j.k for j in jobs) < 2
+                or os.environ.get("SPECPACK_EAGLE3_CHAIN", "1") == "0"):
+            return False
+        return fused.chain([j.slot for j in jobs], [self.lengths[j.slot] for j in jobs], [j.k for j in jobs], h,
+                           drafts, self.embed_tokens, self.draft_to_target, self.cos, self.sin, self.cache.k[0],
+                           self.cache.v[0], self.norm, self.lm_head)
 
     def _grow(self, jobs: list[DraftJob], h: Tensor, logits: Tensor) -> list[Draft]:
         """Dynamic trees (EAGLE-2): from each job's root (state h [J, H], logits [J, Vd]) expand,

@@ -105,6 +105,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sp_context_kv.restype = None
     lib.sp_eagle3_step.argtypes = [p, p, p, p, p, p, i64, p, p]
     lib.sp_eagle3_step.restype = None
+    lib.sp_eagle3_chain.argtypes = [p, p, p, p, p, p, i64, i64, p, p, p, i64, p, p, p]
+    lib.sp_eagle3_chain.restype = i64
     lib.sp_block_context.argtypes = [p, i64, p, p, p, p, p, p]
     lib.sp_block_context.restype = None
     lib.sp_block_draft.argtypes = [p, i64, p, p, p, p, p, p, p, i64, p, p, i64, p, p]

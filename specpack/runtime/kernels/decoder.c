@@ -7,9 +7,12 @@
  *   x ─ RMSNorm ─ q/k/v ─ RoPE + KV-cache write ─ attention ─ o_proj (+ x) ─ x2
  *   x2 ─ RMSNorm ─ gate/up ─ SiLU·up ─ down (+ x2) ─ x
  */
+#define _GNU_SOURCE
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/types.h>
+#include <unistd.h>
 
 #include "kernels.h"
 
@@ -156,6 +159,75 @@ void sp_eagle3_step(const sp_eagle3_t *e, const sp_forward_t *f, const float *em
     for (int64_t i = 0; i < nlogits; i++)
         sp_rmsnorm(out + logit_rows[i] * H, 1, H, H, e->final_norm, f->eps, normed + i * H, H);
     if (nlogits > 0) linear(&e->head, normed, nlogits, NULL, logits);
+}
+
+typedef struct { /* where token embeddings come from: an fp32 table, GGUF blocks, or an fp32 table in a file */
+    const float *table;    /* [rows, hidden], or NULL: */
+    const uint8_t *blocks; /* GGUF blocks (gguf_rows.c: kind, row_bytes), or NULL: */
+    int64_t kind, row_bytes;
+    int64_t fd, offset;    /* rows read with pread at offset + id * hidden * 4 (models.weights.FileEmbedding) */
+    int64_t rows;
+} sp_embed_t;
+
+/* Row `id` of the embedding into out [H]: 0, or -1 (an id outside the table, or a short read). */
+static int embed_row(const sp_embed_t *t, int64_t id, int64_t H, float *out)
+{
+    if (id < 0 || id >= t->rows)
+        return -1;
+    if (t->table) {
+        memcpy(out, t->table + id * H, (size_t)H * sizeof(float));
+        return 0;
+    }
+    if (t->blocks)
+        return sp_gguf_rows((int)t->kind, t->blocks, t->rows, t->row_bytes, &id, 1, H, out) ? -1 : 0;
+    const ssize_t want = (ssize_t)(H * (int64_t)sizeof(float));
+    return pread((int)t->fd, out, (size_t)want, (off_t)(t->offset + id * want)) == want ? 0 : -1;
+}
+
+/* The greedy chain an EAGLE-3 head drafts after its first step (drafters/eagle3.py's draft loop, one C call):
+ * J sequences in cache slots slot[j], the head's cache holding start[j] positions of each; h [J, H] each one's
+ * state after the first step (updated in place), drafts [J, kmax] with drafts[j][0] given (target ids); each
+ * sequence drafts up to k[j] tokens. Step s feeds the tokens of step s - 1 at position start + s - 1 (RoPE from
+ * the tables cos / sin [positions, hd]), takes each row's argmax over the draft vocabulary and maps it through
+ * d2t [vd] to a target id. f: the head's forward (threads, caches, strides; rows and row arrays are set here).
+ * The same kernels as sp_eagle3_step from Python, in the same order: the same drafts. Returns 0, or -1 when
+ * an embedding row could not be read (an id outside the table, a file that shrank). scratch: 7 J int64, then
+ * J (2 hd + 3 H + vd) floats and sp_eagle3_step's for J rows and J logits. */
+int64_t sp_eagle3_chain(const sp_eagle3_t *e, const sp_forward_t *f, const float *cos, const float *sin,
+                        const sp_embed_t *embed, const int64_t *d2t, int64_t vd, int64_t J, const int64_t *slot,
+                        const int64_t *start, const int64_t *k, int64_t kmax, float *h, int64_t *drafts,
+                        float *scratch)
+{
+    const int64_t H = f->hidden, hd = f->hd;
+    int64_t *iv = (int64_t *)scratch, *live = iv, *rs = iv + J, *rw = iv + 2 * J, *re = iv + 3 * J;
+    int64_t *picked = iv + 4 * J, *best = iv + 5 * J;
+    float *cs = (float *)(iv + 7 * J), *emb = cs + 2 * J * hd, *hs = emb + J * H, *out = hs + J * H;
+    float *logits = out + J * H, *step = logits + J * vd;
+    for (int64_t s = 1; s < kmax; s++) {
+        int64_t R = 0;
+        for (int64_t j = 0; j < J; j++)
+            if (k[j] > s) live[R++] = j;
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t j = live[r], w = start[j] + s - 1;
+            rs[r] = slot[j], rw[r] = w, re[r] = w + 1, picked[r] = r;
+            memcpy(cs + r * hd, cos + w * hd, (size_t)hd * sizeof(float));
+            memcpy(cs + (R + r) * hd, sin + w * hd, (size_t)hd * sizeof(float));
+            memcpy(hs + r * H, h + j * H, (size_t)H * sizeof(float));
+            if (embed_row(embed, drafts[j * kmax + s - 1], H, emb + r * H))
+                return -1;
+        }
+        sp_forward_t g = *f;
+        g.rows = R, g.cos = cs, g.sin = cs + R * hd, g.slot = rs, g.write = rw, g.ctx = rw, g.end = re;
+        g.mask = NULL, g.ldm = 0;
+        sp_eagle3_step(e, &g, emb, hs, out, picked, R, logits, step);
+        sp_argmax(logits, R, vd, vd, best);
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t j = live[r];
+            drafts[j * kmax + s] = d2t[best[r]];
+            memcpy(h + j * H, out + r * H, (size_t)H * sizeof(float));
+        }
+    }
+    return 0;
 }
 
 typedef struct { /* a block drafter (drafters/block.py) around its layers */

@@ -116,3 +116,6 @@ void sp_w8a8_norms(const float *x, int64_t K, double *hat, double *err);
  * index of the first id outside 0..rows-1. */
 int64_t sp_gguf_rows(int kind, const uint8_t *raw, int64_t rows, int64_t row_bytes, const int64_t *ids, int64_t n,
                      int64_t cols, float *out);
+
+/* Each row's index of its largest value (argmax.c): x [R, n] with row stride ld -> out [R]. */
+void sp_argmax(const float *x, int64_t R, int64_t n, int64_t ld, int64_t *out);

@@ -183,6 +183,29 @@ class _Eagle3(ctypes.Structure):  # decoder.c's sp_eagle3_t
                 ("head", _Lin), ("norm_before_residual", ctypes.c_int64)]
 
 
+class _Embed(ctypes.Structure):  # decoder.c's sp_embed_t
+    _fields_ = [("table", ctypes.c_void_p), ("blocks", ctypes.c_void_p), ("kind", ctypes.c_int64),
+                ("row_bytes", ctypes.c_int64), ("fd", ctypes.c_int64), ("offset", ctypes.c_int64),
+                ("rows", ctypes.c_int64)]
+
+
+def embed_source(embedding) -> _Embed | None:
+    """`embedding` as decoder.c reads token rows from it: an fp32 table (nn.Embedding), GGUF blocks
+    (kernels.gguf.BlockEmbedding) or a table left in its file (an embedding with a `pread_source`: (file
+    descriptor, offset of row 0), models.weights.FileEmbedding); None for anything else (the caller keeps the
+    module path)."""
+    if isinstance(embedding, BlockEmbedding) and embedding.raw.is_contiguous():
+        raw = embedding.raw
+        return _Embed(None, raw.data_ptr(), embedding._type, raw.shape[1], -1, 0, embedding.num_embeddings)
+    if getattr(embedding, "pread_source", None) is not None:
+        fd, offset = embedding.pread_source
+        return _Embed(None, None, 0, 0, fd, offset, embedding.num_embeddings)
+    w = getattr(embedding, "weight", None)
+    if isinstance(embedding, torch.nn.Embedding) and w.dtype == torch.float32 and w.is_cpu and w.is_contiguous():
+        return _Embed(w.data_ptr(), None, 0, 0, -1, 0, w.shape[0])
+    return None
+
+
 class FusedEagle3Layer:
     """An EAGLE-3 head's decoder layer (drafters/eagle3.Eagle3Layer), and with `step` the head's final
     norm and draft-vocab lm_head after it, as one C call (kernels/decoder.c's sp_eagle3_step) for the
@@ -248,6 +271,39 @@ class FusedEagle3Layer:
         self.lib.sp_eagle3_step(ctypes.byref(table), ctypes.byref(f), emb.data_ptr(), h.data_ptr(), out.data_ptr(),
                                 picked, len(logit_rows), _ptr(logits), scratch.data_ptr())
         return out, logits
+
+    def chain(self, slots: Sequence[int], starts: Sequence[int], ks: Sequence[int], h: Tensor, drafts: list[list[int]],
+              embedding, d2t: Tensor, cos: Tensor, sin: Tensor, k_cache: Tensor, v_cache: Tensor, norm,
+              lm_head) -> bool:
+        """The greedy chain after the first draft step, in one C call (decoder.c's sp_eagle3_chain): sequence j
+        in cache slot slots[j] (its cache holding starts[j] positions) drafts up to ks[j] tokens, drafts[j] its
+        first (target ids), h [J, H] its state after it; appends the rest to `drafts`. d2t: the target id of each
+        draft id (int64); cos, sin the head's RoPE tables. False (nothing drafted) where `embedding` is not a
+        table decoder.c reads (see embed_source) or a row could not be read; the caller drafts as before."""
+        source = embed_source(embedding)
+        J, kmax = len(slots), max(ks)
+        if source is None or not self.head_fuses(norm, lm_head) or kmax < 2:
+            return False
+        H, hd, vd = self.hidden, self.hd, lm_head.out_features
+        h = h.float().contiguous().clone()
+        out = torch.zeros(J, kmax, dtype=torch.int64)
+        out[:, 0] = torch.tensor([d[0] for d in drafts])
+        i64 = lambda xs: torch.tensor(list(xs), dtype=torch.int64)  # noqa: E731
+        slot_t, start_t, k_t = i64(slots), i64(starts), i64(ks)
+        cos, sin, d2t = cos.float().contiguous(), sin.float().contiguous(), d2t.to(torch.int64).contiguous()
+        f = _Forward(H, self.heads, self.kv_heads, hd, self.inter, self.eps, hd ** -0.5, self.threads,
+                     k_cache.data_ptr(), v_cache.data_ptr(), 0, *k_cache.stride()[:3], 0, None, None, None, None,
+                     None, None, None, 0, 0)
+        scratch = torch.empty(14 * J + J * (2 * hd + 3 * H + vd) + J * self.width + J * H)
+        failed = self.lib.sp_eagle3_chain(ctypes.byref(self._table(norm, lm_head)), ctypes.byref(f), cos.data_ptr(),
+                                          sin.data_ptr(), ctypes.byref(source), d2t.data_ptr(), vd, J,
+                                          slot_t.data_ptr(), start_t.data_ptr(), k_t.data_ptr(), kmax, h.data_ptr(),
+                                          out.data_ptr(), scratch.data_ptr())
+        if failed:
+            return False
+        for j, d in enumerate(drafts):
+            d[1:] = out[j, 1:ks[j]].tolist()
+        return True
 
     def head_fuses(self, norm, lm_head) -> bool:
         """Whether `step` can run this final norm (an RMSNorm module) and lm_head (a module) too:

@@ -182,6 +182,11 @@ class FileEmbedding(torch.nn.Module):
     def weight(self) -> Tensor:
         return self.table
 
+    @property
+    def pread_source(self) -> tuple[int, int]:
+        """(file descriptor, byte offset of row 0): where the kernels read rows with pread too (kernels/layers.py)."""
+        return self.file.fileno(), self.offset
+
     def forward(self, ids: Tensor) -> Tensor:
         rows, size = ids.reshape(-1).tolist(), self.row_bytes
         out = torch.empty(len(rows), self.embedding_dim)
