@@ -288,8 +288,7 @@ class FusedEagle3Layer:
         h = h.float().contiguous().clone()
         out = torch.zeros(J, kmax, dtype=torch.int64)
         out[:, 0] = torch.tensor([d[0] for d in drafts])
-        i64 = lambda xs: torch.tensor(list(xs), dtype=torch.int64)  # noqa: E731
-        slot_t, start_t, k_t = i64(slots), i64(starts), i64(ks)
+        slot_t, start_t, k_t = (torch.tensor(list(xs), dtype=torch.int64) for xs in (slots, starts, ks))
         cos, sin, d2t = cos.float().contiguous(), sin.float().contiguous(), d2t.to(torch.int64).contiguous()
         f = _Forward(H, self.heads, self.kv_heads, hd, self.inter, self.eps, hd ** -0.5, self.threads,
                      k_cache.data_ptr(), v_cache.data_ptr(), 0, *k_cache.stride()[:3], 0, None, None, None, None,
