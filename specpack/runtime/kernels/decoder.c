@@ -235,9 +235,7 @@ typedef struct { /* a block drafter (drafters/block.py) around its layers */
     const float *hidden_norm; /* after fc: the context rows */
     const float *final_norm;  /* before `head` */
     sp_lin_t head;            /* lm_head over the draft vocabulary */
-    const float *embed;       /* the token embedding table [vocab, hidden], or NULL: */
-    const uint8_t *embed_blocks; /* the table as GGUF blocks (gguf_rows.c): type, rows, bytes a row */
-    int64_t embed_kind, embed_rows, embed_row_bytes;
+    sp_embed_t embed;         /* the token embeddings */
     const float *mask_embed;  /* the mask token's own embedding, or NULL (the table's row) */
     int64_t mask_token;
     const uint8_t *causal;    /* per layer: 1 when the block's rows see each other causally */
@@ -274,7 +272,7 @@ void sp_block_context(const sp_layer_t *layers, int64_t n, const sp_block_t *b, 
 }
 
 /* A block drafter's query blocks: rows of tokens[r] embedded (the mask token as mask_embed when
- * given; a table of GGUF blocks dequantized a row at a time), at positions pos[r], through the n layers (a causal layer's rows see up to causal_end[r],
+ * given; rows of GGUF blocks dequantized, of a file read, as they are needed), at positions pos[r], through the n layers (a causal layer's rows see up to causal_end[r],
  * a non-causal one's up to f->end[r]: the whole block), then hidden [nh, hidden] =
  * final_norm(x[hidden_rows]) and logits [nl, head.n] = head(hidden[logit_rows]). x [rows, hidden]
  * is the layers' output. scratch: rows (2 hd + the layers' width) + nl hidden floats. */
@@ -291,11 +289,8 @@ void sp_block_draft(const sp_layer_t *layers, int64_t n, const sp_block_t *b, co
     for (int64_t r = 0; r < R; r++) {
         if (b->mask_embed && tokens[r] == b->mask_token)
             memcpy(x + r * H, b->mask_embed, (size_t)H * sizeof(float));
-        else if (b->embed)
-            memcpy(x + r * H, b->embed + tokens[r] * H, (size_t)H * sizeof(float));
-        else /* the caller checked the ids */
-            sp_gguf_rows((int)b->embed_kind, b->embed_blocks, b->embed_rows, b->embed_row_bytes, tokens + r, 1, H,
-                         x + r * H);
+        else /* the caller checked the ids against the table */
+            embed_row(&b->embed, tokens[r], H, x + r * H);
     }
     for (int64_t i = 0; i < n; i++)
         sp_decoder_layers(layers, i, 1, b->causal[i] ? &causal : &full, x, work, NULL, 0, NULL);

@@ -323,9 +323,7 @@ class FusedEagle3Layer:
 
 class _Block(ctypes.Structure):  # decoder.c's sp_block_t
     _fields_ = [("fc", _Lin), ("hidden_norm", ctypes.c_void_p), ("final_norm", ctypes.c_void_p), ("head", _Lin),
-                ("embed", ctypes.c_void_p), ("embed_blocks", ctypes.c_void_p), ("embed_kind", ctypes.c_int64),
-                ("embed_rows", ctypes.c_int64), ("embed_row_bytes", ctypes.c_int64),
-                ("mask_embed", ctypes.c_void_p), ("mask_token", ctypes.c_int64),
+                ("embed", _Embed), ("mask_embed", ctypes.c_void_p), ("mask_token", ctypes.c_int64),
                 ("causal", ctypes.c_void_p), ("cos", ctypes.c_void_p), ("sin", ctypes.c_void_p)]
 
 
@@ -347,31 +345,24 @@ class FusedBlock:
         mask = drafter.mask_embedding
         self._mask = None if mask is None else mask.detach().float().contiguous()
         self._causal = (ctypes.c_uint8 * len(s.layer_causal))(*map(int, s.layer_causal))
-        e = drafter.embed_tokens
-        blocks = isinstance(e, BlockEmbedding)  # rows dequantized as they are read, no fp32 table
-        self.embed = e.raw if blocks else e.weight
+        self.embed = drafter.embed_tokens  # kept alive: the table points into it
         self.head_rows = drafter.lm_head.out_features
         self.table = _Block(_lin(drafter.fc.packed), _ptr(self._keep[0]), _ptr(self._keep[1]),
-                            _lin(drafter.lm_head.packed), None if blocks else _ptr(self.embed),
-                            _ptr(self.embed) if blocks else None, e._type if blocks else 0,
-                            e.num_embeddings if blocks else 0, self.embed.shape[1] if blocks else 0,
-                            _ptr(self._mask), s.mask_token_id, ctypes.cast(self._causal, ctypes.c_void_p), None, None)
+                            _lin(drafter.lm_head.packed), embed_source(self.embed), _ptr(self._mask),
+                            s.mask_token_id, ctypes.cast(self._causal, ctypes.c_void_p), None, None)
         self.tables = None  # the cos/sin tables the table points at (set_tables)
         self.scratch = torch.empty(0)
 
     @classmethod
     def of(cls, drafter) -> FusedBlock | None:
         """None unless the drafter's layers run fused, its fc and lm_head on the packed kernel and
-        its embedding table fp32 or GGUF blocks on the CPU."""
+        its embedding one decoder.c reads (embed_source: an fp32 table, GGUF blocks, a table in its file)."""
         layers = getattr(drafter, "fused", None)
         if not isinstance(layers, FusedLayers):
             return None
         linears = (drafter.fc, drafter.lm_head)
-        e = drafter.embed_tokens
-        table = e.raw if isinstance(e, BlockEmbedding) else e.weight
         if not (all(getattr(m, "packed", None) is not None and m.packed.backend == "avx2" for m in linears)
-                and (isinstance(e, BlockEmbedding) or table.dtype == torch.float32) and table.device.type == "cpu"
-                and table.is_contiguous()):
+                and embed_source(drafter.embed_tokens) is not None):
             return None
         return cls(drafter, layers)
 
@@ -428,9 +419,9 @@ class FusedBlock:
             raise IndexError(f"slots {min(slot)}..{max(slot)} outside the drafter's cache of {k.shape[1]}")
         if write and not (0 <= min(write) and max(write) < positions):
             raise IndexError(f"positions {min(write)}..{max(write)} outside the drafter's {positions} (reserve more)")
-        if tokens and not (0 <= min(tokens) and max(tokens) < len(self.embed)):
+        if tokens and not (0 <= min(tokens) and max(tokens) < self.table.embed.rows):
             raise IndexError(f"token ids {min(tokens)}..{max(tokens)} outside the drafter's embedding of "
-                             f"{len(self.embed)} rows")
+                             f"{self.table.embed.rows} rows")
 
     def _forward(self, cache, slot, write, ctx, end) -> tuple:
         """(sp_forward_t over the rows, without a mask; the slot, write, ctx, end arrays it points at:
