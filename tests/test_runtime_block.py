@@ -309,6 +309,46 @@ def test_a_fused_block_reads_an_embedding_of_gguf_blocks_a_row_at_a_time(llama, 
 
 
 @pytest.mark.skipif(not kernels.available(), reason="no CPU kernel")
+def test_a_fused_block_reads_a_table_left_in_its_file_and_says_when_the_file_shrank(llama, tmp_path):
+    """An fp32 table left in its file (FileEmbedding, as a target packed at load keeps it): the fused draft reads
+    its rows with pread and drafts what the module path does; a file cut short after loading is an OSError,
+    never a stale row."""
+    from specpack.runtime.kernels.accelerate import use_cpu_kernels
+    from specpack.runtime.kernels.layers import FusedBlock
+    from specpack.runtime.models.weights import FileEmbedding
+
+    _, hf = llama
+    target = load_target(target_dir("llama"))
+    use_cpu_kernels(target)
+    table = target.embed_tokens.weight.detach().float().contiguous()
+    path = tmp_path / "table.bin"
+    path.write_bytes(b"\0" * 64 + table.numpy().tobytes())
+    target.embed_tokens = FileEmbedding(path, 64, table)
+    drafter = load_block(None, head(tmp_path / "h", "dspark"), target)
+    use_cpu_kernels(drafter)
+    assert isinstance(drafter.fused_block, FusedBlock)
+    seq = sequence(hf, 5)
+    jobs = [DraftJob(0, seq[:9], features(hf, seq)[:8], 4, None)]
+    with torch.inference_mode():
+        drafter.reserve(1, 64)
+        drafter._absorb(jobs)
+        fused = drafter._block(jobs)
+        fb, layers = drafter.fused_block, drafter.fused
+        drafter.fused_block, drafter.fused = None, None
+        drafter.reserve(1, 64)
+        drafter._absorb(jobs)
+        want = drafter._block(jobs)
+        torch.testing.assert_close(fused.logits, want.logits, atol=1e-4, rtol=0)
+        drafter.fused_block, drafter.fused = fb, layers
+        with open(path, "r+b") as f:
+            f.truncate(64)
+        drafter.reserve(1, 64)
+        drafter._absorb(jobs)
+        with pytest.raises(OSError, match="could not be read"):
+            drafter._block(jobs)
+
+
+@pytest.mark.skipif(not kernels.available(), reason="no CPU kernel")
 def test_fused_block_refuses_rows_past_its_cache_tables_and_embedding(llama, tmp_path):
     """The C calls index the cache, the RoPE tables and the embedding unchecked: a position past the
     reserve, a slot past the cache or a token id past the embedding is an IndexError, as on the module

@@ -110,7 +110,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.sp_block_context.argtypes = [p, i64, p, p, p, p, p, p]
     lib.sp_block_context.restype = None
     lib.sp_block_draft.argtypes = [p, i64, p, p, p, p, p, p, p, i64, p, p, i64, p, p]
-    lib.sp_block_draft.restype = None
+    lib.sp_block_draft.restype = i64
     lib.sp_argmax.argtypes = [p, i64, i64, i64, p]
     lib.sp_argmax.restype = None
     lib.sp_gguf_rows.argtypes = [c_int, p, i64, i64, p, i64, i64, p]

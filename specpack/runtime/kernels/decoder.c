@@ -272,11 +272,13 @@ void sp_block_context(const sp_layer_t *layers, int64_t n, const sp_block_t *b, 
 }
 
 /* A block drafter's query blocks: rows of tokens[r] embedded (the mask token as mask_embed when
- * given; rows of GGUF blocks dequantized, of a file read, as they are needed), at positions pos[r], through the n layers (a causal layer's rows see up to causal_end[r],
- * a non-causal one's up to f->end[r]: the whole block), then hidden [nh, hidden] =
- * final_norm(x[hidden_rows]) and logits [nl, head.n] = head(hidden[logit_rows]). x [rows, hidden]
- * is the layers' output. scratch: rows (2 hd + the layers' width) + nl hidden floats. */
-void sp_block_draft(const sp_layer_t *layers, int64_t n, const sp_block_t *b, const sp_forward_t *f,
+ * given; GGUF-block rows dequantized, a file's rows read, as needed), at positions pos[r], through the n
+ * layers (a causal layer's rows see up to causal_end[r], a non-causal one's up to f->end[r]: the whole
+ * block), then hidden [nh, hidden] = final_norm(x[hidden_rows]) and logits [nl, head.n] =
+ * head(hidden[logit_rows]). x [rows, hidden]
+ * is the layers' output. scratch: rows (2 hd + the layers' width) + nl hidden floats. Returns 0, or -1 when an
+ * embedding row could not be read (a table file that shrank after loading: nothing else is computed). */
+int64_t sp_block_draft(const sp_layer_t *layers, int64_t n, const sp_block_t *b, const sp_forward_t *f,
                     const int64_t *causal_end, const int64_t *pos, const int64_t *tokens, float *x,
                     const int64_t *hidden_rows, int64_t nh, float *hidden, const int64_t *logit_rows, int64_t nl,
                     float *logits, float *scratch)
@@ -289,8 +291,8 @@ void sp_block_draft(const sp_layer_t *layers, int64_t n, const sp_block_t *b, co
     for (int64_t r = 0; r < R; r++) {
         if (b->mask_embed && tokens[r] == b->mask_token)
             memcpy(x + r * H, b->mask_embed, (size_t)H * sizeof(float));
-        else /* the caller checked the ids against the table */
-            embed_row(&b->embed, tokens[r], H, x + r * H);
+        else if (embed_row(&b->embed, tokens[r], H, x + r * H)) /* the caller checked the ids */
+            return -1;
     }
     for (int64_t i = 0; i < n; i++)
         sp_decoder_layers(layers, i, 1, b->causal[i] ? &causal : &full, x, work, NULL, 0, NULL);
@@ -298,4 +300,5 @@ void sp_block_draft(const sp_layer_t *layers, int64_t n, const sp_block_t *b, co
         sp_rmsnorm(x + hidden_rows[i] * H, 1, H, H, b->final_norm, f->eps, hidden + i * H, H);
     for (int64_t i = 0; i < nl; i++) memcpy(picked + i * H, hidden + logit_rows[i] * H, (size_t)H * sizeof(float));
     if (nl > 0) linear(&b->head, picked, nl, NULL, logits);
+    return 0;
 }

@@ -404,10 +404,13 @@ class FusedBlock:
         x, hidden = torch.empty(R, L.hidden), torch.empty(J, slots, L.hidden)
         logits = torch.empty(J, logit_rows, self.head_rows)
         scratch = self._scratch(R * (2 * L.hd + L.width) + len(picked) * L.hidden)
-        self.lib.sp_block_draft(L.table, len(self.spec.layer_causal), ctypes.byref(self.table), ctypes.byref(f),
-                                _i64([w + 1 for w in write]), arrays[1], _i64(tokens), x.data_ptr(), _i64(hidden_rows),
-                                len(hidden_rows), hidden.data_ptr(), _i64(picked), len(picked), logits.data_ptr(),
-                                scratch)
+        failed = self.lib.sp_block_draft(L.table, len(self.spec.layer_causal), ctypes.byref(self.table),
+                                         ctypes.byref(f), _i64([w + 1 for w in write]), arrays[1], _i64(tokens),
+                                         x.data_ptr(), _i64(hidden_rows), len(hidden_rows), hidden.data_ptr(),
+                                         _i64(picked), len(picked), logits.data_ptr(), scratch)
+        if failed:
+            raise OSError("an embedding row of the block drafter could not be read: its table's file changed after "
+                          "loading (load the artifact again)")
         return hidden, logits
 
     def _check(self, cache, slot, write, tokens=()) -> None:
